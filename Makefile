@@ -1,0 +1,41 @@
+# realign — set-up and everyday targets. `make install demo` on a fresh machine.
+PY        ?= python3
+VENV      ?= .venv
+BIN       := $(VENV)/bin
+# Every pip call goes through the constraints file, also inside build isolation:
+# an unpinned torch would otherwise pull gigabytes of CUDA packages.
+export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+EXP       ?= experiments/ppo-llama2-70b-128gpu.yaml
+PYTEST_ARGS ?=
+
+.PHONY: install test test-all demo plan bench-plan core clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
+
+install: $(BIN)/python
+	$(BIN)/pip install --quiet torch==2.13.0+cpu
+	$(BIN)/pip install --quiet pybind11 numpy networkx pydantic PyYAML \
+	    megatron-core einops psutil safetensors transformers tokenizers pytest pytest-xdist
+	$(BIN)/pip install --quiet --no-build-isolation --no-deps -e .
+	$(BIN)/python -c "import planner._core, realign; print('realign installed')"
+
+# Rebuild the C++ core in place after editing csrc/.
+core:
+	$(BIN)/python setup.py build_ext --inplace -q
+
+test:
+	$(BIN)/python -m pytest -m "not gpu and not slurm and not ray" $(PYTEST_ARGS)
+
+demo:
+	$(BIN)/realign plan $(EXP) --out out/plan.json --timeline out/plan.svg
+
+plan:
+	$(BIN)/realign plan $(EXP) --out out/plan.json --timeline out/plan.svg
+
+bench-plan:
+	$(BIN)/realign bench plan-sweep --json --out benchmarks/results/plan_sweep.json
+
+clean:
+	rm -rf build *.egg-info planner/_core*.so out

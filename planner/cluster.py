@@ -1,0 +1,65 @@
+"""ClusterSpec: nodes x GPUs per node, and one device type's rates and sizes.
+
+Every hardware number lives here, with its unit in its name; no logic elsewhere
+hard-codes a memory size or a node width. Presets are in
+``planner/presets/devices.json``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner.errors import PlanError
+
+
+class DeviceSpec(BaseModel):
+    """Rates and sizes of one accelerator and its links (dense bf16 unless noted)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Device preset name or a user label.")
+    peak_flops: float = Field(gt=0, description="Peak dense bf16 FLOP/s of one device.")
+    mem_bytes: float = Field(gt=0, description="Device memory in bytes.")
+    mem_bw_bytes_per_s: float = Field(gt=0, description="Device memory bandwidth, bytes/s.")
+    intra_node_bytes_per_s: float = Field(
+        gt=0, description="Per-device one-direction bandwidth inside a node (NVLink), bytes/s.")
+    inter_node_bytes_per_s: float = Field(
+        gt=0, description="Per-device one-direction bandwidth across nodes (NIC), bytes/s.")
+    intra_node_latency_s: float = Field(5e-6, ge=0, description="Latency of one intra-node message.")
+    inter_node_latency_s: float = Field(1e-5, ge=0, description="Latency of one inter-node message.")
+
+
+class ClusterSpec(BaseModel):
+    """A homogeneous cluster: ``n_nodes`` nodes of ``gpus_per_node`` devices."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n_nodes: int = Field(gt=0, description="Number of nodes.")
+    gpus_per_node: int = Field(gt=0, description="Devices per node.")
+    device: DeviceSpec = Field(description="The device type of every node.")
+
+    @property
+    def n_gpus(self) -> int:
+        return self.n_nodes * self.gpus_per_node
+
+    def node_of(self, gpu: int) -> int:
+        """Node index of a global GPU index (GPUs are numbered node by node)."""
+        return gpu // self.gpus_per_node
+
+    def describe(self) -> str:
+        return f"{self.n_nodes}x{self.gpus_per_node} {self.device.name}"
+
+
+def device_presets() -> dict[str, DeviceSpec]:
+    raw = json.loads(Path(__file__).with_name("presets").joinpath("devices.json").read_text())
+    return {name: DeviceSpec(name=name, **fields) for name, fields in raw.items()}
+
+
+def resolve_device(name: str) -> DeviceSpec:
+    presets = device_presets()
+    if name not in presets:
+        raise PlanError(f"unknown device {name!r}; allowed: {', '.join(sorted(presets))} "
+                        "(or give explicit numbers)", field="cluster.device")
+    return presets[name]

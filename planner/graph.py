@@ -1,0 +1,116 @@
+"""Model function calls (MFCs) and the dataflow graph of one RLHF iteration.
+
+An MFC is one call of one model: ``actor.generate``, ``ref.inference``,
+``actor.train``... It names the keys it reads and writes; edges are derived from
+keys (a key that no MFC produces comes from the dataset). One builder per
+algorithm lives in :mod:`planner.algorithms`.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import networkx as nx
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from planner.errors import PlanError
+
+Kind = Literal["generate", "inference", "train"]
+
+
+class MFC(BaseModel):
+    """One model function call and the shape of the data it processes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Unique name, e.g. 'actor.generate'.")
+    role: str = Field(description="The model it calls: actor, critic, ref or reward.")
+    kind: Kind = Field(description="generate | inference | train.")
+    n_seqs: int = Field(gt=0, description="Sequences per iteration.")
+    prompt_len: int = Field(gt=0, description="Prompt tokens per sequence.")
+    gen_len: int = Field(ge=0, description="Generated (response) tokens per sequence.")
+    input_keys: tuple[str, ...] = Field(description="Data keys read.")
+    output_keys: tuple[str, ...] = Field(description="Data keys written.")
+    n_minibatches: int = Field(1, gt=0, description="Optimizer steps per epoch (train only).")
+    n_epochs: int = Field(1, gt=0, description="Passes over the batch (train only).")
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.gen_len
+
+    @model_validator(mode="after")
+    def _check(self) -> "MFC":
+        if self.kind == "train" and self.n_seqs % self.n_minibatches:
+            raise PlanError(f"{self.n_seqs} sequences do not split into "
+                            f"{self.n_minibatches} mini-batches", field=f"mfc {self.name}")
+        return self
+
+
+class DataflowGraph(BaseModel):
+    """The MFCs of one iteration, in a topological order; edges come from keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    algorithm: str
+    mfcs: tuple[MFC, ...]
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataflowGraph":
+        names = [m.name for m in self.mfcs]
+        if len(set(names)) != len(names):
+            raise PlanError(f"duplicate MFC names in {names}", field="graph")
+        producers: dict[str, str] = {}
+        for m in self.mfcs:
+            for k in m.output_keys:
+                if k in producers:
+                    raise PlanError(f"key {k!r} is produced by both {producers[k]} and "
+                                    f"{m.name}", field="graph")
+                producers[k] = m.name
+        g = self.to_networkx()
+        if not nx.is_directed_acyclic_graph(g):
+            raise PlanError("the dataflow graph has a cycle", field="graph")
+        order = {n: i for i, n in enumerate(names)}
+        for a, b in g.edges:
+            if order[a] > order[b]:
+                raise PlanError(f"MFCs must be listed in dataflow order: {a} feeds {b}",
+                                field="graph")
+        return self
+
+    def producer_of(self) -> dict[str, str]:
+        return {k: m.name for m in self.mfcs for k in m.output_keys}
+
+    def dataset_keys(self) -> list[str]:
+        """Keys read but produced by no MFC: they come from the dataset."""
+        prod = self.producer_of()
+        return sorted({k for m in self.mfcs for k in m.input_keys if k not in prod})
+
+    def to_networkx(self) -> nx.DiGraph:
+        """Nodes are MFC names; an edge a->b carries the keys b reads from a."""
+        g = nx.DiGraph()
+        prod = self.producer_of()
+        for m in self.mfcs:
+            g.add_node(m.name)
+        for m in self.mfcs:
+            for k in m.input_keys:
+                if k in prod:
+                    src = prod[k]
+                    if g.has_edge(src, m.name):
+                        g.edges[src, m.name]["keys"].append(k)
+                    else:
+                        g.add_edge(src, m.name, keys=[k])
+        return g
+
+    def deps(self) -> list[list[int]]:
+        """For each MFC (by index), the indices of the MFCs it reads from."""
+        idx = {m.name: i for i, m in enumerate(self.mfcs)}
+        g = self.to_networkx()
+        return [sorted(idx[p] for p in g.predecessors(m.name)) for m in self.mfcs]
+
+    def roles(self) -> list[str]:
+        seen: list[str] = []
+        for m in self.mfcs:
+            if m.role not in seen:
+                seen.append(m.role)
+        return seen
+
+    def trainable_roles(self) -> set[str]:
+        return {m.role for m in self.mfcs if m.kind == "train"}
