@@ -1,0 +1,31 @@
+"""Settings of the analytic cost model (every default documented, units in names)."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CostModelConfig(BaseModel):
+    """Efficiencies and training precision the analytic cost model assumes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    matmul_efficiency: float = Field(
+        0.5, gt=0, le=1, description="Fraction of peak FLOP/s that large GEMMs reach.")
+    mem_bw_efficiency: float = Field(
+        0.8, gt=0, le=1, description="Fraction of peak memory bandwidth that streaming reads reach.")
+    link_efficiency: float = Field(
+        0.8, gt=0, le=1, description="Fraction of link bandwidth that collectives and copies reach.")
+    param_dtype_bytes: int = Field(2, gt=0, description="Bytes per weight in compute (bf16: 2).")
+    grad_dtype_bytes: int = Field(4, gt=0, description="Bytes per main gradient (megatron keeps fp32: 4).")
+    optimizer_state_bytes_per_param: int = Field(
+        12, gt=0, description="fp32 master weight + Adam m + v: 12 bytes per parameter.")
+    optimizer_step_bytes_per_param: int = Field(
+        30, gt=0, description="Memory traffic of one Adam step per parameter (reads and writes).")
+    distributed_optimizer: bool = Field(
+        True, description="Shard optimizer state over the data-parallel ranks (ZeRO-1).")
+    activation_recompute: bool = Field(
+        False, description="Full activation recomputation in training (one extra forward).")
+    mem_usable_fraction: float = Field(
+        0.9, gt=0, le=1, description="Part of device memory a plan may use (rest: context, fragmentation).")
+    max_micro_batches: int = Field(
+        64, gt=0, description="Largest micro-batch count the search considers.")

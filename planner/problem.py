@@ -1,0 +1,176 @@
+"""The search problem in numbers: every candidate allocation of every MFC, with its
+time and memory from the cost model, and what the simulator needs to price
+reallocations. Built once per search in Python; the C++ core and its Python twin
+read the same numbers, so both evaluate plans identically.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from planner.cluster import ClusterSpec
+from planner.cost_model import CostModel
+from planner.errors import PlanError
+from planner.graph import DataflowGraph
+from planner.layout import Layout, enumerate_layouts
+from planner.mesh import DeviceMesh, enumerate_meshes
+from planner.model_spec import ModelSpec
+from planner.realloc_cost import Links, ReallocModel
+
+
+@dataclass(frozen=True)
+class RoleModel:
+    """A model role of the experiment: its architecture and its head."""
+
+    role: str
+    spec: ModelSpec
+    head: str          #: "lm" (actor, ref) or "value" (critic, reward)
+
+
+def head_of(role: str) -> str:
+    return "value" if role in ("critic", "reward") else "lm"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One allocation of one MFC, priced."""
+
+    first_gpu: int
+    n_gpus: int
+    tp: int
+    pp: int
+    dp: int
+    micro_batches: int
+    time_s: float
+    resident_bytes: float     #: train: weights+grads+optimizer; others: weights
+    activation_bytes: float
+    weights_bytes: float
+
+    @property
+    def place(self) -> tuple[int, int, int, int, int]:
+        return (self.first_gpu, self.n_gpus, self.tp, self.pp, self.dp)
+
+    def mesh(self) -> DeviceMesh:
+        return DeviceMesh(first_gpu=self.first_gpu, n_gpus=self.n_gpus)
+
+    def layout(self) -> Layout:
+        return Layout(tp=self.tp, pp=self.pp, dp=self.dp)
+
+
+@dataclass
+class Problem:
+    cluster: ClusterSpec
+    graph: DataflowGraph
+    models: list[RoleModel]
+    mem_limit_bytes: float
+    links: Links
+    mfc_model: list[int]
+    mfc_is_train: list[bool]
+    deps: list[list[int]]
+    model_train_mfc: list[int]               #: -1 for a model that is not trained
+    realloc_models: list[ReallocModel]
+    cands: list[list[Candidate]]
+    n_iters: int = 3
+    same_mesh: list[list[list[int]]] = field(default_factory=list)
+
+    @property
+    def n_gpus(self) -> int:
+        return self.cluster.n_gpus
+
+    def space_size(self) -> int:
+        n = 1
+        for c in self.cands:
+            n *= len(c)
+        return n
+
+    def index_of(self, mfc: int, cand: Candidate) -> int:
+        return self.cands[mfc].index(cand)
+
+
+def _micro_batch_options(per_replica: int, cap: int) -> list[int]:
+    return [m for m in range(1, min(per_replica, cap) + 1) if per_replica % m == 0
+            and (m & (m - 1) == 0 or m == per_replica)]
+
+
+def _pareto(cands: list[Candidate]) -> list[Candidate]:
+    """Drop candidates of one placement beaten in time and memory by another."""
+    keep = []
+    for a in cands:
+        dominated = any(
+            b is not a and b.time_s <= a.time_s and b.activation_bytes <= a.activation_bytes
+            and b.resident_bytes <= a.resident_bytes
+            and (b.time_s, b.activation_bytes, b.micro_batches)
+            < (a.time_s, a.activation_bytes, a.micro_batches)
+            for b in cands)
+        if not dominated:
+            keep.append(a)
+    return keep
+
+
+def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: CostModel,
+                  n_iters: int = 3, meshes: list[DeviceMesh] | None = None) -> Problem:
+    """Enumerate and price every allocation of every MFC of ``graph``.
+
+    Candidates whose own memory already exceeds the limit are dropped (they can be
+    in no feasible plan), and for one placement only micro-batch counts on the
+    time/memory Pareto front are kept (a dominated one is never better).
+    """
+    cluster = cost.cluster
+    roles = [r for r in graph.roles()]
+    model_list = [models[r] for r in roles]
+    ridx = {r: i for i, r in enumerate(roles)}
+    limit = cost.mem_limit_bytes
+    meshes = meshes if meshes is not None else enumerate_meshes(cluster)
+    train_mfc = [-1] * len(roles)
+    for i, m in enumerate(graph.mfcs):
+        if m.kind == "train":
+            train_mfc[ridx[m.role]] = i
+    # A mesh's cost depends on its size only (meshes are aligned, so node spans do
+    # not depend on the position): price each (size, layout, micro-batches) once.
+    by_size: dict[int, list[DeviceMesh]] = {}
+    for mesh in meshes:
+        by_size.setdefault(mesh.n_gpus, []).append(mesh)
+    cands: list[list[Candidate]] = []
+    for mfc in graph.mfcs:
+        rm = models[mfc.role]
+        trained = train_mfc[ridx[mfc.role]] >= 0
+        per_step = mfc.n_seqs // (mfc.n_minibatches if mfc.kind == "train" else 1)
+        per_mfc: list[Candidate] = []
+        for size, group_meshes in by_size.items():
+            proto = group_meshes[0]
+            priced: list[Candidate] = []
+            for lay in enumerate_layouts(proto, rm.spec, mfc, cluster):
+                group = []
+                for mb in _micro_batch_options(per_step // lay.dp, cost.config.max_micro_batches):
+                    c = cost.mfc_cost(mfc, rm.spec, rm.head, proto, lay, mb)
+                    own = c.activation_bytes + (
+                        c.resident_bytes if (mfc.kind == "train" or not trained) else 0.0)
+                    if own > limit:
+                        continue
+                    group.append(Candidate(0, size, lay.tp, lay.pp, lay.dp, mb, c.time_s,
+                                           c.resident_bytes, c.activation_bytes,
+                                           c.weights_bytes))
+                priced += _pareto(group)
+            for mesh in group_meshes:
+                per_mfc += [replace(c, first_gpu=mesh.first_gpu) for c in priced]
+        if not per_mfc:
+            raise PlanError(f"{mfc.name} ({rm.spec.name}) fits on no mesh of the cluster "
+                            f"{cluster.describe()} within {limit / 2**30:.1f} GiB per GPU",
+                            field="cluster")
+        cands.append(per_mfc)
+    dev = cluster.device
+    links = Links(cluster.gpus_per_node, cost.intra_bytes_per_s, cost.inter_bytes_per_s,
+                  dev.intra_node_latency_s, dev.inter_node_latency_s)
+    prob = Problem(
+        cluster=cluster, graph=graph, models=model_list, mem_limit_bytes=limit, links=links,
+        mfc_model=[ridx[m.role] for m in graph.mfcs],
+        mfc_is_train=[m.kind == "train" for m in graph.mfcs],
+        deps=graph.deps(), model_train_mfc=train_mfc,
+        realloc_models=[ReallocModel.of(rm.spec, rm.head, cost.config.param_dtype_bytes)
+                        for rm in model_list],
+        cands=cands, n_iters=n_iters)
+    for cs in cands:
+        groups: dict[tuple[int, int], list[int]] = {}
+        for j, c in enumerate(cs):
+            groups.setdefault((c.first_gpu, c.n_gpus), []).append(j)
+        prob.same_mesh.append([groups[(c.first_gpu, c.n_gpus)] for c in cs])
+    return prob

@@ -1,0 +1,189 @@
+"""The simulator: run a few iterations of the dataflow graph under one assignment
+(a candidate index per MFC) and return the iteration time and per-GPU peak memory.
+
+Rules (list scheduling in graph order, iteration by iteration):
+* an MFC starts when the MFCs it reads from (same iteration) have finished, when
+  its model's previous training call has finished (new parameters), and when every
+  GPU of its mesh is free: MFCs on disjoint meshes overlap, MFCs that share a GPU
+  serialise;
+* a call of a trained model whose placement differs from its training placement is
+  preceded by a parameter reallocation, which occupies the GPUs of both placements;
+* iteration time = makespan of ``n_iters`` iterations / ``n_iters``.
+
+Memory per GPU = resident state (trained models' weights, grads and optimizer state
+on their training mesh; frozen models' weights on each placement they use) + the
+largest transient need of any call on that GPU (activations, KV cache, and the
+temporary weight copy of a reallocated call). Calls sharing a GPU never run at the
+same time, so their transients never add up.
+
+This module is the Python twin of the C++ core (``csrc/search_core.cpp``): both
+must return identical numbers; a test compares them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.problem import Problem
+from planner.realloc_cost import realloc_time
+
+#: Energy penalty per unit of relative memory overflow (infeasible states stay
+#: reachable for the annealer, but cost more the more they overflow).
+OVERFLOW_PENALTY = 10.0
+
+
+@dataclass(frozen=True)
+class Event:
+    """One bar of the timeline."""
+
+    name: str            #: MFC name, or "realloc <model>: <from> -> <to>"
+    kind: str            #: generate | inference | train | realloc
+    iteration: int
+    start_s: float
+    end_s: float
+    first_gpu: int
+    n_gpus: int
+    gpus: tuple[int, ...] = ()   #: all GPUs occupied (realloc: both placements)
+
+
+@dataclass
+class SimResult:
+    iter_time_s: float
+    makespan_s: float
+    overflow_bytes: float
+    peak_bytes: list[float]
+    events: list[Event] = field(default_factory=list)
+    realloc: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)
+
+    @property
+    def feasible(self) -> bool:
+        return self.overflow_bytes <= 0.0
+
+
+class ReallocCache:
+    """Memoised reallocation times keyed by (model, source cand, destination cand)."""
+
+    def __init__(self, prob: Problem):
+        self.prob = prob
+        self.table: dict[tuple[int, int, int, int], tuple[float, int]] = {}
+
+    def get(self, model: int, train_mfc: int, src: int, mfc: int, dst: int) -> tuple[float, int]:
+        key = (model, src, mfc, dst)
+        hit = self.table.get(key)
+        if hit is None:
+            p = self.prob
+            hit = realloc_time(p.realloc_models[model], p.cands[train_mfc][src].place,
+                               p.cands[mfc][dst].place, p.links)
+            self.table[key] = hit
+        return hit
+
+
+def needs_realloc(prob: Problem, assign: list[int], i: int) -> bool:
+    model = prob.mfc_model[i]
+    t = prob.model_train_mfc[model]
+    if t < 0 or t == i:
+        return False
+    a, b = prob.cands[t][assign[t]], prob.cands[i][assign[i]]
+    return (a.first_gpu, a.n_gpus, a.tp, a.pp) != (b.first_gpu, b.n_gpus, b.tp, b.pp)
+
+
+def memory(prob: Problem, assign: list[int]) -> tuple[list[float], float]:
+    """(peak bytes per GPU, worst overflow over the limit in bytes, 0 if it fits)."""
+    n = prob.n_gpus
+    resident = [0.0] * n
+    transient = [0.0] * n
+    seen: set[tuple[int, int, int, int, int]] = set()
+    for i in range(len(prob.cands)):
+        c = prob.cands[i][assign[i]]
+        model = prob.mfc_model[i]
+        trained = prob.model_train_mfc[model] >= 0
+        add_res = 0.0
+        if prob.mfc_is_train[i]:
+            add_res = c.resident_bytes
+        elif not trained:
+            key = (model, c.first_gpu, c.n_gpus, c.tp, c.pp)
+            if key not in seen:
+                seen.add(key)
+                add_res = c.resident_bytes
+        tr = c.activation_bytes
+        if trained and not prob.mfc_is_train[i] and needs_realloc(prob, assign, i):
+            tr = tr + c.weights_bytes
+        for g in range(c.first_gpu, c.first_gpu + c.n_gpus):
+            resident[g] += add_res
+            if tr > transient[g]:
+                transient[g] = tr
+    peak = [resident[g] + transient[g] for g in range(n)]
+    over = 0.0
+    for g in range(n):
+        if peak[g] - prob.mem_limit_bytes > over:
+            over = peak[g] - prob.mem_limit_bytes
+    return peak, over
+
+
+def simulate(prob: Problem, assign: list[int], cache: ReallocCache | None = None,
+             record: bool = False) -> SimResult:
+    cache = cache or ReallocCache(prob)
+    n_mfc = len(prob.cands)
+    free = [0.0] * prob.n_gpus
+    prev_finish = [0.0] * n_mfc
+    events: list[Event] = []
+    reallocs: dict[tuple[int, int], tuple[float, int]] = {}
+    makespan = 0.0
+    for it in range(prob.n_iters):
+        finish = [0.0] * n_mfc
+        for i in range(n_mfc):
+            c = prob.cands[i][assign[i]]
+            model = prob.mfc_model[i]
+            t = prob.model_train_mfc[model]
+            ready = 0.0
+            for d in prob.deps[i]:
+                if finish[d] > ready:
+                    ready = finish[d]
+            if t >= 0 and it > 0 and prev_finish[t] > ready:
+                ready = prev_finish[t]
+            if t >= 0 and t != i and needs_realloc(prob, assign, i):
+                src = prob.cands[t][assign[t]]
+                r_time, r_bytes = cache.get(model, t, assign[t], i, assign[i])
+                r_ready = prev_finish[t] if it > 0 else 0.0
+                r_start = r_ready
+                for g in range(src.first_gpu, src.first_gpu + src.n_gpus):
+                    if free[g] > r_start:
+                        r_start = free[g]
+                for g in range(c.first_gpu, c.first_gpu + c.n_gpus):
+                    if free[g] > r_start:
+                        r_start = free[g]
+                r_end = r_start + r_time
+                for g in range(src.first_gpu, src.first_gpu + src.n_gpus):
+                    free[g] = r_end
+                for g in range(c.first_gpu, c.first_gpu + c.n_gpus):
+                    free[g] = r_end
+                if r_end > ready:
+                    ready = r_end
+                reallocs[(model, i)] = (r_time, r_bytes)
+                if record:
+                    gpus = tuple(sorted(set(range(src.first_gpu, src.first_gpu + src.n_gpus))
+                                        | set(range(c.first_gpu, c.first_gpu + c.n_gpus))))
+                    name = f"realloc {prob.models[model].role} -> {prob.graph.mfcs[i].name}"
+                    events.append(Event(name, "realloc", it, r_start, r_end,
+                                        c.first_gpu, c.n_gpus, gpus))
+            start = ready
+            for g in range(c.first_gpu, c.first_gpu + c.n_gpus):
+                if free[g] > start:
+                    start = free[g]
+            end = start + c.time_s
+            for g in range(c.first_gpu, c.first_gpu + c.n_gpus):
+                free[g] = end
+            finish[i] = end
+            if end > makespan:
+                makespan = end
+            if record:
+                m = prob.graph.mfcs[i]
+                events.append(Event(m.name, m.kind, it, start, end, c.first_gpu, c.n_gpus,
+                                    tuple(range(c.first_gpu, c.first_gpu + c.n_gpus))))
+        prev_finish = finish
+    peak, over = memory(prob, assign)
+    return SimResult(makespan / prob.n_iters, makespan, over, peak, events, reallocs)
+
+
+def energy(prob: Problem, res: SimResult) -> float:
+    """What the search minimises: iteration time, penalised by memory overflow."""
+    return res.iter_time_s * (1.0 + OVERFLOW_PENALTY * res.overflow_bytes / prob.mem_limit_bytes)
