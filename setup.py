@@ -10,6 +10,7 @@ core = Pybind11Extension(
     "planner._core",
     sources=["csrc/bindings.cpp", "csrc/search_core.cpp"],
     include_dirs=["csrc"],
+    depends=["csrc/search_core.hpp"],
     cxx_std=17,
     # -ffp-contract=off: no fused multiply-add, so the C++ core rounds exactly like
     # its Python twin (planner/anneal.py); a test compares them bit for bit.

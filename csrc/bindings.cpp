@@ -1,0 +1,181 @@
+// Python bindings of the search core: module planner._core.
+//
+// planner/core_bridge.py packs a planner.problem.Problem into a _core.Problem and
+// wraps simulate / anneal; use it rather than this module directly.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "search_core.hpp"
+
+namespace py = pybind11;
+using namespace realign_core;
+
+namespace {
+
+using IntLists = std::vector<std::vector<i64>>;
+using FloatLists = std::vector<std::vector<double>>;
+using PlaceTuple = std::array<i64, 5>;         // (first_gpu, n_gpus, tp, pp, dp)
+using ReallocModelTuple = std::array<i64, 7>;  // planner.realloc_cost.ReallocModel fields
+
+Place place_of(const PlaceTuple& t) { return Place{t[0], t[1], t[2], t[3], t[4]}; }
+
+ReallocModel realloc_model_of(const ReallocModelTuple& t) {
+    ReallocModel m;
+    m.n_layers = t[0];
+    m.layer_sharded_bytes = t[1];
+    m.layer_replicated_bytes = t[2];
+    m.embedding_bytes = t[3];
+    m.final_norm_bytes = t[4];
+    m.head_kind = static_cast<int>(t[5]);
+    m.head_bytes = t[6];
+    return m;
+}
+
+template <class T>
+void check_shape(const std::vector<std::vector<T>>& a, const IntLists& like, const char* name) {
+    if (a.size() != like.size())
+        throw std::invalid_argument(std::string(name) + ": needs one list per MFC");
+    for (size_t i = 0; i < a.size(); ++i)
+        if (a[i].size() != like[i].size())
+            throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) +
+                                        "]: needs one value per candidate, like cand_first_gpu");
+}
+
+// Builds and validates a Problem from plain arrays (one list per MFC for the
+// candidate fields). planner.core_bridge.to_core is the caller.
+Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_per_node,
+                     double intra_bytes_per_s, double inter_bytes_per_s, double intra_latency_s,
+                     double inter_latency_s, const std::vector<i64>& mfc_model,
+                     const std::vector<bool>& mfc_is_train, const IntLists& deps,
+                     const std::vector<i64>& model_train_mfc,
+                     const std::vector<ReallocModelTuple>& realloc_models,
+                     const IntLists& cand_first_gpu, const IntLists& cand_n_gpus,
+                     const IntLists& cand_tp, const IntLists& cand_pp, const IntLists& cand_dp,
+                     const FloatLists& cand_time_s, const FloatLists& cand_resident_bytes,
+                     const FloatLists& cand_activation_bytes, const FloatLists& cand_weights_bytes,
+                     const std::vector<IntLists>& same_mesh) {
+    check_shape(cand_n_gpus, cand_first_gpu, "cand_n_gpus");
+    check_shape(cand_tp, cand_first_gpu, "cand_tp");
+    check_shape(cand_pp, cand_first_gpu, "cand_pp");
+    check_shape(cand_dp, cand_first_gpu, "cand_dp");
+    check_shape(cand_time_s, cand_first_gpu, "cand_time_s");
+    check_shape(cand_resident_bytes, cand_first_gpu, "cand_resident_bytes");
+    check_shape(cand_activation_bytes, cand_first_gpu, "cand_activation_bytes");
+    check_shape(cand_weights_bytes, cand_first_gpu, "cand_weights_bytes");
+    Problem p;
+    p.n_gpus = n_gpus;
+    p.mem_limit_bytes = mem_limit_bytes;
+    p.n_iters = n_iters;
+    p.links = Links{gpus_per_node, intra_bytes_per_s, inter_bytes_per_s, intra_latency_s,
+                    inter_latency_s};
+    p.mfc_model = mfc_model;
+    p.mfc_is_train = mfc_is_train;
+    p.deps = deps;
+    p.model_train_mfc = model_train_mfc;
+    for (const auto& t : realloc_models) p.realloc_models.push_back(realloc_model_of(t));
+    p.cands.resize(cand_first_gpu.size());
+    for (size_t i = 0; i < cand_first_gpu.size(); ++i) {
+        for (size_t j = 0; j < cand_first_gpu[i].size(); ++j) {
+            Candidate c;
+            c.place = Place{cand_first_gpu[i][j], cand_n_gpus[i][j], cand_tp[i][j], cand_pp[i][j],
+                            cand_dp[i][j]};
+            c.time_s = cand_time_s[i][j];
+            c.resident_bytes = cand_resident_bytes[i][j];
+            c.activation_bytes = cand_activation_bytes[i][j];
+            c.weights_bytes = cand_weights_bytes[i][j];
+            p.cands[i].push_back(c);
+        }
+    }
+    p.same_mesh = same_mesh;
+    p.validate();
+    return p;
+}
+
+// _core.simulate: planner.simulator.simulate + memory, with a fresh cache.
+std::tuple<double, double, double, std::vector<double>> py_simulate(
+    const Problem& prob, const std::vector<i64>& assign) {
+    check_assign(prob, assign, "assign");
+    ReallocCache cache(prob);
+    SimResult r = simulate(prob, assign, cache);
+    return {r.iter_time_s, r.makespan_s, r.overflow_bytes, std::move(r.peak_bytes)};
+}
+
+// _core.realloc_time: planner.realloc_cost.realloc_time with the problem's links.
+std::tuple<double, i64> py_realloc_time(const Problem& prob, i64 model, const PlaceTuple& src,
+                                        const PlaceTuple& dst) {
+    if (model < 0 || model >= static_cast<i64>(prob.realloc_models.size()))
+        throw std::invalid_argument("model: " + std::to_string(model) + " is not a model index");
+    for (const PlaceTuple* t : {&src, &dst}) {
+        const Place p = place_of(*t);
+        if (p.first_gpu < 0 || p.n_gpus < 1 || p.tp < 1 || p.pp < 1 || p.dp < 1 ||
+            p.tp * p.pp * p.dp != p.n_gpus)
+            throw std::invalid_argument(
+                "src/dst: need first_gpu >= 0 and tp, pp, dp >= 1 with tp * pp * dp == n_gpus");
+    }
+    const ReallocCost c =
+        realloc_time(prob.realloc_models[model], place_of(src), place_of(dst), prob.links);
+    return {c.time_s, c.bytes};
+}
+
+// _core.anneal: planner.anneal.anneal; the GIL is released during the walk.
+std::tuple<std::vector<i64>, double, bool, i64, i64> py_anneal(
+    const Problem& prob, const std::vector<i64>& start, i64 n_steps, double t0_frac,
+    double t1_frac, i64 restart_every, u64 seed, double time_limit_s) {
+    check_assign(prob, start, "start");
+    if (n_steps < 0) throw std::invalid_argument("n_steps: must be >= 0");
+    if (!(t0_frac > 0.0) || !(t1_frac > 0.0))
+        throw std::invalid_argument("t0_frac, t1_frac: must be > 0");
+    if (restart_every < 0) throw std::invalid_argument("restart_every: must be >= 0");
+    AnnealSettings s{n_steps, t0_frac, t1_frac, restart_every, seed};
+    AnnealResult r;
+    {
+        py::gil_scoped_release release;
+        r = anneal(prob, start, s, time_limit_s);
+    }
+    return {std::move(r.assign), r.energy, r.feasible, r.steps, r.accepted};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+    m.doc() = "realign's C++ search core: the twin of planner.simulator, "
+              "planner.realloc_cost and planner.anneal (bit-identical results).";
+
+    py::class_<Problem>(m, "Problem",
+                        "The search problem in numbers (see planner.core_bridge.to_core).")
+        .def(py::init(&make_problem), py::arg("n_gpus"), py::arg("mem_limit_bytes"),
+             py::arg("n_iters"), py::arg("gpus_per_node"), py::arg("intra_bytes_per_s"),
+             py::arg("inter_bytes_per_s"), py::arg("intra_latency_s"),
+             py::arg("inter_latency_s"), py::arg("mfc_model"), py::arg("mfc_is_train"),
+             py::arg("deps"), py::arg("model_train_mfc"), py::arg("realloc_models"),
+             py::arg("cand_first_gpu"), py::arg("cand_n_gpus"), py::arg("cand_tp"),
+             py::arg("cand_pp"), py::arg("cand_dp"), py::arg("cand_time_s"),
+             py::arg("cand_resident_bytes"), py::arg("cand_activation_bytes"),
+             py::arg("cand_weights_bytes"), py::arg("same_mesh"))
+        .def_property_readonly("n_gpus", [](const Problem& p) { return p.n_gpus; })
+        .def_property_readonly("n_mfcs", &Problem::n_mfcs)
+        .def_property_readonly("n_cands", [](const Problem& p) {
+            std::vector<i64> n;
+            for (const auto& c : p.cands) n.push_back(static_cast<i64>(c.size()));
+            return n;
+        });
+
+    m.def("simulate", &py_simulate, py::arg("problem"), py::arg("assign"),
+          "planner.simulator.simulate + memory: "
+          "(iter_time_s, makespan_s, overflow_bytes, peak_bytes).");
+    m.def("realloc_time", &py_realloc_time, py::arg("problem"), py::arg("model"),
+          py::arg("src"), py::arg("dst"),
+          "planner.realloc_cost.realloc_time of model index `model` from place `src` to "
+          "`dst` ((first_gpu, n_gpus, tp, pp, dp)) with the problem's links: "
+          "(seconds, bytes).");
+    m.def("anneal", &py_anneal, py::arg("problem"), py::arg("start"), py::arg("n_steps"),
+          py::arg("t0_frac"), py::arg("t1_frac"), py::arg("restart_every"), py::arg("seed"),
+          py::arg("time_limit_s") = 0.0,
+          "planner.anneal.anneal: (assign, energy, feasible, steps_done, accepted). "
+          "time_limit_s <= 0: no limit.");
+}

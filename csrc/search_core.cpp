@@ -1,0 +1,473 @@
+// The C++ search core; see search_core.hpp. Each function names its Python twin.
+#include "search_core.hpp"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace realign_core {
+
+namespace {
+
+// Python's a // b for b > 0 (rounds towards minus infinity, unlike C++'s a / b).
+i64 floordiv(i64 a, i64 b) {
+    i64 q = a / b;
+    return (a % b != 0 && a < 0) ? q - 1 : q;
+}
+
+// Byte counts are converted to double as Python does for int / int and
+// int / float; the conversion is exact (hence identical) below 2**53.
+constexpr i64 kExactDoubleLimit = i64{1} << 53;
+
+void fail(const std::string& field, const std::string& msg) {
+    throw std::invalid_argument(field + ": " + msg);
+}
+
+}  // namespace
+
+// ---- Problem::validate -----------------------------------------------------------
+
+void Problem::validate() const {
+    const i64 n_mfc = n_mfcs();
+    const i64 n_models = static_cast<i64>(realloc_models.size());
+    if (n_gpus < 1) fail("n_gpus", std::to_string(n_gpus) + " is not >= 1");
+    if (!(mem_limit_bytes > 0.0)) fail("mem_limit_bytes", "must be > 0");
+    if (n_iters < 1) fail("n_iters", std::to_string(n_iters) + " is not >= 1");
+    if (links.gpus_per_node < 1) fail("links.gpus_per_node", "must be >= 1");
+    if (!(links.intra_bytes_per_s > 0.0) || !(links.inter_bytes_per_s > 0.0))
+        fail("links", "bandwidths must be > 0");
+    if (static_cast<i64>(mfc_model.size()) != n_mfc ||
+        static_cast<i64>(mfc_is_train.size()) != n_mfc ||
+        static_cast<i64>(deps.size()) != n_mfc || static_cast<i64>(same_mesh.size()) != n_mfc)
+        fail("mfc_model/mfc_is_train/deps/same_mesh",
+             "need one entry per MFC (" + std::to_string(n_mfc) + ")");
+    if (static_cast<i64>(model_train_mfc.size()) != n_models)
+        fail("model_train_mfc", "needs one entry per model (" + std::to_string(n_models) + ")");
+    for (i64 i = 0; i < n_mfc; ++i)
+        if (mfc_model[i] < 0 || mfc_model[i] >= n_models)
+            fail("mfc_model[" + std::to_string(i) + "]",
+                 std::to_string(mfc_model[i]) + " is not a model index");
+    for (i64 m = 0; m < n_models; ++m) {
+        const i64 t = model_train_mfc[m];
+        if (t < -1 || t >= n_mfc || (t >= 0 && mfc_model[t] != m))
+            fail("model_train_mfc[" + std::to_string(m) + "]",
+                 std::to_string(t) + " is not -1 or a train MFC of this model");
+        const ReallocModel& rm = realloc_models[m];
+        if (rm.n_layers < 1) fail("realloc_models[" + std::to_string(m) + "].n_layers", "must be >= 1");
+        if (rm.head_kind < kHeadLmUntied || rm.head_kind > kHeadValue)
+            fail("realloc_models[" + std::to_string(m) + "].head_kind", "must be 0, 1 or 2");
+    }
+    for (i64 i = 0; i < n_mfc; ++i) {
+        const std::string at = "[" + std::to_string(i) + "]";
+        for (i64 d : deps[i])
+            if (d < 0 || d >= n_mfc) fail("deps" + at, std::to_string(d) + " is not an MFC index");
+        const i64 n_c = static_cast<i64>(cands[i].size());
+        if (n_c < 1) fail("cands" + at, "an MFC needs at least one candidate");
+        if (static_cast<i64>(same_mesh[i].size()) != n_c)
+            fail("same_mesh" + at, "needs one group per candidate");
+        const ReallocModel& rm = realloc_models[mfc_model[i]];
+        for (i64 j = 0; j < n_c; ++j) {
+            const std::string cat = at + "[" + std::to_string(j) + "]";
+            const Place& p = cands[i][j].place;
+            if (p.tp < 1 || p.pp < 1 || p.dp < 1 || p.tp * p.pp * p.dp != p.n_gpus)
+                fail("cands" + cat, "needs tp, pp, dp >= 1 with tp * pp * dp == n_gpus");
+            if (p.first_gpu < 0 || p.first_gpu + p.n_gpus > n_gpus)
+                fail("cands" + cat, "mesh lies outside the cluster's " + std::to_string(n_gpus) + " GPUs");
+            // realloc_time divides n_layers // pp (Python would raise ZeroDivisionError).
+            if (p.pp > rm.n_layers) fail("cands" + cat, "pp exceeds the model's n_layers");
+            if (same_mesh[i][j].empty()) fail("same_mesh" + cat, "must not be empty");
+            for (i64 k : same_mesh[i][j])
+                if (k < 0 || k >= n_c) fail("same_mesh" + cat, std::to_string(k) + " is not a candidate index");
+        }
+    }
+}
+
+void check_assign(const Problem& prob, const std::vector<i64>& assign, const char* what) {
+    if (static_cast<i64>(assign.size()) != prob.n_mfcs())
+        fail(what, "has " + std::to_string(assign.size()) + " entries, need one per MFC (" +
+                   std::to_string(prob.n_mfcs()) + ")");
+    for (i64 i = 0; i < prob.n_mfcs(); ++i)
+        if (assign[i] < 0 || assign[i] >= static_cast<i64>(prob.cands[i].size()))
+            fail(std::string(what) + "[" + std::to_string(i) + "]",
+                 std::to_string(assign[i]) + " is not in [0, " +
+                     std::to_string(prob.cands[i].size()) + ")");
+}
+
+// ---- reallocation cost: planner/realloc_cost.py ----------------------------------
+
+namespace {
+
+// planner.realloc_cost._tp_overlap
+i64 tp_overlap(i64 i, i64 tp_d, i64 k, i64 tp_s) {
+    const i64 lo = std::max(i * tp_s, k * tp_d);
+    const i64 hi = std::min((i + 1) * tp_s, (k + 1) * tp_d);
+    return hi > lo ? hi - lo : 0;
+}
+
+// A list of at most two pipeline stages (what _stages_holding returns).
+struct Stages {
+    std::array<i64, 2> s{};
+    int n = 0;
+
+    static Stages one(i64 a) { Stages r; r.s[0] = a; r.n = 1; return r; }
+    bool contains(i64 j) const {
+        for (int q = 0; q < n; ++q)
+            if (s[q] == j) return true;
+        return false;
+    }
+};
+
+// planner.realloc_cost._stages_holding("embedding", ...)
+Stages embedding_stages(const ReallocModel& m, i64 pp) {
+    Stages r = Stages::one(0);
+    if (m.head_kind == kHeadLmTied && pp > 1) {
+        r.s[1] = pp - 1;
+        r.n = 2;
+    }
+    return r;
+}
+
+// planner.realloc_cost._Acc: per-GPU received and sent bytes (0: intra, 1: inter).
+// Indexed by GPU; a GPU never charged holds zeros, which change neither the sum
+// nor the max that realloc_time takes over the Python dicts.
+struct Acc {
+    std::vector<std::array<i64, 2>> recv;
+    std::vector<std::array<double, 2>> send;
+    std::vector<i64> holders;  // scratch for _holders
+
+    explicit Acc(i64 n_gpus) : recv(n_gpus, {0, 0}), send(n_gpus, {0.0, 0.0}) {}
+};
+
+// planner.realloc_cost._holders: source GPUs at tp rank k (k < 0: any) of stages.
+void holders_of(const Place& src, const Stages& stages, i64 k, std::vector<i64>& out) {
+    out.clear();
+    for (int q = 0; q < stages.n; ++q) {
+        const i64 j = stages.s[q];
+        const i64 k_lo = k < 0 ? 0 : k;
+        const i64 k_hi = k < 0 ? src.tp : k + 1;
+        for (i64 kk = k_lo; kk < k_hi; ++kk)
+            for (i64 d = 0; d < src.dp; ++d)
+                out.push_back(src.first_gpu + kk + src.tp * (d + src.dp * j));
+    }
+}
+
+// planner.realloc_cost._charge: g receives nbytes, shared evenly by the holders on
+// its own node if any, else by all holders. Each holder's send is accumulated in
+// charge order, as in Python.
+void charge(Acc& acc, i64 g, i64 nbytes, i64 gpn) {
+    const std::vector<i64>& holders = acc.holders;
+    if (holders.empty()) throw std::logic_error("realloc_time: a slice has no holder");
+    if (nbytes >= kExactDoubleLimit) throw std::overflow_error("realloc_time: byte count >= 2**53");
+    // h // gpn == g // gpn, as a range test (GPU indices are >= 0).
+    const i64 node_lo = g / gpn * gpn, node_hi = node_lo + gpn;
+    auto near = [&](i64 h) { return node_lo <= h && h < node_hi; };
+    i64 n_near = 0;
+    for (i64 h : holders)
+        if (near(h)) ++n_near;
+    const int inter = n_near > 0 ? 0 : 1;
+    acc.recv[g][inter] += nbytes;
+    const i64 pool = n_near > 0 ? n_near : static_cast<i64>(holders.size());
+    const double share = static_cast<double>(nbytes) / static_cast<double>(pool);
+    for (i64 h : holders)
+        if (n_near == 0 || near(h)) acc.send[h][inter] += share;
+}
+
+// The per-destination-GPU context of realloc_recv_send's closures.
+struct DstGpu {
+    i64 g;      // global GPU
+    i64 i;      // its tp rank in dst
+    bool local; // it also belongs to the source mesh
+    i64 k_g;    // its tp rank in src (local only)
+    i64 j_g;    // its pp stage in src (local only)
+};
+
+// realloc_recv_send's nested sharded(): a TP-split tensor held by `stages`.
+void sharded(Acc& acc, const Place& src, const Place& dst, const DstGpu& d, i64 nbytes,
+             const Stages& stages, i64 gpn) {
+    const i64 unit = dst.tp * src.tp;
+    for (i64 k = 0; k < src.tp; ++k) {
+        const i64 ov = tp_overlap(d.i, dst.tp, k, src.tp);
+        if (ov == 0) continue;
+        if (d.local && d.k_g == k && stages.contains(d.j_g)) continue;
+        holders_of(src, stages, k, acc.holders);
+        charge(acc, d.g, nbytes * ov / unit, gpn);
+    }
+}
+
+// realloc_recv_send's nested replicated(): a tensor every tp rank of `stages` holds.
+void replicated(Acc& acc, const Place& src, const DstGpu& d, i64 nbytes, const Stages& stages,
+                i64 gpn) {
+    if (d.local && stages.contains(d.j_g)) return;
+    holders_of(src, stages, -1, acc.holders);
+    charge(acc, d.g, nbytes, gpn);
+}
+
+// planner.realloc_cost.realloc_recv_send
+void realloc_recv_send(Acc& acc, const ReallocModel& m, const Place& src, const Place& dst,
+                       i64 gpn) {
+    const i64 L = m.n_layers;
+    const i64 per_s = L / src.pp;
+    if (per_s == 0) throw std::domain_error("realloc_time: source pp exceeds n_layers");
+    const i64 per_d = L / dst.pp;
+    for (i64 r = 0; r < dst.n_gpus; ++r) {
+        DstGpu d;
+        d.g = dst.first_gpu + r;
+        d.i = r % dst.tp;
+        const i64 j = r / (dst.tp * dst.dp);
+        d.local = src.first_gpu <= d.g && d.g < src.first_gpu + src.n_gpus;
+        d.k_g = d.local ? (d.g - src.first_gpu) % src.tp : -1;
+        d.j_g = d.local ? (d.g - src.first_gpu) / (src.tp * src.dp) : -1;
+
+        if (j == 0) sharded(acc, src, dst, d, m.embedding_bytes, embedding_stages(m, src.pp), gpn);
+        const i64 d_lo = j * per_d, d_hi = (j + 1) * per_d;
+        for (i64 js = d_lo / per_s; js < floordiv(d_hi - 1, per_s) + 1; ++js) {
+            const i64 c = std::min(d_hi, (js + 1) * per_s) - std::max(d_lo, js * per_s);
+            sharded(acc, src, dst, d, m.layer_sharded_bytes * c, Stages::one(js), gpn);
+            replicated(acc, src, d, m.layer_replicated_bytes * c, Stages::one(js), gpn);
+        }
+        if (j == dst.pp - 1) {
+            const Stages last = Stages::one(src.pp - 1);
+            replicated(acc, src, d, m.final_norm_bytes, last, gpn);
+            if (m.head_kind == kHeadLmUntied)
+                sharded(acc, src, dst, d, m.head_bytes, last, gpn);
+            else if (m.head_kind == kHeadValue)
+                replicated(acc, src, d, m.head_bytes, last, gpn);
+            else if (dst.pp > 1)
+                sharded(acc, src, dst, d, m.embedding_bytes, embedding_stages(m, src.pp), gpn);
+        }
+    }
+}
+
+}  // namespace
+
+// planner.realloc_cost.realloc_time
+ReallocCost realloc_time(const ReallocModel& m, const Place& src, const Place& dst,
+                         const Links& links) {
+    const i64 n = std::max(src.first_gpu + src.n_gpus, dst.first_gpu + dst.n_gpus);
+    Acc acc(n);
+    realloc_recv_send(acc, m, src, dst, links.gpus_per_node);
+    double worst = 0.0;
+    i64 total = 0;
+    bool any_inter = false;
+    for (i64 g = 0; g < n; ++g) {
+        const i64 a = acc.recv[g][0], b = acc.recv[g][1];
+        total += a + b;
+        any_inter = any_inter || b > 0;
+        worst = std::max(worst, static_cast<double>(a) / links.intra_bytes_per_s +
+                                    static_cast<double>(b) / links.inter_bytes_per_s);
+    }
+    for (i64 h = 0; h < n; ++h) {
+        const double a = acc.send[h][0], b = acc.send[h][1];
+        worst = std::max(worst, a / links.intra_bytes_per_s + b / links.inter_bytes_per_s);
+    }
+    if (total == 0) return {0.0, 0};
+    const double lat = any_inter ? links.inter_latency_s : links.intra_latency_s;
+    return {worst + lat, total};
+}
+
+// ---- planner.simulator.ReallocCache ----------------------------------------------
+
+ReallocCache::ReallocCache(const Problem& prob) : prob_(prob), tables_(prob.cands.size()) {}
+
+ReallocCost ReallocCache::get(i64 model, i64 train_mfc, i64 src, i64 mfc, i64 dst) {
+    auto& table = tables_[mfc];
+    const u64 key = static_cast<u64>(src) * prob_.cands[mfc].size() + static_cast<u64>(dst);
+    auto hit = table.find(key);
+    if (hit != table.end()) return hit->second;
+    const ReallocCost cost = realloc_time(prob_.realloc_models[model],
+                                          prob_.cands[train_mfc][src].place,
+                                          prob_.cands[mfc][dst].place, prob_.links);
+    table.emplace(key, cost);
+    return cost;
+}
+
+// ---- simulator: planner/simulator.py ---------------------------------------------
+
+// planner.simulator.needs_realloc
+bool needs_realloc(const Problem& prob, const std::vector<i64>& assign, i64 i) {
+    const i64 model = prob.mfc_model[i];
+    const i64 t = prob.model_train_mfc[model];
+    if (t < 0 || t == i) return false;
+    const Place& a = prob.cands[t][assign[t]].place;
+    const Place& b = prob.cands[i][assign[i]].place;
+    return a.first_gpu != b.first_gpu || a.n_gpus != b.n_gpus || a.tp != b.tp || a.pp != b.pp;
+}
+
+// planner.simulator.memory
+double memory(const Problem& prob, const std::vector<i64>& assign,
+              std::vector<double>& peak_bytes) {
+    const i64 n = prob.n_gpus;
+    std::vector<double> resident(n, 0.0), transient(n, 0.0);
+    std::vector<std::array<i64, 5>> seen;  // (model, first_gpu, n_gpus, tp, pp)
+    for (i64 i = 0; i < prob.n_mfcs(); ++i) {
+        const Candidate& c = prob.cands[i][assign[i]];
+        const i64 model = prob.mfc_model[i];
+        const bool trained = prob.model_train_mfc[model] >= 0;
+        double add_res = 0.0;
+        if (prob.mfc_is_train[i]) {
+            add_res = c.resident_bytes;
+        } else if (!trained) {
+            const std::array<i64, 5> key{model, c.place.first_gpu, c.place.n_gpus, c.place.tp,
+                                         c.place.pp};
+            if (std::find(seen.begin(), seen.end(), key) == seen.end()) {
+                seen.push_back(key);
+                add_res = c.resident_bytes;
+            }
+        }
+        double tr = c.activation_bytes;
+        if (trained && !prob.mfc_is_train[i] && needs_realloc(prob, assign, i))
+            tr = tr + c.weights_bytes;
+        for (i64 g = c.place.first_gpu; g < c.place.first_gpu + c.place.n_gpus; ++g) {
+            resident[g] += add_res;
+            if (tr > transient[g]) transient[g] = tr;
+        }
+    }
+    peak_bytes.assign(n, 0.0);
+    for (i64 g = 0; g < n; ++g) peak_bytes[g] = resident[g] + transient[g];
+    double over = 0.0;
+    for (i64 g = 0; g < n; ++g)
+        if (peak_bytes[g] - prob.mem_limit_bytes > over) over = peak_bytes[g] - prob.mem_limit_bytes;
+    return over;
+}
+
+namespace {
+
+// The latest time any GPU of [first, first + n) is busy until, at least `t`.
+double latest_free(const std::vector<double>& free, const Place& p, double t) {
+    for (i64 g = p.first_gpu; g < p.first_gpu + p.n_gpus; ++g)
+        if (free[g] > t) t = free[g];
+    return t;
+}
+
+void occupy_until(std::vector<double>& free, const Place& p, double t) {
+    for (i64 g = p.first_gpu; g < p.first_gpu + p.n_gpus; ++g) free[g] = t;
+}
+
+}  // namespace
+
+// planner.simulator.simulate (record=False; the realloc table is not kept)
+SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocCache& cache) {
+    const i64 n_mfc = prob.n_mfcs();
+    std::vector<double> free(prob.n_gpus, 0.0);
+    std::vector<double> prev_finish(n_mfc, 0.0), finish(n_mfc, 0.0);
+    double makespan = 0.0;
+    for (i64 it = 0; it < prob.n_iters; ++it) {
+        std::fill(finish.begin(), finish.end(), 0.0);
+        for (i64 i = 0; i < n_mfc; ++i) {
+            const Candidate& c = prob.cands[i][assign[i]];
+            const i64 model = prob.mfc_model[i];
+            const i64 t = prob.model_train_mfc[model];
+            double ready = 0.0;
+            for (i64 d : prob.deps[i])
+                if (finish[d] > ready) ready = finish[d];
+            if (t >= 0 && it > 0 && prev_finish[t] > ready) ready = prev_finish[t];
+            if (t >= 0 && t != i && needs_realloc(prob, assign, i)) {
+                const Place& src = prob.cands[t][assign[t]].place;
+                const ReallocCost r = cache.get(model, t, assign[t], i, assign[i]);
+                const double r_ready = it > 0 ? prev_finish[t] : 0.0;
+                double r_start = latest_free(free, src, r_ready);
+                r_start = latest_free(free, c.place, r_start);
+                const double r_end = r_start + r.time_s;
+                occupy_until(free, src, r_end);
+                occupy_until(free, c.place, r_end);
+                if (r_end > ready) ready = r_end;
+            }
+            const double start = latest_free(free, c.place, ready);
+            const double end = start + c.time_s;
+            occupy_until(free, c.place, end);
+            finish[i] = end;
+            if (end > makespan) makespan = end;
+        }
+        std::swap(prev_finish, finish);
+    }
+    SimResult res;
+    res.overflow_bytes = memory(prob, assign, res.peak_bytes);
+    res.makespan_s = makespan;
+    res.iter_time_s = makespan / static_cast<double>(prob.n_iters);
+    return res;
+}
+
+// planner.simulator.energy
+double energy(const Problem& prob, const SimResult& res) {
+    return res.iter_time_s *
+           (1.0 + kOverflowPenalty * res.overflow_bytes / prob.mem_limit_bytes);
+}
+
+// ---- annealing: planner/anneal.py ------------------------------------------------
+
+namespace {
+
+// One proposal of planner.anneal.anneal: an MFC and a candidate for it (half the
+// time one on the same mesh). The random draws happen in the Python order.
+struct Move {
+    i64 mfc;
+    i64 cand;
+};
+
+Move propose(const Problem& prob, const std::vector<i64>& cur, SplitMix64& rng) {
+    const i64 i = static_cast<i64>(rng.next() % static_cast<u64>(prob.n_mfcs()));
+    const std::vector<i64>& same = prob.same_mesh[i][cur[i]];
+    const bool layout_move = (rng.next() & 1) != 0;
+    if (layout_move && same.size() > 1)
+        return {i, same[rng.next() % static_cast<u64>(same.size())]};
+    return {i, static_cast<i64>(rng.next() % static_cast<u64>(prob.cands[i].size()))};
+}
+
+}  // namespace
+
+// planner.anneal.anneal
+AnnealResult anneal(const Problem& prob, const std::vector<i64>& start, const AnnealSettings& s,
+                    double time_limit_s) {
+    using clock = std::chrono::steady_clock;
+    const auto t_start = clock::now();
+    SplitMix64 rng(s.seed);
+    ReallocCache cache(prob);
+    std::vector<i64> cur = start;
+    const SimResult res = simulate(prob, cur, cache);
+    double cur_e = energy(prob, res);
+    std::vector<i64> best = cur;
+    double best_e = res.feasible() ? cur_e : kInf;
+    const double t0 = s.t0_frac * cur_e;
+    const double t1 = s.t1_frac * cur_e;
+    i64 accepted = 0;
+    i64 step = 0;
+    for (; step < s.n_steps; ++step) {
+        if (time_limit_s > 0.0 && step > 0 && step % kTimeCheckEvery == 0 &&
+            std::chrono::duration<double>(clock::now() - t_start).count() >= time_limit_s)
+            break;
+        if (s.restart_every > 0 && step > 0 && step % s.restart_every == 0 && best_e < kInf) {
+            cur = best;
+            cur_e = best_e;
+        }
+        const double temp = t0 * std::pow(t1 / t0, static_cast<double>(step) /
+                                                       static_cast<double>(s.n_steps));
+        const Move mv = propose(prob, cur, rng);
+        if (mv.cand == cur[mv.mfc]) continue;
+        const i64 old = cur[mv.mfc];
+        cur[mv.mfc] = mv.cand;
+        const SimResult r = simulate(prob, cur, cache);
+        const double e = energy(prob, r);
+        if (e <= cur_e || rng.uniform() < std::exp((cur_e - e) / temp)) {
+            cur_e = e;
+            accepted += 1;
+            if (r.feasible() && e < best_e) {
+                best_e = e;
+                best = cur;
+            }
+        } else {
+            cur[mv.mfc] = old;
+        }
+    }
+    AnnealResult out;
+    out.assign = std::move(best);
+    out.energy = best_e;
+    out.feasible = best_e < kInf;
+    out.steps = step;
+    out.accepted = accepted;
+    return out;
+}
+
+}  // namespace realign_core

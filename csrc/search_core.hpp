@@ -1,0 +1,185 @@
+// The C++ search core: the simulator, the reallocation cost and the annealer.
+//
+// Every function here is a line-by-line twin of a Python function in planner/
+// (named in its comment) and must return bit-identical numbers: same integer byte
+// arithmetic, same floating-point operations in the same order, the same random
+// numbers. tests/planner/test_core_twin.py feeds both the same random problems.
+// Built with -ffp-contract=off and without -ffast-math so that no FMA or
+// reassociation changes a rounding.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <unordered_map>
+#include <vector>
+
+namespace realign_core {
+
+using i64 = std::int64_t;
+using u64 = std::uint64_t;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// planner.simulator.OVERFLOW_PENALTY
+constexpr double kOverflowPenalty = 10.0;
+
+// planner.realloc_cost.HEAD_LM_UNTIED / HEAD_LM_TIED / HEAD_VALUE
+enum HeadKind : int { kHeadLmUntied = 0, kHeadLmTied = 1, kHeadValue = 2 };
+
+// planner.realloc_cost.Links
+struct Links {
+    i64 gpus_per_node = 1;
+    double intra_bytes_per_s = 1.0;
+    double inter_bytes_per_s = 1.0;
+    double intra_latency_s = 0.0;
+    double inter_latency_s = 0.0;
+};
+
+// planner.realloc_cost.ReallocModel (bytes are exact integers, as in Python)
+struct ReallocModel {
+    i64 n_layers = 1;
+    i64 layer_sharded_bytes = 0;
+    i64 layer_replicated_bytes = 0;
+    i64 embedding_bytes = 0;
+    i64 final_norm_bytes = 0;
+    int head_kind = kHeadLmUntied;
+    i64 head_bytes = 0;
+};
+
+// planner.realloc_cost.Place: (first_gpu, n_gpus, tp, pp, dp)
+struct Place {
+    i64 first_gpu = 0;
+    i64 n_gpus = 1;
+    i64 tp = 1;
+    i64 pp = 1;
+    i64 dp = 1;
+};
+
+// planner.problem.Candidate (the fields the simulator reads)
+struct Candidate {
+    Place place;
+    double time_s = 0.0;
+    double resident_bytes = 0.0;
+    double activation_bytes = 0.0;
+    double weights_bytes = 0.0;
+};
+
+// planner.problem.Problem in numbers. Built once (see planner/core_bridge.py) and
+// checked by validate(); read-only afterwards, so several threads may share it.
+struct Problem {
+    i64 n_gpus = 0;
+    double mem_limit_bytes = 0.0;
+    i64 n_iters = 1;
+    Links links;
+    std::vector<i64> mfc_model;                      // per MFC: model index
+    std::vector<bool> mfc_is_train;                  // per MFC
+    std::vector<std::vector<i64>> deps;              // per MFC: MFCs it reads from
+    std::vector<i64> model_train_mfc;                // per model: train MFC or -1
+    std::vector<ReallocModel> realloc_models;        // per model
+    std::vector<std::vector<Candidate>> cands;       // per MFC: its candidates
+    std::vector<std::vector<std::vector<i64>>> same_mesh;  // per MFC, per cand
+
+    i64 n_mfcs() const { return static_cast<i64>(cands.size()); }
+
+    // Throws std::invalid_argument naming the offending field and value.
+    void validate() const;
+};
+
+// ---- reallocation cost (planner/realloc_cost.py) ---------------------------------
+
+struct ReallocCost {
+    double time_s = 0.0;
+    i64 bytes = 0;
+};
+
+// planner.realloc_cost.realloc_time
+ReallocCost realloc_time(const ReallocModel& m, const Place& src, const Place& dst,
+                         const Links& links);
+
+// planner.simulator.ReallocCache: memoised realloc_time keyed by
+// (model, source cand, MFC, destination cand). The model is fixed by the MFC, so
+// there is one table per MFC keyed by (source cand, destination cand).
+class ReallocCache {
+public:
+    explicit ReallocCache(const Problem& prob);
+    ReallocCost get(i64 model, i64 train_mfc, i64 src, i64 mfc, i64 dst);
+
+private:
+    const Problem& prob_;
+    std::vector<std::unordered_map<u64, ReallocCost>> tables_;  // per MFC
+};
+
+// ---- simulator (planner/simulator.py) --------------------------------------------
+
+struct SimResult {
+    double iter_time_s = 0.0;
+    double makespan_s = 0.0;
+    double overflow_bytes = 0.0;
+    std::vector<double> peak_bytes;
+
+    bool feasible() const { return overflow_bytes <= 0.0; }
+};
+
+// planner.simulator.needs_realloc
+bool needs_realloc(const Problem& prob, const std::vector<i64>& assign, i64 i);
+
+// planner.simulator.memory: fills peak_bytes and returns the worst overflow.
+double memory(const Problem& prob, const std::vector<i64>& assign,
+              std::vector<double>& peak_bytes);
+
+// planner.simulator.simulate (record=False)
+SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocCache& cache);
+
+// planner.simulator.energy
+double energy(const Problem& prob, const SimResult& res);
+
+// Throws std::invalid_argument unless assign has one valid candidate index per MFC.
+void check_assign(const Problem& prob, const std::vector<i64>& assign, const char* what);
+
+// ---- annealing (planner/anneal.py) -----------------------------------------------
+
+// planner.anneal.SplitMix64
+class SplitMix64 {
+public:
+    explicit SplitMix64(u64 seed) : state_(seed) {}
+
+    u64 next() {
+        state_ += 0x9E3779B97F4A7C15ULL;
+        u64 z = state_;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+        return z ^ (z >> 31);
+    }
+
+    // A double in [0, 1) from the top 53 bits.
+    double uniform() { return static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0); }
+
+private:
+    u64 state_;
+};
+
+// planner.anneal.AnnealSettings
+struct AnnealSettings {
+    i64 n_steps = 20000;
+    double t0_frac = 0.05;
+    double t1_frac = 1e-4;
+    i64 restart_every = 5000;
+    u64 seed = 0;
+};
+
+// planner.anneal.AnnealResult (steps: the steps actually run)
+struct AnnealResult {
+    std::vector<i64> assign;
+    double energy = kInf;
+    bool feasible = false;
+    i64 steps = 0;
+    i64 accepted = 0;
+};
+
+// planner.anneal.anneal. time_limit_s <= 0: no limit; otherwise the walk stops at
+// the first check (every kTimeCheckEvery steps) past the limit.
+constexpr i64 kTimeCheckEvery = 256;
+AnnealResult anneal(const Problem& prob, const std::vector<i64>& start,
+                    const AnnealSettings& s, double time_limit_s);
+
+}  // namespace realign_core
