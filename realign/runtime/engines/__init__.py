@@ -1,0 +1,1 @@
+"""Per-replica engines: train_step, inference and generate."""

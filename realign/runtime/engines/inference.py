@@ -1,0 +1,95 @@
+"""Inference engine of one replica: per-token log-probs of given token ids (LM head:
+actor, reference) or per-token values and sequence scores (value head: critic,
+reward model), over right-padded variable-length sequences."""
+from __future__ import annotations
+
+import torch
+
+from realign.runtime.engines.base import (Batch, check_batch, from_last_stage, gather_dp,
+                                          local_batch, position_ids, run_schedule, split)
+from realign.runtime.model import ModelShard
+from realign.runtime.vocab_parallel import token_logprobs
+
+
+def head_outputs(shard: ModelShard, output: torch.Tensor, mb: Batch) -> torch.Tensor:
+    """The model's last-stage output for a micro-batch -> log-probs [b, s-1] (LM head;
+    entry t is log p(tokens[t+1] | tokens[:t+1])) or values [b, s] (value head), zero
+    past each sequence's length. Differentiable."""
+    tokens, lengths = mb["tokens"], mb["lengths"]
+    s = tokens.shape[1]
+    if shard.head == "value":
+        values = output.squeeze(-1).float()
+        valid = torch.arange(s, device=tokens.device) < lengths.unsqueeze(1)
+        return values * valid
+    lp = token_logprobs(output[:, :-1], tokens[:, 1:], shard.groups.pgs.tp,
+                        shard.spec.vocab_size)
+    valid = torch.arange(1, s, device=tokens.device) < lengths.unsqueeze(1)
+    return lp * valid
+
+
+class InferenceEngine:
+    """``inference(batch)`` for one replica; every rank of the replica calls it with the
+    same whole batch and gets the whole result."""
+
+    def __init__(self, shard: ModelShard, micro_batches: int = 1, model=None):
+        self.shard = shard
+        self.micro_batches = micro_batches
+        self.model = model if model is not None else shard.module
+
+    def inference(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """LM head: ``{"logprobs": [b, s-1]}``. Value head: ``{"values": [b, s],
+        "scores": [b]}`` (the score is the value at each sequence's last token)."""
+        b, s = batch["tokens"].shape
+        shape = (b // self.shard.groups.layout.dp, s - (self.shard.head == "lm"))
+        out = self._run(batch, lambda output, mb: head_outputs(self.shard, output, mb), shape)
+        if self.shard.head == "value":
+            lengths = batch["lengths"].to(out.device)
+            scores = out.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
+            return {"values": out, "scores": scores}
+        return {"logprobs": out}
+
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """Full-vocabulary logits [b, s, vocab_size] (LM head; memory-hungry: for
+        checks and small batches)."""
+        assert self.shard.head == "lm"
+        b, s = batch["tokens"].shape
+        v = self.shard.spec.vocab_size
+        return self._run(batch, lambda output, mb: gather_vocab(self.shard, output)[..., :v],
+                         (b // self.shard.groups.layout.dp, s, v))
+
+    def _run(self, batch: Batch, fn, local_shape) -> torch.Tensor:
+        shard = self.shard
+        check_batch(batch, shard, self.micro_batches)
+        local = local_batch(batch, shard)
+        micro = split(local, self.micro_batches)
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = model(mb["tokens"], position_ids(mb["tokens"]), None)
+
+            def post(output, non_loss_data=True):
+                return fn(output, mb).detach().float()
+            return out, post
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                results = run_schedule(shard, self.model, forward_step, micro,
+                                       forward_only=True, collect_non_loss_data=True)
+        finally:
+            self.model.train(was_training)
+        mine = torch.cat(results) if shard.groups.is_last_stage else None
+        return gather_dp(shard, from_last_stage(shard, mine, local_shape, torch.float32)).cpu()
+
+
+def gather_vocab(shard: ModelShard, logits: torch.Tensor) -> torch.Tensor:
+    """All-gather vocabulary-parallel logits [..., V/tp] over the TP group."""
+    tp = shard.groups.layout.tp
+    if tp == 1:
+        return logits
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(logits) for _ in range(tp)]
+    dist.all_gather(parts, logits.contiguous(), group=shard.groups.pgs.tp)
+    return torch.cat(parts, dim=-1)

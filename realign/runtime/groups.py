@@ -1,0 +1,147 @@
+"""Process groups of one model replica, built from the planner's mesh and layout.
+
+A replica on mesh ``m`` with layout ``L`` occupies world ranks
+``m.first_gpu .. m.first_gpu + m.n_gpus - 1`` (one process per GPU, world rank =
+global GPU index); inside the mesh, ranks follow :mod:`planner.layout` (tp fastest,
+then dp, then pp). Example, tp-dp-pp 2-1-2 on GPUs 4-7 of an 8-rank world:
+TP groups [[4,5],[6,7]], PP groups [[4,6],[5,7]], embedding groups [[4,6],[5,7]].
+
+Creating a process group is a collective over the *whole world*: every rank must
+call :func:`build_replica_groups` for every replica, in the same order, also ranks
+outside the replica's mesh (they get a :class:`ReplicaGroups` with ``member=False``).
+All checks run before the first group is created, so bad input raises on every rank
+and no rank is left waiting in a collective.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from planner.layout import Layout, coords_of_rank, rank_of_coords
+from planner.mesh import DeviceMesh
+from planner.model_spec import ModelSpec
+from realign.errors import UserError
+
+
+@dataclass
+class ReplicaGroups:
+    """One replica's groups as seen by this process."""
+
+    mesh: DeviceMesh
+    layout: Layout
+    rank_offset: int                 #: world rank of mesh rank 0
+    member: bool                     #: this process holds a shard of the replica
+    tp_rank: int = -1
+    dp_rank: int = -1
+    pp_rank: int = -1
+    pgs: object = None               #: megatron ``ProcessGroupCollection`` (members only)
+    model_group: object = None       #: all tp*pp*dp ranks of the replica
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    def world_rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        """World rank of a coordinate of this replica."""
+        return self.rank_offset + rank_of_coords(tp_rank, dp_rank, pp_rank, self.layout)
+
+
+def check_replica(spec: ModelSpec, mesh: DeviceMesh, layout: Layout, world_size: int,
+                  field: str = "allocation") -> None:
+    """Raise :class:`UserError` if ``spec`` cannot run with ``layout`` on ``mesh`` in a
+    world of ``world_size`` ranks. Pure: call it before any collective."""
+    probs = []
+    if mesh.first_gpu + mesh.n_gpus > world_size:
+        probs.append(f"mesh GPUs {mesh.first_gpu}..{mesh.first_gpu + mesh.n_gpus - 1} exceed "
+                     f"the world of {world_size} ranks (allowed: first_gpu + n_gpus <= "
+                     f"{world_size})")
+    if layout.world != mesh.n_gpus:
+        probs.append(f"layout {layout} needs tp*pp*dp = {layout.world} ranks but the mesh "
+                     f"has {mesh.n_gpus}")
+    if spec.n_heads % layout.tp or spec.n_kv_heads % layout.tp:
+        probs.append(f"tp={layout.tp} must divide the {spec.n_heads} attention heads and "
+                     f"{spec.n_kv_heads} KV heads")
+    if spec.ffn_hidden % layout.tp:
+        probs.append(f"tp={layout.tp} must divide ffn_hidden {spec.ffn_hidden}")
+    if spec.padded_vocab % layout.tp:
+        probs.append(f"tp={layout.tp} must divide the padded vocabulary {spec.padded_vocab}")
+    if spec.n_layers % layout.pp:
+        probs.append(f"pp={layout.pp} must divide the {spec.n_layers} layers")
+    if probs:
+        raise UserError("; ".join(probs), field=field)
+
+
+def grid_rank_enum(layout: Layout, rank_offset: int) -> dict[str, list[list[int]]]:
+    """World ranks of every group kind of a replica (pure).
+
+    With tp-dp-pp 2-2-2 at offset 0: tp [[0,1],[2,3],[4,5],[6,7]], dp [[0,2],[1,3],
+    [4,6],[5,7]], pp [[0,4],[1,5],[2,6],[3,7]], mp (tp x pp) [[0,1,4,5],[2,3,6,7]],
+    embd = first and last stage of each pp group, pos_embd = first stage, model = all.
+    """
+    def shift(groups):
+        return [[rank_offset + r for r in g] for g in groups]
+
+    t, d, p = layout.tp, layout.dp, layout.pp
+    coords = [coords_of_rank(r, layout) for r in range(layout.world)]
+    by = lambda key: _group_by(coords, key)  # noqa: E731
+    pp = by(lambda c: (c[0], c[1]))
+    return {
+        "tp": shift(by(lambda c: (c[1], c[2]))),
+        "dp": shift(by(lambda c: (c[0], c[2]))),
+        "pp": shift(pp),
+        "mp": shift(by(lambda c: (c[1],))),
+        "embd": shift([[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp]),
+        "pos_embd": shift([[g[0]] for g in pp]),
+        "cp": shift([[r] for r in range(t * d * p)]),
+        "model": shift([list(range(t * d * p))]),
+    }
+
+
+def _group_by(coords, key) -> list[list[int]]:
+    groups: dict = {}
+    for rank, c in enumerate(coords):
+        groups.setdefault(key(c), []).append(rank)
+    return sorted(groups.values())
+
+
+def build_replica_groups(spec: ModelSpec, mesh: DeviceMesh, layout: Layout,
+                         rank_offset: int | None = None) -> ReplicaGroups:
+    """Create the replica's process groups. Collective over the whole world: every rank
+    calls it with the same arguments. ``rank_offset`` defaults to ``mesh.first_gpu``."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    offset = mesh.first_gpu if rank_offset is None else rank_offset
+    shifted = DeviceMesh(first_gpu=offset, n_gpus=mesh.n_gpus)
+    check_replica(spec, shifted, layout, world)
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    enum = grid_rank_enum(layout, offset)
+    mine = {kind: _new_groups(groups) for kind, groups in enum.items()}
+    member = offset <= me < offset + mesh.n_gpus
+    out = ReplicaGroups(mesh=mesh, layout=layout, rank_offset=offset, member=member)
+    if not member:
+        return out
+    out.tp_rank, out.dp_rank, out.pp_rank = coords_of_rank(me - offset, layout)
+    tp, cp, mp, dp = mine["tp"], mine["cp"], mine["mp"], mine["dp"]
+    out.model_group = mine["model"]
+    out.pgs = ProcessGroupCollection(
+        tp=tp, pp=mine["pp"], mp=mp, embd=mine["embd"], pos_embd=mine["pos_embd"],
+        cp=cp, tp_cp=tp, ep=cp, expt_tp=tp, tp_ep=tp, tp_ep_pp=mp, tp_dp_cp=mine["model"],
+        dp=dp, dp_cp=dp, expt_dp=dp, intra_dp_cp=dp, intra_expt_dp=dp,
+        intra_dist_opt=mine["model"], inter_dist_opt=None)
+    return out
+
+
+def _new_groups(groups: list[list[int]]):
+    """Create ``groups`` (every world rank calls this); return the one holding this
+    rank, or None."""
+    me, found = dist.get_rank(), None
+    for ranks in groups:
+        pg = dist.new_group(ranks=ranks)
+        if me in ranks:
+            found = pg
+    return found

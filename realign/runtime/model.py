@@ -1,0 +1,207 @@
+"""LLaMA-family decoders (LLaMA-2/3, Qwen2/2.5, Mistral) as megatron-core ``GPTModel``
+shards of one replica, with a language-model head or a scalar value head, and the
+adapter from local megatron parameters to the planner's logical tensors.
+
+The local (non-TE) layer spec is used on CPU and whenever Transformer-Engine is not
+importable; the TE spec on CUDA with TE installed. The vocabulary is padded to
+:attr:`planner.model_spec.ModelSpec.padded_vocab` (the same for every TP).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from planner.layout import stage_layers
+from planner.model_spec import ModelSpec
+from planner.param_layout import LogicalTensor, stage_tensors
+from realign.runtime.device import DeviceInfo
+from realign.runtime.groups import ReplicaGroups
+
+Head = Literal["lm", "value"]
+
+#: Transformer-Engine's fused modules keep the norms inside the linear layers; these
+#: are the local-spec names the planner uses for them.
+_TE_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+@dataclass
+class ModelShard:
+    """This process's shard of one replica."""
+
+    spec: ModelSpec
+    head: Head
+    groups: ReplicaGroups
+    device: DeviceInfo
+    module: torch.nn.Module        #: the megatron ``GPTModel`` (unwrapped)
+
+    @property
+    def config(self):
+        return self.module.config
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar head ``hidden -> 1`` replicated on every TP rank (critic, reward model).
+
+    Called like megatron's output layer: ``(hidden [s, b, h]) -> ([s, b, 1], None)``.
+    """
+
+    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden, dtype=dtype, device=device))
+        torch.nn.init.normal_(self.weight, std=hidden ** -0.5)
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return F.linear(hidden, self.weight), None
+
+
+def transformer_config(spec: ModelSpec, groups: ReplicaGroups, device: DeviceInfo,
+                       init_weights: bool = True):
+    """megatron ``TransformerConfig`` of ``spec`` under the replica's layout."""
+    from megatron.core.transformer import TransformerConfig
+
+    on_cpu = device.kind == "cpu"
+    return TransformerConfig(
+        num_layers=spec.n_layers, hidden_size=spec.hidden,
+        num_attention_heads=spec.n_heads, num_query_groups=spec.n_kv_heads,
+        kv_channels=spec.kv_channels, ffn_hidden_size=spec.ffn_hidden,
+        normalization="RMSNorm", layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=groups.layout.tp,
+        pipeline_model_parallel_size=groups.layout.pp,
+        params_dtype=device.dtype, bf16=device.dtype == torch.bfloat16,
+        pipeline_dtype=device.dtype,
+        use_cpu_initialization=on_cpu, perform_initialization=init_weights,
+        bias_dropout_fusion=not on_cpu, apply_rope_fusion=False,
+        masked_softmax_fusion=not on_cpu, gradient_accumulation_fusion=False,
+        persist_layer_norm=not on_cpu, bias_activation_fusion=False,
+        attention_softmax_in_fp32=True,
+    )
+
+
+def layer_spec(device: DeviceInfo):
+    """TE layer spec on CUDA when Transformer-Engine imports, the local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if device.kind == "cuda" and _have_te():
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def _have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def ensure_process_state(seed: int, tp_rank: int) -> None:
+    """Per-process megatron state the layers read: the attention's global memory
+    buffer and the RNG tracker. Shared by every replica of the process (dropout is
+    off, so the tracker only has to exist)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+    tracker = mrandom.get_cuda_rng_tracker()
+    if not tracker.get_states():
+        cpu_state = torch.get_rng_state()
+        mrandom.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+        torch.set_rng_state(cpu_state)
+
+
+def build_model(spec: ModelSpec, head: Head, groups: ReplicaGroups, device: DeviceInfo,
+                seed: int = 1234, init_weights: bool = True) -> ModelShard:
+    """Build this process's ``GPTModel`` shard of the replica (members only).
+
+    ``init_weights=False`` skips random initialisation (weights come from a checkpoint).
+    Collective over the replica's embedding group when embeddings are tied and pp > 1.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    assert groups.member, "only ranks of the replica's mesh build its model"
+    ensure_process_state(seed, groups.tp_rank)
+    config = transformer_config(spec, groups, device, init_weights)
+    tied = spec.tied_embeddings and head == "lm"
+    torch.manual_seed(seed)
+    model = GPTModel(
+        config, layer_spec(device), vocab_size=spec.padded_vocab,
+        max_sequence_length=spec.max_seq_len,
+        pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
+        share_embeddings_and_output_weights=tied, position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta), pg_collection=groups.pgs)
+    if head == "value" and groups.is_last_stage:
+        model.output_layer = ValueHead(spec.hidden, device.dtype, device.device)
+    model.to(device.device)
+    return ModelShard(spec=spec, head=head, groups=groups, device=device, module=model)
+
+
+# ---- logical tensors -----------------------------------------------------------------
+
+def global_name(local_name: str, spec: ModelSpec, pp: int, pp_rank: int) -> str:
+    """Megatron parameter name (stage-local layer number, local or TE spec) -> the
+    planner's logical name (global layer number, local-spec names).
+
+    ``decoder.layers.1.mlp.linear_fc1.weight`` on stage 1 of pp=2 with 4 layers ->
+    ``decoder.layers.3.mlp.linear_fc1.weight``.
+    """
+    name = local_name.removeprefix("module.")
+    if not name.startswith("decoder.layers."):
+        return name
+    _, _, idx, rest = name.split(".", 3)
+    rest = _TE_NAMES.get(rest, rest)
+    layer = stage_layers(spec.n_layers, pp, pp_rank)[int(idx)]
+    return f"decoder.layers.{layer}.{rest}"
+
+
+def local_shard_shape(t: LogicalTensor, tp: int) -> tuple[int, ...]:
+    """Shape of one TP rank's shard of a logical tensor."""
+    if t.shard_dim is None:
+        return t.shape
+    shape = list(t.shape)
+    shape[t.shard_dim] //= tp
+    return tuple(shape)
+
+
+def logical_shards(model: torch.nn.Module, layout, pp_rank: int,
+                   spec: ModelSpec | None = None, head: Head | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """Each local parameter of a stage's megatron model under the planner's logical
+    name (:func:`planner.param_layout.stage_tensors`). Values are the parameters'
+    data tensors themselves: writing into them updates the model.
+
+    ``model`` is a :class:`ModelShard` (spec and head taken from it) or a bare
+    ``GPTModel`` / DDP-wrapped model with ``spec`` and ``head`` given. Raises if the
+    model's parameters do not match the planner's tensors and shard shapes, so the
+    reallocation executor and the planner cannot silently disagree.
+    """
+    if isinstance(model, ModelShard):
+        spec, head, module = model.spec, model.head, model.module
+    else:
+        module = model
+    assert spec is not None and head is not None, "give spec and head with a bare module"
+    expected = {t.name: t for t in stage_tensors(spec, head, layout.pp, pp_rank)}
+    out: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters():
+        logical = global_name(name, spec, layout.pp, pp_rank)
+        if logical not in expected:
+            raise ValueError(f"megatron parameter {name!r} (logical {logical!r}) is not among "
+                             f"the planner's tensors of stage {pp_rank}")
+        want = local_shard_shape(expected[logical], layout.tp)
+        if tuple(param.shape) != want:
+            raise ValueError(f"{logical}: local shard has shape {tuple(param.shape)}, the "
+                             f"planner expects {want} at tp={layout.tp}")
+        out[logical] = param.data
+    missing = sorted(set(expected) - set(out))
+    if missing:
+        raise ValueError(f"stage {pp_rank} lacks the planner's tensors {missing}")
+    return out

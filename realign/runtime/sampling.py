@@ -1,0 +1,58 @@
+"""Sampling parameters and the choice of the next token from full-vocabulary logits.
+
+Sampling is seeded per sequence (``seed + global index of the sequence``), so a
+sampled output does not depend on the layout (TP/PP/DP) that produced it.
+"""
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingParams(BaseModel):
+    """How ``generate`` picks tokens."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_new_tokens: int = Field(16, gt=0, description="Tokens to generate at most per prompt.")
+    greedy: bool = Field(False, description="Take the most likely token (ignores the rest).")
+    temperature: float = Field(1.0, gt=0, description="Divide logits by this before sampling.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
+    top_p: float = Field(1.0, gt=0, le=1.0, description="Keep the smallest set of tokens "
+                         "whose probability reaches top_p (nucleus sampling).")
+    stop_token_ids: tuple[int, ...] = Field((), description="A sequence ends after "
+                                            "generating one of these (it is kept).")
+    seed: int = Field(0, description="Sequence i samples with seed + i.")
+
+
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k and top-p applied to float logits [b, V]; removed tokens get
+    ``-inf``."""
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.shape[-1]:
+        kth = logits.topk(p.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the tokens before it already reach top_p
+        before = probs.cumsum(dim=-1) - probs
+        drop_sorted = before >= p.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def choose_tokens(logits: torch.Tensor, p: SamplingParams,
+                  generators: list[torch.Generator]) -> torch.Tensor:
+    """Next token per row of float logits [b, V] (padding vocabulary already masked)."""
+    if p.greedy:
+        return logits.argmax(dim=-1)
+    probs = filter_logits(logits, p).softmax(dim=-1)
+    return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0]
+                        for i, g in enumerate(generators)])
+
+
+def make_generators(p: SamplingParams, first_index: int, n: int) -> list[torch.Generator]:
+    """One generator per sequence ``first_index .. first_index + n - 1``."""
+    return [torch.Generator().manual_seed(p.seed + first_index + i) for i in range(n)]
