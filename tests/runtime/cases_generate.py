@@ -1,0 +1,57 @@
+"""Generation cases run inside the gloo world."""
+from __future__ import annotations
+
+import torch
+
+from cases_model import replica
+from realign.runtime.engines.generate import GenerateEngine
+from realign.runtime.engines.inference import InferenceEngine
+from realign.runtime.sampling import SamplingParams
+from tiny_hf import hf_model
+
+PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 12], [150, 1, 2, 3], [60, 61, 62, 63, 64, 65, 66, 67]]
+
+
+def generate(ctx, path, tp, pp, dp, sampling: dict, prompts=PROMPTS):
+    shard = replica(ctx, path, "lm", tp, pp, dp)
+    if shard is None:
+        return None
+    out = GenerateEngine(shard).generate(prompts, SamplingParams(**sampling))
+    return out.tokens.tolist(), out.logprobs.tolist(), out.lengths.tolist()
+
+
+def hf_greedy(ctx, path, n, prompts=PROMPTS):
+    """transformers' own greedy ``generate``, one prompt at a time (no padding)."""
+    if ctx.rank != 0:
+        return None
+    model = hf_model(path)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             do_sample=False)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def logprobs_match_inference(ctx, path, tp, pp, dp):
+    """Generated tokens' log-probs equal ``inference`` on prompt + generation."""
+    shard = replica(ctx, path, "lm", tp, pp, dp)
+    if shard is None:
+        return None
+    gen = GenerateEngine(shard).generate(PROMPTS, SamplingParams(max_new_tokens=5, seed=3,
+                                                                 top_k=50, temperature=0.9))
+    seqs = [p + gen.tokens[i, :gen.lengths[i]].tolist() for i, p in enumerate(PROMPTS)]
+    s = max(map(len, seqs))
+    tokens = torch.zeros(len(seqs), s, dtype=torch.long)
+    for i, x in enumerate(seqs):
+        tokens[i, :len(x)] = torch.tensor(x)
+    lengths = torch.tensor([len(x) for x in seqs])
+    lp = InferenceEngine(shard).inference({"tokens": tokens, "lengths": lengths})["logprobs"]
+    diff = 0.0
+    for i, p in enumerate(PROMPTS):
+        n = int(gen.lengths[i])
+        diff = max(diff, float((lp[i, len(p) - 1:len(p) - 1 + n] - gen.logprobs[i, :n]).abs().max()))
+    return diff
