@@ -202,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
             "all_at_lower_bound": all(r["at_lower_bound"] for r in rows),
             "all_bit_exact": all(r[m]["bit_exact"] for r in rows for m in ("planned", "naive")),
             "min_speedup_on_tp_or_pp_change": min((r["speedup"] for r in changes), default=None),
+            "tp_or_pp_changes_under_2x": [r["case"] for r in changes if r["speedup"] < 2.0],
         },
     }
     text = json.dumps(result, indent=1)
@@ -228,7 +229,8 @@ def _table(res: dict) -> str:
     s = res["summary"]
     lines.append(f"all at lower bound: {s['all_at_lower_bound']}; all bit-exact: "
                  f"{s['all_bit_exact']}; min speed-up on TP/PP changes: "
-                 f"{s['min_speedup_on_tp_or_pp_change']:.1f}x")
+                 f"{s['min_speedup_on_tp_or_pp_change']:.1f}x; TP/PP changes under 2x: "
+                 f"{s['tp_or_pp_changes_under_2x'] or 'none'}")
     return "\n".join(lines)
 
 

@@ -27,11 +27,17 @@ How it runs, on every rank of the world that calls it:
    dicts (local);
 2. take this rank's part of the plan (the plan is a pure function of its inputs and
    is cached keyed by all of them);
-3. per peer, pack every slice this rank sends it into one flat buffer (gloo pays a
-   lot per message) and post one send; post one receive per peer it receives from;
-   only point-to-point ops on the given group (default: the world), so ranks outside
+3. per peer, pack every small slice this rank sends it into one flat buffer (gloo
+   pays a lot per message) and send it as one message; a large slice (>= 1 MiB by
+   default) goes as its own message, straight from the source shard and into the
+   destination shard on each side where it is contiguous (a whole shard, a dim-0
+   range), saving the pack/unpack copies (on a 2-core CPU box those cost as much as
+   the transfer itself); message boundaries are a pure function of the plan
+   (:func:`messages`), so no sizes are exchanged. Only point-to-point ops
+   (``batch_isend_irecv``) on the given group (default: the world), so ranks outside
    ``src ∪ dst`` send and receive nothing, need not call this at all, and no new
-   process groups are made;
+   process groups are made (with NCCL, the group's first collective must not be
+   this call, as ``batch_isend_irecv`` requires);
 4. do the local copies while messages fly, then unpack each received buffer.
 
 Shards are dicts ``{logical name -> tensor}`` in :mod:`planner.param_layout`'s layout
@@ -106,9 +112,29 @@ def rank_schedule(plan: TransferPlan, gpu: int) -> RankSchedule:
     return s
 
 
+#: A slice at least this large travels as its own message, received straight into
+#: the destination shard and sent straight from the source shard where the slice is
+#: contiguous there (a temporary copy where it is not), skipping the pack/unpack copies.
+DIRECT_MIN_BYTES = 1 << 20
+
+
+def messages(cs: list[SliceCopy], direct_min_bytes: int = DIRECT_MIN_BYTES
+             ) -> list[list[SliceCopy]]:
+    """Split one peer pair's slices (plan order) into messages: first one packed
+    message with every slice under ``direct_min_bytes`` (if any), then one message
+    per larger slice. A pure function of the plan, so sender and receiver agree on
+    message boundaries and tags without talking.
+
+    Example: slices of 4 KB, 2 MB, 8 KB, 3 MB with a 1 MB threshold ->
+    [[4 KB, 8 KB], [2 MB], [3 MB]].
+    """
+    small = [c for c in cs if c.nbytes < direct_min_bytes]
+    return ([small] if small else []) + [[c] for c in cs if c.nbytes >= direct_min_bytes]
+
+
 @dataclass(frozen=True)
 class ReallocStats:
-    """What one rank did in one reallocation (payload bytes, no framing exists)."""
+    """What one rank did in one reallocation (payload bytes: no headers are sent)."""
 
     bytes_sent: int
     bytes_received: int
@@ -137,14 +163,16 @@ def reallocate(spec: ModelSpec, head: str, src: Placement, dst: Placement,
                src_shards: Shards | None, dst_shards: Shards | None, *,
                dtype: torch.dtype, gpus_per_node: int,
                rank_of_gpu: Sequence[int] | None = None,
-               group: dist.ProcessGroup | None = None) -> ReallocStats:
+               group: dist.ProcessGroup | None = None,
+               direct_min_bytes: int = DIRECT_MIN_BYTES) -> ReallocStats:
     """Move ``spec``'s parameters from placement ``src`` to ``dst``; call on every rank
     of ``src ∪ dst`` (others may call it too and return at once).
 
     ``src_shards``: this rank's source shards (None when it is outside ``src``).
     ``dst_shards``: this rank's destination tensors, written in place (None outside
     ``dst``). ``dtype``: the parameters' dtype on every rank. ``rank_of_gpu[g]`` is the
-    rank in ``group`` of global GPU ``g`` (default: rank ``g``). Returns this rank's
+    rank in ``group`` of global GPU ``g`` (default: rank ``g``). ``direct_min_bytes``:
+    see :func:`messages` (every rank must pass the same value). Returns this rank's
     byte and message counts.
     """
     world = dist.get_world_size(group)
@@ -169,17 +197,28 @@ def reallocate(spec: ModelSpec, head: str, src: Placement, dst: Placement,
     device = next(iter((dst_shards or src_shards).values())).device
 
     ops: list[dist.P2POp] = []
-    recv_bufs: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+    recv_later: list[tuple[torch.Tensor, list[torch.Tensor]]] = []   # (buffer, views) to unpack
+    n_recv = n_sent = bytes_sent = bytes_recv = 0
     for peer, cs in sorted(sched.recvs.items()):
-        views = [d_side.view(c.dst_tensor, c) for c in cs]
-        buf = torch.empty(sum(v.numel() for v in views), dtype=dtype, device=device)
-        recv_bufs.append((buf, views))
-        ops.append(dist.P2POp(dist.irecv, buf, ranks[peer], group))
-    send_bufs = []
+        for tag, msg in enumerate(messages(cs, direct_min_bytes)):
+            views = [d_side.view(c.dst_tensor, c) for c in msg]
+            if len(views) == 1 and views[0].is_contiguous():
+                buf = views[0]          # zero-copy: receive straight into the destination
+            else:
+                buf = torch.empty(sum(v.numel() for v in views), dtype=dtype, device=device)
+                recv_later.append((buf, views))
+            ops.append(dist.P2POp(dist.irecv, buf, ranks[peer], group, tag=tag))
+            n_recv += 1
+            bytes_recv += buf.numel() * dtype_bytes
+    keep = []   # send buffers stay alive until their sends complete
     for peer, cs in sorted(sched.sends.items()):
-        buf = pack([s_side.view(c.src_tensor, c) for c in cs])
-        send_bufs.append(buf)
-        ops.append(dist.P2POp(dist.isend, buf, ranks[peer], group))
+        for tag, msg in enumerate(messages(cs, direct_min_bytes)):
+            views = [s_side.view(c.src_tensor, c) for c in msg]
+            buf = views[0] if len(views) == 1 and views[0].is_contiguous() else pack(views)
+            keep.append(buf)
+            ops.append(dist.P2POp(dist.isend, buf, ranks[peer], group, tag=tag))
+            n_sent += 1
+            bytes_sent += buf.numel() * dtype_bytes
     works = dist.batch_isend_irecv(ops) if ops else []
 
     for c in sched.local:
@@ -187,13 +226,12 @@ def reallocate(spec: ModelSpec, head: str, src: Placement, dst: Placement,
 
     for w in works:
         w.wait()
-    for buf, views in recv_bufs:
+    for buf, views in recv_later:
         unpack(buf, views)
-    return ReallocStats(
-        bytes_sent=sum(b.numel() for b in send_bufs) * dtype_bytes,
-        bytes_received=sum(b.numel() for b, _ in recv_bufs) * dtype_bytes,
-        bytes_local=sum(c.nbytes for c in sched.local),
-        messages_sent=len(send_bufs), messages_received=len(recv_bufs))
+    del keep
+    return ReallocStats(bytes_sent=bytes_sent, bytes_received=bytes_recv,
+                        bytes_local=sum(c.nbytes for c in sched.local),
+                        messages_sent=n_sent, messages_received=n_recv)
 
 
 def allocate_shards(spec: ModelSpec, head: str, p: Placement, gpu: int, dtype: torch.dtype,

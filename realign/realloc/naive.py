@@ -22,7 +22,7 @@ from planner.param_layout import LogicalTensor, all_tensors, stage_tensors
 from planner.transfer import Placement
 from realign.realloc.checks import check_reallocation
 from realign.realloc.executor import Shards
-from realign.realloc.slices import make_shard, pack, shard_shape, unpack
+from realign.realloc.slices import pack, shard_shape, unpack
 
 
 def _coords(p: Placement, gpu: int) -> tuple[int, int, int] | None:
@@ -90,8 +90,20 @@ def naive_reallocate(spec: ModelSpec, head: str, src: Placement, dst: Placement,
     if d is not None:
         by_content = _full_views(flat, full)
         for t in stage_tensors(spec, head, dst.layout.pp, d[2]):
-            dst_shards[t.name].copy_(make_shard(by_content[t.content], t, d[0], dst.layout.tp))
+            _read_shard(by_content[t.content], dst_shards[t.name], t, d[0], dst.layout.tp)
     return received
+
+
+def _read_shard(full: torch.Tensor, shard: torch.Tensor, t: LogicalTensor, k: int,
+                tp: int) -> None:
+    """Copy TP rank ``k``'s ranges of ``full`` into ``shard`` (one copy, no temporary)."""
+    if t.shard_dim is None:
+        shard.copy_(full)
+        return
+    off = 0
+    for lo, hi in t.shard_ranges(k, tp):
+        shard.narrow(t.shard_dim, off, hi - lo).copy_(full.narrow(t.shard_dim, lo, hi - lo))
+        off += hi - lo
 
 
 def _write_shard(full: torch.Tensor, shard: torch.Tensor, t: LogicalTensor, k: int,

@@ -12,7 +12,7 @@ from planner.mesh import DeviceMesh
 from planner.model_spec import model_presets
 from planner.transfer import Placement
 from realign.realloc import offload as off
-from realign.realloc.executor import allocate_shards, reallocate
+from realign.realloc.executor import DIRECT_MIN_BYTES, allocate_shards, reallocate
 from realign.realloc.naive import naive_reallocate
 from realign.realloc.synthetic import full_weights, shards_of
 
@@ -39,28 +39,45 @@ def mismatches(got: dict, want: dict) -> list[str]:
     return [n for n in sorted(want) if not torch.equal(_bits(got[n]), _bits(want[n]))]
 
 
-def _nan_shards(spec, head, p, gpu):
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous (column-major) tensor, for 2-D tensors."""
+    if t.dim() != 2:
+        return t
+    out = torch.empty(t.shape[::-1], dtype=t.dtype).t()
+    out.copy_(t)
+    assert not out.is_contiguous() or 1 in t.shape
+    return out
+
+
+def _nan_shards(spec, head, p, gpu, strided=False):
     d = allocate_shards(spec, head, p, gpu, torch.float32)
     for t in d.values():
         t.fill_(float("nan"))
-    return d
+    return {n: _strided(t) for n, t in d.items()} if strided else d
 
 
 def _stats(s):
     return (s.bytes_sent, s.bytes_received, s.bytes_local, s.messages_sent, s.messages_received)
 
 
-def case(model: str, head: str, src_t: tuple, dst_t: tuple, gpn: int) -> dict:
-    """A -> B, check B against the reference; B -> A, check against A."""
+def case(model: str, head: str, src_t: tuple, dst_t: tuple, gpn: int,
+         direct_min_bytes: int = DIRECT_MIN_BYTES, strided: bool = False) -> dict:
+    """A -> B, check B against the reference; B -> A, check against A.
+
+    ``strided``: every 2-D shard on both sides is a non-contiguous tensor.
+    """
     spec, gpu = model_presets()[model], dist.get_rank()
     src, dst = placement(*src_t), placement(*dst_t)
     full = _full(model, head)
     a = shards_of(full, spec, head, src, gpu)
+    if strided:
+        a = {n: _strided(t) for n, t in a.items()}
     a_before = {n: t.clone() for n, t in a.items()}
-    b = _nan_shards(spec, head, dst, gpu)
-    s1 = reallocate(spec, head, src, dst, a, b, dtype=torch.float32, gpus_per_node=gpn)
-    back = _nan_shards(spec, head, src, gpu)
-    s2 = reallocate(spec, head, dst, src, b, back, dtype=torch.float32, gpus_per_node=gpn)
+    b = _nan_shards(spec, head, dst, gpu, strided)
+    kw = dict(dtype=torch.float32, gpus_per_node=gpn, direct_min_bytes=direct_min_bytes)
+    s1 = reallocate(spec, head, src, dst, a, b, **kw)
+    back = _nan_shards(spec, head, src, gpu, strided)
+    s2 = reallocate(spec, head, dst, src, b, back, **kw)
     return {"gpu": gpu,
             "dst_bad": mismatches(b, shards_of(full, spec, head, dst, gpu)),
             "back_bad": mismatches(back, a_before),

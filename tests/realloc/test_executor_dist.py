@@ -12,6 +12,7 @@ from planner.model_spec import model_presets
 from planner.realloc_cost import ReallocModel, realloc_recv_send
 from planner.transfer import transfer_plan
 from realign.realloc.checks import lower_bound_bytes
+from realign.realloc.executor import messages
 from realign.realloc.local_world import LocalWorld, RankFailure
 
 import realloc_rank_cases as rc
@@ -88,12 +89,39 @@ def test_reallocation_bit_exact_and_at_lower_bound(world, c):
                                  b.layout.dp), gpn)
         assert {g: sum(v) for g, v in acc.recv.items() if sum(v)} == \
             {g: n for g, n in enumerate(recv) if n}
-        # one message per (sender, receiver) pair
-        pairs = defaultdict(set)
+        # tiny models: every slice is below the direct threshold, so exactly one
+        # message per (sender, receiver) pair
+        pairs = defaultdict(list)
         for cp in plan.remote:
-            pairs[cp.dst_gpu].add(cp.src_gpu)
-        assert [r[key][4] for r in res] == [len(pairs[g]) for g in range(WORLD)]
-        assert sum(r[key][3] for r in res) == sum(len(v) for v in pairs.values())
+            pairs[cp.src_gpu, cp.dst_gpu].append(cp)
+        assert all(messages(cs) == [cs] for cs in pairs.values())
+        assert [r[key][4] for r in res] == [len({s for s, d in pairs if d == g})
+                                            for g in range(WORLD)]
+        assert sum(r[key][3] for r in res) == len(pairs)
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("c", [CASES[0], CASES[4], CASES[8], CASES[14], CASES[20]], ids=_ids)
+def test_direct_messages_for_large_slices(world, c, strided):
+    """With a 256-byte threshold most slices travel as their own zero-copy message
+    (or through a temporary when a shard is strided): still bit-exact, same bytes."""
+    model, head, s, d, gpn = c
+    spec = model_presets()[model]
+    res = world.run(rc.case, model, head, s, d, gpn, 256, strided)
+    for r in res:
+        assert r["dst_bad"] == [] and r["back_bad"] == [] and r["src_touched"] == []
+    for key, (a, b) in (("fwd", (rc.placement(*s), rc.placement(*d))),
+                        ("bwd", (rc.placement(*d), rc.placement(*s)))):
+        plan = transfer_plan(spec, head, a, b, gpn, 4)
+        assert sum(r[key][1] for r in res) == plan.bytes_moved() == \
+            sum(lower_bound_bytes(spec, head, a, b, 4).values())
+        pairs = defaultdict(list)
+        for cp in plan.remote:
+            pairs[cp.src_gpu, cp.dst_gpu].append(cp)
+        n_msgs = sum(len(messages(cs, 256)) for cs in pairs.values())
+        assert sum(r[key][3] for r in res) == sum(r[key][4] for r in res) == n_msgs
+        if plan.remote:
+            assert n_msgs > len(pairs)     # the direct path was really taken
 
 
 def test_at_least_twenty_cases_cover_tp_pp_dp_and_mesh_kinds():

@@ -15,7 +15,7 @@ from planner.transfer import Placement, transfer_plan
 from realign.realloc import offload as off
 from realign.realloc.checks import (ReallocError, check_reallocation, check_shards,
                                     expected_shards, lower_bound_bytes)
-from realign.realloc.executor import allocate_shards, rank_schedule
+from realign.realloc.executor import allocate_shards, messages, rank_schedule
 from realign.realloc.slices import local_range, make_shard, pack, shard_shape, shard_view, unpack
 from realign.realloc.synthetic import full_weights, shards_of
 
@@ -77,6 +77,17 @@ def test_rank_schedule_orders_match_between_peers():
         assert all(c.dst_gpu == g for c in s.local)
     assert sum(len(s.local) for s in scheds.values()) == len([c for c in plan.copies
                                                               if c.is_local])
+
+
+def test_messages_pack_small_slices_and_send_large_ones_alone():
+    from planner.transfer import SliceCopy
+    def sc(dim, nbytes):
+        return SliceCopy(0, 1, "t", "t", dim, 0, 1, nbytes)
+    a, b, c, d, e = sc(1, 4096), sc(0, 2 << 20), sc(0, 8192), sc(None, 3 << 20), sc(1, 5 << 20)
+    assert messages([a, b, c, d, e], 1 << 20) == [[a, c], [b], [d], [e]]
+    assert messages([b, d], 1 << 20) == [[b], [d]]
+    assert messages([a, c], 1 << 20) == [[a, c]]
+    assert messages([], 1 << 20) == []
 
 
 @pytest.mark.parametrize("head", ["lm", "value"])
