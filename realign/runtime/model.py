@@ -142,7 +142,25 @@ def build_model(spec: ModelSpec, head: Head, groups: ReplicaGroups, device: Devi
     if head == "value" and groups.is_last_stage:
         model.output_layer = ValueHead(spec.hidden, device.dtype, device.device)
     model.to(device.device)
-    return ModelShard(spec=spec, head=head, groups=groups, device=device, module=model)
+    shard = ModelShard(spec=spec, head=head, groups=groups, device=device, module=model)
+    _mark_tp_params(shard)
+    return shard
+
+
+def _mark_tp_params(shard: ModelShard) -> None:
+    """Set megatron's ``tensor_model_parallel`` attributes from the planner's tensors.
+
+    megatron sets them only while initialising weights; a model built without
+    initialisation (weights from a checkpoint) would otherwise have its sharded
+    weights counted as TP duplicates in the grad norm."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    g = shard.groups
+    tensors = {t.name: t for t in stage_tensors(shard.spec, shard.head, g.layout.pp, g.pp_rank)}
+    for name, param in shard.module.named_parameters():
+        t = tensors[global_name(name, shard.spec, g.layout.pp, g.pp_rank)]
+        if t.shard_dim is not None and not getattr(param, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(param, True, t.shard_dim, 1)
 
 
 # ---- logical tensors -----------------------------------------------------------------

@@ -15,10 +15,11 @@ from realign.runtime.model import build_model, logical_shards
 from tiny_hf import hf_model
 
 
-def replica(ctx, path, head, tp, pp, dp, first=0):
-    """Build (or fetch from the store) a replica loaded from ``path``; None off-mesh."""
+def replica(ctx, path, head, tp, pp, dp, first=0, fresh=False):
+    """Build (or fetch from the store) a replica loaded from ``path``; None off-mesh.
+    ``fresh`` builds a new one (for cases that change the weights)."""
     key = ("replica", str(path), head, tp, pp, dp, first)
-    if key not in ctx.store:
+    if key not in ctx.store or fresh:
         dev = init_device("cpu")
         spec = spec_from_hf(path)
         reader = HFReader(path)

@@ -11,7 +11,10 @@ Run as a script, this file is the worker's main program.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
+import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -63,9 +66,10 @@ class World:
         out, errors = [None] * self.n, []
         for rank, c in enumerate(self._conns):
             if not c.poll(max(0.0, deadline - time.monotonic())):
+                self._dump_stacks()
                 self.close()
                 raise CaseError(f"{case} timed out on rank {rank}; world stopped")
-            ok, value = c.recv()
+            ok, value = pickle.loads(c.recv_bytes())
             if ok:
                 out[rank] = value
             else:
@@ -73,6 +77,13 @@ class World:
         if errors:
             raise CaseError(f"{case} failed:\n" + "\n".join(errors))
         return out
+
+    def _dump_stacks(self) -> None:
+        """Have every worker print its Python stack to stderr (faulthandler)."""
+        for p in self._procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
 
     def close(self) -> None:
         for c in self._conns:
@@ -85,6 +96,7 @@ class World:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
         self._listener.close()
 
 
@@ -102,6 +114,7 @@ def _worker(rank: int) -> None:
     import torch
     import torch.distributed as dist
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)
     sys.path.insert(0, str(HERE))
     host, port = os.environ["REALIGN_HARNESS_ADDR"].split(":")
@@ -118,9 +131,12 @@ def _worker(rank: int) -> None:
         try:
             mod, fn = case.split(":")
             result = getattr(importlib.import_module(mod), fn)(ctx, *args)
-            conn.send((True, result))
+            reply = pickle.dumps((True, result))
         except BaseException:
-            conn.send((False, traceback.format_exc()))
+            reply = pickle.dumps((False, traceback.format_exc()))
+        # plain pickle: torch's multiprocessing reductions would pass tensors through
+        # shared memory handles that outlive the case
+        conn.send_bytes(reply)
     dist.destroy_process_group()
 
 

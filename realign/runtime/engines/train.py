@@ -1,0 +1,145 @@
+"""Training engine of one replica: megatron DDP, the distributed optimizer, gradient
+clipping, micro-batches and the 1F1B pipeline schedule (pp > 1), all with the
+replica's own process groups.
+
+The loss is supplied by the algorithm: ``loss_fn(outputs, micro_batch) -> (loss,
+metrics)`` where ``outputs`` are the per-token log-probs [b, s-1] (LM head) or values
+[b, s] (value head) of the micro-batch, differentiable, zero past each length;
+``loss`` is the micro-batch's mean loss (a scalar) and ``metrics`` a dict of scalar
+tensors. Gradients are those of the mean loss over micro-batches and data-parallel
+ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+from realign.runtime.device import cuda_tensor_type_names
+from realign.runtime.engines.base import (Batch, check_batch, local_batch, position_ids,
+                                          run_schedule, split)
+from realign.runtime.engines.inference import head_outputs
+from realign.runtime.model import ModelShard
+
+LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class TrainConfig(BaseModel):
+    """Optimiser and step settings of one trainable replica."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lr: float = Field(1e-5, gt=0, description="Adam learning rate (constant).")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW); "
+                                "megatron skips biases and norms.")
+    adam_beta1: float = Field(0.9, gt=0, lt=1, description="Adam beta1.")
+    adam_beta2: float = Field(0.999, gt=0, lt=1, description="Adam beta2.")
+    adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    clip_grad: float = Field(1.0, ge=0, description="Clip the global grad norm to this; "
+                             "0 disables clipping.")
+    micro_batches: int = Field(1, gt=0, description="Micro-batches per step and DP rank.")
+    distributed_optimizer: bool = Field(True, description="Shard optimizer state over DP.")
+
+
+class TrainEngine:
+    """``train_step(batch, loss_fn)`` for one replica. Every rank of the replica calls it
+    with the same whole batch; the returned metrics are the same on every rank."""
+
+    def __init__(self, shard: ModelShard, cfg: TrainConfig):
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.shard, self.cfg = shard, cfg
+        pgs, dev, config = shard.groups.pgs, shard.device, shard.config
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.distributed_optimizer)
+        self.model = DistributedDataParallel(config, ddp_config, shard.module,
+                                             pg_collection=pgs)
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad, bf16=dev.dtype == torch.bfloat16,
+            params_dtype=dev.dtype, use_distributed_optimizer=cfg.distributed_optimizer)
+        with cuda_tensor_type_names(dev), _world_is_replica(shard.groups.model_group):
+            self.optimizer = get_megatron_optimizer(
+                opt_config, [self.model], use_gloo_process_groups=False, pg_collection=pgs)
+        config.no_sync_func = self.model.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimiser step over the batch; returns ``loss``, ``grad_norm``,
+        ``update_ok`` and the loss function's metrics (means over micro-batches and DP)."""
+        shard = self.shard
+        check_batch(batch, shard, self.cfg.micro_batches)
+        micro = split(local_batch(batch, shard), self.cfg.micro_batches)
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = model(mb["tokens"], position_ids(mb["tokens"]), None)
+
+            def loss_func(output):
+                loss, metrics = loss_fn(head_outputs(shard, output, mb), mb)
+                return loss, {"loss": loss.detach().clone(), **{k: torch.as_tensor(v).detach().clone()
+                                                        for k, v in metrics.items()}}
+            return out, loss_func
+
+        reduced = run_schedule(shard, self.model, forward_step, micro, forward_only=False,
+                               collect_non_loss_data=False)
+        with cuda_tensor_type_names(self.shard.device):
+            update_ok, grad_norm, _ = self.optimizer.step()
+        metrics = self._reduce_metrics(reduced)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["update_ok"] = float(bool(update_ok))
+        return metrics
+
+    def _reduce_metrics(self, reduced: list[dict]) -> dict[str, float]:
+        """Mean over micro-batches (last stage), then over DP; broadcast over PP."""
+        g = self.shard.groups
+        dev = self.shard.device.device
+        keys = sorted(reduced[0]) if reduced else None
+        names = [keys]
+        if g.layout.pp > 1:
+            src = g.world_rank(g.tp_rank, g.dp_rank, g.layout.pp - 1)
+            dist.broadcast_object_list(names, src=src, group=g.pgs.pp)
+        keys = names[0]
+        if g.is_last_stage:
+            vals = torch.stack([torch.stack([r[k].float().to(dev) for r in reduced]).mean()
+                                for k in keys])
+        else:
+            vals = torch.empty(len(keys), device=dev)
+        if g.layout.pp > 1:
+            dist.broadcast(vals, src=src, group=g.pgs.pp)
+        if g.layout.dp > 1:
+            dist.all_reduce(vals, group=g.pgs.dp)
+            vals /= g.layout.dp
+        return {k: float(v) for k, v in zip(keys, vals)}
+
+
+@contextlib.contextmanager
+def _world_is_replica(group) -> Iterator[None]:
+    """While megatron builds the optimizer, make its group-less ``all_gather_object``
+    (aligning parameter groups "across all ranks") span the replica, not the world:
+    a replica's optimizer is built by the replica's ranks only."""
+    gather, size = dist.all_gather_object, dist.get_world_size
+
+    def all_gather_object(out, obj, group_=None, **kw):
+        return gather(out, obj, group=group_ if group_ is not None else group, **kw)
+
+    def get_world_size(group_=None):
+        return size(group_ if group_ is not None else group)
+
+    dist.all_gather_object, dist.get_world_size = all_gather_object, get_world_size
+    try:
+        yield
+    finally:
+        dist.all_gather_object, dist.get_world_size = gather, size

@@ -1,0 +1,76 @@
+"""Training cases run inside the gloo world: megatron train_step against a plain
+PyTorch reference (transformers model + torch AdamW) on the same weights and data."""
+from __future__ import annotations
+
+import torch
+
+from cases_model import replica, sample_batch
+from realign.runtime.engines.inference import InferenceEngine
+from realign.runtime.engines.train import TrainConfig, TrainEngine
+from tiny_hf import hf_model
+
+LR, CLIP = 1e-2, 0.5
+
+
+def sft_loss(outputs, mb):
+    """Mean negative log-likelihood of the valid next tokens."""
+    s = mb["tokens"].shape[1]
+    valid = (torch.arange(1, s) < mb["lengths"].unsqueeze(1)).float()
+    n = valid.sum()
+    return -(outputs * valid).sum() / n, {"tokens": n}
+
+
+def value_loss(outputs, mb):
+    """Regress every valid position's value onto the sequence's target."""
+    s = mb["tokens"].shape[1]
+    valid = (torch.arange(s) < mb["lengths"].unsqueeze(1)).float()
+    err = (outputs - mb["target"].unsqueeze(1)) ** 2 * valid
+    return err.sum() / valid.sum(), {}
+
+
+def train(ctx, path, head, tp, pp, dp, micro, steps, distributed_optimizer=True):
+    """Train a fresh replica; returns per-step metrics and the final outputs."""
+    shard = replica(ctx, path, head, tp, pp, dp, fresh=True)
+    if shard is None:
+        return None
+    batch = sample_batch(n=8, s=10)
+    batch["target"] = torch.linspace(-1, 1, 8)
+    engine = TrainEngine(shard, TrainConfig(lr=LR, clip_grad=CLIP, micro_batches=micro,
+                                            distributed_optimizer=distributed_optimizer))
+    loss = sft_loss if head == "lm" else value_loss
+    history = [engine.train_step(batch, loss) for _ in range(steps)]
+    out = InferenceEngine(shard).inference(batch)
+    return history, out["logprobs" if head == "lm" else "values"]
+
+
+def reference(ctx, path, head, chunks, steps):
+    """The same training in plain PyTorch: mean of ``chunks`` equal chunk losses."""
+    if ctx.rank != 0:
+        return None
+    model = hf_model(path).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    batch = sample_batch(n=8, s=10)
+    batch["target"] = torch.linspace(-1, 1, 8)
+    history = []
+
+    def outputs(mb):
+        if head == "lm":
+            logits = model(mb["tokens"]).logits
+            lp = logits[:, :-1].log_softmax(-1).gather(-1, mb["tokens"][:, 1:, None])[..., 0]
+            s = mb["tokens"].shape[1]
+            return lp * (torch.arange(1, s) < mb["lengths"][:, None])
+        hidden = model.model(mb["tokens"]).last_hidden_state
+        s = mb["tokens"].shape[1]
+        return model.score(hidden)[..., 0] * (torch.arange(s) < mb["lengths"][:, None])
+
+    fn = sft_loss if head == "lm" else value_loss
+    for _ in range(steps):
+        opt.zero_grad()
+        parts = [{k: v.chunk(chunks)[i] for k, v in batch.items()} for i in range(chunks)]
+        loss = sum(fn(outputs(mb), mb)[0] for mb in parts) / chunks
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        history.append({"loss": float(loss), "grad_norm": float(norm)})
+    with torch.no_grad():
+        return history, outputs(batch)
