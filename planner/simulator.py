@@ -77,22 +77,27 @@ class ReallocCache:
         return hit
 
 
-def needs_realloc(prob: Problem, assign: list[int], i: int) -> bool:
+def needs_realloc(prob: Problem, assign: list[int], i: int, upto: int | None = None) -> bool:
+    """Whether MFC i runs on another placement than its model's training (False while
+    the training MFC is not yet assigned, i.e. at or beyond ``upto``)."""
     model = prob.mfc_model[i]
     t = prob.model_train_mfc[model]
-    if t < 0 or t == i:
+    if t < 0 or t == i or (upto is not None and t >= upto):
         return False
     a, b = prob.cands[t][assign[t]], prob.cands[i][assign[i]]
     return (a.first_gpu, a.n_gpus, a.tp, a.pp) != (b.first_gpu, b.n_gpus, b.tp, b.pp)
 
 
-def memory(prob: Problem, assign: list[int]) -> tuple[list[float], float]:
-    """(peak bytes per GPU, worst overflow over the limit in bytes, 0 if it fits)."""
+def memory(prob: Problem, assign: list[int], upto: int | None = None) -> tuple[list[float], float]:
+    """(peak bytes per GPU, worst overflow over the limit in bytes, 0 if it fits).
+
+    With ``upto``, only MFCs ``0 .. upto-1`` count (a lower bound for branch and bound).
+    """
     n = prob.n_gpus
     resident = [0.0] * n
     transient = [0.0] * n
     seen: set[tuple[int, int, int, int, int]] = set()
-    for i in range(len(prob.cands)):
+    for i in range(len(prob.cands) if upto is None else upto):
         c = prob.cands[i][assign[i]]
         model = prob.mfc_model[i]
         trained = prob.model_train_mfc[model] >= 0
@@ -105,7 +110,7 @@ def memory(prob: Problem, assign: list[int]) -> tuple[list[float], float]:
                 seen.add(key)
                 add_res = c.resident_bytes
         tr = c.activation_bytes
-        if trained and not prob.mfc_is_train[i] and needs_realloc(prob, assign, i):
+        if trained and not prob.mfc_is_train[i] and needs_realloc(prob, assign, i, upto):
             tr = tr + c.weights_bytes
         for g in range(c.first_gpu, c.first_gpu + c.n_gpus):
             resident[g] += add_res
@@ -120,9 +125,13 @@ def memory(prob: Problem, assign: list[int]) -> tuple[list[float], float]:
 
 
 def simulate(prob: Problem, assign: list[int], cache: ReallocCache | None = None,
-             record: bool = False) -> SimResult:
+             record: bool = False, upto: int | None = None) -> SimResult:
+    """Simulate ``prob.n_iters`` iterations. With ``upto``, only MFCs ``0 .. upto-1``
+    are scheduled (constraints involving the others are dropped), which gives a
+    lower bound on the full makespan: list scheduling only ever delays tasks when
+    more tasks or constraints are added."""
     cache = cache or ReallocCache(prob)
-    n_mfc = len(prob.cands)
+    n_mfc = len(prob.cands) if upto is None else upto
     free = [0.0] * prob.n_gpus
     prev_finish = [0.0] * n_mfc
     events: list[Event] = []
@@ -138,9 +147,9 @@ def simulate(prob: Problem, assign: list[int], cache: ReallocCache | None = None
             for d in prob.deps[i]:
                 if finish[d] > ready:
                     ready = finish[d]
-            if t >= 0 and it > 0 and prev_finish[t] > ready:
+            if t >= 0 and t < n_mfc and it > 0 and prev_finish[t] > ready:
                 ready = prev_finish[t]
-            if t >= 0 and t != i and needs_realloc(prob, assign, i):
+            if t >= 0 and t != i and needs_realloc(prob, assign, i, upto):
                 src = prob.cands[t][assign[t]]
                 r_time, r_bytes = cache.get(model, t, assign[t], i, assign[i])
                 r_ready = prev_finish[t] if it > 0 else 0.0
@@ -180,7 +189,7 @@ def simulate(prob: Problem, assign: list[int], cache: ReallocCache | None = None
                 events.append(Event(m.name, m.kind, it, start, end, c.first_gpu, c.n_gpus,
                                     tuple(range(c.first_gpu, c.first_gpu + c.n_gpus))))
         prev_finish = finish
-    peak, over = memory(prob, assign)
+    peak, over = memory(prob, assign, upto)
     return SimResult(makespan / prob.n_iters, makespan, over, peak, events, reallocs)
 
 

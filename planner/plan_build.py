@@ -1,0 +1,47 @@
+"""Turn a solved search problem (an assignment) into an :class:`ExecutionPlan`."""
+from __future__ import annotations
+
+from planner.cost_config import CostModelConfig
+from planner.plan import (ExecutionPlan, HeuristicResult, MFCAllocation, PlannedModel,
+                          Reallocation, SearchInfo, TimelineEvent)
+from planner.problem import Problem
+from planner.simulator import simulate
+
+
+def describe_candidate(prob: Problem, i: int, j: int) -> str:
+    c = prob.cands[i][j]
+    return f"{c.mesh().name(prob.cluster.gpus_per_node)} {c.layout()} x{c.micro_batches}mb"
+
+
+def build_plan(name: str, prob: Problem, assign: list[int], cost_config: CostModelConfig,
+               info: SearchInfo, heuristics: tuple[HeuristicResult, ...]) -> ExecutionPlan:
+    res = simulate(prob, assign, record=True)
+    gpn = prob.cluster.gpus_per_node
+    allocs = []
+    for i, m in enumerate(prob.graph.mfcs):
+        c = prob.cands[i][assign[i]]
+        mesh = c.mesh()
+        allocs.append(MFCAllocation(
+            mfc=m.name, role=m.role, kind=m.kind, mesh=mesh, mesh_name=mesh.name(gpn),
+            layout=c.layout(), micro_batches=c.micro_batches, time_s=c.time_s,
+            mem_bytes=max(res.peak_bytes[g] for g in mesh.gpus)))
+    reallocs = []
+    for (model, i), (t, nbytes) in sorted(res.realloc.items()):
+        src = prob.cands[prob.model_train_mfc[model]][assign[prob.model_train_mfc[model]]]
+        dst = prob.cands[i][assign[i]]
+        reallocs.append(Reallocation(
+            role=prob.models[model].role, to_mfc=prob.graph.mfcs[i].name,
+            src_mesh=src.mesh(), src_layout=src.layout(), dst_mesh=dst.mesh(),
+            dst_layout=dst.layout(), bytes=nbytes, time_s=t))
+    models = tuple(PlannedModel(role=rm.role, spec=rm.spec, head=rm.head,
+                                trainable=prob.model_train_mfc[k] >= 0)
+                   for k, rm in enumerate(prob.models))
+    events = tuple(TimelineEvent(name=e.name, kind=e.kind, iteration=e.iteration,
+                                 start_s=e.start_s, end_s=e.end_s, gpus=e.gpus)
+                   for e in res.events)
+    return ExecutionPlan(
+        name=name, cluster=prob.cluster, models=models, graph=prob.graph,
+        cost_config=cost_config, allocations=tuple(allocs), reallocations=tuple(reallocs),
+        timeline=events, n_iters=prob.n_iters, iteration_time_s=res.iter_time_s,
+        mem_limit_bytes=prob.mem_limit_bytes, peak_mem_bytes=tuple(res.peak_bytes),
+        search=info, heuristics=heuristics)

@@ -1,0 +1,167 @@
+"""search(): graph + models + cluster + cost model -> ExecutionPlan.
+
+Pure: no I/O, no environment variables. Steps:
+1. price every candidate allocation of every MFC (:mod:`planner.problem`);
+2. build the hand-written heuristic plans (:mod:`planner.heuristics`) in that space;
+3. search from them: exact branch and bound when the space is small, else
+   simulated annealing in the C++ core, one chain per heuristic seed;
+4. the best plan found is never worse than any heuristic (they are its seeds).
+If nothing fits in memory, :class:`InfeasibleError` says what does not fit and the
+smallest cluster (more nodes of the same kind) that would.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner.anneal import AnnealSettings
+from planner.cluster import ClusterSpec
+from planner.cost_config import CostModelConfig
+from planner.cost_model import CostModel
+from planner.errors import InfeasibleError, PlanError
+from planner.exact import branch_and_bound
+from planner.graph import DataflowGraph
+from planner.heuristics import HEURISTICS
+from planner.plan import ExecutionPlan, HeuristicResult, SearchInfo
+from planner.plan_build import build_plan, describe_candidate
+from planner.problem import Problem, RoleModel, build_problem
+from planner.profile import ProfileTable
+from planner.simulator import ReallocCache, energy, simulate
+
+
+class SearchSettings(BaseModel):
+    """How to search (the ``plan`` section of an experiment)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["auto", "exact", "anneal"] = Field(
+        "auto", description="auto: exact when the space has at most exact_max_space plans.")
+    time_limit_s: float = Field(20.0, gt=0, description="Wall-clock cap on the search itself.")
+    seed: int = Field(0, ge=0, description="Seed of the annealer's random numbers.")
+    anneal_steps: int = Field(300_000, gt=0, description="Annealing steps, split over the seeds.")
+    exact_max_space: int = Field(100_000, gt=0, description="Largest space searched exactly under auto.")
+    exact_max_nodes: int = Field(2_000_000, gt=0, description="Node budget of branch and bound.")
+    n_iters: int = Field(3, gt=0, le=16, description="Iterations simulated per estimate.")
+
+
+def _min_memory_start(prob: Problem) -> list[int]:
+    """Each MFC on its leanest candidate (most GPUs, least memory)."""
+    return [min(range(len(cs)), key=lambda j, cs=cs: (cs[j].resident_bytes + cs[j].activation_bytes,
+                                                      -cs[j].n_gpus, cs[j].time_s))
+            for cs in prob.cands]
+
+
+def _heuristics(prob: Problem) -> dict[str, list[int] | None]:
+    return {name: fn(prob) for name, fn in HEURISTICS.items()}
+
+
+def _anneal(prob: Problem, seeds: list[list[int]], s: SearchSettings, deadline: float
+            ) -> tuple[list[int] | None, float, int]:
+    from planner.core_bridge import core_anneal, to_core
+    core = to_core(prob)
+    best, best_e, steps = None, math.inf, 0
+    per = max(1, s.anneal_steps // len(seeds))
+    for k, start in enumerate(seeds):
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            break
+        share = left / (len(seeds) - k)
+        r = core_anneal(prob, start, AnnealSettings(n_steps=per, seed=s.seed + k),
+                        time_limit_s=share, core_prob=core)
+        steps += r.steps
+        if r.feasible and r.energy < best_e:
+            best, best_e = r.assign, r.energy
+    return best, best_e, steps
+
+
+def search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
+           cost_config: CostModelConfig | None = None, profile: ProfileTable | None = None,
+           settings: SearchSettings | None = None) -> ExecutionPlan:
+    s = settings or SearchSettings()
+    cost_config = cost_config or CostModelConfig()
+    t0 = time.perf_counter()
+    cost = CostModel(cluster, cost_config, profile)
+    try:
+        prob = build_problem(graph, models, cost, n_iters=s.n_iters)
+    except PlanError as e:
+        raise InfeasibleError(f"{e}. {_suggest(graph, models, cluster, cost_config, profile)}",
+                              field="cluster") from None
+    heur = _heuristics(prob)
+    cache = ReallocCache(prob)
+    heur_e = {n: (energy(prob, simulate(prob, a, cache)) if a is not None else None)
+              for n, a in heur.items()}
+    seeds = sorted((a for a in heur.values() if a is not None),
+                   key=lambda a: energy(prob, simulate(prob, a, cache)))
+    unique: list[list[int]] = []
+    for a in seeds:
+        if a not in unique:
+            unique.append(a)
+    unique.append(_min_memory_start(prob))
+    method = s.method
+    if method == "auto":
+        method = "exact" if prob.space_size() <= s.exact_max_space else "anneal"
+    complete = True
+    if method == "exact":
+        incumbent = unique[0] if simulate(prob, unique[0], cache).feasible else None
+        r = branch_and_bound(prob, incumbent, s.exact_max_nodes)
+        best, steps, complete = r.assign, r.nodes, r.complete
+    else:
+        best, _e, steps = _anneal(prob, unique, s, t0 + s.time_limit_s)
+        complete = False
+    if best is None:
+        raise InfeasibleError(f"{_what_does_not_fit(prob)}. "
+                              f"{_suggest(graph, models, cluster, cost_config, profile)}",
+                              field="cluster")
+    # never worse than a heuristic (they seed the search; this makes it explicit)
+    for a in seeds:
+        if energy(prob, simulate(prob, a, cache)) < energy(prob, simulate(prob, best, cache)):
+            best = a
+    elapsed = time.perf_counter() - t0
+    info = SearchInfo(method=method, seed=s.seed, search_time_s=elapsed,
+                      space_size=float(prob.space_size()),
+                      candidates={m.name: len(c) for m, c in zip(graph.mfcs, prob.cands)},
+                      steps=steps, complete=complete)
+    heuristics = tuple(
+        HeuristicResult(name=n, iteration_time_s=heur_e[n],
+                        allocations=({m.name: describe_candidate(prob, i, a[i])
+                                      for i, m in enumerate(graph.mfcs)} if a else {}))
+        for n, a in heur.items())
+    return build_plan(name, prob, best, cost_config, info, heuristics)
+
+
+def _what_does_not_fit(prob: Problem) -> str:
+    start = _min_memory_start(prob)
+    res = simulate(prob, start)
+    worst = max(range(prob.n_gpus), key=lambda g: res.peak_bytes[g])
+    users = [prob.graph.mfcs[i].name for i in range(len(start))
+             if prob.cands[i][start[i]].first_gpu <= worst
+             < prob.cands[i][start[i]].first_gpu + prob.cands[i][start[i]].n_gpus]
+    gib = 2 ** 30
+    return (f"no plan fits in {prob.mem_limit_bytes / gib:.1f} GiB per GPU on "
+            f"{prob.cluster.describe()}: even with every model spread as thin as it goes, "
+            f"GPU {worst} needs {res.peak_bytes[worst] / gib:.1f} GiB for "
+            f"{', '.join(users)}")
+
+
+def _suggest(graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
+             cost_config: CostModelConfig, profile: ProfileTable | None) -> str:
+    """The smallest cluster of the same node kind on which a plan fits."""
+    n = cluster.n_nodes
+    tried = 0
+    while tried < 12 and n <= 1024:
+        n = n + 1 if n < 4 else n * 2
+        tried += 1
+        bigger = cluster.model_copy(update={"n_nodes": n})
+        cost = CostModel(bigger, cost_config, profile)
+        try:
+            prob = build_problem(graph, models, cost, n_iters=1)
+        except PlanError:
+            continue
+        if simulate(prob, _min_memory_start(prob)).feasible or any(
+                a is not None for a in _heuristics(prob).values()):
+            return (f"The smallest cluster that fits: {n} nodes x {cluster.gpus_per_node} "
+                    f"{cluster.device.name} ({n * cluster.gpus_per_node} GPUs)")
+    return "No cluster of up to 1024 such nodes fits it; use a smaller model or batch"

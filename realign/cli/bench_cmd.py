@@ -1,0 +1,31 @@
+"""``realign bench STUDY ...``: one throughput study per entry of :data:`STUDIES`.
+
+Each study module defines ``add_arguments(parser)`` and ``run(args) -> int`` and is
+imported only when chosen (so a planner study never imports torch).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+STUDIES: dict[str, tuple[str, str]] = {
+    "plan-sweep": ("realign.bench.plan_sweep", "searched vs heuristic plans over the PPO sweep"),
+    "realloc": ("realign.bench.realloc", "parameter reallocation: bytes, lower bound, time vs naive"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="study", required=True)
+    for name, (module, help_text) in STUDIES.items():
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(_study_module=module)
+        # Arguments are added lazily by the study itself; see _parse below.
+        p.add_argument("study_args", nargs=argparse.REMAINDER,
+                       help="arguments of the study (see `realign bench STUDY -h`)")
+
+
+def run(args: argparse.Namespace) -> int:
+    mod = importlib.import_module(args._study_module)
+    p = argparse.ArgumentParser(prog=f"realign bench {args.study}")
+    mod.add_arguments(p)
+    return int(mod.run(p.parse_args(args.study_args)) or 0)

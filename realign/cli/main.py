@@ -1,0 +1,53 @@
+"""The ``realign`` command line: ``plan``, ``bench``, and (later) ``run``/``submit``.
+
+Each subcommand lives in its own module and is imported only when used, so
+``realign plan`` never imports torch. User errors (bad YAML, impossible plans) are
+printed as one message without a traceback, with exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, help). Each module defines ``add_arguments(parser)`` and
+# ``run(args) -> int``. An explicit table: adding a command is one line here.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("realign.cli.plan_cmd", "search an execution plan for an experiment YAML"),
+    "bench": ("realign.cli.bench_cmd", "throughput studies (plan-sweep, realloc, ...)"),
+}
+
+EXIT_USER_ERROR = 2
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    from planner.errors import PlanError
+    from realign.errors import UserError
+    return (PlanError, UserError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="realign", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except _user_error_types() as e:
+        print(f"realign {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"realign {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
