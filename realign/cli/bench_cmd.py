@@ -19,13 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (module, help_text) in STUDIES.items():
         p = sub.add_parser(name, help=help_text)
         p.set_defaults(_study_module=module)
-        # Arguments are added lazily by the study itself; see _parse below.
-        p.add_argument("study_args", nargs=argparse.REMAINDER,
-                       help="arguments of the study (see `realign bench STUDY -h`)")
+        # The study's own options are parsed by the study (see run): the top-level
+        # parser hands over what it does not know in ``args.extra``.
 
 
 def run(args: argparse.Namespace) -> int:
     mod = importlib.import_module(args._study_module)
     p = argparse.ArgumentParser(prog=f"realign bench {args.study}")
     mod.add_arguments(p)
-    return int(mod.run(p.parse_args(args.study_args)) or 0)
+    return int(mod.run(p.parse_args(args.extra)) or 0)

@@ -1,0 +1,57 @@
+"""Human and machine summaries of an :class:`ExecutionPlan` (table and JSON)."""
+from __future__ import annotations
+
+from planner.plan import ExecutionPlan
+
+GIB = 2 ** 30
+
+
+def summary(plan: ExecutionPlan) -> dict:
+    """The ``realign plan --json`` object."""
+    heur = {h.name: h.iteration_time_s for h in plan.heuristics}
+    return {
+        "name": plan.name,
+        "cluster": plan.cluster.describe(),
+        "iteration_time_s": plan.iteration_time_s,
+        "search_time_s": plan.search.search_time_s,
+        "method": plan.search.method,
+        "heuristics": heur,
+        "speedup": {n: (t / plan.iteration_time_s if t else None) for n, t in heur.items()},
+        "mem_limit_bytes": plan.mem_limit_bytes,
+        "mfcs": [
+            {"name": a.mfc, "mesh": a.mesh_name, "first_gpu": a.mesh.first_gpu,
+             "n_gpus": a.mesh.n_gpus, "tp": a.layout.tp, "pp": a.layout.pp, "dp": a.layout.dp,
+             "micro_batches": a.micro_batches, "time_s": a.time_s, "mem_bytes": a.mem_bytes}
+            for a in plan.allocations],
+        "reallocations": [
+            {"role": r.role, "to": r.to_mfc, "bytes": r.bytes, "time_s": r.time_s}
+            for r in plan.reallocations],
+    }
+
+
+def table(plan: ExecutionPlan) -> str:
+    rows = [("MFC", "mesh", "GPUs", "TP", "PP", "DP", "micro", "time s", "mem GiB/GPU")]
+    for a in plan.allocations:
+        rows.append((a.mfc, a.mesh_name, str(a.mesh.n_gpus), str(a.layout.tp), str(a.layout.pp),
+                     str(a.layout.dp), str(a.micro_batches), f"{a.time_s:.3f}",
+                     f"{a.mem_bytes / GIB:.1f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    out = [f"{plan.name} on {plan.cluster.describe()} "
+           f"({plan.mem_limit_bytes / GIB:.1f} GiB usable per GPU)", ""] + lines
+    for r in plan.reallocations:
+        out.append(f"realloc {r.role} -> {r.to_mfc}: {r.bytes / GIB:.2f} GiB in {r.time_s:.3f} s "
+                   f"({r.src_layout} -> {r.dst_layout})")
+    out.append("")
+    out.append(f"estimated iteration time: {plan.iteration_time_s:.3f} s   "
+               f"(search: {plan.search.method}, {plan.search.search_time_s:.1f} s, "
+               f"{plan.search.steps} steps, space {plan.search.space_size:.3g})")
+    for h in plan.heuristics:
+        if h.iteration_time_s is None:
+            out.append(f"  {h.name:15s} does not fit in memory")
+        else:
+            out.append(f"  {h.name:15s} {h.iteration_time_s:9.3f} s   searched plan is "
+                       f"{h.iteration_time_s / plan.iteration_time_s:.2f}x faster")
+    return "\n".join(out)

@@ -1,0 +1,1 @@
+"""Experiment configuration: typed schema (pydantic) and YAML loading."""

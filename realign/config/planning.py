@@ -1,0 +1,49 @@
+"""From an experiment config to the planner's inputs, and to a searched plan."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from planner.algorithms import build_graph
+from planner.errors import PlanError
+from planner.model_spec import model_presets, model_spec_from_hf_config
+from planner.plan import ExecutionPlan
+from planner.problem import RoleModel, head_of
+from planner.profile import ProfileTable
+from planner.search import SearchSettings, search
+from realign.config.experiment import ExperimentConfig
+from realign.errors import UserError
+
+
+def resolve_models(cfg: ExperimentConfig, base: Path) -> dict[str, RoleModel]:
+    presets = model_presets()
+    out = {}
+    for role, ref in cfg.models.roles().items():
+        if ref in presets:
+            spec = presets[ref]
+        else:
+            p = Path(ref) if Path(ref).is_absolute() else base / ref
+            if not p.exists():
+                raise UserError(f"{ref!r} is neither a preset ({', '.join(sorted(presets))}) "
+                                "nor an existing path to a Hugging Face config.json",
+                                field=f"models.{role}")
+            try:
+                spec = model_spec_from_hf_config(p, name=p.name if p.is_dir() else p.parent.name)
+            except PlanError as e:
+                raise UserError(str(e).removeprefix("model: "), field=f"models.{role}") from None
+        out[role] = RoleModel(role, spec, head_of(role))
+    return out
+
+
+def plan_experiment(cfg: ExperimentConfig, base: Path,
+                    overrides: dict | None = None) -> ExecutionPlan:
+    """Search the execution plan of an experiment (``overrides``: search settings)."""
+    models = resolve_models(cfg, base)
+    graph = build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models))
+    profile = None
+    if cfg.plan.profile:
+        pp = Path(cfg.plan.profile)
+        profile = ProfileTable.load(pp if pp.is_absolute() else base / pp)
+    fields = cfg.plan.model_dump(exclude={"cost", "profile"})
+    fields.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    settings = SearchSettings(**fields)
+    return search(cfg.name, graph, models, cfg.cluster.spec(), cfg.plan.cost, profile, settings)
