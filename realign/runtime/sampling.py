@@ -43,14 +43,19 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def choose_tokens(logits: torch.Tensor, p: SamplingParams,
-                  generators: list[torch.Generator]) -> torch.Tensor:
-    """Next token per row of float logits [b, V] (padding vocabulary already masked)."""
+def choose_tokens(logits: torch.Tensor, p: SamplingParams, generators: list[torch.Generator],
+                  active: torch.Tensor) -> torch.Tensor:
+    """Next token per row of float logits [b, V] (padding vocabulary already masked).
+
+    Only ``active`` rows (those generating at this step) draw from their generator, so
+    a sequence's samples depend on its seed alone, not on the batch around it."""
+    choice = logits.argmax(dim=-1)
     if p.greedy:
-        return logits.argmax(dim=-1)
+        return choice
     probs = filter_logits(logits, p).softmax(dim=-1)
-    return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0]
-                        for i, g in enumerate(generators)])
+    for i in active.nonzero().flatten().tolist():
+        choice[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
+    return choice
 
 
 def make_generators(p: SamplingParams, first_index: int, n: int) -> list[torch.Generator]:

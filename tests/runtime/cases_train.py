@@ -9,7 +9,9 @@ from realign.runtime.engines.inference import InferenceEngine
 from realign.runtime.engines.train import TrainConfig, TrainEngine
 from tiny_hf import hf_model
 
-LR, CLIP = 1e-2, 0.5
+# a large Adam epsilon keeps float noise in near-zero gradients from turning into
+# full-size (lr) updates, so the two implementations stay comparable after a step
+LR, CLIP, EPS = 1e-2, 0.5, 1e-4
 
 
 def sft_loss(outputs, mb):
@@ -35,7 +37,8 @@ def train(ctx, path, head, tp, pp, dp, micro, steps, distributed_optimizer=True)
         return None
     batch = sample_batch(n=8, s=10)
     batch["target"] = torch.linspace(-1, 1, 8)
-    engine = TrainEngine(shard, TrainConfig(lr=LR, clip_grad=CLIP, micro_batches=micro,
+    engine = TrainEngine(shard, TrainConfig(lr=LR, clip_grad=CLIP, adam_eps=EPS,
+                                            micro_batches=micro,
                                             distributed_optimizer=distributed_optimizer))
     loss = sft_loss if head == "lm" else value_loss
     history = [engine.train_step(batch, loss) for _ in range(steps)]
@@ -48,7 +51,7 @@ def reference(ctx, path, head, chunks, steps):
     if ctx.rank != 0:
         return None
     model = hf_model(path).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
     batch = sample_batch(n=8, s=10)
     batch["target"] = torch.linspace(-1, 1, 8)
     history = []

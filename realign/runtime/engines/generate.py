@@ -100,9 +100,9 @@ class GenerateEngine:
         while True:
             logits = self._stage_forward(inputs, ctx)
             ctx.sequence_len_offset += inputs.shape[1]
-            choice, logp = self._choose(logits, p, gens, b)
             gen_pos = cur - plen                          # index of this new token
             new = (gen_pos >= 0) & ~done
+            choice, logp = self._choose(logits, p, gens, new)
             rows = new.nonzero().flatten()
             out_tok[rows, gen_pos[rows]] = choice[rows]
             out_lp[rows, gen_pos[rows]] = logp[rows]
@@ -135,19 +135,19 @@ class GenerateEngine:
             return None
         return out[:, -1, :]
 
-    def _choose(self, logits, p: SamplingParams, gens, b: int):
+    def _choose(self, logits, p: SamplingParams, gens, active: torch.Tensor):
         """Next token and its log-prob on the last stage, broadcast to every stage."""
         shard = self.shard
         g = shard.groups
         packed = None
         if g.is_last_stage:
             logits = logits.float()[:, : shard.spec.vocab_size]
-            choice = choose_tokens(logits, p, gens)
+            choice = choose_tokens(logits, p, gens, active)
             logp = logits.log_softmax(-1).gather(1, choice.unsqueeze(1)).squeeze(1)
             packed = torch.stack([choice.double(), logp.double()])
         if g.layout.pp > 1:
             if packed is None:
-                packed = torch.empty(2, b, dtype=torch.float64, device=shard.device.device)
+                packed = torch.empty(2, active.shape[0], dtype=torch.float64, device=shard.device.device)
             dist.broadcast(packed, src=g.world_rank(g.tp_rank, g.dp_rank, g.layout.pp - 1),
                            group=g.pgs.pp)
         return packed[0].long(), packed[1].float()
