@@ -87,7 +87,7 @@ def search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluste
     try:
         prob = build_problem(graph, models, cost, n_iters=s.n_iters)
     except PlanError as e:
-        raise InfeasibleError(f"{e}. {_suggest(graph, models, cluster, cost_config, profile)}",
+        raise InfeasibleError(f"{e.message}. {_suggest(graph, models, cluster, cost_config, profile)}",
                               field="cluster") from None
     heur = _heuristics(prob)
     cache = ReallocCache(prob)
