@@ -146,22 +146,31 @@ def _what_does_not_fit(prob: Problem) -> str:
             f"{', '.join(users)}")
 
 
+def _fits_on(graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
+             cost_config: CostModelConfig, profile: ProfileTable | None) -> bool:
+    try:
+        prob = build_problem(graph, models, CostModel(cluster, cost_config, profile), n_iters=1)
+    except PlanError:
+        return False
+    return simulate(prob, _min_memory_start(prob)).feasible or any(
+        a is not None for a in _heuristics(prob).values())
+
+
 def _suggest(graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
              cost_config: CostModelConfig, profile: ProfileTable | None) -> str:
-    """The smallest cluster of the same node kind on which a plan fits."""
-    n = cluster.n_nodes
-    tried = 0
-    while tried < 12 and n <= 1024:
-        n = n + 1 if n < 4 else n * 2
-        tried += 1
-        bigger = cluster.model_copy(update={"n_nodes": n})
-        cost = CostModel(bigger, cost_config, profile)
-        try:
-            prob = build_problem(graph, models, cost, n_iters=1)
-        except PlanError:
-            continue
-        if simulate(prob, _min_memory_start(prob)).feasible or any(
-                a is not None for a in _heuristics(prob).values()):
-            return (f"The smallest cluster that fits: {n} nodes x {cluster.gpus_per_node} "
-                    f"{cluster.device.name} ({n * cluster.gpus_per_node} GPUs)")
-    return "No cluster of up to 1024 such nodes fits it; use a smaller model or batch"
+    """The smallest cluster of the same node kind on which a plan fits: double the
+    node count until one fits, then bisect between the last two counts."""
+    def fits(n: int) -> bool:
+        return _fits_on(graph, models, cluster.model_copy(update={"n_nodes": n}),
+                        cost_config, profile)
+
+    lo, hi = cluster.n_nodes, cluster.n_nodes * 2
+    while not fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1024:
+            return "No cluster of up to 1024 such nodes fits it; use a smaller model or batch"
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return (f"The smallest cluster that fits: {hi} nodes x {cluster.gpus_per_node} "
+            f"{cluster.device.name} ({hi * cluster.gpus_per_node} GPUs)")
