@@ -1,0 +1,176 @@
+"""Runtime pieces that need no processes: rank arithmetic of replica groups, input
+checks, the HF <-> megatron tensor mapping, sampling filters, vocab-parallel log-probs.
+
+They import torch (and some megatron-core), so they carry no ``pure`` marker (that
+tier is torch-free); they run in the default CPU test run."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from planner.layout import Layout
+from planner.mesh import DeviceMesh
+from planner.model_spec import ModelSpec
+from planner.param_layout import stage_tensors
+from realign.errors import UserError
+from realign.runtime.groups import check_replica, grid_rank_enum
+from realign.runtime.model import global_name, local_shard_shape
+
+SPEC = ModelSpec(name="t", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128,
+                 vocab_size=200)
+
+
+@pytest.mark.parametrize("tp,dp,pp,offset", [(2, 2, 2, 0), (2, 1, 2, 4), (1, 4, 1, 2),
+                                             (4, 1, 2, 0)])
+def test_group_ranks_equal_megatrons_hypercommgrid(monkeypatch, tp, dp, pp, offset):
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    monkeypatch.setenv("WORLD_SIZE", str(tp * dp * pp + offset))
+    grid = HyperCommGrid([tp, 1, dp, pp], ["tp", "cp", "dp", "pp"], rank_offset=offset)
+    ours = grid_rank_enum(Layout(tp=tp, dp=dp, pp=pp), offset)
+    for kind, dims in [("tp", "tp"), ("dp", "dp"), ("pp", "pp"), ("mp", ["tp", "pp"])]:
+        theirs = sorted(sorted(g) for g in grid.get_rank_enum(dims))
+        assert sorted(ours[kind]) == theirs, kind
+    assert ours["embd"] == [[g[0], g[-1]] if pp > 1 else [g[0]] for g in ours["pp"]]
+
+
+def test_group_ranks_worked_example():
+    e = grid_rank_enum(Layout(tp=2, dp=1, pp=2), 4)
+    assert e["tp"] == [[4, 5], [6, 7]] and e["pp"] == [[4, 6], [5, 7]]
+    assert e["embd"] == [[4, 6], [5, 7]] and e["model"] == [[4, 5, 6, 7]]
+
+
+def test_check_replica_names_every_problem():
+    with pytest.raises(UserError, match="exceed the world of 4 ranks"):
+        check_replica(SPEC, DeviceMesh(first_gpu=4, n_gpus=2), Layout(tp=2), 4)
+    with pytest.raises(UserError, match="tp=4 must divide the 4 attention heads and 2 KV"):
+        check_replica(SPEC, DeviceMesh(first_gpu=0, n_gpus=4), Layout(tp=4), 4)
+    with pytest.raises(UserError, match="pp=3 must divide the 4 layers"):
+        check_replica(SPEC, DeviceMesh(first_gpu=0, n_gpus=3), Layout(pp=3), 4)
+    with pytest.raises(UserError, match="needs tp\\*pp\\*dp = 2 ranks but the mesh has 4"):
+        check_replica(SPEC, DeviceMesh(first_gpu=0, n_gpus=4), Layout(tp=2), 4)
+    check_replica(SPEC, DeviceMesh(first_gpu=0, n_gpus=4), Layout(tp=2, pp=2), 4)
+
+
+def test_global_layer_names():
+    assert global_name("module.decoder.layers.1.mlp.linear_fc1.weight", SPEC, 2, 1) == \
+        "decoder.layers.3.mlp.linear_fc1.weight"
+    assert global_name("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+                       SPEC, 1, 0) == "decoder.layers.0.input_layernorm.weight"
+    assert global_name("embedding.word_embeddings.weight", SPEC, 2, 0) == \
+        "embedding.word_embeddings.weight"
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2", "llama_tied"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hf_shards_reassemble_to_the_checkpoint(tiny_models, model, tp):
+    """read_shard for every TP rank, put back with the planner's shard ranges, then
+    to_hf: exactly the checkpoint's tensors (QKV grouping, [gate; up], vocab pad)."""
+    from realign.runtime.hf_checkpoint import HFReader, read_shard, spec_from_hf, to_hf
+
+    path = tiny_models[model]
+    spec, reader = spec_from_hf(path), HFReader(path)
+    seen = set()
+    for t in stage_tensors(spec, "lm", 1, 0):
+        shards = [read_shard(reader, spec, t, r, tp) for r in range(tp)]
+        assert all(s.shape == local_shard_shape(t, tp) for s in shards), t.name
+        if t.shard_dim is None:
+            full = shards[0]
+        else:
+            full = torch.zeros(t.shape)
+            for r, s in enumerate(shards):
+                for (a, b), piece in zip(t.shard_ranges(r, tp), s.chunk(t.parts, t.shard_dim)):
+                    full.narrow(t.shard_dim, a, b - a).copy_(piece)
+        for name, tensor in to_hf(t, full, spec).items():
+            assert torch.equal(tensor, reader.whole(name)), name
+            seen.add(name)
+    if model == "llama_tied":
+        seen.add("lm_head.weight")
+    assert {n for n in reader._where if n != "lm_head.weight" or model != "llama_tied"} <= seen
+
+
+def test_qkv_is_grouped_per_kv_head(tiny_models):
+    """megatron's fused QKV rows: [q of group g; k_g; v_g] for each KV group g."""
+    from realign.runtime.hf_checkpoint import HFReader, read_shard, spec_from_hf
+
+    path = tiny_models["llama"]
+    spec, reader = spec_from_hf(path), HFReader(path)
+    qkv = next(t for t in stage_tensors(spec, "lm", 1, 0) if t.content.endswith(".qkv"))
+    fused = read_shard(reader, spec, qkv, 1, 2)     # TP rank 1 of 2 = KV group 1
+    d = spec.kv_channels
+    q = reader.whole("model.layers.0.self_attn.q_proj.weight")
+    k = reader.whole("model.layers.0.self_attn.k_proj.weight")
+    assert torch.equal(fused[:2 * d], q[2 * d:4 * d])         # query heads 2, 3
+    assert torch.equal(fused[2 * d:3 * d], k[d:2 * d])        # key head 1
+
+
+def test_checkpoint_problems_are_user_errors(tiny_models, tmp_path):
+    from realign.runtime.hf_checkpoint import HFReader, check_checkpoint, spec_from_hf
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_models["llama"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["num_key_value_heads"] = 4
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="k_proj.weight' has shape \\(32, 64\\) but "
+                                        "config.json implies \\(64, 64\\)"):
+        check_checkpoint(HFReader(bad), spec_from_hf(bad), "lm")
+    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="rope_type 'llama3' is not supported"):
+        spec_from_hf(bad)
+    cfg["model_type"] = "gpt2"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="model_type 'gpt2' is not supported"):
+        spec_from_hf(bad)
+    with pytest.raises(UserError, match="neither model.safetensors nor"):
+        HFReader(tmp_path)
+
+
+def test_sliding_window_caps_sequence_length(tiny_models):
+    from realign.runtime.hf_checkpoint import spec_from_hf
+
+    assert spec_from_hf(tiny_models["mistral"]).max_seq_len == 64
+    assert spec_from_hf(tiny_models["qwen2"]).max_seq_len == 256
+
+
+def test_top_k_and_top_p_filters():
+    from realign.runtime.sampling import SamplingParams, filter_logits
+
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
+    keep = lambda **kw: torch.isfinite(filter_logits(logits, SamplingParams(**kw)))[0].tolist()  # noqa
+    assert keep(top_k=2) == [True, True, False, False]
+    assert keep(top_p=0.5) == [True, False, False, False]
+    assert keep(top_p=0.7) == [True, True, False, False]
+    assert keep(top_p=0.75) == [True, True, False, False]
+    assert keep(top_p=0.76) == [True, True, True, False]
+    assert keep() == [True] * 4
+
+
+def test_sampling_draws_only_for_active_rows():
+    from realign.runtime.sampling import SamplingParams, choose_tokens, make_generators
+
+    p = SamplingParams(seed=5)
+    logits = torch.randn(3, 50)
+    alone = choose_tokens(logits[1:2], p, make_generators(p, 1, 1), torch.tensor([True]))
+    gens = make_generators(p, 0, 3)
+    choose_tokens(logits, p, gens, torch.tensor([False, False, True]))   # row 1 idle
+    both = choose_tokens(logits, p, gens, torch.tensor([True, True, True]))
+    assert both[1] == alone[0]
+
+
+def test_token_logprobs_and_gradient_match_log_softmax():
+    from realign.runtime.vocab_parallel import token_logprobs
+
+    logits = torch.randn(2, 5, 256, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 200, (2, 5))
+    ours = token_logprobs(logits, targets, None, 200)
+    ref = logits[..., :200].log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+    assert torch.allclose(ours.double(), ref, atol=1e-6)
+    w = torch.randn(2, 5)
+    g1, = torch.autograd.grad((ours * w).sum(), logits)
+    g2, = torch.autograd.grad((ref * w).sum(), logits)
+    assert torch.allclose(g1.double(), g2, atol=1e-6)
