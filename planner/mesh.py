@@ -49,10 +49,13 @@ class DeviceMesh(BaseModel):
                 raise PlanError(f"a mesh of {self.n_gpus} GPUs must be whole nodes of {gpn} "
                                 "starting at a node boundary", field=field)
         else:
-            if self.n_gpus & (self.n_gpus - 1) or self.first_gpu % self.n_gpus:
+            # The size must also divide the node, else an aligned block can straddle
+            # two nodes (4 GPUs at 4 on nodes of 6).
+            if (self.n_gpus & (self.n_gpus - 1) or gpn % self.n_gpus
+                    or self.first_gpu % self.n_gpus):
                 raise PlanError(f"a mesh inside one node must have a power-of-two size "
-                                f"aligned to it (got {self.n_gpus} GPUs at "
-                                f"{self.first_gpu})", field=field)
+                                f"that divides the node's {gpn} GPUs, aligned to it (got "
+                                f"{self.n_gpus} GPUs at {self.first_gpu})", field=field)
 
 
 def enumerate_meshes(cluster: ClusterSpec) -> list[DeviceMesh]:
