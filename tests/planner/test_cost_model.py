@@ -1,0 +1,343 @@
+"""The analytic cost model, term by term, against hand computation.
+
+A toy device with round rates (efficiencies set to 1, so rates are the device's) and
+a toy model whose parameter counts are written out below from the architecture,
+not from ModelSpec's helpers:
+
+    L=4 layers, h=64, 4 heads of d=16, 2 KV heads, SwiGLU ffn=128, vocab 128 (padded 128)
+    per layer, TP-split: QKV (4+2*2)*16=128 rows x 64 = 8192, proj 64x64 = 4096,
+                         fc1 256x64 = 16384, fc2 64x128 = 8192      -> 36864
+    per layer, replicated: two RMSNorms of 64                         -> 128
+    embedding 128x64 = 8192; final norm 64; LM head 128x64 = 8192; value head 64
+    P_mm (weights a token multiplies through, LM head) = 4*36864 + 8192 = 155648
+    attention FLOPs per token per context token: 4*L*heads*d = 1024
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from planner.cluster import ClusterSpec, DeviceSpec, resolve_device
+from planner.cost_config import CostModelConfig
+from planner.cost_model import CostModel
+from planner.graph import MFC
+from planner.layout import Layout
+from planner.mesh import DeviceMesh
+from planner.model_spec import ModelSpec, model_presets
+from planner.profile import MeasuredMFC, MeasuredRates, ProfileTable
+
+pytestmark = pytest.mark.pure
+
+R = 1e12          # FLOP/s
+B_MEM = 1e11      # bytes/s
+B_INTRA = 1e10
+B_INTER = 1e9
+LAT_INTRA = 1e-6
+LAT_INTER = 1e-5
+
+DEV = DeviceSpec(name="toy", peak_flops=R, mem_bytes=1e9, mem_bw_bytes_per_s=B_MEM,
+                 intra_node_bytes_per_s=B_INTRA, inter_node_bytes_per_s=B_INTER,
+                 intra_node_latency_s=LAT_INTRA, inter_node_latency_s=LAT_INTER)
+EXACT = CostModelConfig(matmul_efficiency=1.0, mem_bw_efficiency=1.0, link_efficiency=1.0)
+TOY = ModelSpec(name="toy", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128,
+                vocab_size=128)
+
+L, H, DT = 4, 64, 2
+LAYER_SPLIT, LAYER_REPL, EMB, NORM, LM_HEAD = 36864, 128, 8192, 64, 8192
+P_MM = 155648
+ATTN = 1024
+
+
+def flops_per_token(context: float) -> float:
+    return 2 * P_MM + ATTN * context
+
+
+def ar(nbytes: float, n: int, inter: bool = False) -> float:
+    """Ring all-reduce, by the textbook formula."""
+    if n == 1:
+        return 0.0
+    bw, lat = (B_INTER, LAT_INTER) if inter else (B_INTRA, LAT_INTRA)
+    return 2 * (n - 1) / n * nbytes / bw + 2 * math.ceil(math.log2(n)) * lat
+
+
+def act_per_token_layer(tp: int) -> float:
+    # bf16: 5h replicated + (qkv rows 128 + attention out 64 + 3 x ffn 128) / tp
+    return DT * (5 * H + (128 + 64 + 3 * 128) / tp)
+
+
+def cost_model(n_nodes=1, gpn=4, config=EXACT, profile=None) -> CostModel:
+    return CostModel(ClusterSpec(n_nodes=n_nodes, gpus_per_node=gpn, device=DEV), config,
+                     profile)
+
+
+def mfc(kind, n_seqs=8, prompt=16, gen=32, minibatches=1, epochs=1) -> MFC:
+    return MFC(name=f"actor.{kind}", role="actor", kind=kind, n_seqs=n_seqs, prompt_len=prompt,
+               gen_len=gen, input_keys=("d",), output_keys=("o",), n_minibatches=minibatches,
+               n_epochs=epochs)
+
+
+def mesh(n, first=0) -> DeviceMesh:
+    return DeviceMesh(first_gpu=first, n_gpus=n)
+
+
+def approx(x):
+    return pytest.approx(x, rel=1e-12, abs=0)
+
+
+# ---- rates and collectives ------------------------------------------------------
+
+def test_rates_are_device_rates_times_efficiency():
+    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=4, device=DEV))  # default config
+    assert cm.flops_per_s == approx(0.5 * R)
+    assert cm.mem_bytes_per_s == approx(0.8 * B_MEM)
+    assert cm.intra_bytes_per_s == approx(0.8 * B_INTRA)
+    assert cm.inter_bytes_per_s == approx(0.8 * B_INTER)
+    assert cm.mem_limit_bytes == approx(0.9 * 1e9)
+
+
+@pytest.mark.parametrize("n,inter,expected", [
+    (1, False, 0.0),
+    (2, False, 2 * 1 / 2 * 1e6 / B_INTRA + 2 * 1 * LAT_INTRA),
+    (3, False, 2 * 2 / 3 * 1e6 / B_INTRA + 2 * 2 * LAT_INTRA),   # ceil(log2 3) = 2
+    (8, False, 2 * 7 / 8 * 1e6 / B_INTRA + 2 * 3 * LAT_INTRA),
+    (8, True, 2 * 7 / 8 * 1e6 / B_INTER + 2 * 3 * LAT_INTER),
+])
+def test_allreduce_s(n, inter, expected):
+    assert cost_model().allreduce_s(1e6, n, inter) == approx(expected)
+
+
+def test_p2p_s():
+    cm = cost_model()
+    assert cm.p2p_s(1e6, False) == approx(1e6 / B_INTRA + LAT_INTRA)
+    assert cm.p2p_s(1e6, True) == approx(1e6 / B_INTER + LAT_INTER)
+
+
+# ---- weights ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("tp,pp,head,expected", [
+    (1, 1, "lm", 4 * (LAYER_SPLIT + LAYER_REPL) + EMB + NORM + LM_HEAD),
+    (2, 1, "lm", 4 * (LAYER_SPLIT / 2 + LAYER_REPL) + EMB / 2 + NORM + LM_HEAD / 2),
+    (1, 1, "value", 4 * (LAYER_SPLIT + LAYER_REPL) + EMB + NORM + H),
+    # pp=2: first stage 2 layers + embedding, last 2 layers + norm + head; the heavier
+    (2, 2, "lm", max(2 * (LAYER_SPLIT / 2 + LAYER_REPL) + EMB / 2,
+                     2 * (LAYER_SPLIT / 2 + LAYER_REPL) + NORM + LM_HEAD / 2)),
+    (1, 4, "value", 1 * (LAYER_SPLIT + LAYER_REPL) + EMB),
+])
+def test_stage_params(tp, pp, head, expected):
+    assert CostModel.stage_params(TOY, head, Layout(tp=tp, pp=pp)) == approx(expected)
+
+
+def test_tied_embeddings_count_once_without_pipeline_and_twice_with():
+    tied = TOY.model_copy(update={"tied_embeddings": True})
+    body = 4 * (LAYER_SPLIT + LAYER_REPL)
+    assert CostModel.stage_params(tied, "lm", Layout()) == approx(body + EMB + NORM)
+    # with pp=2 the last stage keeps its own copy of the embedding as the output layer
+    half = 2 * (LAYER_SPLIT + LAYER_REPL)
+    assert CostModel.stage_params(tied, "lm", Layout(pp=2)) == approx(half + NORM + EMB)
+
+
+# ---- generate --------------------------------------------------------------------
+
+def test_generate_single_gpu_is_memory_bound():
+    c = cost_model().mfc_cost(mfc("generate"), TOY, "lm", mesh(1), Layout(), 1)
+    weights = DT * (4 * (LAYER_SPLIT + LAYER_REPL) + EMB + NORM + LM_HEAD)   # 328832
+    assert c.weights_bytes == approx(weights) and c.resident_bytes == approx(weights)
+    # prefill: 8 x 16 prompt tokens, causal context 16/2
+    assert c.terms_s["prefill"] == approx(8 * 16 * flops_per_token(8) / R)
+    # decode: 32 steps; each reads the weights + the KV cache of 8 sequences at an
+    # average context of 16 + 32/2; KV per token per layer = 2 x 2 heads x 16 x 2 bytes
+    kv_read = 8 * L * (2 * 2 * 16 * DT) * 32
+    mem_s = (weights + kv_read) / B_MEM
+    assert 8 * flops_per_token(32) / R < mem_s          # memory-bound here
+    assert c.terms_s["decode"] == approx(32 * 1 * mem_s)
+    assert set(c.terms_s) == {"prefill", "decode"}
+    assert c.time_s == approx(c.terms_s["prefill"] + c.terms_s["decode"])
+    # memory: the KV cache of all 8 sequences at full length, fp32 logits of one step
+    # (x2), and the prefill activations of one micro-batch
+    kv_cache = 8 * L * (2 * 2 * 16 * DT) * (16 + 32)
+    assert c.activation_bytes == approx(kv_cache + 4 * 8 * 128 * 2 + 8 * 16 * act_per_token_layer(1))
+
+
+def test_generate_compute_bound_when_flops_are_scarce():
+    slow = DEV.model_copy(update={"peak_flops": 1e9})
+    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=4, device=slow), EXACT)
+    c = cm.mfc_cost(mfc("generate"), TOY, "lm", mesh(1), Layout(), 1)
+    assert c.terms_s["decode"] == approx(32 * 8 * flops_per_token(32) / 1e9)
+
+
+def test_generate_tp2_pp2_two_micro_batches():
+    c = cost_model().mfc_cost(mfc("generate"), TOY, "lm", mesh(4), Layout(tp=2, pp=2), 2)
+    weights = DT * max(2 * (LAYER_SPLIT / 2 + LAYER_REPL) + EMB / 2,
+                       2 * (LAYER_SPLIT / 2 + LAYER_REPL) + NORM + LM_HEAD / 2)
+    assert c.weights_bytes == approx(weights)
+    b = 8 / 2                                   # sequences per micro-batch
+    # prefill: per stage slot compute / (tp*pp), 2 TP all-reduces per layer of the
+    # stage, one activation send to the next stage (intra-node); (m + pp - 1) slots
+    tok = b * 16
+    slot = (tok * flops_per_token(8) / (4 * R) + (L / 2) * 2 * ar(tok * H * DT, 2)
+            + tok * H * DT / B_INTRA + LAT_INTRA)
+    assert c.terms_s["prefill"] == approx((2 + 2 - 1) * slot)
+    # decode: max(m, pp) = 2 slots per generated token
+    kv_read = b * (L / 2) * (2 * 1 * 16 * DT) * 32
+    mem_s = (weights + kv_read) / B_MEM
+    assert b * flops_per_token(32) / (4 * R) < mem_s
+    step = mem_s + (L / 2) * 2 * ar(b * H * DT, 2) + b * H * DT / B_INTRA + LAT_INTRA
+    assert c.terms_s["decode"] == approx(32 * 2 * step)
+
+
+def test_decode_slots_follow_max_of_micro_batches_and_stages():
+    cm = cost_model()
+    one = cm.mfc_cost(mfc("generate"), TOY, "lm", mesh(4), Layout(pp=4), 1)
+    four = cm.mfc_cost(mfc("generate"), TOY, "lm", mesh(4), Layout(pp=4), 4)
+    # with pp=4, m=1 still pays 4 slots per token of a full-batch step; m=4 pays 4
+    # slots of quarter-batch steps, so it is faster
+    assert four.terms_s["decode"] < one.terms_s["decode"]
+
+
+# ---- inference -------------------------------------------------------------------
+
+def test_inference_tp2_pp2_across_nodes():
+    cm = cost_model(n_nodes=2, gpn=2)          # the 4-GPU mesh spans 2 nodes
+    c = cm.mfc_cost(mfc("inference"), TOY, "lm", mesh(4), Layout(tp=2, pp=2), 2)
+    b, seq = 4, 48
+    tok = b * seq
+    compute = tok * flops_per_token(seq / 2) / (4 * R)
+    tp_comm = (L / 2) * 2 * ar(tok * H * DT, 2)
+    p2p = tok * H * DT / B_INTER + LAT_INTER           # a stage boundary crosses nodes
+    assert c.terms_s["compute"] == approx(2 * compute)
+    assert c.terms_s["tp_comm"] == approx(2 * tp_comm)
+    assert c.terms_s["pp_comm"] == approx(2 * p2p)
+    assert c.terms_s["pp_bubble"] == approx((2 - 1) * (compute + tp_comm + p2p))
+    assert "dp_grad_sync" not in c.terms_s and "optimizer" not in c.terms_s
+    assert c.time_s == approx(sum(c.terms_s.values()))
+    # two layers' activations of one micro-batch and fp32 logits (x2) of its tokens
+    assert c.activation_bytes == approx(2 * tok * act_per_token_layer(2) + 2 * 4 * tok * 64)
+    assert c.resident_bytes == approx(c.weights_bytes)
+
+
+def test_inference_data_parallel_splits_the_batch():
+    cm = cost_model()
+    one = cm.mfc_cost(mfc("inference"), TOY, "value", mesh(1), Layout(), 1)
+    four = cm.mfc_cost(mfc("inference"), TOY, "value", mesh(4), Layout(dp=4), 1)
+    assert one.terms_s["compute"] == approx(8 * 48 * (2 * (4 * LAYER_SPLIT + H) + ATTN * 24) / R)
+    assert four.terms_s["compute"] == approx(one.terms_s["compute"] / 4)
+    assert four.weights_bytes == approx(one.weights_bytes)
+
+
+# ---- train -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("distributed", [True, False])
+def test_train_tp2_dp2_across_nodes(recompute, distributed):
+    cfg = EXACT.model_copy(update={"activation_recompute": recompute,
+                                   "distributed_optimizer": distributed})
+    cm = cost_model(n_nodes=2, gpn=2, config=cfg)
+    m = mfc("train", n_seqs=16, minibatches=2, epochs=2)
+    c = cm.mfc_cost(m, TOY, "lm", mesh(4), Layout(tp=2, dp=2), 2)
+    steps = 2 * 2                              # mini-batches x epochs
+    b = 16 / 2 / 2 / 2                         # per step, per replica, per micro-batch
+    tok = b * 48
+    passes = 4 if recompute else 3             # forward + 2x backward (+ recomputation)
+    compute = passes * tok * flops_per_token(24) / (2 * R)
+    n_ar = 6 if recompute else 4
+    tp_comm = L * n_ar * ar(tok * H * DT, 2)
+    p_gpu = 4 * (LAYER_SPLIT / 2 + LAYER_REPL) + EMB / 2 + NORM + LM_HEAD / 2
+    assert c.terms_s["compute"] == approx(steps * 2 * compute)
+    assert c.terms_s["tp_comm"] == approx(steps * 2 * tp_comm)
+    assert c.terms_s["pp_comm"] == 0 and c.terms_s["pp_bubble"] == 0
+    # DP groups are {0,2} and {1,3}: across the two nodes, so the NIC rate applies
+    assert c.terms_s["dp_grad_sync"] == approx(steps * ar(DT * p_gpu, 2, inter=True))
+    shard = 2 if distributed else 1
+    assert c.terms_s["optimizer"] == approx(steps * p_gpu / shard * 30 / B_MEM)
+    assert c.weights_bytes == approx(DT * p_gpu)
+    assert c.resident_bytes == approx(DT * p_gpu + p_gpu * (4 + 12 / shard))
+    if recompute:   # each layer keeps its input; one layer's full activations at a time
+        act = 1 * L * tok * H * DT + tok * act_per_token_layer(2)
+    else:
+        act = 1 * L * tok * act_per_token_layer(2)
+    assert c.activation_bytes == approx(act + 2 * 4 * tok * 64)
+
+
+def test_train_compute_is_three_forwards_and_four_with_recomputation():
+    base = cost_model().mfc_cost(mfc("train"), TOY, "lm", mesh(1), Layout(), 1)
+    rc = cost_model(config=EXACT.model_copy(update={"activation_recompute": True})).mfc_cost(
+        mfc("train"), TOY, "lm", mesh(1), Layout(), 1)
+    inf = cost_model().mfc_cost(mfc("inference"), TOY, "lm", mesh(1), Layout(), 1)
+    assert base.terms_s["compute"] == approx(3 * inf.terms_s["compute"])
+    assert rc.terms_s["compute"] == approx(4 * inf.terms_s["compute"])
+    assert base.terms_s["dp_grad_sync"] == 0.0
+
+
+def test_train_pipeline_bubble_and_activation_sends():
+    cm = cost_model()
+    c = cm.mfc_cost(mfc("train", n_seqs=8), TOY, "lm", mesh(4), Layout(pp=4), 4)
+    tok = 2 * 48
+    compute = 3 * tok * flops_per_token(24) / (4 * R)
+    p2p = 2 * (tok * H * DT / B_INTRA + LAT_INTRA)       # forward and backward sends
+    assert c.terms_s["compute"] == approx(4 * compute)
+    assert c.terms_s["pp_comm"] == approx(4 * p2p)
+    assert c.terms_s["pp_bubble"] == approx(3 * (compute + p2p))
+    # 1F1B: min(pp, m) = 4 micro-batches in flight, one layer per stage
+    assert c.activation_bytes == approx(4 * 1 * tok * act_per_token_layer(1) + 2 * 4 * tok * 128)
+
+
+# ---- monotonic sanity ------------------------------------------------------------
+
+def test_more_tp_lowers_weights_per_gpu():
+    spec = model_presets()["llama2-7b"]
+    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=8, device=resolve_device("h100-80g")))
+    m = mfc("inference", n_seqs=64)
+    w = [cm.mfc_cost(m, spec, "lm", mesh(8), Layout(tp=tp, dp=8 // tp), 1).weights_bytes
+         for tp in (1, 2, 4, 8)]
+    assert w == sorted(w, reverse=True) and len(set(w)) == 4
+    assert w[0] / w[3] > 7  # nearly everything is TP-split
+
+
+def test_more_micro_batches_lowers_activation_memory():
+    spec = model_presets()["llama2-7b"]
+    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=8, device=resolve_device("h100-80g")))
+    for kind in ("train", "inference", "generate"):
+        m = mfc(kind, n_seqs=64)
+        acts = [cm.mfc_cost(m, spec, "lm", mesh(8), Layout(tp=8), mb).activation_bytes
+                for mb in (1, 2, 4, 8)]
+        assert acts == sorted(acts, reverse=True) and len(set(acts)) == 4, kind
+
+
+# ---- profile table overrides ------------------------------------------------------
+
+def test_profile_rates_override_device_rates():
+    rates = MeasuredRates(matmul_flops_per_s=2e12, mem_bytes_per_s=4e11,
+                          intra_node_bytes_per_s=3e10, inter_node_bytes_per_s=5e9)
+    cm = cost_model(config=CostModelConfig(), profile=ProfileTable(device="toy", rates=rates))
+    assert (cm.flops_per_s, cm.mem_bytes_per_s, cm.intra_bytes_per_s, cm.inter_bytes_per_s) == (
+        2e12, 4e11, 3e10, 5e9)   # measured rates are used as they are, no efficiency
+    c = cm.mfc_cost(mfc("inference"), TOY, "lm", mesh(1), Layout(), 1)
+    assert c.terms_s["compute"] == approx(8 * 48 * flops_per_token(24) / 2e12)
+    assert cm.allreduce_s(1e6, 2, False) == approx(1e6 / 3e10 + 2 * LAT_INTRA)
+
+
+def test_profile_partial_rates_keep_the_rest_analytic():
+    cm = cost_model(config=CostModelConfig(),
+                    profile=ProfileTable(device="toy", rates=MeasuredRates(mem_bytes_per_s=4e11)))
+    assert cm.mem_bytes_per_s == 4e11
+    assert cm.flops_per_s == approx(0.5 * R)
+    assert cm.intra_bytes_per_s == approx(0.8 * B_INTRA)
+
+
+def test_profile_exact_mfc_time_overrides_only_its_match():
+    entry = MeasuredMFC(model="toy", kind="inference", tp=2, pp=1, dp=2, micro_batches=2,
+                        n_seqs=8, prompt_len=16, gen_len=32, time_s=0.125)
+    cm = cost_model(profile=ProfileTable(device="toy", mfcs=(entry,)))
+    plain = cost_model()
+    lay = Layout(tp=2, dp=2)
+    hit = cm.mfc_cost(mfc("inference"), TOY, "lm", mesh(4), lay, 2)
+    assert hit.time_s == 0.125 and hit.terms_s == {"measured": 0.125}
+    ref = plain.mfc_cost(mfc("inference"), TOY, "lm", mesh(4), lay, 2)
+    assert hit.activation_bytes == ref.activation_bytes  # memory stays analytic
+    # other micro-batches, layouts, kinds or shapes fall back to the analytic model
+    for args in ((mfc("inference"), lay, 1), (mfc("inference"), Layout(tp=4), 2),
+                 (mfc("train"), lay, 2), (mfc("inference", n_seqs=16), lay, 2)):
+        got = cm.mfc_cost(args[0], TOY, "lm", mesh(4), args[1], args[2])
+        want = plain.mfc_cost(args[0], TOY, "lm", mesh(4), args[1], args[2])
+        assert got.time_s == want.time_s and "measured" not in got.terms_s

@@ -1,0 +1,138 @@
+"""The hand-written baseline plans: each is the kind of plan its system runs, priced in
+the search's own candidate space, and None when it has nothing that fits."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from planner.algorithms import BatchShape, build_graph
+from planner.cluster import ClusterSpec, resolve_device
+from planner.cost_model import CostModel
+from planner.heuristics import HEURISTICS, deepspeed_chat, megatron, openrlhf
+from planner.mesh import enumerate_meshes
+from planner.model_spec import model_presets
+from planner.problem import Problem, RoleModel, build_problem, head_of
+from planner.simulator import needs_realloc, simulate
+
+pytestmark = pytest.mark.pure
+
+PPO = ("ppo", ("actor", "critic", "ref", "reward"))
+GRPO = ("grpo", ("actor", "ref"))
+GRPO_RM = ("grpo", ("actor", "ref", "reward"))
+
+
+def problem(alg_roles, model, n_nodes, gpn, prompts=16, meshes=None) -> Problem:
+    alg, roles = alg_roles
+    presets = model_presets()
+    cluster = ClusterSpec(n_nodes=n_nodes, gpus_per_node=gpn, device=resolve_device("a100-80g"))
+    shape = BatchShape(prompts_per_step=prompts, prompt_len=64, gen_len=128, ppo_minibatches=2)
+    models = {r: RoleModel(r, presets[model], head_of(r)) for r in roles}
+    return build_problem(build_graph(alg, shape, set(roles)), models, CostModel(cluster),
+                         meshes=meshes)
+
+
+CASES = [
+    (PPO, "tiny-llama", 2, 4),
+    (GRPO, "tiny-llama-8l", 1, 4),
+    (GRPO_RM, "llama2-7b", 1, 8),
+    (PPO, "llama2-7b", 2, 8),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0][0]}-{c[1]}-{c[2]}x{c[3]}")
+def prob(request) -> Problem:
+    return problem(*request.param)
+
+
+def chosen(prob: Problem, assign: list[int]):
+    return [prob.cands[i][j] for i, j in enumerate(assign)]
+
+
+def test_megatron_is_symmetric_with_one_layout_per_model(prob):
+    assign = megatron(prob)
+    assert assign is not None
+    cs = chosen(prob, assign)
+    assert all((c.first_gpu, c.n_gpus) == (0, prob.n_gpus) for c in cs)
+    for model in range(len(prob.models)):
+        layouts = {(c.tp, c.pp) for i, c in enumerate(cs) if prob.mfc_model[i] == model}
+        assert len(layouts) == 1, prob.models[model].role
+    res = simulate(prob, assign)
+    assert res.feasible and res.realloc == {}
+    assert not any(needs_realloc(prob, assign, i) for i in range(len(assign)))
+
+
+def check_deepspeed_chat(prob: Problem) -> tuple[int, int]:
+    """Checks a deepspeed-chat plan; returns (generation TP, actor training TP)."""
+    assign = deepspeed_chat(prob)
+    assert assign is not None
+    cs = chosen(prob, assign)
+    gpn = prob.cluster.gpus_per_node
+    assert all((c.first_gpu, c.n_gpus, c.pp) == (0, prob.n_gpus, 1) for c in cs)
+    gen = [i for i, m in enumerate(prob.graph.mfcs) if m.kind == "generate"]
+    train = prob.graph.mfcs.index(next(m for m in prob.graph.mfcs if m.name == "actor.train"))
+    for i in gen:
+        # the largest TP inside a node that generation has on all GPUs
+        tps = {c.tp for c in prob.cands[i] if (c.first_gpu, c.n_gpus, c.pp) == (0, prob.n_gpus, 1)}
+        assert cs[i].tp == max(t for t in tps if t <= gpn)
+        assert cs[i].tp >= cs[train].tp
+    res = simulate(prob, assign)
+    assert res.feasible
+    # the actor moves to the generation layout exactly when training uses another TP
+    actor = prob.mfc_model[train]
+    assert ((actor, gen[0]) in res.realloc) == (cs[gen[0]].tp != cs[train].tp)
+    return cs[gen[0]].tp, cs[train].tp
+
+
+def test_deepspeed_chat_generates_at_intra_node_tp(prob):
+    check_deepspeed_chat(prob)
+
+
+def test_deepspeed_chat_switches_layouts_when_training_fits_at_lower_tp():
+    prob = problem(GRPO, "tiny-llama-8l", 1, 4)
+    gen_tp, train_tp = check_deepspeed_chat(prob)
+    assert (gen_tp, train_tp) == (4, 1)   # 4 KV heads allow TP4; the tiny model trains at TP1
+
+
+def test_openrlhf_disaggregates_generation_and_training(prob):
+    assign = openrlhf(prob)
+    assert assign is not None
+    cs = chosen(prob, assign)
+    meshes = [c.mesh() for c in cs]
+    for i, m in enumerate(prob.graph.mfcs):
+        for k, n in enumerate(prob.graph.mfcs):
+            # pools: two calls share all their GPUs or none
+            assert meshes[i] == meshes[k] or not meshes[i].overlaps(meshes[k])
+            if m.kind == "generate" and n.kind == "train":
+                assert not meshes[i].overlaps(meshes[k]), (m.name, n.name)
+    assert simulate(prob, assign).feasible
+    # the GPUs are all used: pools split the cluster
+    used = {g for mesh in meshes for g in mesh.gpus}
+    assert used == set(range(prob.n_gpus))
+
+
+def test_every_heuristic_returns_none_when_nothing_fits(prob):
+    starved = dataclasses.replace(prob, mem_limit_bytes=1.0)
+    for name, fn in HEURISTICS.items():
+        assert fn(starved) is None, name
+
+
+def test_symmetric_heuristics_need_the_whole_cluster_as_a_mesh():
+    meshes = [m for m in enumerate_meshes(ClusterSpec(n_nodes=1, gpus_per_node=4,
+                                                      device=resolve_device("a100-80g")))
+              if m.n_gpus < 4]
+    prob = problem(GRPO, "tiny-llama", 1, 4, meshes=meshes)
+    assert megatron(prob) is None and deepspeed_chat(prob) is None
+    assert openrlhf(prob) is not None
+
+
+def test_megatron_shards_a_model_that_needs_it():
+    """On a memory-bound case (llama2-7b PPO on one node) megatron must shard models
+    (TP/PP above 1) to fit, which the tiny case never needs."""
+    prob = problem(PPO, "llama2-7b", 1, 8)
+    assign = megatron(prob)
+    assert assign is not None
+    cs = chosen(prob, assign)
+    train = next(i for i, m in enumerate(prob.graph.mfcs) if m.name == "actor.train")
+    assert cs[train].tp * cs[train].pp > 1
+    assert simulate(prob, assign).feasible
