@@ -37,9 +37,12 @@ class CaseError(AssertionError):
 
 
 class World:
-    """``World(2)`` starts two ranks; ``world.run("cases:fn", arg)`` -> [r0, r1]."""
+    """``World(2)`` starts two ranks; ``world.run("cases:fn", arg)`` -> [r0, r1].
 
-    def __init__(self, n: int, timeout_s: float = 120.0):
+    ``paths``: more folders the workers import case modules from (this folder always).
+    """
+
+    def __init__(self, n: int, timeout_s: float = 120.0, paths: tuple[str, ...] = ()):
         self.n = n
         self.timeout_s = timeout_s
         authkey = os.urandom(16)
@@ -49,6 +52,7 @@ class World:
                    WORLD_SIZE=str(n), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                    TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                    REALIGN_HARNESS_KEY=authkey.hex(),
+                   REALIGN_HARNESS_PATHS=os.pathsep.join(str(p) for p in paths),
                    REALIGN_HARNESS_ADDR=f"127.0.0.1:{self._listener.address[1]}")
         self._procs = [subprocess.Popen([sys.executable, __file__, str(r)],
                                         env=dict(env, RANK=str(r)))
@@ -117,6 +121,8 @@ def _worker(rank: int) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)
     sys.path.insert(0, str(HERE))
+    for p in filter(None, os.environ["REALIGN_HARNESS_PATHS"].split(os.pathsep)):
+        sys.path.insert(0, p)
     host, port = os.environ["REALIGN_HARNESS_ADDR"].split(":")
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["REALIGN_HARNESS_KEY"]))
     conn.send(rank)
