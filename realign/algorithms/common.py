@@ -1,0 +1,176 @@
+"""Pieces every algorithm shares: the response mask, masked statistics, KL estimators,
+discounted returns, sequence-level advantages spread over tokens and the clipped
+surrogate objective.
+
+Shapes: ``b`` sequences of ``s`` tokens; per-token log-probs, advantages and masks are
+[b, s-1] (position ``t`` scores token ``t+1``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from realign.errors import UserError
+
+Batch = dict[str, torch.Tensor]
+#: The training engine's loss: ``loss_fn(outputs, micro_batch) -> (loss, metrics)``.
+LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+LossAgg = Literal["token_mean", "seq_mean_token_mean"]
+
+
+class AlgorithmConfig(BaseModel):
+    """Base of the algorithms' hyper-parameter models: unknown keys are errors, values
+    are frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def require(batch: Batch, *keys: str) -> None:
+    """Raise :class:`UserError` naming the keys ``batch`` lacks."""
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise UserError(f"the batch lacks {', '.join(map(repr, missing))} "
+                        f"(has {sorted(batch)})", field="batch")
+
+
+def response_mask(lengths: torch.Tensor, prompt_lengths: torch.Tensor, s: int) -> torch.Tensor:
+    """Float mask [b, s-1] of the log-prob positions that score response tokens.
+
+    Position ``t`` predicts token ``t+1``; response tokens are ``prompt_len ..
+    length-1``, so ``mask[i, t] = 1`` iff ``prompt_len[i] - 1 <= t < length[i] - 1``.
+    Example: s=6, prompt_len=2, length=5 -> [0, 1, 1, 1, 0] (tokens 2, 3, 4).
+    """
+    t = torch.arange(s - 1, device=lengths.device).unsqueeze(0)
+    mask = (t >= prompt_lengths.unsqueeze(1) - 1) & (t < lengths.unsqueeze(1) - 1)
+    return mask.float()
+
+
+def batch_mask(batch: Batch) -> torch.Tensor:
+    """:func:`response_mask` of a batch (``tokens``, ``lengths``, ``prompt_lengths``)."""
+    require(batch, "tokens", "lengths", "prompt_lengths")
+    return response_mask(batch["lengths"], batch["prompt_lengths"], batch["tokens"].shape[1])
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """sum(x * mask) / sum(mask) over ``dim`` (all entries when None); 0 where the
+    mask is empty."""
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) with mean and (population) variance over the
+    masked entries; zero outside the mask. Advantage normalisation (PPO, REINFORCE++)."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+               kind: KLEstimator = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating
+    KL divergence", 2020), with log r = log pi_ref - log pi:
+
+    - k1 = -log r (unbiased, high variance, can be negative);
+    - k2 = (log r)^2 / 2 (biased, low variance);
+    - k3 = "low_var_kl" = (r - 1) - log r (unbiased, low variance, >= 0).
+    """
+    log_r = ref_logprobs - logprobs
+    if kind == "k1":
+        return -log_r
+    if kind == "k2":
+        return 0.5 * log_r ** 2
+    if kind in ("k3", "low_var_kl"):
+        return torch.expm1(log_r) - log_r
+    raise ValueError(f"unknown KL estimator {kind!r}; allowed: k1, k2, k3, low_var_kl")
+
+
+def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
+             kind: KLEstimator = "k1") -> torch.Tensor:
+    """Per-token KL estimate [b, s-1], zero outside ``mask``."""
+    return kl_penalty(logprobs, ref_logprobs, kind) * mask
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: LossAgg) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar: ``token_mean`` averages over all response
+    tokens of the micro-batch; ``seq_mean_token_mean`` averages each sequence's tokens,
+    then the sequences that have any (the GRPO paper's 1/G sum_i 1/|o_i| sum_t)."""
+    if mode == "token_mean":
+        return masked_mean(per_token, mask)
+    if mode == "seq_mean_token_mean":
+        has = (mask.sum(1) > 0).float()
+        return masked_mean(masked_mean(per_token, mask, dim=1), has)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def last_token_scores(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[b, s-1] with ``rewards[i]`` at each row's last masked position, zero elsewhere
+    (and zero for a row with an empty mask)."""
+    pos = torch.arange(mask.shape[1], device=mask.device)
+    last = (mask * pos).argmax(dim=1, keepdim=True)
+    out = torch.zeros_like(mask).scatter(1, last, rewards.to(mask.dtype).unsqueeze(1))
+    return out * mask
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor,
+                       gamma: float) -> torch.Tensor:
+    """G_t = sum_{k>=t} gamma^(k-t) r_k over each row's response; zero outside ``mask``."""
+    rewards = token_rewards * mask
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        out[:, t] = running
+    return out * mask
+
+
+def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A per-sequence value [b] repeated over each row's masked positions [b, s-1]."""
+    return seq_values.to(mask.dtype).unsqueeze(1) * mask
+
+
+def group_view(x: torch.Tensor, group_size: int, what: str) -> torch.Tensor:
+    """[b] -> [b / group_size, group_size]: consecutive rows sampled from one prompt."""
+    if group_size < 1 or x.shape[0] % group_size:
+        raise UserError(f"{x.shape[0]} rows do not split into groups of {group_size} "
+                        f"samples per prompt", field=what)
+    return x.reshape(-1, group_size)
+
+
+def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                      advantages: torch.Tensor, mask: torch.Tensor, clip_ratio: float,
+                      agg: LossAgg = "token_mean"
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped objective (Schulman et al. 2017, eq. 7), as a loss:
+    ratio = exp(log pi - log pi_old);
+    L = -min(ratio * A, clip(ratio, 1-eps, 1+eps) * A), aggregated over ``mask``.
+    Metrics: ``clip_frac`` (tokens where the clipped term was chosen), ``approx_kl``
+    (mean of log pi_old - log pi), ``ratio`` (mean)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -ratio * advantages
+    clipped = -torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio) * advantages
+    loss = aggregate(torch.max(unclipped, clipped), mask, agg)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": masked_mean((clipped > unclipped).float(), mask),
+            "approx_kl": masked_mean(old_logprobs - logprobs, mask),
+            "ratio": masked_mean(ratio, mask),
+        }
+    return loss, metrics
+
+
+def sequence_logprob(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log pi(response | prompt) = sum of the response tokens' log-probs, [b]."""
+    return (logprobs * mask).sum(1)
+
+
+def pairs(x: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split interleaved rows (2i chosen, 2i+1 rejected) into (chosen, rejected)."""
+    if x.shape[0] % 2:
+        raise UserError(f"preference pairs need an even number of rows (chosen, rejected "
+                        f"interleaved), got {x.shape[0]}", field=what)
+    return x[0::2], x[1::2]

@@ -1,0 +1,71 @@
+"""GRPO (Shao et al. 2024, "DeepSeekMath", section 4.1): no critic; each prompt's G
+samples are scored and normalised within their group.
+
+    A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)   on every token of o_i
+    L = 1/G sum_i 1/|o_i| sum_t -min(ratio * A_i, clip(ratio, 1 +- eps) * A_i)
+        + beta * KL_k3(pi || pi_ref)
+
+A group is ``samples_per_prompt`` consecutive rows; ``std`` is the unbiased sample
+standard deviation.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from pydantic import Field
+
+from realign.algorithms.common import (AlgorithmConfig, Batch, KLEstimator, LossAgg,
+                                       aggregate, batch_mask, broadcast_to_tokens,
+                                       clipped_surrogate, group_view, kl_penalty,
+                                       require)
+
+
+class GRPOConfig(AlgorithmConfig):
+    """GRPO hyper-parameters."""
+
+    samples_per_prompt: int = Field(8, ge=2, description="G: responses per prompt, on "
+                                    "consecutive rows (must equal the batch's).")
+    clip_ratio: float = Field(0.2, gt=0, description="epsilon of the clipped surrogate.")
+    kl_coef: float = Field(0.04, ge=0, description="beta: weight of the KL loss to the "
+                           "reference (the paper's 0.04).")
+    kl_estimator: KLEstimator = Field("k3", description="KL estimator of the KL loss.")
+    eps: float = Field(1e-6, gt=0, description="Added to the group std.")
+    loss_agg: LossAgg = Field("seq_mean_token_mean", description="Per-sequence token mean "
+                              "then mean (the paper) or one mean over all tokens.")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
+    minibatches: int = Field(1, gt=0, description="Optimizer steps per pass.")
+
+
+def group_advantages(rewards: torch.Tensor, samples_per_prompt: int,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """(r - group mean) / (group std + eps) per sequence, [b]."""
+    g = group_view(rewards.float(), samples_per_prompt, "algorithm.samples_per_prompt")
+    adv = (g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + eps)
+    return adv.reshape(-1)
+
+
+@torch.no_grad()
+def prepare(batch: Batch, cfg: GRPOConfig) -> Batch:
+    """Adds ``advantages`` [b, s-1]: the group-normalised reward on each response token."""
+    require(batch, "rewards")
+    adv = group_advantages(batch["rewards"], cfg.samples_per_prompt, cfg.eps)
+    return {**batch, "advantages": broadcast_to_tokens(adv, batch_mask(batch))}
+
+
+def actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg: GRPOConfig
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate + kl_coef * KL(pi || ref). Metrics: clip_frac, approx_kl,
+    ratio, kl."""
+    mask = batch_mask(batch)
+    loss, metrics = clipped_surrogate(logprobs_new, batch["logprobs"], batch["advantages"],
+                                      mask, cfg.clip_ratio, cfg.loss_agg)
+    kl = aggregate(kl_penalty(logprobs_new, batch["ref_logprobs"], cfg.kl_estimator), mask,
+                   cfg.loss_agg)
+    metrics["kl"] = kl.detach()
+    return loss + cfg.kl_coef * kl, metrics
+
+
+def actor_loss_fn(cfg: GRPOConfig):
+    """``loss_fn(logprobs, micro_batch)`` of the actor for the training engine."""
+    return partial(actor_loss, cfg=cfg)

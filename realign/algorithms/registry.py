@@ -1,0 +1,116 @@
+"""The table of algorithms by name: each entry is its config class, its ``prepare``
+step and, per trained model role, a factory of the training engine's loss function.
+
+The names and roles match the planner's dataflow graphs (``planner.algorithms``):
+``actor.train`` trains with ``loss_fn("actor", cfg)``, ``critic.train`` with
+``loss_fn("critic", cfg)``, ``reward.train`` with ``loss_fn("reward", cfg)``.
+
+Controller use::
+
+    algo = registry.get(exp.algorithm.name)
+    cfg = algo.make_config(exp.algorithm.params, exp.algorithm.shape())
+    batch = algo.prepare(scored_rollout, cfg)          # adds advantages, returns, ...
+    engine.train_step(minibatch, algo.loss_fn("actor", cfg))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+from pydantic import ValidationError
+
+from planner.algorithms import BatchShape
+from realign.algorithms import dpo, grpo, ppo, reinforce_pp, remax, rloo, rm, sft
+from realign.algorithms.common import AlgorithmConfig, Batch, LossFn
+from realign.errors import UserError
+
+#: Config fields the batch shape sets (experiment ``algorithm.<shape field>``), so they
+#: are written once: config field -> BatchShape field.
+SHAPE_FIELDS: Mapping[str, str] = MappingProxyType({
+    "samples_per_prompt": "samples_per_prompt",
+    "ppo_epochs": "ppo_epochs",
+    "minibatches": "ppo_minibatches",
+})
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One algorithm: ``config`` (pydantic class), ``prepare(batch, cfg) -> batch`` (on
+    the controller, after scoring, before training) and ``losses``: trained role ->
+    ``factory(cfg) -> loss_fn``."""
+
+    name: str
+    config: type[AlgorithmConfig]
+    prepare: Callable[[Batch, AlgorithmConfig], Batch]
+    losses: Mapping[str, Callable[[AlgorithmConfig], LossFn]]
+
+    @property
+    def trained_roles(self) -> tuple[str, ...]:
+        return tuple(self.losses)
+
+    def make_config(self, params: Mapping[str, Any], shape: BatchShape) -> AlgorithmConfig:
+        """The config from the experiment's ``algorithm.params`` plus the fields the batch
+        shape owns (:data:`SHAPE_FIELDS`); :class:`UserError` naming the field if invalid."""
+        for name, shape_name in SHAPE_FIELDS.items():
+            if name in params:
+                raise UserError(f"set {shape_name} on the algorithm, not in params",
+                                field=f"algorithm.params.{name}")
+        from_shape = {name: getattr(shape, shape_name) for name, shape_name in
+                      SHAPE_FIELDS.items() if name in self.config.model_fields}
+        try:
+            return self.config(**params, **from_shape)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"])
+            field = (f"algorithm.{SHAPE_FIELDS[loc]}" if loc in from_shape
+                     else f"algorithm.params.{loc}")
+            raise UserError(f"{err['msg']} (got {err.get('input')!r}) for {self.name}",
+                            field=field) from None
+
+    def loss_fn(self, role: str, cfg: AlgorithmConfig) -> LossFn:
+        """The loss function that trains model ``role`` under ``cfg``."""
+        if role not in self.losses:
+            raise UserError(f"{self.name} trains no {role!r} model; it trains "
+                            f"{', '.join(self.losses)}", field="algorithm.name")
+        if not isinstance(cfg, self.config):
+            raise TypeError(f"{self.name} needs a {self.config.__name__}, got "
+                            f"{type(cfg).__name__}")
+        return self.losses[role](cfg)
+
+    def actor_loss_fn(self, cfg: AlgorithmConfig) -> LossFn:
+        return self.loss_fn("actor", cfg)
+
+    def critic_loss_fn(self, cfg: AlgorithmConfig) -> LossFn:
+        return self.loss_fn("critic", cfg)
+
+
+def _table(*algorithms: Algorithm) -> Mapping[str, Algorithm]:
+    table: dict[str, Algorithm] = {}
+    for a in algorithms:
+        if a.name in table:
+            raise ValueError(f"algorithm {a.name!r} registered twice")
+        table[a.name] = a
+    return MappingProxyType(table)
+
+
+ALGORITHMS: Mapping[str, Algorithm] = _table(
+    Algorithm("ppo", ppo.PPOConfig, ppo.prepare,
+              {"actor": ppo.actor_loss_fn, "critic": ppo.critic_loss_fn}),
+    Algorithm("grpo", grpo.GRPOConfig, grpo.prepare, {"actor": grpo.actor_loss_fn}),
+    Algorithm("remax", remax.ReMaxConfig, remax.prepare, {"actor": remax.actor_loss_fn}),
+    Algorithm("reinforce_pp", reinforce_pp.ReinforcePPConfig, reinforce_pp.prepare,
+              {"actor": reinforce_pp.actor_loss_fn}),
+    Algorithm("rloo", rloo.RLOOConfig, rloo.prepare, {"actor": rloo.actor_loss_fn}),
+    Algorithm("dpo", dpo.DPOConfig, dpo.prepare, {"actor": dpo.actor_loss_fn}),
+    Algorithm("sft", sft.SFTConfig, sft.prepare, {"actor": sft.actor_loss_fn}),
+    Algorithm("rm", rm.RMConfig, rm.prepare, {"reward": rm.reward_loss_fn}),
+)
+
+
+def get(name: str) -> Algorithm:
+    """The algorithm called ``name``; :class:`UserError` listing the known ones if none."""
+    if name not in ALGORITHMS:
+        raise UserError(f"unknown algorithm {name!r}; allowed: {', '.join(ALGORITHMS)}",
+                        field="algorithm.name")
+    return ALGORITHMS[name]

@@ -1,0 +1,55 @@
+"""REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning
+Large Language Models"): PPO's token-level KL-penalised reward and clipped update
+without a critic; the return is normalised over the whole batch.
+
+    r_t = -beta * KL_k1,t  (+ score on the last response token)
+    G_t = sum_{k>=t} gamma^(k-t) r_k
+    A = (G - mean_batch(G)) / std_batch(G)            over all response tokens
+    L = -min(ratio * A, clip(ratio, 1 +- eps) * A)
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from pydantic import Field
+
+from realign.algorithms.common import (AlgorithmConfig, Batch, batch_mask,
+                                       clipped_surrogate, discounted_returns, masked_whiten,
+                                       require)
+from realign.algorithms.ppo import token_rewards
+
+
+class ReinforcePPConfig(AlgorithmConfig):
+    """REINFORCE++ hyper-parameters."""
+
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
+    kl_coef: float = Field(0.01, ge=0, description="beta: per-token KL(pi || pi_ref) "
+                           "penalty in the reward.")
+    clip_ratio: float = Field(0.2, gt=0, description="epsilon of the clipped surrogate.")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
+    minibatches: int = Field(1, gt=0, description="Optimizer steps per pass.")
+
+
+@torch.no_grad()
+def prepare(batch: Batch, cfg: ReinforcePPConfig) -> Batch:
+    """Adds ``returns`` (discounted, KL-penalised) and ``advantages`` (the returns
+    whitened over the batch's response tokens), both [b, s-1]."""
+    require(batch, "rewards", "logprobs", "ref_logprobs")
+    mask = batch_mask(batch)
+    r = token_rewards(batch["rewards"], batch["logprobs"], batch["ref_logprobs"], mask,
+                      cfg.kl_coef, "k1")
+    ret = discounted_returns(r, mask, cfg.gamma)
+    return {**batch, "returns": ret, "advantages": masked_whiten(ret, mask)}
+
+
+def actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg: ReinforcePPConfig
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate over the response tokens. Metrics: clip_frac, approx_kl, ratio."""
+    return clipped_surrogate(logprobs_new, batch["logprobs"], batch["advantages"],
+                             batch_mask(batch), cfg.clip_ratio)
+
+
+def actor_loss_fn(cfg: ReinforcePPConfig):
+    """``loss_fn(logprobs, micro_batch)`` of the actor for the training engine."""
+    return partial(actor_loss, cfg=cfg)
