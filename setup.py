@@ -35,7 +35,7 @@ setup(
     extras_require={
         # The runtime (realign run) on CPU or GPU.
         "runtime": ["torch", "megatron-core==0.16.1", "einops", "psutil",
-                    "safetensors", "transformers", "tokenizers"],
+                    "safetensors", "transformers", "tokenizers", "tensorboardX"],
         # Optional GPU back ends: never installed on the CPU machine.
         "gpu": ["transformer-engine[pytorch]", "vllm"],
         "test": ["pytest", "pytest-xdist"],

@@ -14,6 +14,7 @@ import sys
 # ``run(args) -> int``. An explicit table: adding a command is one line here.
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("realign.cli.plan_cmd", "search an execution plan for an experiment YAML"),
+    "run": ("realign.cli.run_cmd", "train an experiment on this machine (plans first)"),
     "bench": ("realign.cli.bench_cmd", "throughput studies (plan-sweep, realloc, ...)"),
 }
 

@@ -7,9 +7,15 @@ are resolved against the YAML file's folder).
 """
 from __future__ import annotations
 
+from typing import Any, Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.algorithms import Algorithm, BatchShape
+from planner.layout import Layout
+from planner.mesh import DeviceMesh
+from realign.data.config import DatasetConfig
+from realign.runtime.settings import TrainConfig
 from planner.cluster import ClusterSpec, DeviceSpec, resolve_device
 from planner.cost_config import CostModelConfig
 from planner.search import SearchSettings
@@ -32,12 +38,16 @@ class ModelsConfig(_Strict):
 
 
 class AlgorithmConfig(BatchShape):
-    """The algorithm and the shape of one step's batch."""
+    """The algorithm, the shape of one step's batch, and its hyper-parameters."""
 
     name: Algorithm = Field(description="ppo | grpo | remax | reinforce_pp | rloo | dpo | sft | rm")
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Hyper-parameters of the algorithm (e.g. kl_coef, clip_ratio; see "
+                    "realign/algorithms/<name>.py). Batch-shape fields are set above.")
 
     def shape(self) -> BatchShape:
-        return BatchShape(**self.model_dump(exclude={"name"}))
+        return BatchShape(**self.model_dump(exclude={"name", "params"}))
 
 
 class ClusterConfig(_Strict):
@@ -53,12 +63,63 @@ class ClusterConfig(_Strict):
         return ClusterSpec(n_nodes=self.nodes, gpus_per_node=self.gpus_per_node, device=dev)
 
 
+class ManualAllocation(_Strict):
+    """One MFC's allocation written by hand."""
+
+    mesh: DeviceMesh = Field(description="{first_gpu, n_gpus}: a power-of-two slice of a node "
+                                         "or whole consecutive nodes.")
+    layout: Layout = Field(description="{tp, pp, dp} with tp*pp*dp = mesh GPUs.")
+    micro_batches: int = Field(1, gt=0, description="Micro-batches per replica.")
+
+
 class PlanConfig(SearchSettings):
     """How the plan is found (search settings), priced (cost model) and measured."""
 
     cost: CostModelConfig = Field(default_factory=CostModelConfig,
                                   description="Analytic cost model settings.")
     profile: str | None = Field(None, description="Path to a measured profile table (JSON).")
+    file: str | None = Field(None, description="realign run: execute this saved plan.json "
+                                               "instead of searching.")
+    manual: dict[str, ManualAllocation] | None = Field(
+        None, description="realign run: an allocation per MFC (by name) instead of searching.")
+
+
+class DataConfig(_Strict):
+    """Datasets of ``realign run``."""
+
+    train: DatasetConfig = Field(description="The training data (JSONL).")
+
+
+class RewardConfig(_Strict):
+    """Where rewards come from when there is no reward model."""
+
+    fn: str = Field("math_verify", description="A built-in (math_verify) or a user's "
+                                               "'module:function'(prompt, response, answer) -> float.")
+
+
+class SamplingConfig(_Strict):
+    """How the actor samples responses (their length is algorithm.gen_len)."""
+
+    temperature: float = Field(1.0, gt=0, description="Softmax temperature.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+
+
+class RunConfig(_Strict):
+    """The run folder, length, checkpoints and seed of ``realign run``."""
+
+    dir: str = Field("runs/{name}", description="Run folder ({name}: the experiment name); "
+                                               "relative to the current directory.")
+    steps: int = Field(20, gt=0, description="Training steps.")
+    checkpoint_interval: int = Field(5, gt=0, description="Steps between checkpoints.")
+    seed: int = Field(0, ge=0, description="Seed of initialisation and sampling.")
+
+
+class LauncherConfig(_Strict):
+    """How workers are started (local here; Slurm and Ray are planned)."""
+
+    type: Literal["local"] = Field("local", description="local: processes on this machine.")
+    threads_per_worker: int = Field(1, gt=0, description="CPU threads per worker process.")
 
 
 class ExperimentConfig(_Strict):
@@ -69,3 +130,12 @@ class ExperimentConfig(_Strict):
     algorithm: AlgorithmConfig
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
+    # ---- realign run (ignored by realign plan) ----
+    device: Literal["cpu", "cuda"] = Field("cuda", description="cpu (gloo, fp32) or cuda (NCCL, bf16).")
+    data: DataConfig | None = Field(None, description="Datasets (required by realign run).")
+    reward: RewardConfig | None = Field(None, description="Rule reward when no reward model is set.")
+    train: TrainConfig = Field(default_factory=TrainConfig,
+                               description="Optimizer settings (micro_batches come from the plan).")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)

@@ -43,7 +43,28 @@ def plan_experiment(cfg: ExperimentConfig, base: Path,
     if cfg.plan.profile:
         pp = Path(cfg.plan.profile)
         profile = ProfileTable.load(pp if pp.is_absolute() else base / pp)
-    fields = cfg.plan.model_dump(exclude={"cost", "profile"})
+    fields = cfg.plan.model_dump(exclude={"cost", "profile", "file", "manual"})
     fields.update({k: v for k, v in (overrides or {}).items() if v is not None})
     settings = SearchSettings(**fields)
     return search(cfg.name, graph, models, cfg.cluster.spec(), cfg.plan.cost, profile, settings)
+
+
+def resolve_plan(cfg: ExperimentConfig, base: Path, models: dict[str, RoleModel]) -> ExecutionPlan:
+    """The plan ``realign run`` executes: a saved file, manual allocations, or a search."""
+    from planner.layout import Allocation
+    from planner.manual import check_plan_matches, manual_plan
+
+    graph = build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models))
+    cluster = cfg.cluster.spec()
+    if cfg.plan.file and cfg.plan.manual:
+        raise UserError("give plan.file or plan.manual, not both", field="plan")
+    if cfg.plan.file:
+        p = Path(cfg.plan.file)
+        plan = ExecutionPlan.load(p if p.is_absolute() else base / p)
+        check_plan_matches(plan, graph, models, cluster)
+        return plan
+    if cfg.plan.manual:
+        allocs = {k: Allocation(mesh=v.mesh, layout=v.layout, micro_batches=v.micro_batches)
+                  for k, v in cfg.plan.manual.items()}
+        return manual_plan(cfg.name, graph, models, cluster, allocs, cfg.plan.cost)
+    return plan_experiment(cfg, base)

@@ -6,23 +6,8 @@ sampled output does not depend on the layout (TP/PP/DP) that produced it.
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-
-class SamplingParams(BaseModel):
-    """How ``generate`` picks tokens."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_new_tokens: int = Field(16, gt=0, description="Tokens to generate at most per prompt.")
-    greedy: bool = Field(False, description="Take the most likely token (ignores the rest).")
-    temperature: float = Field(1.0, gt=0, description="Divide logits by this before sampling.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
-    top_p: float = Field(1.0, gt=0, le=1.0, description="Keep the smallest set of tokens "
-                         "whose probability reaches top_p (nucleus sampling).")
-    stop_token_ids: tuple[int, ...] = Field((), description="A sequence ends after "
-                                            "generating one of these (it is kept).")
-    seed: int = Field(0, description="Sequence i samples with seed + i.")
+from realign.runtime.settings import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -16,32 +16,15 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
 
 from realign.runtime.device import cuda_tensor_type_names
 from realign.runtime.engines.base import (Batch, check_batch, local_batch, position_ids,
                                           run_schedule, split)
 from realign.runtime.engines.inference import head_outputs
 from realign.runtime.model import ModelShard
+from realign.runtime.settings import TrainConfig
 
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-class TrainConfig(BaseModel):
-    """Optimiser and step settings of one trainable replica."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    lr: float = Field(1e-5, gt=0, description="Adam learning rate (constant).")
-    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW); "
-                                "megatron skips biases and norms.")
-    adam_beta1: float = Field(0.9, gt=0, lt=1, description="Adam beta1.")
-    adam_beta2: float = Field(0.999, gt=0, lt=1, description="Adam beta2.")
-    adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
-    clip_grad: float = Field(1.0, ge=0, description="Clip the global grad norm to this; "
-                             "0 disables clipping.")
-    micro_batches: int = Field(1, gt=0, description="Micro-batches per step and DP rank.")
-    distributed_optimizer: bool = Field(True, description="Shard optimizer state over DP.")
 
 
 class TrainEngine:

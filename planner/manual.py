@@ -1,0 +1,95 @@
+"""Plans written by hand (``plan.manual``) and saved plans (``plan.file``): priced and
+checked by the same cost model and simulator as searched plans."""
+from __future__ import annotations
+
+from planner.cluster import ClusterSpec
+from planner.cost_config import CostModelConfig
+from planner.cost_model import CostModel
+from planner.errors import PlanError
+from planner.graph import DataflowGraph
+from planner.layout import Allocation, check_allocation
+from planner.plan import ExecutionPlan, SearchInfo
+from planner.plan_build import build_plan
+from planner.problem import Candidate, Problem, RoleModel
+from planner.simulator import simulate
+
+GIB = 2 ** 30
+
+
+def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
+                cluster: ClusterSpec, allocations: dict[str, Allocation],
+                cost_config: CostModelConfig | None = None, field: str = "plan.manual"
+                ) -> ExecutionPlan:
+    """The plan that runs each MFC where ``allocations`` says; errors name the MFC."""
+    cost_config = cost_config or CostModelConfig()
+    names = [m.name for m in graph.mfcs]
+    missing = [n for n in names if n not in allocations]
+    extra = [n for n in allocations if n not in names]
+    if missing or extra:
+        raise PlanError(f"needs exactly the MFCs {', '.join(names)}"
+                        + (f"; missing {', '.join(missing)}" if missing else "")
+                        + (f"; unknown {', '.join(extra)}" if extra else ""), field=field)
+    cost = CostModel(cluster, cost_config)
+    for m in graph.mfcs:
+        check_allocation(allocations[m.name], models[m.role].spec, m, cluster,
+                         f"{field}.{m.name}")
+    cands = []
+    for m in graph.mfcs:
+        a, rm = allocations[m.name], models[m.role]
+        c = cost.mfc_cost(m, rm.spec, rm.head, a.mesh, a.layout, a.micro_batches)
+        cands.append([Candidate(a.mesh.first_gpu, a.mesh.n_gpus, a.layout.tp, a.layout.pp,
+                                a.layout.dp, a.micro_batches, c.time_s, c.resident_bytes,
+                                c.activation_bytes, c.weights_bytes)])
+    prob = _single_candidate_problem(graph, models, cost, cands)
+    res = simulate(prob, [0] * len(cands))
+    if not res.feasible:
+        g = max(range(prob.n_gpus), key=lambda x: res.peak_bytes[x])
+        users = [m.name for m, cs in zip(graph.mfcs, cands)
+                 if cs[0].first_gpu <= g < cs[0].first_gpu + cs[0].n_gpus]
+        raise PlanError(f"does not fit in memory: GPU {g} needs {res.peak_bytes[g] / GIB:.2f} GiB "
+                        f"for {', '.join(users)}, more than the {prob.mem_limit_bytes / GIB:.2f} "
+                        "GiB usable", field=field)
+    info = SearchInfo(method="manual", seed=0, search_time_s=0.0, space_size=1.0,
+                      candidates={n: 1 for n in names}, steps=0, complete=True)
+    return build_plan(name, prob, [0] * len(cands), cost_config, info, ())
+
+
+def _single_candidate_problem(graph: DataflowGraph, models: dict[str, RoleModel],
+                              cost: CostModel, cands: list[list[Candidate]]) -> Problem:
+    from planner.realloc_cost import Links, ReallocModel
+    roles = graph.roles()
+    ridx = {r: i for i, r in enumerate(roles)}
+    train_mfc = [-1] * len(roles)
+    for i, m in enumerate(graph.mfcs):
+        if m.kind == "train":
+            train_mfc[ridx[m.role]] = i
+    dev = cost.cluster.device
+    prob = Problem(
+        cluster=cost.cluster, graph=graph, models=[models[r] for r in roles],
+        mem_limit_bytes=cost.mem_limit_bytes,
+        links=Links(cost.cluster.gpus_per_node, cost.intra_bytes_per_s, cost.inter_bytes_per_s,
+                    dev.intra_node_latency_s, dev.inter_node_latency_s),
+        mfc_model=[ridx[m.role] for m in graph.mfcs],
+        mfc_is_train=[m.kind == "train" for m in graph.mfcs], deps=graph.deps(),
+        model_train_mfc=train_mfc,
+        realloc_models=[ReallocModel.of(models[r].spec, models[r].head,
+                                        cost.config.param_dtype_bytes) for r in roles],
+        cands=cands)
+    prob.same_mesh = [[[0]] for _ in cands]
+    return prob
+
+
+def check_plan_matches(plan: ExecutionPlan, graph: DataflowGraph, models: dict[str, RoleModel],
+                       cluster: ClusterSpec, field: str = "plan.file") -> None:
+    """A saved plan must be for this cluster, these models and this graph."""
+    if plan.cluster != cluster:
+        raise PlanError(f"the plan is for the cluster {plan.cluster.describe()}; this "
+                        f"experiment has {cluster.describe()}", field=field)
+    if plan.graph != graph:
+        raise PlanError(f"the plan is for another dataflow graph ({plan.graph.algorithm}, "
+                        f"{len(plan.graph.mfcs)} MFCs, batch shapes may differ)", field=field)
+    for pm in plan.models:
+        rm = models.get(pm.role)
+        if rm is None or rm.spec.model_dump(exclude={"name"}) != pm.spec.model_dump(exclude={"name"}):
+            raise PlanError(f"the plan's {pm.role} model differs from the experiment's",
+                            field=field)

@@ -1,0 +1,1 @@
+"""The controller: executes an execution plan's dataflow graph on workers."""

@@ -1,0 +1,198 @@
+"""The controller: starts the workers, hands them the plan, drives the steps, writes
+metrics and checkpoints, and stops everything when a worker fails.
+
+Only small messages pass through it (commands, metrics, tracebacks); tensors move
+worker to worker. A failed worker is named with its traceback (or the tail of its
+log when it died without one), the others are stopped, and ``run`` returns 1 within
+seconds; nothing waits forever on a dead peer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, Listener, wait
+from pathlib import Path
+
+from realign.controller import checkpoint
+from realign.controller.metrics import MetricsLog, Progress
+from realign.launch.base import Launcher, worker_env
+
+ACCEPT_TIMEOUT_S = 300.0
+POLL_S = 0.2
+
+
+class WorkerFailed(Exception):
+    def __init__(self, rank: int, detail: str):
+        self.rank, self.detail = rank, detail
+        super().__init__(f"worker {rank} failed")
+
+
+@dataclass
+class RunSpec:
+    """Everything the controller needs, already validated."""
+
+    setup: dict                  #: sent to every worker (plan, config, paths)
+    n_workers: int
+    run_dir: Path
+    steps: int
+    checkpoint_interval: int
+    final_dir: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Controller:
+    def __init__(self, spec: RunSpec, launcher: Launcher, out=None):
+        self.spec, self.launcher = spec, launcher
+        self.out = out or sys.stdout
+        self.conns: dict[int, Connection] = {}
+
+    # ---- messaging ---------------------------------------------------------------
+    def _log_tail(self, rank: int, n: int = 40) -> str:
+        p = self.spec.run_dir / "logs" / f"worker{rank}.log"
+        try:
+            return "\n".join(p.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def _check_exits(self) -> None:
+        for ex in self.launcher.poll():
+            if ex.rank in self.conns:
+                conn = self.conns[ex.rank]
+                if conn.poll():
+                    self._handle(ex.rank, conn.recv())
+            raise WorkerFailed(ex.rank, f"exited with code {ex.returncode}\n"
+                                        f"--- last lines of its log ---\n{self._log_tail(ex.rank)}")
+
+    def _handle(self, rank: int, msg: tuple) -> tuple:
+        if msg[0] == "error":
+            raise WorkerFailed(rank, msg[1])
+        return msg
+
+    def gather(self, expect: str) -> dict[int, tuple]:
+        """One ``expect`` message from every worker; fail fast on errors or exits."""
+        got: dict[int, tuple] = {}
+        while len(got) < len(self.conns):
+            pending = [c for r, c in self.conns.items() if r not in got]
+            for conn in wait(pending, timeout=POLL_S):
+                rank = next(r for r, c in self.conns.items() if c is conn)
+                try:
+                    msg = self._handle(rank, conn.recv())
+                except (EOFError, ConnectionResetError):
+                    time.sleep(POLL_S)
+                    self._check_exits()
+                    raise WorkerFailed(rank, "closed its connection\n" + self._log_tail(rank))
+                if msg[0] != expect:
+                    raise WorkerFailed(rank, f"sent {msg[0]!r}, expected {expect!r}")
+                got[rank] = msg
+            self._check_exits()
+        return got
+
+    def broadcast(self, msg: tuple) -> None:
+        for conn in self.conns.values():
+            conn.send(msg)
+
+    # ---- the run -----------------------------------------------------------------
+    def start_workers(self) -> None:
+        s = self.spec
+        (s.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        authkey = os.urandom(16)
+        self.listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        addr = f"127.0.0.1:{self.listener.address[1]}"
+        port = _free_port()
+        logs = [str(s.run_dir / "logs" / f"worker{r}.log") for r in range(s.n_workers)]
+        envs = [worker_env(r, s.n_workers, "127.0.0.1", port, addr, authkey.hex(), logs[r])
+                for r in range(s.n_workers)]
+        self.launcher.start(envs, logs)
+        deadline = time.monotonic() + ACCEPT_TIMEOUT_S
+        self.listener._listener._socket.settimeout(POLL_S)
+        while len(self.conns) < s.n_workers:
+            if time.monotonic() > deadline:
+                raise WorkerFailed(-1, f"only {len(self.conns)} of {s.n_workers} workers "
+                                       f"connected within {ACCEPT_TIMEOUT_S:.0f} s")
+            try:
+                conn = self.listener.accept()
+            except (socket.timeout, TimeoutError):
+                self._check_exits()
+                continue
+            rank = conn.recv()[1]
+            self.conns[rank] = conn
+
+    def run(self) -> int:
+        s = self.spec
+        checkpoint.clean_partial(s.run_dir)
+        resume = checkpoint.latest(s.run_dir)
+        start = resume[0] if resume else 0
+        log = MetricsLog(s.run_dir, start)
+        try:
+            if resume:
+                print(f"resuming from {resume[1]} (step {start})", file=self.out, flush=True)
+            if start >= s.steps:
+                print(f"already finished ({start} of {s.steps} steps)", file=self.out)
+                return 0
+            self.start_workers()
+            setup = dict(s.setup, resume_dir=str(resume[1]) if resume else None)
+            self.broadcast(("setup", setup))
+            self.gather("ready")
+            progress = Progress(s.steps, start, self.out)
+            for step in range(start, s.steps):
+                t0 = time.perf_counter()
+                self.broadcast(("step", step))
+                replies = self.gather("done")
+                row = merge_metrics(step, [m[2] for m in replies.values()],
+                                    time.perf_counter() - t0)
+                log.write(row)
+                progress.update(step, row)
+                if (step + 1) % s.checkpoint_interval == 0 or step + 1 == s.steps:
+                    self.save_checkpoint(step + 1)
+            self.broadcast(("final", str(s.final_dir)))
+            self.gather("saved_final")
+            self.broadcast(("stop",))
+            print(f"final actor saved to {s.final_dir}", file=self.out, flush=True)
+            return 0
+        except WorkerFailed as e:
+            print(f"\nrealign run: worker {e.rank} failed:\n{e.detail}", file=sys.stderr,
+                  flush=True)
+            return 1
+        finally:
+            log.close()
+            self.launcher.stop()
+
+    def save_checkpoint(self, done_steps: int) -> None:
+        tmp = checkpoint.tmp_dir(self.spec.run_dir, done_steps)
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.broadcast(("save", str(tmp)))
+        self.gather("saved")
+        checkpoint.commit(self.spec.run_dir, done_steps,
+                          {"steps": done_steps, "workers": self.spec.n_workers,
+                           "time": time.time()})
+
+
+def merge_metrics(step: int, parts: list[dict], wall_s: float) -> dict:
+    """One row per step: the union of what the ops' lead ranks reported."""
+    row: dict = {"step": step, "step_time_s": wall_s}
+    recv = 0.0
+    for p in parts:
+        for k, v in p.items():
+            if ".recv_bytes.r" in k:
+                recv += v
+            else:
+                row[k] = v
+    if recv:
+        row["realloc_bytes"] = recv
+    if "gen_tokens" in row and wall_s > 0:
+        row["tokens_per_s"] = row["gen_tokens"] / wall_s
+    return row
+
+
+def format_exc() -> str:
+    return traceback.format_exc()

@@ -1,0 +1,45 @@
+"""The launcher interface: start N workers that connect back to the controller.
+
+A worker is ``python -m realign.worker.main`` with its rank, the world size, the
+rendezvous address of the gloo/NCCL world and the controller's address in its
+environment (:func:`worker_env`); how and where the process starts is the
+launcher's business. The controller only needs :meth:`Launcher.start`,
+:meth:`Launcher.poll` and :meth:`Launcher.stop`.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    rank: int
+    returncode: int
+
+
+def worker_env(rank: int, world: int, master_addr: str, master_port: int,
+               controller_addr: str, authkey_hex: str, log_path: str) -> dict[str, str]:
+    """Environment of worker ``rank``: everything it needs to join and report."""
+    return {
+        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        "REALIGN_CONTROLLER": controller_addr, "REALIGN_AUTHKEY": authkey_hex,
+        "REALIGN_WORKER_LOG": log_path,
+    }
+
+
+class Launcher(abc.ABC):
+    """Starts and stops the worker processes of one run."""
+
+    @abc.abstractmethod
+    def start(self, envs: list[dict[str, str]], log_paths: list[str]) -> None:
+        """Start one worker per environment (rank order); stdout/stderr to its log."""
+
+    @abc.abstractmethod
+    def poll(self) -> list[WorkerExit]:
+        """Workers that have exited so far."""
+
+    @abc.abstractmethod
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Terminate every worker still running (SIGTERM, then SIGKILL after grace)."""

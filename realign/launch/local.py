@@ -1,0 +1,45 @@
+"""Local launcher: one worker process per device of the plan, on this machine."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from realign.launch.base import Launcher, WorkerExit
+
+
+class LocalLauncher(Launcher):
+    def __init__(self, threads_per_worker: int = 1):
+        self.threads = threads_per_worker
+        self.procs: list[subprocess.Popen] = []
+        self._logs = []
+
+    def start(self, envs: list[dict[str, str]], log_paths: list[str]) -> None:
+        for env, log in zip(envs, log_paths):
+            f = open(log, "ab")
+            self._logs.append(f)
+            full = dict(os.environ, OMP_NUM_THREADS=str(self.threads),
+                        MKL_NUM_THREADS=str(self.threads), TOKENIZERS_PARALLELISM="false",
+                        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **env)
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "realign.worker.main"], env=full, stdout=f,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+
+    def poll(self) -> list[WorkerExit]:
+        return [WorkerExit(r, p.returncode) for r, p in enumerate(self.procs)
+                if p.poll() is not None]
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in self._logs:
+            f.close()

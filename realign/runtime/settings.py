@@ -1,0 +1,39 @@
+"""Settings of the engines as torch-free pydantic models, so the experiment schema
+(read by ``realign plan`` on a laptop) can embed them without importing torch."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingParams(BaseModel):
+    """How ``generate`` picks tokens."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_new_tokens: int = Field(16, gt=0, description="Tokens to generate at most per prompt.")
+    greedy: bool = Field(False, description="Take the most likely token (ignores the rest).")
+    temperature: float = Field(1.0, gt=0, description="Divide logits by this before sampling.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
+    top_p: float = Field(1.0, gt=0, le=1.0, description="Keep the smallest set of tokens "
+                         "whose probability reaches top_p (nucleus sampling).")
+    stop_token_ids: tuple[int, ...] = Field((), description="A sequence ends after "
+                                            "generating one of these (it is kept).")
+    seed: int = Field(0, description="Sequence i samples with seed + i.")
+
+
+
+class TrainConfig(BaseModel):
+    """Optimiser and step settings of one trainable replica."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lr: float = Field(1e-5, gt=0, description="Adam learning rate (constant).")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW); "
+                                "megatron skips biases and norms.")
+    adam_beta1: float = Field(0.9, gt=0, lt=1, description="Adam beta1.")
+    adam_beta2: float = Field(0.999, gt=0, lt=1, description="Adam beta2.")
+    adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    clip_grad: float = Field(1.0, ge=0, description="Clip the global grad norm to this; "
+                             "0 disables clipping.")
+    micro_batches: int = Field(1, gt=0, description="Micro-batches per step and DP rank.")
+    distributed_optimizer: bool = Field(True, description="Shard optimizer state over DP.")

@@ -1,0 +1,1 @@
+"""Workers: one process per device; each executes the iteration program's ops."""

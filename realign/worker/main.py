@@ -1,0 +1,58 @@
+"""``python -m realign.worker.main``: one worker process (one device).
+
+Joins the controller (address and key in the environment), receives the set-up,
+joins the gloo/NCCL world, builds its replicas, then serves commands: ``step``,
+``save``, ``final``, ``stop``. Any exception is reported to the controller with its
+traceback before the process exits non-zero.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from multiprocessing.connection import Client
+
+
+def serve(conn, rank: int, world: int) -> None:
+    from realign.worker.session import Session
+    msg = conn.recv()
+    assert msg[0] == "setup", msg
+    session = Session(msg[1], rank, world)
+    conn.send(("ready", rank))
+    while True:
+        msg = conn.recv()
+        if msg[0] == "step":
+            conn.send(("done", msg[1], session.step(msg[1])))
+        elif msg[0] == "save":
+            session.save(msg[1])
+            conn.send(("saved", rank))
+        elif msg[0] == "final":
+            session.save_final(msg[1])
+            conn.send(("saved_final", rank))
+        elif msg[0] == "stop":
+            session.close()
+            return
+        else:
+            raise ValueError(f"unknown command {msg[0]!r}")
+
+
+def main() -> int:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["REALIGN_CONTROLLER"].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["REALIGN_AUTHKEY"]))
+    conn.send(("hello", rank))
+    try:
+        serve(conn, rank, world)
+        return 0
+    except BaseException:
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr, flush=True)
+        try:
+            conn.send(("error", tb))
+        except OSError:
+            pass
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The model replicas a worker hosts: groups, shards, engines, built from the program.
+
+Every world rank walks the program's replica list in the same order (creating
+process groups is collective over the world); members build their shard. Trained
+copies and frozen models load the checkpoint; copies that reallocations fill are
+built without weights and their storage is released until first use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from planner.layout import Layout
+from planner.mesh import DeviceMesh
+from planner.model_spec import ModelSpec
+from realign.controller.program import Program, Replica
+from realign.realloc import offload
+from realign.runtime.device import DeviceInfo
+from realign.runtime.groups import ReplicaGroups, build_replica_groups
+from realign.runtime.hf_checkpoint import HFReader, load_hf_weights
+from realign.runtime.model import ModelShard, build_model
+
+
+@dataclass
+class Hosted:
+    replica: Replica
+    groups: ReplicaGroups
+    shard: ModelShard | None            #: None on ranks outside the replica's mesh
+    released: offload.Released | None = None
+    engines: dict[str, object] = field(default_factory=dict)
+
+
+def build_replicas(program: Program, specs: dict[str, ModelSpec], heads: dict[str, str],
+                   paths: dict[str, str], trained_roles: set[str], device: DeviceInfo,
+                   seed: int) -> dict[str, Hosted]:
+    readers: dict[str, HFReader] = {}
+    out: dict[str, Hosted] = {}
+    for r in program.replicas:
+        spec = specs[r.role]
+        groups = build_replica_groups(spec, DeviceMesh(first_gpu=r.first_gpu, n_gpus=r.n_gpus),
+                                      Layout(tp=r.tp, pp=r.pp, dp=r.dp))
+        shard = None
+        released = None
+        if groups.member:
+            shard = build_model(spec, heads[r.role], groups, device, seed=seed,
+                                init_weights=False)
+            filled_by_realloc = r.role in trained_roles and not r.trained
+            if filled_by_realloc:
+                released = offload.release(shard.module.parameters())
+            else:
+                reader = readers.setdefault(r.role, HFReader(paths[r.role]))
+                load_hf_weights(shard, paths[r.role], reader)
+        out[r.key] = Hosted(r, groups, shard, released)
+    return out
+
+
+def dtype_of(device: DeviceInfo) -> torch.dtype:
+    return device.dtype

@@ -1,0 +1,87 @@
+"""A worker's execution of one iteration: walk the program's ops in order, take part
+in those that name this rank, skip the rest (so disjoint meshes run concurrently).
+
+What an op does on a member rank:
+* ``Realloc``: refill the destination copy from the trained copy (executor, bytes
+  exactly the planner's), restoring its storage first if it was released;
+* ``Send``: the record goes from its holder to each rank lacking it, point to point;
+* ``Call``: generate / inference / train on the replica, reading and writing records;
+* ``RuleReward``: score generated text with the reward function;
+* ``Release``: free a reallocated copy's storage after its last use.
+The first rank of each op reports its wall time and metrics to the controller.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from realign.controller.program import Call, Program, Realloc, Release, RuleReward, Send
+from realign.realloc import offload
+from realign.runtime.realloc_glue import reallocate_replica, release_copy
+from realign.worker.records import Record, recv_record, send_record
+from realign.worker.replicas import Hosted
+
+
+class StepRunner:
+    """Runs the program's ops; MFC semantics come from ``calls`` (see calls.py)."""
+
+    def __init__(self, program: Program, hosted: dict[str, Hosted], calls, rank: int,
+                 device: torch.device, dtype: torch.dtype, gpus_per_node: int):
+        self.program, self.hosted, self.calls = program, hosted, calls
+        self.rank, self.device, self.dtype, self.gpn = rank, device, dtype, gpus_per_node
+
+    def run(self, step: int, dataset: dict[str, Record]) -> dict[str, float]:
+        store: dict[str, Record] = dict(dataset)
+        metrics: dict[str, float] = {}
+        me = self.rank
+        for op in self.program.ops:
+            if me not in op.ranks:
+                continue
+            lead = me == op.ranks[0]
+            t0 = time.perf_counter()
+            if isinstance(op, Realloc):
+                stats = self._realloc(op)
+                if lead:
+                    metrics[f"realloc.{op.dst}.s"] = time.perf_counter() - t0
+                metrics[f"realloc.{op.role}.recv_bytes.r{me}"] = float(stats.bytes_recv)
+            elif isinstance(op, Send):
+                self._send(op, store)
+            elif isinstance(op, Call):
+                out, m = self.calls.call(op, self.hosted[op.replica], store, step)
+                store.update(out)
+                if lead:
+                    metrics[f"time.{op.mfc}"] = time.perf_counter() - t0
+                    metrics.update(m)
+            elif isinstance(op, RuleReward):
+                out, m = self.calls.rule_reward(op, store, step)
+                store.update(out)
+                if lead:
+                    metrics.update(m)
+            elif isinstance(op, Release):
+                h = self.hosted[op.replica]
+                h.released = release_copy(h.shard)
+        return metrics
+
+    def _realloc(self, op: Realloc):
+        src, dst = self.hosted[op.src], self.hosted[op.dst]
+        if dst.released is not None:
+            offload.restore(dst.released)
+            dst.released = None
+        spec, head = self.calls.specs[op.role], self.calls.heads[op.role]
+        return reallocate_replica(spec, head, src.groups, dst.groups, src.shard, dst.shard,
+                                  dtype=self.dtype, gpus_per_node=self.gpn)
+
+    def _send(self, op: Send, store: dict[str, Record]) -> None:
+        me = self.rank
+        if me in op.dst_ranks:
+            store[op.key] = recv_record(op.sender_of(me), self.device)
+        if me in op.src_ranks:
+            for d in op.dst_ranks:
+                if op.sender_of(d) == me:
+                    send_record(store[op.key], d)
+
+
+def barrier() -> None:
+    dist.barrier()

@@ -1,0 +1,146 @@
+"""A worker's session: set-up from the controller's message, then steps, checkpoints
+and the final save. Everything a step needs is derived from (config, plan, step), so
+a resumed run repeats exactly what an uninterrupted one does: the batch of step k is
+the sampler's k-th batch, sampling seeds derive from the step, and the checkpoint
+holds the only other state (weights and optimizer state of trained copies)."""
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from planner.plan import ExecutionPlan
+from realign.algorithms import registry
+from realign.config.experiment import ExperimentConfig
+from realign.controller import checkpoint
+from realign.controller.program import build_program
+from realign.data.collate import collate_preferences, collate_prompts, collate_sft
+from realign.data.datasets import load_dataset
+from realign.data.sampler import PromptSampler
+from realign.data.tokenizer import load_tokenizer, pad_id
+from realign.runtime.device import init_device
+from realign.runtime.hf_checkpoint import read_hf_config, save_hf_checkpoint, spec_from_hf
+from realign.worker.calls import Calls
+from realign.worker.replicas import build_replicas
+from realign.worker.runner import StepRunner
+
+DATASET_KEY = {"prompts": "prompts", "preferences": "pairs", "sft": "examples"}
+
+
+def algorithm_config(cfg: ExperimentConfig):
+    """The algorithm's hyper-parameters, with the batch-shape fields from the YAML."""
+    algo = registry.get(cfg.algorithm.name)
+    params = dict(cfg.algorithm.params)
+    shape = {"samples_per_prompt": cfg.algorithm.samples_per_prompt,
+             "minibatches": cfg.algorithm.ppo_minibatches,
+             "ppo_epochs": cfg.algorithm.ppo_epochs}
+    fields = algo.config.model_fields
+    params.update({k: v for k, v in shape.items() if k in fields})
+    return algo, algo.config(**params)
+
+
+class Session:
+    def __init__(self, setup: dict, rank: int, world: int):
+        self.rank, self.world = rank, world
+        cfg = ExperimentConfig.model_validate(setup["config"])
+        self.cfg = cfg
+        plan = ExecutionPlan.from_json(setup["plan"])
+        self.paths: dict[str, str] = setup["paths"]
+        self.dev = init_device(cfg.device, local_rank=rank)
+        dist.init_process_group(self.dev.backend, rank=rank, world_size=world)
+        torch.manual_seed(cfg.run.seed)
+        self.tokenizer = load_tokenizer(self.paths["actor" if "actor" in self.paths else "reward"])
+        self.pad = pad_id(self.tokenizer)
+        self.dataset = load_dataset(cfg.data.train, self.tokenizer, setup["base"])
+        self.algo, algo_cfg = algorithm_config(cfg)
+        rule = setup["rule_reward"]
+        reward_fn = None
+        if rule:
+            from realign.rewards.registry import load_reward_fn
+            reward_fn = load_reward_fn(cfg.reward.fn if cfg.reward else "math_verify",
+                                       base_dir=setup["base"])
+        self.program = build_program(plan, rule_reward=rule)
+        self.specs = {r: spec_from_hf(p) for r, p in self.paths.items()}
+        self.heads = {pm.role: pm.head for pm in plan.models}
+        self.trained = {m.role for m in plan.graph.mfcs if m.kind == "train"}
+        self.hosted = build_replicas(self.program, self.specs, self.heads, self.paths,
+                                     self.trained, self.dev, cfg.run.seed)
+        self.calls = Calls(specs=self.specs, heads=self.heads, shape=cfg.algorithm,
+                           algorithm=self.algo, algo_cfg=algo_cfg, train_cfg=cfg.train,
+                           sampling=cfg.sampling, tokenizer=self.tokenizer, pad_id=self.pad,
+                           eos_id=self.tokenizer.eos_token_id, reward_fn=reward_fn,
+                           seed=cfg.run.seed)
+        self.runner = StepRunner(self.program, self.hosted, self.calls, rank,
+                                 self.dev.device, self.dev.dtype, plan.cluster.gpus_per_node)
+        # train engines exist before a checkpoint is loaded into them
+        for op in self.program.ops:
+            if getattr(op, "kind", None) == "train" and rank in op.ranks:
+                self.calls.train_engine(op, self.hosted[op.replica])
+        if setup.get("resume_dir"):
+            self.load(Path(setup["resume_dir"]))
+
+    # ---- data of a step --------------------------------------------------------------
+    def dataset_record(self, step: int) -> dict:
+        c = self.cfg.data.train
+        n = self.cfg.algorithm.prompts_per_step
+        sampler = PromptSampler(len(self.dataset), n, seed=c.seed, shuffle=c.shuffle)
+        sampler.consumed = step * n
+        examples = self.dataset.take(sampler.next_batch())
+        if c.kind == "prompts":
+            rec = collate_prompts(examples, self.pad)
+            rec["answers"] = [e.answer for e in examples]
+            rec["texts"] = [e.prompt if isinstance(e.prompt, str) else str(e.prompt)
+                            for e in examples]
+        elif c.kind == "preferences":
+            rec = collate_preferences(examples, self.pad)
+        else:
+            rec = collate_sft(examples, self.pad)
+        return {DATASET_KEY[c.kind]: rec}
+
+    def step(self, step: int) -> dict:
+        return self.runner.run(step, self.dataset_record(step))
+
+    # ---- checkpoints -----------------------------------------------------------------
+    def _trained_here(self):
+        for key, h in self.hosted.items():
+            if h.replica.trained and h.shard is not None and key in self.calls.train_engines:
+                yield key, h
+
+    def save(self, folder: str) -> None:
+        state = {}
+        for key, h in self._trained_here():
+            eng = self.calls.train_engines[key]
+            state[key] = {"module": h.shard.module.state_dict(),
+                          "optimizer": eng.optimizer.optimizer.state_dict()}
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        checkpoint.save_file(buf.getvalue(), Path(folder) / f"rank{self.rank}.pt")
+
+    def load(self, folder: Path) -> None:
+        state = torch.load(folder / f"rank{self.rank}.pt", map_location=self.dev.device,
+                           weights_only=False)
+        for key, h in self._trained_here():
+            h.shard.module.load_state_dict(state[key]["module"])
+            self.calls.train_engines[key].optimizer.optimizer.load_state_dict(
+                state[key]["optimizer"])
+
+    def save_final(self, folder: str) -> None:
+        """The trained actor (or reward model under ``rm``) as a HF checkpoint."""
+        role = "actor" if "actor" in self.trained else "reward"
+        for key, h in self.hosted.items():
+            if h.replica.role == role and h.replica.trained:
+                if h.shard is not None:
+                    save_hf_checkpoint(h.shard, folder, read_hf_config(self.paths[role]))
+                break
+        dist.barrier()
+        if self.rank == 0:
+            for f in Path(self.paths[role]).iterdir():
+                if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges",
+                                      "chat_template")):
+                    shutil.copy(f, Path(folder) / f.name)
+
+    def close(self) -> None:
+        dist.destroy_process_group()
