@@ -1,0 +1,200 @@
+"""Tiny, deterministic, offline assets for ``realign run`` on a laptop and for tests:
+a small tokenizer, tiny random models and a verifiable arithmetic task.
+
+Layout written into ``out_dir``::
+
+    actor/        LlamaForCausalLM (policy; also the reference policy) + tokenizer
+    reward/       LlamaForSequenceClassification, num_labels=1 (reward model and
+                  critic initialisation) + tokenizer
+    qwen2_actor/  Qwen2ForCausalLM (the same task with a Qwen2 policy) + tokenizer
+    math_train.jsonl, math_eval.jsonl   {"prompt": "3+4=", "answer": "7"}
+    prefs.jsonl                         {"prompt", "chosen", "rejected"}
+    sft.jsonl                           {"prompt", "response"}
+
+The task: ``a+b=`` with single digits ``a, b`` (100 problems; 80 for training, 20
+held out for evaluation, split by ``seed``). Answers are one or two digit tokens; a
+policy that emits the right digits and then ``</s>`` scores 1 under ``math_verify``.
+``max_operand`` makes it easier (4: 25 problems, answers 0..8, one token each).
+
+Measured with a plain GRPO loop over transformers on CPU (16 prompts x 8 samples,
+3 new tokens, AdamW lr 3e-3, math_verify): mean accuracy over 10 steps went
+0.02 -> 0.045 (step 30) -> 0.095 (step 100) for ``max_operand=9``, and
+0.056 -> 0.083 -> 0.17 for ``max_operand=4``: it rises, slowly; an SFT warm start
+on ``sft.jsonl`` makes it fast.
+
+The tokenizer (:func:`build_tokenizer`) is word-level over a fixed vocabulary: the
+special tokens ``<pad>`` (0), ``<s>`` (1), ``</s>`` (2), ``<unk>`` (3), each digit,
+operators and punctuation, space and newline, the lowercase letters, and a few whole
+words (``answer``, ``user``...). Text is lower-cased; every digit is its own token;
+a word of the list is one token, any other word is spelled letter by letter, so
+decoding gives the (lower-cased) text back exactly. ``<s>`` is prepended when
+special tokens are added. A plain chat template (``<s>`` then ``role: content`` lines,
+and ``assistant: `` as the generation prompt) is included.
+
+Everything is a pure function of ``seed``: two calls write byte-identical files.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+DIGITS = "0123456789"
+SYMBOLS = " \n+-*/=?.,:;!()'\""
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+WORDS = ("assistant", "question", "answer", "system", "equals", "minus", "times",
+         "plus", "user", "what", "the", "is")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}")
+
+#: Architecture numbers of the tiny models (vocab_size is the tokenizer's).
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, initializer_range=0.02)
+
+EVAL_FRACTION = 0.2
+
+
+def vocabulary() -> list[str]:
+    """The tiny tokenizer's tokens, in id order."""
+    return [*SPECIAL_TOKENS, *DIGITS, *SYMBOLS, *LETTERS, *WORDS]
+
+
+def build_tokenizer():
+    """The tiny tokenizer as a ``transformers`` fast tokenizer (see the module doc)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(vocabulary())}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    # a listed word (longest first) or else any single character, newline included
+    words = sorted(WORDS, key=lambda w: (-len(w), w))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?:" + "|".join(words) + r")|[\s\S]"),
+                                             behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS_ID)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", unk_token="<unk>",
+                                   model_max_length=TINY_LLAMA["max_position_embeddings"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+# ---- models ------------------------------------------------------------------------
+
+def _model_config(kind: str, vocab_size: int, head: str):
+    import transformers as tf
+
+    fields = dict(TINY_LLAMA, vocab_size=vocab_size, pad_token_id=PAD_ID,
+                  bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    if kind == "qwen2":
+        cfg = tf.Qwen2Config(**fields, rope_parameters={"rope_type": "default",
+                                                        "rope_theta": 10000.0})
+    else:
+        cfg = tf.LlamaConfig(**fields)
+    if head == "value":
+        cfg.num_labels = 1
+    return cfg
+
+
+def make_model(folder: str | Path, kind: str = "llama", head: str = "lm", seed: int = 0,
+               tokenizer=None) -> Path:
+    """Save a tiny random ``kind`` (llama | qwen2) model with an LM head (``lm``) or a
+    one-label sequence-classification head (``value``), and the tiny tokenizer, into
+    ``folder``; returns the folder."""
+    import torch
+    import transformers as tf
+
+    tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
+    cfg = _model_config(kind, len(tokenizer), head)
+    cls = {("llama", "lm"): tf.LlamaForCausalLM, ("qwen2", "lm"): tf.Qwen2ForCausalLM,
+           ("llama", "value"): tf.LlamaForSequenceClassification,
+           ("qwen2", "value"): tf.Qwen2ForSequenceClassification}[(kind, head)]
+    # fork_rng: the caller's global RNG state is left as it was
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(cfg)
+    folder = Path(folder)
+    model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+# ---- datasets ----------------------------------------------------------------------
+
+def math_problems(seed: int = 0, max_operand: int = 9) -> tuple[list[dict], list[dict]]:
+    """All ``a+b=`` problems with ``0 <= a, b <= max_operand``, shuffled by ``seed`` and
+    split into (train, eval) with ``EVAL_FRACTION`` held out."""
+    if not 1 <= max_operand <= 9:
+        raise ValueError(f"max_operand must be in 1..9 (single digits), got {max_operand}")
+    r = range(max_operand + 1)
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in r for b in r]
+    random.Random(f"realign-tiny-math:{seed}").shuffle(rows)
+    n_eval = round(len(rows) * EVAL_FRACTION)
+    return rows[n_eval:], rows[:n_eval]
+
+
+def preference_pairs(problems: list[dict], seed: int = 0) -> list[dict]:
+    """One pair per problem: the right answer is chosen, a wrong number rejected (from
+    0..max answer of the set)."""
+    rng = random.Random(f"realign-tiny-prefs:{seed}")
+    top = max(int(p["answer"]) for p in problems)
+    out = []
+    for p in problems:
+        wrong = rng.choice([s for s in range(max(top, 1) + 1) if str(s) != p["answer"]])
+        out.append({"prompt": p["prompt"], "chosen": p["answer"], "rejected": str(wrong)})
+    return out
+
+
+def sft_rows(problems: list[dict]) -> list[dict]:
+    """Prompt/response rows: the response is the answer alone (``</s>`` follows it)."""
+    return [{"prompt": p["prompt"], "response": p["answer"]} for p in problems]
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
+    path = Path(path)
+    path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    return path
+
+
+# ---- everything --------------------------------------------------------------------
+
+def make_tiny_assets(out_dir: str | Path, seed: int = 0, qwen2: bool = True,
+                     max_operand: int = 9) -> dict[str, Path]:
+    """Write the tiny tokenizer, models and datasets into ``out_dir`` (created if
+    needed; existing files of the same names are overwritten). Returns the paths by
+    name: ``actor``, ``ref`` (= actor), ``reward``, ``critic`` (= reward),
+    ``qwen2_actor`` (when ``qwen2``), ``math_train``, ``math_eval``, ``prefs``, ``sft``.
+    ``max_operand`` (1..9) bounds the operands of the arithmetic task."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    paths: dict[str, Path] = {}
+    paths["actor"] = make_model(out / "actor", "llama", "lm", seed=seed, tokenizer=tok)
+    paths["ref"] = paths["actor"]
+    paths["reward"] = make_model(out / "reward", "llama", "value", seed=seed + 1, tokenizer=tok)
+    paths["critic"] = paths["reward"]
+    if qwen2:
+        paths["qwen2_actor"] = make_model(out / "qwen2_actor", "qwen2", "lm", seed=seed + 2,
+                                          tokenizer=tok)
+    train, evals = math_problems(seed, max_operand)
+    paths["math_train"] = write_jsonl(out / "math_train.jsonl", train)
+    paths["math_eval"] = write_jsonl(out / "math_eval.jsonl", evals)
+    paths["prefs"] = write_jsonl(out / "prefs.jsonl", preference_pairs(train, seed))
+    paths["sft"] = write_jsonl(out / "sft.jsonl", sft_rows(train))
+    return paths
+
+
+if __name__ == "__main__":
+    import sys
+
+    from realign.assets.tiny_cmd import main
+
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""``realign make-tiny OUT_DIR`` (also ``python -m realign.assets.tiny OUT_DIR``):
+write the tiny tokenizer, models and arithmetic datasets of :mod:`realign.assets.tiny`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from realign.errors import UserError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out_dir", help="folder to write the assets into (created if needed)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the models and data split")
+    p.add_argument("--max-operand", type=int, default=9, dest="max_operand",
+                   help="largest operand of the a+b= task, 1..9 (4 is easier: 25 problems)")
+    p.add_argument("--no-qwen2", dest="qwen2", action="store_false",
+                   help="skip the Qwen2 policy variant")
+
+
+def run(args: argparse.Namespace) -> int:
+    from realign.assets.tiny import make_tiny_assets
+
+    if not 1 <= args.max_operand <= 9:
+        raise UserError(f"must be in 1..9, got {args.max_operand}", field="--max-operand")
+    try:
+        paths = make_tiny_assets(args.out_dir, seed=args.seed, qwen2=args.qwen2,
+                                 max_operand=args.max_operand)
+    except OSError as e:
+        raise UserError(f"cannot write {args.out_dir}: {e.strerror or e}",
+                        field="out_dir") from None
+    width = max(len(k) for k in paths)
+    for name, path in paths.items():
+        print(f"{name:<{width}}  {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m realign.assets.tiny``): user errors are printed
+    without a traceback, exit code 2."""
+    parser = argparse.ArgumentParser(prog="python -m realign.assets.tiny",
+                                     description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except UserError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2

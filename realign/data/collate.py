@@ -1,0 +1,57 @@
+"""Examples -> right-padded int64 tensors, in the engines' batch format (``tokens``
+[b, s], ``lengths`` [b], see :mod:`realign.runtime.engines.base`).
+
+* prompts (for generation): ``tokens`` = the prompts, ``lengths`` their lengths;
+* preferences: two rows per pair, interleaved — row ``2i`` is pair ``i``'s prompt +
+  chosen response, row ``2i+1`` its prompt + rejected response — with
+  ``prompt_lengths`` (the loss covers positions ``prompt_lengths <= t < lengths``);
+* SFT: prompt + response rows with ``prompt_lengths``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from realign.data.datasets import PreferenceExample, PromptExample, SFTExample
+
+Batch = dict[str, torch.Tensor]
+
+
+def pad_right(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [b, max_len] int64 filled with pad_id after each row, lengths [b])``."""
+    if not rows:
+        raise ValueError("pad_right needs at least one row")
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    tokens = torch.full((len(rows), int(lengths.max())), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+    return tokens, lengths
+
+
+def collate_prompts(examples: Sequence[PromptExample], pad_id: int) -> Batch:
+    tokens, lengths = pad_right([e.prompt_ids for e in examples], pad_id)
+    return {"tokens": tokens, "lengths": lengths}
+
+
+def collate_preferences(examples: Sequence[PreferenceExample], pad_id: int) -> Batch:
+    rows, prompt_lengths = [], []
+    for e in examples:
+        rows += [e.prompt_ids + e.chosen_ids, e.prompt_ids + e.rejected_ids]
+        prompt_lengths += [len(e.prompt_ids)] * 2
+    tokens, lengths = pad_right(rows, pad_id)
+    return {"tokens": tokens, "lengths": lengths,
+            "prompt_lengths": torch.tensor(prompt_lengths, dtype=torch.long)}
+
+
+def collate_sft(examples: Sequence[SFTExample], pad_id: int) -> Batch:
+    tokens, lengths = pad_right([e.prompt_ids + e.response_ids for e in examples], pad_id)
+    return {"tokens": tokens, "lengths": lengths,
+            "prompt_lengths": torch.tensor([len(e.prompt_ids) for e in examples],
+                                           dtype=torch.long)}
+
+
+def response_mask(batch: Batch) -> torch.Tensor:
+    """[b, s] bool: True at response positions ``prompt_lengths <= t < lengths``."""
+    t = torch.arange(batch["tokens"].shape[1])
+    return (t >= batch["prompt_lengths"][:, None]) & (t < batch["lengths"][:, None])

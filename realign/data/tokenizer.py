@@ -1,0 +1,39 @@
+"""The tokenizer of a Hugging Face checkpoint folder (the actor's), loaded offline."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from realign.errors import UserError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def load_tokenizer(folder: str | Path, field: str = "models.actor"):
+    """``transformers.AutoTokenizer`` from ``folder`` without touching the network.
+
+    Raises :class:`UserError` (at ``field``) when the folder is missing, holds no
+    tokenizer files, or the tokenizer cannot be built from them."""
+    p = Path(folder)
+    if not p.is_dir():
+        raise UserError(f"no such folder {str(p)!r} (expected a checkpoint folder holding a "
+                        f"tokenizer)", field=field)
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"{str(p)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                        f"save one there with tokenizer.save_pretrained(folder)", field=field)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load the tokenizer of {str(p)!r}: {e}", field=field) from None
+
+
+def pad_id(tokenizer) -> int:
+    """The id that fills padded positions: the tokenizer's pad token, else its end token
+    (LLaMA tokenizers have no pad token). Padded positions are always masked by
+    ``lengths``, so the value never reaches a loss."""
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    raise UserError("the tokenizer has neither a pad nor an end-of-sequence token",
+                    field="tokenizer")
