@@ -8,7 +8,7 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 EXP       ?= experiments/ppo-llama2-70b-128gpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all demo plan bench-plan core clean
+.PHONY: install test test-all demo plan bench-plan bench-env bench-step core clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,14 +28,31 @@ core:
 test:
 	$(BIN)/python -m pytest -m "not gpu and not slurm and not ray" $(PYTEST_ARGS)
 
-demo:
-	$(BIN)/realign plan $(EXP) --out out/plan.json --timeline out/plan.svg
+# The main job on this machine: tiny models and data, then GRPO on CPU (minutes).
+demo: experiments/tiny/actor/config.json
+	$(BIN)/realign run experiments/tiny-grpo-cpu.yaml
+
+experiments/tiny/actor/config.json:
+	$(BIN)/realign make-tiny experiments/tiny
 
 plan:
 	$(BIN)/realign plan $(EXP) --out out/plan.json --timeline out/plan.svg
 
 bench-plan:
 	$(BIN)/realign bench plan-sweep --json --out benchmarks/results/plan_sweep.json
+
+# The benchmark's own environment: TRL (a peer to compare against, never a dependency
+# of realign) with the same pinned CPU torch and transformers as .venv.
+BENCH_VENV ?= .venv-bench
+bench-env:
+	$(PY) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip setuptools wheel
+	$(BENCH_VENV)/bin/pip install --quiet torch==2.13.0+cpu transformers tokenizers safetensors
+	$(BENCH_VENV)/bin/pip install --quiet "trl==1.16.*"
+	$(BENCH_VENV)/bin/python -c "import torch, trl, transformers; print('bench env: torch', torch.__version__, 'trl', trl.__version__, 'transformers', transformers.__version__)"
+
+bench-step: $(BENCH_VENV)/bin/python
+	$(BIN)/realign bench step experiments/tiny-grpo-cpu.yaml --json --out benchmarks/results/step_tiny_grpo.json
 
 clean:
 	rm -rf build *.egg-info planner/_core*.so out

@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("realign.cli.plan_cmd", "search an execution plan for an experiment YAML"),
     "run": ("realign.cli.run_cmd", "train an experiment on this machine (plans first)"),
+    "make-tiny": ("realign.assets.tiny_cmd", "write tiny models, tokenizer and datasets (offline)"),
     "bench": ("realign.cli.bench_cmd", "throughput studies (plan-sweep, realloc, ...)"),
 }
 

@@ -1,0 +1,37 @@
+"""Shared fixtures of the `realign run` tests: tiny assets made once per session."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory) -> Path:
+    from realign.assets.tiny import make_tiny_assets
+    root = tmp_path_factory.mktemp("assets")
+    make_tiny_assets(root / "tiny", seed=0, qwen2=False)
+    shutil.copy(REPO / "experiments" / "tiny_reward.py", root / "tiny_reward.py")
+    return root
+
+
+def experiment(assets: Path, name: str, tmp: Path, **changes) -> Path:
+    """A copy of experiments/<name>.yaml next to the tiny assets, with changes
+    (``section.key=value`` written as ``section__key=value``)."""
+    cfg = yaml.safe_load((REPO / "experiments" / f"{name}.yaml").read_text())
+    for dotted, value in changes.items():
+        keys = dotted.split("__")
+        cur = cfg
+        for k in keys[:-1]:
+            cur = cur.setdefault(k, {})
+        if value is None:
+            cur.pop(keys[-1], None)
+        else:
+            cur[keys[-1]] = value
+    path = assets / f"{tmp.name}-{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path

@@ -1,0 +1,162 @@
+"""`realign run` end to end on CPU: learning, resume after SIGKILL, failures and bad
+input. Real worker processes over gloo; assets are made once per session."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.run.conftest import experiment
+
+pytestmark = pytest.mark.cpu_dist
+
+REALIGN = [sys.executable, "-m", "realign.cli.main"]
+
+
+def run(exp: Path, run_dir: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*REALIGN, "run", str(exp), "--run-dir", str(run_dir), *extra],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted((run_dir / "final" / "actor").glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_grpo_learns_and_saves_a_hf_actor(tiny_assets, tmp_path):
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=24)
+    r = run(exp, tmp_path / "run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == list(range(24))
+    first = sum(row["reward_mean"] for row in rows[:5]) / 5
+    last = sum(row["reward_mean"] for row in rows[-5:]) / 5
+    assert last > first + 0.08, (first, last)
+    for key in ("actor.loss", "actor.grad_norm", "kl", "tokens_per_s", "time.actor.generate"):
+        assert key in rows[-1], key
+    assert list((tmp_path / "run" / "tensorboard").iterdir())
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final" / "actor")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "run" / "final" / "actor")
+    ids = tok("3+4=", return_tensors="pt")["input_ids"]
+    assert model(ids).logits.shape[-1] >= len(tok)
+    start = load_file(next((tiny_assets / "tiny" / "actor").glob("*.safetensors")))
+    trained = final_weights(tmp_path / "run")
+    assert any(not torch.equal(start[k], trained[k]) for k in start), "weights did not change"
+
+
+def test_resume_after_sigkill_is_bit_identical(tiny_assets, tmp_path):
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=6,
+                     run__checkpoint_interval=2)
+    whole = tmp_path / "whole"
+    assert run(exp, whole).returncode == 0
+    cut = tmp_path / "cut"
+    p = subprocess.Popen([*REALIGN, "run", str(exp), "--run-dir", str(cut)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        m = cut / "metrics.jsonl"
+        if m.exists() and len(m.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)          # the controller; its workers see EOF and exit
+    p.wait()
+    assert (cut / "checkpoints" / "step_000002" / "manifest.json").is_file()
+    assert not (cut / "final").exists()
+    r = run(exp, cut)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from" in r.stdout
+    assert [row["step"] for row in metrics(cut)] == list(range(6))
+    a, b = final_weights(whole), final_weights(cut)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [row["reward_mean"] for row in metrics(whole)] == \
+        [row["reward_mean"] for row in metrics(cut)]
+
+
+def test_partial_checkpoint_is_ignored(tiny_assets, tmp_path):
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=4,
+                     run__checkpoint_interval=2)
+    rd = tmp_path / "run"
+    assert run(exp, rd, "--steps", "2").returncode == 0
+    # a kill during the next checkpoint's write leaves a .tmp folder behind
+    part = rd / "checkpoints" / "step_000004.tmp"
+    part.mkdir()
+    (part / "rank0.pt").write_bytes(b"truncated")
+    r = run(exp, rd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from" in r.stdout and "step_000002" in r.stdout
+    assert (rd / "checkpoints" / "step_000004" / "manifest.json").is_file()
+
+
+def test_worker_exception_names_the_worker_and_stops_everything(tiny_assets, tmp_path):
+    (tiny_assets / "bad_reward.py").write_text(
+        "def boom(prompt, response, answer):\n"
+        "    raise ValueError('the reward function broke on ' + prompt)\n")
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, reward__fn="bad_reward.py:boom")
+    t0 = time.monotonic()
+    r = run(exp, tmp_path / "run", timeout=120)
+    assert r.returncode == 1
+    assert "worker 0 failed" in r.stderr or "worker 1 failed" in r.stderr
+    assert "ValueError: the reward function broke on" in r.stderr
+    assert time.monotonic() - t0 < 120
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", f"REALIGN_WORKER_LOG={tmp_path}"], capture_output=True)
+    assert not _workers_of(tmp_path / "run")
+
+
+def _workers_of(run_dir: Path) -> list[int]:
+    """PIDs of live worker processes whose log is in ``run_dir``."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes()
+        except OSError:
+            continue
+        if f"REALIGN_WORKER_LOG={run_dir}".encode() in env:
+            try:
+                if (d / "stat").read_text().split()[2] != "Z":
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_killed_worker_is_reported_within_30s(tiny_assets, tmp_path):
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=200)
+    rd = tmp_path / "run"
+    p = subprocess.Popen([*REALIGN, "run", str(exp), "--run-dir", str(rd)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        m = rd / "metrics.jsonl"
+        if m.exists() and m.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.05)
+    victims = _workers_of(rd)
+    assert len(victims) == 2
+    os.kill(victims[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    out, err = p.communicate(timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert p.returncode == 1
+    assert "failed" in err and "worker" in err
+    time.sleep(1)
+    assert not _workers_of(rd)
