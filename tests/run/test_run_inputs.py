@@ -1,0 +1,114 @@
+"""`realign run` rejects bad input with exit code 2 before any worker starts, and runs
+a plan whose actor generates and trains on different layouts (reallocating)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.run.conftest import experiment
+
+REALIGN = [sys.executable, "-m", "realign.cli.main"]
+
+MANUAL_REALLOC = {
+    "actor.generate": {"mesh": {"first_gpu": 0, "n_gpus": 2}, "layout": {"tp": 1, "pp": 1, "dp": 2},
+                       "micro_batches": 1},
+    "ref.inference": {"mesh": {"first_gpu": 0, "n_gpus": 2}, "layout": {"tp": 1, "pp": 1, "dp": 2},
+                      "micro_batches": 1},
+    "actor.train": {"mesh": {"first_gpu": 0, "n_gpus": 2}, "layout": {"tp": 2, "pp": 1, "dp": 1},
+                    "micro_batches": 2},
+}
+
+
+def run(exp: Path, run_dir: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*REALIGN, "run", str(exp), "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def bad(tiny_assets, tmp_path, **changes) -> str:
+    r = run(experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, **changes), tmp_path / "run")
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "run" / "logs").exists(), "no worker may start on bad input"
+    return r.stderr
+
+
+@pytest.mark.pure
+def test_missing_dataset(tiny_assets, tmp_path):
+    err = bad(tiny_assets, tmp_path, data__train__path="tiny/nope.jsonl")
+    assert "data.train" in err and "nope.jsonl" in err
+
+
+@pytest.mark.pure
+def test_unknown_key(tiny_assets, tmp_path):
+    err = bad(tiny_assets, tmp_path, run__stepz=3)
+    assert "run.stepz" in err and "unknown key" in err and "steps" in err
+
+
+@pytest.mark.pure
+def test_empty_dataset(tiny_assets, tmp_path):
+    (tiny_assets / "empty.jsonl").write_text("\n")
+    err = bad(tiny_assets, tmp_path, data__train__path="empty.jsonl")
+    assert "empty" in err
+
+
+@pytest.mark.pure
+def test_prompt_longer_than_the_limit(tiny_assets, tmp_path):
+    (tiny_assets / "long.jsonl").write_text(json.dumps({"prompt": "1+2+3+4+5+6+7=", "answer": "28"}) + "\n")
+    err = bad(tiny_assets, tmp_path, data__train__path="long.jsonl")
+    assert "line 1" in err and "prompt" in err
+
+
+@pytest.mark.pure
+def test_preset_without_weights(tiny_assets, tmp_path):
+    err = bad(tiny_assets, tmp_path, models__actor="llama2-7b", models__ref="llama2-7b")
+    assert "models.actor" in err and "checkpoint" in err
+
+
+@pytest.mark.pure
+def test_plan_for_another_cluster(tiny_assets, tmp_path):
+    other = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, cluster__gpus_per_node=1)
+    plan = tmp_path / "other-plan.json"
+    r = subprocess.run([*REALIGN, "plan", str(other), "--out", str(plan)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    err = bad(tiny_assets, tmp_path, plan__file=str(plan))
+    assert "plan.file" in err and "1x1 cpu" in err and "1x2 cpu" in err
+
+
+@pytest.mark.pure
+def test_infeasible_manual_allocation(tiny_assets, tmp_path):
+    manual = json.loads(json.dumps(MANUAL_REALLOC))
+    manual["actor.train"]["mesh"]["n_gpus"] = 4
+    manual["actor.train"]["layout"]["dp"] = 2
+    err = bad(tiny_assets, tmp_path, plan__manual=manual)
+    assert "plan.manual.actor.train" in err and "exceed" in err
+
+
+@pytest.mark.pure
+def test_manual_allocation_must_cover_every_mfc(tiny_assets, tmp_path):
+    manual = {k: v for k, v in MANUAL_REALLOC.items() if k != "ref.inference"}
+    err = bad(tiny_assets, tmp_path, plan__manual=manual)
+    assert "plan.manual" in err and "ref.inference" in err
+
+
+@pytest.mark.cpu_dist
+def test_a_reallocating_plan_really_reallocates_and_learns(tiny_assets, tmp_path):
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, plan__manual=MANUAL_REALLOC,
+                     run__steps=20)
+    r = run(exp, tmp_path / "run", timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "reallocates actor" in r.stdout
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert [x["role"] for x in plan["reallocations"]] == ["actor"]
+    planned = plan["reallocations"][0]["bytes"]
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["realloc_bytes"] > 0 for row in rows)
+    # the planner prices bf16 (2 bytes); the CPU run moves fp32 (4 bytes): same slices
+    assert rows[0]["realloc_bytes"] == 2 * planned
+    first = sum(row["reward_mean"] for row in rows[:5]) / 5
+    last = sum(row["reward_mean"] for row in rows[-5:]) / 5
+    assert last > first + 0.05, (first, last)
