@@ -56,11 +56,11 @@ def _rollout(shape: BatchShape, n: int, with_reward_model: bool) -> list[MFC]:
     return calls
 
 
-def _actor_train(shape: BatchShape, n: int, inputs: tuple[str, ...]) -> MFC:
+def _actor_train(shape: BatchShape, n: int, inputs: tuple[str, ...], group_size: int = 1) -> MFC:
     return MFC(name="actor.train", role="actor", kind="train", n_seqs=n,
                prompt_len=shape.prompt_len, gen_len=shape.gen_len, input_keys=inputs,
                output_keys=("actor_stats",), n_minibatches=shape.ppo_minibatches,
-               n_epochs=shape.ppo_epochs)
+               n_epochs=shape.ppo_epochs, group_size=group_size)
 
 
 def ppo(shape: BatchShape, with_reward_model: bool = True) -> list[MFC]:
@@ -111,7 +111,7 @@ def dpo(shape: BatchShape, with_reward_model: bool = False) -> list[MFC]:
     return [
         MFC(name="ref.inference", role="ref", kind="inference", n_seqs=n, prompt_len=p,
             gen_len=g, input_keys=("pairs",), output_keys=("ref_logprobs",)),
-        _actor_train(shape, n, ("pairs", "ref_logprobs")),
+        _actor_train(shape, n, ("pairs", "ref_logprobs"), group_size=2),   # whole pairs
     ]
 
 
@@ -124,7 +124,8 @@ def rm(shape: BatchShape, with_reward_model: bool = True) -> list[MFC]:
     return [MFC(name="reward.train", role="reward", kind="train",
                 n_seqs=2 * shape.prompts_per_step, prompt_len=shape.prompt_len,
                 gen_len=shape.gen_len, input_keys=("pairs",), output_keys=("reward_stats",),
-                n_minibatches=shape.ppo_minibatches, n_epochs=shape.ppo_epochs)]
+                n_minibatches=shape.ppo_minibatches, n_epochs=shape.ppo_epochs,
+                group_size=2)]
 
 
 BUILDERS: dict[str, Callable[..., list[MFC]]] = {

@@ -32,6 +32,8 @@ class MFC(BaseModel):
     output_keys: tuple[str, ...] = Field(description="Data keys written.")
     n_minibatches: int = Field(1, gt=0, description="Optimizer steps per epoch (train only).")
     n_epochs: int = Field(1, gt=0, description="Passes over the batch (train only).")
+    group_size: int = Field(1, gt=0, description="Consecutive sequences that must stay in "
+                            "one micro-batch (2: a chosen/rejected preference pair).")
 
     @property
     def seq_len(self) -> int:
@@ -42,6 +44,10 @@ class MFC(BaseModel):
         if self.kind == "train" and self.n_seqs % self.n_minibatches:
             raise PlanError(f"{self.n_seqs} sequences do not split into "
                             f"{self.n_minibatches} mini-batches", field=f"mfc {self.name}")
+        per_step = self.n_seqs // (self.n_minibatches if self.kind == "train" else 1)
+        if per_step % self.group_size:
+            raise PlanError(f"{per_step} sequences per step do not split into groups of "
+                            f"{self.group_size}", field=f"mfc {self.name}")
         return self
 
 

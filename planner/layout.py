@@ -119,9 +119,13 @@ def layout_problems(layout: Layout, mesh: DeviceMesh, model: ModelSpec, mfc: MFC
     if per_step % layout.dp:
         out.append(f"dp={layout.dp} must divide the {per_step} sequences per step of "
                    f"{mfc.name}")
-    elif (per_step // layout.dp) % micro_batches:
+    elif (per_step // layout.dp) % mfc.group_size:
+        out.append(f"dp={layout.dp} would split a group of {mfc.group_size} sequences "
+                   f"(a preference pair) of {mfc.name} over two replicas")
+    elif (per_step // layout.dp // mfc.group_size) % micro_batches:
+        unit = "sequences" if mfc.group_size == 1 else f"groups of {mfc.group_size} sequences"
         out.append(f"micro_batches={micro_batches} must divide the "
-                   f"{per_step // layout.dp} sequences per replica of {mfc.name}")
+                   f"{per_step // layout.dp // mfc.group_size} {unit} per replica of {mfc.name}")
     return out
 
 

@@ -140,7 +140,8 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
             priced: list[Candidate] = []
             for lay in enumerate_layouts(proto, rm.spec, mfc, cluster):
                 group = []
-                for mb in _micro_batch_options(per_step // lay.dp, cost.config.max_micro_batches):
+                for mb in _micro_batch_options(per_step // lay.dp // mfc.group_size,
+                                               cost.config.max_micro_batches):
                     c = cost.mfc_cost(mfc, rm.spec, rm.head, proto, lay, mb)
                     own = c.activation_bytes + (
                         c.resident_bytes if (mfc.kind == "train" or not trained) else 0.0)

@@ -45,7 +45,7 @@ class StepRunner:
                 stats = self._realloc(op)
                 if lead:
                     metrics[f"realloc.{op.dst}.s"] = time.perf_counter() - t0
-                metrics[f"realloc.{op.role}.recv_bytes.r{me}"] = float(stats.bytes_recv)
+                metrics[f"realloc.{op.role}.recv_bytes.r{me}"] = float(stats.bytes_received)
             elif isinstance(op, Send):
                 self._send(op, store)
             elif isinstance(op, Call):
