@@ -78,6 +78,7 @@ def prepare(args: argparse.Namespace):
     spec = RunSpec(setup=setup, n_workers=plan.cluster.n_gpus, run_dir=run_dir,
                    steps=cfg.run.steps, checkpoint_interval=cfg.run.checkpoint_interval,
                    final_dir=run_dir / "final" / ("actor" if "actor" in paths else "reward"))
+    spec.save()
     return spec, cfg, plan
 
 

@@ -34,7 +34,7 @@ class WorkerFailed(Exception):
 
 @dataclass
 class RunSpec:
-    """Everything the controller needs, already validated."""
+    """Everything the controller needs, already validated (``RUN/run_spec.json``)."""
 
     setup: dict                  #: sent to every worker (plan, config, paths)
     n_workers: int
@@ -42,6 +42,30 @@ class RunSpec:
     steps: int
     checkpoint_interval: int
     final_dir: Path
+
+    FILE = "run_spec.json"
+
+    def save(self) -> Path:
+        p = self.run_dir / self.FILE
+        data = {"setup": self.setup, "n_workers": self.n_workers, "run_dir": str(self.run_dir),
+                "steps": self.steps, "checkpoint_interval": self.checkpoint_interval,
+                "final_dir": str(self.final_dir)}
+        part = p.with_suffix(".part")
+        part.write_text(json.dumps(data))
+        os.replace(part, p)
+        return p
+
+    @staticmethod
+    def load(run_dir: Path) -> "RunSpec":
+        p = Path(run_dir) / RunSpec.FILE
+        if not p.is_file():
+            from realign.errors import UserError
+            raise UserError(f"{run_dir} holds no prepared run ({RunSpec.FILE} missing)",
+                            field="run_dir")
+        d = json.loads(p.read_text())
+        return RunSpec(setup=d["setup"], n_workers=d["n_workers"], run_dir=Path(d["run_dir"]),
+                       steps=d["steps"], checkpoint_interval=d["checkpoint_interval"],
+                       final_dir=Path(d["final_dir"]))
 
 
 def _free_port() -> int:
@@ -106,11 +130,12 @@ class Controller:
         s = self.spec
         (s.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         authkey = os.urandom(16)
-        self.listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        addr = f"127.0.0.1:{self.listener.address[1]}"
-        port = _free_port()
+        net = self.launcher.network()
+        self.listener = Listener((net.bind_host, net.controller_port), authkey=authkey)
+        addr = f"{net.advertise_host}:{self.listener.address[1]}"
+        port = net.master_port or _free_port()
         logs = [str(s.run_dir / "logs" / f"worker{r}.log") for r in range(s.n_workers)]
-        envs = [worker_env(r, s.n_workers, "127.0.0.1", port, addr, authkey.hex(), logs[r])
+        envs = [worker_env(r, s.n_workers, net.master_addr, port, addr, authkey.hex(), logs[r])
                 for r in range(s.n_workers)]
         self.launcher.start(envs, logs)
         deadline = time.monotonic() + ACCEPT_TIMEOUT_S
@@ -157,7 +182,7 @@ class Controller:
             self.broadcast(("final", str(s.final_dir)))
             self.gather("saved_final")
             self.broadcast(("stop",))
-            print(f"final actor saved to {s.final_dir}", file=self.out, flush=True)
+            print(f"final {s.final_dir.name} saved to {s.final_dir}", file=self.out, flush=True)
             return 0
         except WorkerFailed as e:
             print(f"\nrealign run: worker {e.rank} failed:\n{e.detail}", file=sys.stderr,

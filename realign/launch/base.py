@@ -13,6 +13,22 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Network:
+    """Where the controller listens and where the workers meet.
+
+    ``master_addr``/``master_port``: the gloo/NCCL rendezvous (rank 0's host); port 0
+    picks a free one (single host only). ``bind_host``: the controller's listening
+    interface; ``advertise_host``: how workers reach it; ``controller_port`` 0 = any.
+    """
+
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    bind_host: str = "127.0.0.1"
+    advertise_host: str = "127.0.0.1"
+    controller_port: int = 0
+
+
+@dataclass(frozen=True)
 class WorkerExit:
     rank: int
     returncode: int
@@ -31,6 +47,10 @@ def worker_env(rank: int, world: int, master_addr: str, master_port: int,
 
 class Launcher(abc.ABC):
     """Starts and stops the worker processes of one run."""
+
+    def network(self) -> Network:
+        """Addresses for this launcher's workers (default: everything on this host)."""
+        return Network()
 
     @abc.abstractmethod
     def start(self, envs: list[dict[str, str]], log_paths: list[str]) -> None:

@@ -15,6 +15,14 @@ class LocalLauncher(Launcher):
         self.procs: list[subprocess.Popen] = []
         self._logs = []
 
+    @classmethod
+    def for_run(cls, run_dir) -> "LocalLauncher":
+        """The launcher a prepared run folder asks for (its experiment's settings)."""
+        import json
+        from pathlib import Path
+        cfg = json.loads((Path(run_dir) / "run_spec.json").read_text())["setup"]["config"]
+        return cls(threads_per_worker=cfg["launcher"]["threads_per_worker"])
+
     def start(self, envs: list[dict[str, str]], log_paths: list[str]) -> None:
         for env, log in zip(envs, log_paths):
             f = open(log, "ab")

@@ -1,0 +1,45 @@
+"""``python -m realign.controller.main RUN_DIR``: run the controller of a prepared run
+folder (``realign run`` and ``realign submit`` prepare it: plan, checked config,
+``run_spec.json``). Cluster jobs start this inside the allocation; ``--launcher``
+chooses how the workers start there."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+#: launcher name -> "module:class" (imported only when chosen)
+LAUNCHERS = {
+    "local": "realign.launch.local:LocalLauncher",
+}
+
+
+def make_launcher(name: str, run_dir: Path):
+    if name not in LAUNCHERS:
+        from realign.errors import UserError
+        raise UserError(f"unknown launcher {name!r}; allowed: {', '.join(LAUNCHERS)}",
+                        field="--launcher")
+    module, cls = LAUNCHERS[name].split(":")
+    return getattr(importlib.import_module(module), cls).for_run(run_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from realign.controller.controller import Controller, RunSpec
+    from realign.errors import UserError
+
+    p = argparse.ArgumentParser(prog="python -m realign.controller.main")
+    p.add_argument("run_dir")
+    p.add_argument("--launcher", default="local")
+    args = p.parse_args(argv)
+    try:
+        spec = RunSpec.load(Path(args.run_dir))
+        launcher = make_launcher(args.launcher, spec.run_dir)
+    except UserError as e:
+        print(f"realign controller: error: {e}", file=sys.stderr)
+        return 2
+    return Controller(spec, launcher).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
