@@ -7,7 +7,7 @@ are resolved against the YAML file's folder).
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -115,11 +115,45 @@ class RunConfig(_Strict):
     seed: int = Field(0, ge=0, description="Seed of initialisation and sampling.")
 
 
-class LauncherConfig(_Strict):
-    """How workers are started (local here; Slurm and Ray are planned)."""
+class LocalLauncherConfig(_Strict):
+    """Worker processes on this machine."""
 
-    type: Literal["local"] = Field("local", description="local: processes on this machine.")
+    type: Literal["local"] = "local"
     threads_per_worker: int = Field(1, gt=0, description="CPU threads per worker process.")
+
+
+class SlurmLauncherConfig(_Strict):
+    """A Slurm batch job: ``srun`` starts one worker per device and the controller."""
+
+    type: Literal["slurm"]
+    partition: str | None = Field(None, description="sbatch --partition.")
+    account: str | None = Field(None, description="sbatch --account.")
+    time_limit: str = Field("01:00:00", description="sbatch --time (HH:MM:SS or D-HH:MM:SS).")
+    nodes: int | None = Field(None, gt=0, description="Nodes; default: the plan's cluster.")
+    gpus_per_node: int | None = Field(None, gt=0, description="Devices (tasks) per node; "
+                                      "default: the plan's cluster.")
+    cpus_per_task: int = Field(1, gt=0, description="sbatch --cpus-per-task.")
+    sbatch_flags: list[str] = Field(default_factory=list, description="Extra sbatch flags, verbatim.")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment of the job.")
+    container_image: str | None = Field(None, description="Pyxis --container-image for srun.")
+    threads_per_worker: int = Field(1, gt=0, description="CPU threads per worker process.")
+
+
+class RayLauncherConfig(_Strict):
+    """A Ray job: the controller is the job's driver, workers are Ray actors."""
+
+    type: Literal["ray"]
+    address: str = Field("auto", description="Ray cluster: auto, or an address such as "
+                                            "http://127.0.0.1:8265 (job API) / host:port.")
+    runtime_env: dict[str, Any] = Field(default_factory=dict, description="Ray runtime_env.")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1.0},
+        description="Resources of each worker actor (one bundle per device).")
+    threads_per_worker: int = Field(1, gt=0, description="CPU threads per worker process.")
+
+
+LauncherConfig = Annotated[LocalLauncherConfig | SlurmLauncherConfig | RayLauncherConfig,
+                           Field(discriminator="type")]
 
 
 class ExperimentConfig(_Strict):
@@ -138,4 +172,5 @@ class ExperimentConfig(_Strict):
                                description="Optimizer settings (micro_batches come from the plan).")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     run: RunConfig = Field(default_factory=RunConfig)
-    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+    launcher: LauncherConfig = Field(default_factory=LocalLauncherConfig,
+                                     description="local | slurm | ray, with their options.")

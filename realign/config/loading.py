@@ -13,18 +13,42 @@ from realign.config.experiment import ExperimentConfig
 from realign.errors import UserError
 
 
+def _resolve(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], Any]:
+    """Walk ``loc`` through the schema: (the path to print, the type reached).
+
+    A discriminated union puts its tag in the location (``launcher.slurm.x``); the tag
+    selects the member and is left out of the printed path (``launcher.x``)."""
+    cur: Any = model
+    path: list[str] = []
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
+        if not (isinstance(cur, type) and issubclass(cur, BaseModel)):
+            path.append(str(part))
+            cur = None
+            continue
+        field = cur.model_fields.get(str(part))
+        path.append(str(part))
+        if field is None:
+            cur = None
+            continue
+        members = [a for a in getattr(field.annotation, "__args__", (field.annotation,))
+                   if isinstance(a, type) and issubclass(a, BaseModel)]
+        if len(members) > 1 and parts:
+            tagged = [m for m in members if "type" in m.model_fields
+                      and m.model_fields["type"].default in (parts[0], None)
+                      and parts[0] in str(m.model_fields["type"].annotation)]
+            if tagged:
+                parts.pop(0)
+                cur = tagged[0]
+                continue
+        cur = members[0] if members else field.annotation
+    return path, cur
+
+
 def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
     """Field names allowed at ``loc`` (the parent of an unknown key), if resolvable."""
-    cur: Any = model
-    for part in loc:
-        if not (isinstance(cur, type) and issubclass(cur, BaseModel)):
-            return None
-        field = cur.model_fields.get(str(part))
-        if field is None:
-            return None
-        ann = field.annotation
-        cur = next((a for a in getattr(ann, "__args__", (ann,))
-                    if isinstance(a, type) and issubclass(a, BaseModel)), ann)
+    _path, cur = _resolve(model, loc)
     if isinstance(cur, type) and issubclass(cur, BaseModel):
         return list(cur.model_fields)
     return None
@@ -34,7 +58,7 @@ def format_validation_error(e: ValidationError, model: type[BaseModel], source: 
     lines = []
     for err in e.errors():
         loc = tuple(x for x in err["loc"] if not (isinstance(x, str) and "[" in x))
-        path = ".".join(str(x) for x in loc) or "(top level)"
+        path = ".".join(_resolve(model, loc)[0]) or "(top level)"
         if err["type"] == "extra_forbidden":
             allowed = _allowed_keys(model, loc[:-1])
             hint = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
