@@ -36,8 +36,7 @@ def _resolve(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], A
                    if isinstance(a, type) and issubclass(a, BaseModel)]
         if len(members) > 1 and parts:
             tagged = [m for m in members if "type" in m.model_fields
-                      and m.model_fields["type"].default in (parts[0], None)
-                      and parts[0] in str(m.model_fields["type"].annotation)]
+                      and f"'{parts[0]}'" in str(m.model_fields["type"].annotation)]
             if tagged:
                 parts.pop(0)
                 cur = tagged[0]
