@@ -11,6 +11,7 @@ import importlib
 STUDIES: dict[str, tuple[str, str]] = {
     "plan-sweep": ("realign.bench.plan_sweep", "searched vs heuristic plans over the PPO sweep"),
     "realloc": ("realign.bench.realloc", "parameter reallocation: bytes, lower bound, time vs naive"),
+    "step": ("realign.bench.step", "one RL step: per-MFC measured vs estimated, tokens/s vs TRL GRPO"),
 }
 
 
