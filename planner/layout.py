@@ -96,6 +96,22 @@ def group_spans_nodes(group: list[int], mesh: DeviceMesh, gpus_per_node: int) ->
 
 # ---- validity --------------------------------------------------------------------
 
+def model_layout_problems(layout: Layout, model: ModelSpec) -> list[str]:
+    """Why ``model`` cannot be split by ``layout`` (heads, FFN, vocabulary, layers).
+    Shared by the planner's validity rules and the runtime's pre-flight check."""
+    out = []
+    if model.n_heads % layout.tp or model.n_kv_heads % layout.tp:
+        out.append(f"tp={layout.tp} must divide the {model.n_heads} heads and "
+                   f"{model.n_kv_heads} KV heads")
+    if model.ffn_hidden % layout.tp:
+        out.append(f"tp={layout.tp} must divide ffn_hidden {model.ffn_hidden}")
+    if model.padded_vocab % layout.tp:
+        out.append(f"tp={layout.tp} must divide the padded vocabulary {model.padded_vocab}")
+    if model.n_layers % layout.pp:
+        out.append(f"pp={layout.pp} must divide the {model.n_layers} layers")
+    return out
+
+
 def layout_problems(layout: Layout, mesh: DeviceMesh, model: ModelSpec, mfc: MFC,
                     micro_batches: int, cluster: ClusterSpec) -> list[str]:
     """Why this allocation is invalid (empty list when it is valid)."""
@@ -106,15 +122,7 @@ def layout_problems(layout: Layout, mesh: DeviceMesh, model: ModelSpec, mfc: MFC
         out.append(f"tp={layout.tp} must divide the {cluster.gpus_per_node} GPUs of a node")
     if layout.tp > mesh.n_gpus or mesh.n_gpus % layout.tp:
         out.append(f"tp={layout.tp} must divide the mesh size {mesh.n_gpus}")
-    if model.n_heads % layout.tp or model.n_kv_heads % layout.tp:
-        out.append(f"tp={layout.tp} must divide the {model.n_heads} heads and "
-                   f"{model.n_kv_heads} KV heads")
-    if model.ffn_hidden % layout.tp:
-        out.append(f"tp={layout.tp} must divide ffn_hidden {model.ffn_hidden}")
-    if model.padded_vocab % layout.tp:
-        out.append(f"tp={layout.tp} must divide the padded vocabulary {model.padded_vocab}")
-    if model.n_layers % layout.pp:
-        out.append(f"pp={layout.pp} must divide the {model.n_layers} layers")
+    out += model_layout_problems(layout, model)
     per_step = mfc.n_seqs // mfc.n_minibatches if mfc.kind == "train" else mfc.n_seqs
     if per_step % layout.dp:
         out.append(f"dp={layout.dp} must divide the {per_step} sequences per step of "

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from planner.layout import Layout, coords_of_rank, rank_of_coords
+from planner.layout import Layout, coords_of_rank, model_layout_problems, rank_of_coords
 from planner.mesh import DeviceMesh
 from planner.model_spec import ModelSpec
 from realign.errors import UserError
@@ -63,15 +63,7 @@ def check_replica(spec: ModelSpec, mesh: DeviceMesh, layout: Layout, world_size:
     if layout.world != mesh.n_gpus:
         probs.append(f"layout {layout} needs tp*pp*dp = {layout.world} ranks but the mesh "
                      f"has {mesh.n_gpus}")
-    if spec.n_heads % layout.tp or spec.n_kv_heads % layout.tp:
-        probs.append(f"tp={layout.tp} must divide the {spec.n_heads} attention heads and "
-                     f"{spec.n_kv_heads} KV heads")
-    if spec.ffn_hidden % layout.tp:
-        probs.append(f"tp={layout.tp} must divide ffn_hidden {spec.ffn_hidden}")
-    if spec.padded_vocab % layout.tp:
-        probs.append(f"tp={layout.tp} must divide the padded vocabulary {spec.padded_vocab}")
-    if spec.n_layers % layout.pp:
-        probs.append(f"pp={layout.pp} must divide the {spec.n_layers} layers")
+    probs += model_layout_problems(layout, spec)
     if probs:
         raise UserError("; ".join(probs), field=field)
 

@@ -46,7 +46,7 @@ def test_group_ranks_worked_example():
 def test_check_replica_names_every_problem():
     with pytest.raises(UserError, match="exceed the world of 4 ranks"):
         check_replica(SPEC, DeviceMesh(first_gpu=4, n_gpus=2), Layout(tp=2), 4)
-    with pytest.raises(UserError, match="tp=4 must divide the 4 attention heads and 2 KV"):
+    with pytest.raises(UserError, match="tp=4 must divide the 4 heads and 2 KV"):
         check_replica(SPEC, DeviceMesh(first_gpu=0, n_gpus=4), Layout(tp=4), 4)
     with pytest.raises(UserError, match="pp=3 must divide the 4 layers"):
         check_replica(SPEC, DeviceMesh(first_gpu=0, n_gpus=3), Layout(pp=3), 4)
