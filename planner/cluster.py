@@ -29,6 +29,12 @@ class DeviceSpec(BaseModel):
         gt=0, description="Per-device one-direction bandwidth across nodes (NIC), bytes/s.")
     intra_node_latency_s: float = Field(5e-6, ge=0, description="Latency of one intra-node message.")
     inter_node_latency_s: float = Field(1e-5, ge=0, description="Latency of one inter-node message.")
+    layer_overhead_s: float = Field(
+        0.0, ge=0, description="Fixed cost of running one layer on one micro-batch once "
+        "(kernel launches, framework work), paid per forward or backward pass.")
+    microbatch_overhead_s: float = Field(
+        0.0, ge=0, description="Fixed cost per micro-batch of a pipelined pass "
+        "(schedule, loss, logits bookkeeping).")
 
 
 class ClusterSpec(BaseModel):

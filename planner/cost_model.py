@@ -18,6 +18,9 @@ Time terms (seconds), per pipeline stage and micro-batch unless stated:
 * DP: gradient all-reduce (reduce-scatter + all-gather with the distributed
   optimizer: the same bytes) of the stage's parameters per optimizer step.
 * optimizer: ``optimizer_step_bytes_per_param`` bytes of traffic per local parameter.
+* fixed costs: ``layer_overhead_s`` per layer per pass per micro-batch (kernel launches,
+  framework work: dominant for small micro-batches and in decoding) and
+  ``microbatch_overhead_s`` per micro-batch slot of a pipelined pass (device spec).
 
 Memory terms (bytes per GPU): weights ``param_dtype x params/tp`` of the heaviest
 stage; training adds fp32 main grads and optimizer state (divided by dp with the
@@ -72,6 +75,11 @@ class CostModel:
                                   else dev.intra_node_bytes_per_s * cfg.link_efficiency)
         self.inter_bytes_per_s = (rates.inter_node_bytes_per_s if rates and rates.inter_node_bytes_per_s
                                   else dev.inter_node_bytes_per_s * cfg.link_efficiency)
+        self.layer_overhead_s = (rates.layer_overhead_s if rates and rates.layer_overhead_s is not None
+                                 else dev.layer_overhead_s)
+        self.microbatch_overhead_s = (
+            rates.microbatch_overhead_s if rates and rates.microbatch_overhead_s is not None
+            else dev.microbatch_overhead_s)
 
     @property
     def mem_limit_bytes(self) -> float:
@@ -150,7 +158,8 @@ class CostModel:
             pre_flops = pre_tok * self._fwd_flops_per_token(spec, head, mfc.prompt_len / 2)
             pre_stage = (pre_flops / (tp * pp * self.flops_per_s)
                          + L / pp * 2 * self.allreduce_s(pre_tok * h * dt, tp, False)
-                         + (self.p2p_s(pre_tok * h * dt, pp_inter) if pp > 1 else 0.0))
+                         + (self.p2p_s(pre_tok * h * dt, pp_inter) if pp > 1 else 0.0)
+                         + L / pp * self.layer_overhead_s + self.microbatch_overhead_s)
             terms["prefill"] = (m + pp - 1) * pre_stage
             # decode: memory-bound; each micro-batch step reads the stage weights + KV
             ctx = mfc.prompt_len + mfc.gen_len / 2
@@ -159,6 +168,7 @@ class CostModel:
             flops = b * self._fwd_flops_per_token(spec, head, ctx) / (tp * pp)
             step = max(flops / self.flops_per_s, (weights + kv_read) / self.mem_bytes_per_s)
             step += L / pp * 2 * self.allreduce_s(b * h * dt, tp, False)
+            step += L / pp * self.layer_overhead_s
             if pp > 1:
                 step += self.p2p_s(b * h * dt, pp_inter)
             terms["decode"] = mfc.gen_len * max(m, pp) * step
@@ -176,12 +186,14 @@ class CostModel:
             passes = (3.0 + (1.0 if cfg.activation_recompute else 0.0)) if train else 1.0
             n_ar = (4 + (2 if cfg.activation_recompute else 0)) if train else 2
             compute = passes * fwd / (tp * pp * self.flops_per_s)
+            fixed = passes * L / pp * self.layer_overhead_s + self.microbatch_overhead_s
             tp_comm = L / pp * n_ar * self.allreduce_s(tok * h * dt, tp, False)
             p2p = (2 if train else 1) * self.p2p_s(tok * h * dt, pp_inter) if pp > 1 else 0.0
             terms["compute"] = steps * m * compute
             terms["tp_comm"] = steps * m * tp_comm
             terms["pp_comm"] = steps * m * p2p
-            terms["pp_bubble"] = steps * (pp - 1) * (compute + tp_comm + p2p)
+            terms["overhead"] = steps * m * fixed
+            terms["pp_bubble"] = steps * (pp - 1) * (compute + tp_comm + p2p + fixed)
             act_layer = tok * self._act_bytes_per_token_layer(spec, tp)
             if train:
                 grad_bytes = dt * p_gpu

@@ -18,7 +18,8 @@ STUDIES: dict[str, tuple[str, str]] = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="study", required=True)
     for name, (module, help_text) in STUDIES.items():
-        p = sub.add_parser(name, help=help_text)
+        # add_help=False: `-h` reaches the study's own parser (see run)
+        p = sub.add_parser(name, help=help_text, add_help=False)
         p.set_defaults(_study_module=module)
         # The study's own options are parsed by the study (see run): the top-level
         # parser hands over what it does not know in ``args.extra``.

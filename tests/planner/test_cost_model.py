@@ -341,3 +341,37 @@ def test_profile_exact_mfc_time_overrides_only_its_match():
         got = cm.mfc_cost(args[0], TOY, "lm", mesh(4), args[1], args[2])
         want = plain.mfc_cost(args[0], TOY, "lm", mesh(4), args[1], args[2])
         assert got.time_s == want.time_s and "measured" not in got.terms_s
+
+
+def test_fixed_overheads_per_layer_call_and_micro_batch():
+    """Each micro-batch slot pays passes x layers/pp x layer_overhead_s + microbatch_overhead_s,
+    and decoding pays layers/pp x layer_overhead_s per slot and token."""
+    from planner.algorithms import BatchShape, build_graph
+    from planner.cluster import ClusterSpec, DeviceSpec
+    from planner.cost_model import CostModel
+    from planner.layout import Layout
+    from planner.mesh import DeviceMesh
+    from planner.model_spec import model_presets
+
+    base = dict(name="d", peak_flops=1e14, mem_bytes=8e10, mem_bw_bytes_per_s=1e12,
+                intra_node_bytes_per_s=1e11, inter_node_bytes_per_s=1e10)
+    plain = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=4, device=DeviceSpec(**base)))
+    slow = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=4, device=DeviceSpec(
+        **base, layer_overhead_s=0.01, microbatch_overhead_s=0.1)))
+    spec = model_presets()["tiny-llama-8l"]
+    g = build_graph("grpo", BatchShape(prompts_per_step=8, samples_per_prompt=2, prompt_len=8,
+                                       gen_len=5, ppo_minibatches=2), {"actor", "ref"})
+    gen, ref, train = g.mfcs
+    mesh, lay = DeviceMesh(first_gpu=0, n_gpus=4), Layout(tp=1, pp=2, dp=2)
+    m = 2
+    d_train = (slow.mfc_cost(train, spec, "lm", mesh, lay, m).time_s
+               - plain.mfc_cost(train, spec, "lm", mesh, lay, m).time_s)
+    # 2 optimizer steps x (m + pp - 1) slots x (3 passes x 8/2 layers x 0.01 + 0.1)
+    assert abs(d_train - 2 * (m + 1) * (3 * 4 * 0.01 + 0.1)) < 1e-9
+    d_ref = (slow.mfc_cost(ref, spec, "lm", mesh, lay, m).time_s
+             - plain.mfc_cost(ref, spec, "lm", mesh, lay, m).time_s)
+    assert abs(d_ref - (m + 1) * (1 * 4 * 0.01 + 0.1)) < 1e-9
+    d_gen = (slow.mfc_cost(gen, spec, "lm", mesh, lay, m).time_s
+             - plain.mfc_cost(gen, spec, "lm", mesh, lay, m).time_s)
+    # prefill: (m + pp - 1) slots x (4 x 0.01 + 0.1); decode: 5 tokens x max(m, pp) x 4 x 0.01
+    assert abs(d_gen - ((m + 1) * (4 * 0.01 + 0.1) + 5 * 2 * 4 * 0.01)) < 1e-9
