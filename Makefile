@@ -17,7 +17,8 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0+cpu
 	$(BIN)/pip install --quiet pybind11 numpy networkx pydantic PyYAML \
-	    megatron-core einops psutil safetensors transformers tokenizers tensorboardX pytest pytest-xdist
+	    megatron-core einops psutil safetensors transformers tokenizers tensorboardX pytest pytest-xdist \
+	    "ray[default]"
 	$(BIN)/pip install --quiet --no-build-isolation --no-deps -e .
 	$(BIN)/python -c "import planner._core, realign; print('realign installed')"
 
