@@ -8,7 +8,7 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 EXP       ?= experiments/ppo-llama2-70b-128gpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all demo plan bench-plan bench-env bench-step core clean
+.PHONY: install services test test-all demo plan bench-plan bench-env bench-step core clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,8 +26,13 @@ install: $(BIN)/python
 core:
 	$(BIN)/python setup.py build_ext --inplace -q
 
-test:
-	$(BIN)/python -m pytest -m "not gpu and not slurm and not ray" $(PYTEST_ARGS)
+# Local services the `slurm` test tier starts by itself (Slurm + munge from apt, when
+# missing; the tests bring the daemons up in a temporary folder and stop them).
+services:
+	bash tests/slurm/install_slurm.sh || echo "services: Slurm unavailable, the slurm tests will skip"
+
+test: services
+	$(BIN)/python -m pytest -m "not gpu and not ray" $(PYTEST_ARGS)
 
 # The main job on this machine: tiny models and data, then GRPO on CPU (minutes).
 demo: experiments/tiny/actor/config.json

@@ -17,6 +17,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("realign.cli.run_cmd", "train an experiment on this machine (plans first)"),
     "make-tiny": ("realign.assets.tiny_cmd", "write tiny models, tokenizer and datasets (offline)"),
     "bench": ("realign.cli.bench_cmd", "throughput studies (plan-sweep, realloc, ...)"),
+    "submit": ("realign.cli.submit_cmd", "submit an experiment as a batch job (Slurm, Ray, local)"),
+    "status": ("realign.cli.status_cmd", "state, step and last metrics of a submitted job"),
+    "logs": ("realign.cli.logs_cmd", "controller and worker logs of a submitted job"),
+    "cancel": ("realign.cli.cancel_cmd", "stop a submitted job (its last checkpoint stays usable)"),
 }
 
 EXIT_USER_ERROR = 2

@@ -37,6 +37,16 @@ def prepare(args: argparse.Namespace):
         if args.steps <= 0:
             raise UserError(f"must be > 0 (got {args.steps})", field="--steps")
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"steps": args.steps})})
+    launcher = getattr(args, "launcher", None)       # realign submit --launcher
+    if launcher and launcher != cfg.launcher.type:
+        from pydantic import TypeAdapter
+
+        from realign.config.experiment import LauncherConfig
+        try:
+            chosen = TypeAdapter(LauncherConfig).validate_python({"type": launcher})
+        except ValueError:
+            raise UserError(f"unknown launcher {launcher!r}", field="--launcher") from None
+        cfg = cfg.model_copy(update={"launcher": chosen})
     if cfg.data is None:
         raise UserError("realign run needs a data section with a train dataset", field="data")
     name = cfg.algorithm.name

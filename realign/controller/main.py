@@ -12,6 +12,7 @@ from pathlib import Path
 #: launcher name -> "module:class" (imported only when chosen)
 LAUNCHERS = {
     "local": "realign.launch.local:LocalLauncher",
+    "slurm-step": "realign.launch.slurm:SlurmStepLauncher",
     "ray": "realign.launch.ray_launcher:RayLauncher",
 }
 

@@ -1,0 +1,40 @@
+"""``python -m realign.launch.slurm_task ENV_DIR``: one task of the workers' ``srun`` step.
+
+Reads its rank from ``SLURM_PROCID``, takes that rank's environment from
+``ENV_DIR/rank<R>.json`` (written by :class:`realign.launch.slurm.SlurmStepLauncher`),
+runs ``python -m realign.worker.main`` with its output in the worker's log, passes on
+the signals Slurm sends (SIGTERM at cancel), and records the worker's exit code in
+``ENV_DIR/exit/rank<R>`` so the controller can name the worker that failed. Imports
+nothing heavy: it is started once per device.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    env_dir = Path((argv or sys.argv[1:])[0])
+    rank = int(os.environ["SLURM_PROCID"])
+    env = json.loads((env_dir / f"rank{rank}.json").read_text())
+    full = dict(os.environ, **env)
+    full["LOCAL_RANK"] = os.environ["SLURM_LOCALID"]
+    with open(env["REALIGN_WORKER_LOG"], "ab") as log:
+        child = subprocess.Popen([sys.executable, "-m", "realign.worker.main"], env=full,
+                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, lambda s, _f: child.send_signal(s))
+        rc = child.wait()
+    rc = rc if rc >= 0 else 128 - rc                 # killed by a signal: shell convention
+    part = env_dir / "exit" / f"rank{rank}.part"
+    part.write_text(str(rc))
+    os.replace(part, env_dir / "exit" / f"rank{rank}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
