@@ -90,10 +90,12 @@ class Controller:
 
     def _check_exits(self) -> None:
         for ex in self.launcher.poll():
-            if ex.rank in self.conns:
-                conn = self.conns[ex.rank]
-                if conn.poll():
-                    self._handle(ex.rank, conn.recv())
+            conn = self.conns.get(ex.rank)
+            try:
+                if conn is not None and conn.poll():
+                    self._handle(ex.rank, conn.recv())   # its last words: a traceback
+            except (EOFError, OSError):
+                pass                                     # died without a message
             raise WorkerFailed(ex.rank, f"exited with code {ex.returncode}\n"
                                         f"--- last lines of its log ---\n{self._log_tail(ex.rank)}")
 
