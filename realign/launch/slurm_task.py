@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     full = dict(os.environ, **env)
     full["LOCAL_RANK"] = os.environ["SLURM_LOCALID"]
     with open(env["REALIGN_WORKER_LOG"], "ab") as log:
+        log.write(f"slurm task: rank {rank} on node {os.environ['SLURMD_NODENAME']} (job "
+                  f"{os.environ['SLURM_JOB_ID']}, step {os.environ['SLURM_STEP_ID']})\n".encode())
+        log.flush()
         child = subprocess.Popen([sys.executable, "-m", "realign.worker.main"], env=full,
                                  stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):

@@ -6,6 +6,12 @@ state, spool, pid and log path lies in the folder. Nothing of the system's Slurm
 munge configuration is read or written: the tests point ``SLURM_CONF`` at this file.
 Needs root (slurmd runs jobs as other users) and the Debian packages
 (``tests/slurm/install_slurm.sh``).
+
+``LocalSlurm(nodes=2)`` makes a two-node cluster on this machine: each slurmd runs in
+its own network namespace (``ip netns``), the two joined by one veth pair named
+``rl0`` in both (10.213.0.1 and 10.213.0.2); slurmctld runs in the first node's
+namespace, so do the client commands (:attr:`LocalSlurm.client`). Traffic stays between
+the test's own namespaces; the machine's own network is not touched.
 """
 from __future__ import annotations
 
@@ -21,12 +27,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 NODE = "realign-n1"
 PARTITION = "debug"
-CPUS = 2
+CPUS = 2                       #: the machine's cores, split between the nodes
+SUBNET = "10.213.0"            #: two-node clusters: node i at SUBNET.i on interface rl0
+IFNAME = "rl0"
 
 SLURM_CONF = """\
 # one-node test cluster written by tests/slurm/cluster.py
 ClusterName=realigntest
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={host}({ctld_addr})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmUser=root
@@ -58,8 +66,8 @@ KillWait=5
 SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0
-NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
-PartitionName={partition} Nodes={node} Default=YES MaxTime=INFINITE State=UP
+{node_lines}
+PartitionName={partition} Nodes={node_names} Default=YES MaxTime=INFINITE State=UP
 """
 
 
@@ -84,12 +92,38 @@ def install() -> str | None:
 class LocalSlurm:
     """Start with :meth:`start`, stop with :meth:`stop`; ``env`` is what clients need."""
 
-    def __init__(self):
+    def __init__(self, nodes: int = 1):
+        assert nodes in (1, 2), nodes
         self.root = Path(tempfile.mkdtemp(prefix="realign-slurm-"))
         self.root.chmod(0o755)                 # munged (munge user) must reach its folder
         self.conf = self.root / "slurm.conf"
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = {"SLURM_CONF": str(self.conf)}
+        self.nodes = [NODE] if nodes == 1 else [f"realign-n{i + 1}" for i in range(nodes)]
+        tag = self.root.name.rsplit("-", 1)[1]
+        self.netns = [] if nodes == 1 else [f"rlslurm-{tag}-{i + 1}" for i in range(nodes)]
+        #: prefix for commands that must run where slurmctld is (the first node's namespace)
+        self.client: list[str] = self._in_node(0, [])
+
+    def addr(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}" if self.netns else "127.0.0.1"
+
+    def _in_node(self, i: int, cmd: list[str]) -> list[str]:
+        # nsenter, not `ip netns exec`: the latter remounts /sys, hiding /sys/fs/cgroup,
+        # without which slurmd does not start
+        return ["nsenter", f"--net=/run/netns/{self.netns[i]}", *cmd] if self.netns else cmd
+
+    def _make_netns(self) -> None:
+        """Namespaces with loopback up and one veth pair between them."""
+        run = lambda *c: subprocess.run(c, check=True, capture_output=True)   # noqa: E731
+        for ns in self.netns:
+            run("ip", "netns", "add", ns)
+            run("ip", "-n", ns, "link", "set", "lo", "up")
+        run("ip", "link", "add", IFNAME, "netns", self.netns[0], "type", "veth",
+            "peer", "name", IFNAME, "netns", self.netns[1])
+        for i, ns in enumerate(self.netns):
+            run("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", IFNAME)
+            run("ip", "-n", ns, "link", "set", IFNAME, "up")
 
     # ---- daemons ----------------------------------------------------------------
     def _start_munge(self) -> Path:
@@ -114,26 +148,33 @@ class LocalSlurm:
         return sock
 
     def start(self, timeout_s: float = 30.0) -> "LocalSlurm":
-        for sub in ("state", "spool", "run", "log"):
+        for sub in ("state", "spool", "run", "log", *(f"spool/{n}" for n in self.nodes)):
             (self.root / sub).mkdir()
+        if self.netns:
+            self._make_netns()
         sock = self._start_munge()
+        cpus = CPUS // len(self.nodes)
+        node_lines = "\n".join(f"NodeName={n} NodeAddr={self.addr(i)} CPUs={cpus} State=UNKNOWN"
+                               for i, n in enumerate(self.nodes))
         self.conf.write_text(SLURM_CONF.format(
-            host=socket.gethostname(), ctld_port=_free_port(), slurmd_port=_free_port(),
-            munge_socket=sock, root=self.root, node=NODE, cpus=CPUS, partition=PARTITION))
+            host=socket.gethostname(), ctld_addr=self.addr(0), ctld_port=_free_port(),
+            slurmd_port=_free_port(), munge_socket=sock, root=self.root, node_lines=node_lines,
+            node_names=",".join(self.nodes), partition=PARTITION))
         env = dict(os.environ, **self.env)
         self.procs["slurmctld"] = subprocess.Popen(
-            ["slurmctld", "-D", "-i", "-f", str(self.conf)], env=env,
+            self._in_node(0, ["slurmctld", "-D", "-i", "-f", str(self.conf)]), env=env,
             stdout=subprocess.DEVNULL, stderr=open(self.root / "log" / "slurmctld.out", "wb"))
-        self.procs["slurmd"] = subprocess.Popen(
-            ["slurmd", "-D", "-N", NODE, "-f", str(self.conf)], env=env,
-            stdout=subprocess.DEVNULL, stderr=open(self.root / "log" / "slurmd.out", "wb"))
-        self._wait(self._node_idle, "node idle", "slurmctld", timeout_s)
+        for i, node in enumerate(self.nodes):
+            self.procs[f"slurmd-{node}"] = subprocess.Popen(
+                self._in_node(i, ["slurmd", "-D", "-N", node, "-f", str(self.conf)]), env=env,
+                stdout=subprocess.DEVNULL, stderr=open(self.root / "log" / f"slurmd-{node}.out", "wb"))
+        self._wait(self._nodes_idle, "idle nodes", "slurmctld", timeout_s)
         return self
 
-    def _node_idle(self) -> bool:
-        r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True,
-                           env=dict(os.environ, **self.env))
-        return r.returncode == 0 and f"{NODE} idle" in r.stdout
+    def _nodes_idle(self) -> bool:
+        r = subprocess.run([*self.client, "sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True,
+                           text=True, env=dict(os.environ, **self.env))
+        return r.returncode == 0 and all(f"{n} idle" in r.stdout for n in self.nodes)
 
     def _wait(self, cond, what: str, log: str, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -152,20 +193,21 @@ class LocalSlurm:
         return "\n".join(out)
 
     def squeue(self) -> list[str]:
-        r = subprocess.run(["squeue", "-h", "-o", "%i %T"], capture_output=True, text=True,
-                           env=dict(os.environ, **self.env))
+        r = subprocess.run([*self.client, "squeue", "-h", "-o", "%i %T"], capture_output=True,
+                           text=True, env=dict(os.environ, **self.env))
         return r.stdout.split("\n") if r.stdout.strip() else []
 
     def stop(self) -> None:
         """Cancel every job, wait for their steps to end, then stop the daemons."""
         env = dict(os.environ, **self.env)
         if self.procs.get("slurmctld") and self.procs["slurmctld"].poll() is None:
-            subprocess.run(["scancel", "--full", "--signal=KILL", "-u", "root"], env=env,
-                           capture_output=True)
+            subprocess.run([*self.client, "scancel", "--full", "--signal=KILL", "-u", "root"],
+                           env=env, capture_output=True)
             deadline = time.monotonic() + 20
             while self.squeue() and time.monotonic() < deadline:
                 time.sleep(0.3)
-        for name in ("slurmd", "slurmctld", "munged"):
+        daemons = [n for n in self.procs if n.startswith("slurmd-")] + ["slurmctld", "munged"]
+        for name in daemons:
             p = self.procs.get(name)
             if p is None or p.poll() is not None:
                 continue
@@ -175,4 +217,6 @@ class LocalSlurm:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for ns in self.netns:                  # removes the veth pair with it
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(self.root, ignore_errors=True)
