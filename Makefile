@@ -32,7 +32,7 @@ services:
 	bash tests/slurm/install_slurm.sh || echo "services: Slurm unavailable, the slurm tests will skip"
 
 test: services
-	$(BIN)/python -m pytest -m "not gpu and not ray" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 # The main job on this machine: tiny models and data, then GRPO on CPU (minutes).
 demo: experiments/tiny/actor/config.json

@@ -4,8 +4,11 @@ driver started by hand and as a job of ``realign submit --launcher ray``, and le
 a killed worker actor is reported and everything is released; ``realign cancel`` stops
 a job; a Ray address that does not answer exits with code 2 at once.
 
-Measured here (2 cores, 4 Ray CPUs, 2 workers of 0.5 CPU): 24 GRPO steps in about
-40 s per run, reward_mean over the first 5 steps about 0.06 -> last 5 about 0.2.
+Measured here (2 cores shared with other jobs, 4 Ray CPUs, 2 workers of 0.5 CPU): a
+24-step run takes 25-55 s, nearly all of it actor start-up (imports); the steps
+themselves about 3-4 s. reward_mean over the first 5 steps 0.068 -> last 5 0.200, the
+same numbers as the local launcher (the metrics of a Ray run and a local run of one
+YAML were checked bit-identical by hand). The tier takes 3.5-4 minutes.
 """
 from __future__ import annotations
 
@@ -163,14 +166,20 @@ def status(job: str) -> dict:
     return json.loads(r.stdout)
 
 
-def wait_for(job: str, cond, timeout: float = RUN_TIMEOUT_S) -> dict:
+def wait_for(job: str, cond, timeout: float = RUN_TIMEOUT_S) -> None:
+    """Poll the job's state in this process (a ``realign status`` per second would take
+    CPU from the job on 2 cores); ``cond(state, steps_done)``."""
+    from realign.launch.jobs import backend, find, progress
+    record = find(job)
+    b = backend("ray")
     deadline = time.monotonic() + timeout
     while True:
-        s = status(job)
-        if cond(s):
-            return s
-        assert time.monotonic() < deadline, f"job {job}: {s}\n" + realign("logs", job).stdout[-4000:]
-        time.sleep(1.0)
+        state = b.status(record)
+        if cond(state.state, progress(Path(record.run_dir))[0] or 0):
+            return
+        assert time.monotonic() < deadline, f"job {job}: {state}\n" + \
+            realign("logs", job).stdout[-4000:]
+        time.sleep(0.5)
 
 
 def test_submit_runs_a_ray_job_that_learns(ray_head, tiny_assets, tmp_path):
@@ -178,7 +187,8 @@ def test_submit_runs_a_ray_job_that_learns(ray_head, tiny_assets, tmp_path):
                      launcher=ray_launcher(ray_head))
     run_dir = tmp_path / "run"
     job = submit(exp, run_dir)
-    s = wait_for(job, lambda s: s["state"] in ("COMPLETED", "FAILED", "CANCELLED"))
+    wait_for(job, lambda state, step: state in ("COMPLETED", "FAILED", "CANCELLED"))
+    s = status(job)
     assert s["state"] == "COMPLETED", (s, realign("logs", job).stdout[-4000:])
     assert s["step"] == STEPS and s["steps"] == STEPS
     assert_learned(run_dir)
@@ -193,7 +203,8 @@ def test_cancel_stops_the_job_and_its_actors(ray_head, tiny_assets, tmp_path):
                      launcher=ray_launcher(ray_head))
     run_dir = tmp_path / "run"
     job = submit(exp, run_dir)
-    wait_for(job, lambda s: (s["step"] or 0) >= 2)
+    wait_for(job, lambda state, step: step >= 2 or state not in ("PENDING", "RUNNING"))
+    assert status(job)["state"] == "RUNNING"
     t0 = time.monotonic()
     r = realign("cancel", job)
     assert r.returncode == 0, r.stderr
