@@ -101,6 +101,14 @@ class Controller:
 
     def _handle(self, rank: int, msg: tuple) -> tuple:
         if msg[0] == "error":
+            # A peer's death makes the survivors' collectives fail too: if another
+            # worker was killed, it is the cause; name it and keep this report.
+            time.sleep(2 * POLL_S)
+            for ex in self.launcher.poll():
+                if ex.rank != rank and ex.returncode < 0:
+                    raise WorkerFailed(ex.rank, f"was killed (signal {-ex.returncode})\n"
+                                       f"--- last lines of its log ---\n{self._log_tail(ex.rank)}"
+                                       f"\n--- then worker {rank} failed: ---\n{msg[1]}")
             raise WorkerFailed(rank, msg[1])
         return msg
 

@@ -6,6 +6,7 @@ holds the only other state (weights and optimizer state of trained copies)."""
 from __future__ import annotations
 
 import io
+import os
 import shutil
 from pathlib import Path
 
@@ -49,7 +50,8 @@ class Session:
         self.cfg = cfg
         plan = ExecutionPlan.from_json(setup["plan"])
         self.paths: dict[str, str] = setup["paths"]
-        self.dev = init_device(cfg.device, local_rank=rank)
+        # the device index on this host (launchers set LOCAL_RANK; Ray shows one GPU each)
+        self.dev = init_device(cfg.device, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
         dist.init_process_group(self.dev.backend, rank=rank, world_size=world)
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = load_tokenizer(self.paths["actor" if "actor" in self.paths else "reward"])
