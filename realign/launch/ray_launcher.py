@@ -80,6 +80,8 @@ class RealignWorker:
         its exit code."""
         import sys
         os.environ.update(env)
+        # Ray gives each actor its own device(s), visible as device 0 inside the actor
+        os.environ["LOCAL_RANK"] = "0"
         sys.stdout.flush()
         sys.stderr.flush()
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
