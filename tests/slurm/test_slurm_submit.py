@@ -103,13 +103,25 @@ def test_grpo_runs_to_completion_and_learns(slurm_cluster, tiny_assets, tmp_path
     print(f"\nslurm job {job}: 24 steps in {wall:.1f} s, reward {first:.3f} -> {last:.3f}")
 
 
-def test_cancel_keeps_a_checkpoint_and_a_new_submit_resumes(slurm_cluster, tiny_assets, tmp_path):
+def test_requeue_and_cancel_resume_from_the_last_checkpoint(slurm_cluster, tiny_assets,
+                                                            tmp_path):
+    """Requeued by Slurm, the job resumes from its last checkpoint; cancelled, its workers
+    are gone within 30 s and a new submit of the run folder resumes from the checkpoint."""
     exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=2000,
                      run__checkpoint_interval=3, launcher={"type": "slurm"})
     run_dir = tmp_path / "run"
     job = submit(exp, run_dir)
-    wait_for(job, lambda s: s["state"] == "RUNNING" and (s["step"] or 0) >= 7,
-             what="step 7")
+    wait_for(job, lambda s: s["state"] == "RUNNING" and (s["step"] or 0) >= 7, what="step 7")
+    first_ckpt = checkpoint.latest(run_dir)[0]
+    r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    wait_for(job, lambda s: s["state"] == "RUNNING" and "restarts 1" in s["detail"]
+             and (s["step"] or 0) >= first_ckpt + 4, what="a restart past its checkpoint")
+    log = (run_dir / "logs" / f"controller-{job}.log").read_text()
+    restarted = log[log.index(f"realign: job {job} (restart 1)"):]
+    resumed = int(re.search(r"resuming from \S+ \(step (\d+)\)", restarted).group(1))
+    assert resumed >= first_ckpt and resumed % 3 == 0, (first_ckpt, resumed)
+
     assert checkpoint.latest(run_dir) is not None
     assert worker_pids(run_dir), "no worker process found"
     follow = subprocess.Popen([*REALIGN, "logs", job, "--follow"], stdout=subprocess.PIPE,
@@ -142,8 +154,8 @@ def test_cancel_keeps_a_checkpoint_and_a_new_submit_resumes(slurm_cluster, tiny_
     assert f"resuming from {ckpt} (step {steps})" in log2, log2
     rows = metrics(run_dir)
     assert [row["step"] for row in rows] == list(range(steps + 3))
-    print(f"\ncancelled at step {done} (workers gone in {gone_s:.1f} s), checkpoint {steps}, "
-          f"resumed to {steps + 3}")
+    print(f"\nrequeued after checkpoint {first_ckpt}, resumed from {resumed}; cancelled at step "
+          f"{done} (workers gone in {gone_s:.1f} s), checkpoint {steps}, resumed to {steps + 3}")
 
 
 def test_dry_run_prints_the_batch_script(slurm_cluster, tiny_assets, tmp_path):

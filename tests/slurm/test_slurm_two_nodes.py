@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -32,7 +33,8 @@ def two_nodes():
     reason = install()
     if reason:
         pytest.skip(reason)
-    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+    if shutil.which("nsenter") is None or \
+            subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
         pytest.skip("network namespaces (ip netns) are not available here")
     cluster = LocalSlurm(nodes=2)
     try:
