@@ -4,8 +4,9 @@ Reads its rank from ``SLURM_PROCID``, takes that rank's environment from
 ``ENV_DIR/rank<R>.json`` (written by :class:`realign.launch.slurm.SlurmStepLauncher`),
 runs ``python -m realign.worker.main`` with its output in the worker's log, passes on
 the signals Slurm sends (SIGTERM at cancel), and records the worker's exit code in
-``ENV_DIR/exit/rank<R>`` so the controller can name the worker that failed. Imports
-nothing heavy: it is started once per device.
+``ENV_DIR/exit/rank<R>`` (negative: killed by that signal, as ``Popen`` reports it) so
+the controller can name the worker that failed. Imports nothing heavy: it is started
+once per device.
 """
 from __future__ import annotations
 
@@ -32,11 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, lambda s, _f: child.send_signal(s))
         rc = child.wait()
-    rc = rc if rc >= 0 else 128 - rc                 # killed by a signal: shell convention
     part = env_dir / "exit" / f"rank{rank}.part"
-    part.write_text(str(rc))
+    part.write_text(str(rc))                        # as Popen has it: -N = killed by signal N
     os.replace(part, env_dir / "exit" / f"rank{rank}")
-    return rc
+    return rc if rc >= 0 else 128 - rc             # the shell's convention for srun
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -77,6 +78,18 @@ def worker_pids(run_dir: Path) -> list[int]:
     return pids
 
 
+def worker_pid(run_dir: Path, rank: int) -> int:
+    for pid in worker_pids(run_dir):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"realign.worker.main" in \
+                Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    raise AssertionError(f"no worker {rank} of {run_dir} running")
+
+
 def test_grpo_runs_to_completion_and_learns(slurm_cluster, tiny_assets, tmp_path):
     exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=24,
                      launcher={"type": "slurm", "time_limit": "00:10:00"})
@@ -106,7 +119,8 @@ def test_grpo_runs_to_completion_and_learns(slurm_cluster, tiny_assets, tmp_path
 def test_requeue_and_cancel_resume_from_the_last_checkpoint(slurm_cluster, tiny_assets,
                                                             tmp_path):
     """Requeued by Slurm, the job resumes from its last checkpoint; cancelled, its workers
-    are gone within 30 s and a new submit of the run folder resumes from the checkpoint."""
+    are gone within 30 s and a new submit of the run folder resumes from the checkpoint;
+    a worker killed there is named by the controller and the job fails."""
     exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=2000,
                      run__checkpoint_interval=3, launcher={"type": "slurm"})
     run_dir = tmp_path / "run"
@@ -146,16 +160,24 @@ def test_requeue_and_cancel_resume_from_the_last_checkpoint(slurm_cluster, tiny_
     done = len(metrics(run_dir))
     assert done >= steps
 
-    job2 = submit(exp, run_dir, "--steps", str(steps + 3))
+    # a new submit resumes; then a worker killed under Slurm is named and the job fails
+    job2 = submit(exp, run_dir, "--steps", str(steps + 1000))
     assert job2 != job
-    s = wait_for(job2, finished, what="end")
-    assert s["state"] == "COMPLETED", realign("logs", job2).stdout[-4000:]
+    wait_for(job2, lambda s: s["state"] == "RUNNING" and (s["step"] or 0) >= steps + 2,
+             what="resumed steps")
     log2 = (run_dir / "logs" / f"controller-{job2}.log").read_text()
     assert f"resuming from {ckpt} (step {steps})" in log2, log2
     rows = metrics(run_dir)
-    assert [row["step"] for row in rows] == list(range(steps + 3))
+    assert [row["step"] for row in rows[:steps + 2]] == list(range(steps + 2))
+    os.kill(worker_pid(run_dir, rank=1), signal.SIGKILL)
+    s = wait_for(job2, finished, timeout=60, what="end after a worker was killed")
+    assert s["state"] == "FAILED", s
+    log2 = (run_dir / "logs" / f"controller-{job2}.log").read_text()
+    assert "worker 1 failed" in log2, log2[-3000:]
+    assert "killed (signal 9)" in log2 or "exited with code -9" in log2, log2[-3000:]
     print(f"\nrequeued after checkpoint {first_ckpt}, resumed from {resumed}; cancelled at step "
-          f"{done} (workers gone in {gone_s:.1f} s), checkpoint {steps}, resumed to {steps + 3}")
+          f"{done} (workers gone in {gone_s:.1f} s), checkpoint {steps}, resumed; "
+          + re.search(r"worker 1 failed.*\n.*", log2).group(0).replace("\n", " "))
 
 
 def test_dry_run_prints_the_batch_script(slurm_cluster, tiny_assets, tmp_path):
