@@ -82,6 +82,8 @@ def prepare(args: argparse.Namespace):
     run_dir = Path(args.run_dir or cfg.run.dir.format(name=cfg.name)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "plan.json").write_text(plan.to_json())
+    from planner.timeline_svg import render
+    (run_dir / "plan.svg").write_text(render(plan))          # reallocations show as bars
     (run_dir / "experiment.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=1))
     setup = {"config": cfg.model_dump(mode="json"), "plan": plan.to_json(),
              "paths": paths, "base": str(base), "rule_reward": rule_reward}

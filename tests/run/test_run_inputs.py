@@ -104,6 +104,7 @@ def test_a_reallocating_plan_really_reallocates_and_learns(tiny_assets, tmp_path
     assert "reallocates actor" in r.stdout
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert [x["role"] for x in plan["reallocations"]] == ["actor"]
+    assert "realloc actor" in (tmp_path / "run" / "plan.svg").read_text()
     planned = plan["reallocations"][0]["bytes"]
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(row["realloc_bytes"] > 0 for row in rows)
