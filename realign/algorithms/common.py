@@ -174,3 +174,12 @@ def pairs(x: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
         raise UserError(f"preference pairs need an even number of rows (chosen, rejected "
                         f"interleaved), got {x.shape[0]}", field=what)
     return x[0::2], x[1::2]
+
+
+def surrogate_actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg
+                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped surrogate over the response tokens with ``cfg.clip_ratio`` (ReMax, RLOO,
+    REINFORCE++ put their KL in the reward, so this is their whole loss).
+    Metrics: clip_frac, approx_kl, ratio."""
+    return clipped_surrogate(logprobs_new, batch["logprobs"], batch["advantages"],
+                             batch_mask(batch), cfg.clip_ratio)

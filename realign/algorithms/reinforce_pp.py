@@ -15,7 +15,7 @@ import torch
 from pydantic import Field
 
 from realign.algorithms.common import (AlgorithmConfig, Batch, batch_mask,
-                                       clipped_surrogate, discounted_returns, masked_whiten,
+                                       surrogate_actor_loss, discounted_returns, masked_whiten,
                                        require)
 from realign.algorithms.ppo import token_rewards
 
@@ -43,11 +43,8 @@ def prepare(batch: Batch, cfg: ReinforcePPConfig) -> Batch:
     return {**batch, "returns": ret, "advantages": masked_whiten(ret, mask)}
 
 
-def actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg: ReinforcePPConfig
-               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate over the response tokens. Metrics: clip_frac, approx_kl, ratio."""
-    return clipped_surrogate(logprobs_new, batch["logprobs"], batch["advantages"],
-                             batch_mask(batch), cfg.clip_ratio)
+#: the loss: the clipped surrogate of the advantages above (KL is in the reward)
+actor_loss = surrogate_actor_loss
 
 
 def actor_loss_fn(cfg: ReinforcePPConfig):

@@ -17,7 +17,7 @@ import torch
 from pydantic import Field
 
 from realign.algorithms.common import (AlgorithmConfig, Batch, batch_mask,
-                                       broadcast_to_tokens, clipped_surrogate, require,
+                                       broadcast_to_tokens, surrogate_actor_loss, require,
                                        token_kl)
 from realign.errors import UserError
 
@@ -62,11 +62,8 @@ def prepare(batch: Batch, cfg: ReMaxConfig) -> Batch:
     return {**out, "advantages": broadcast_to_tokens(adv, mask)}
 
 
-def actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg: ReMaxConfig
-               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate over the response tokens. Metrics: clip_frac, approx_kl, ratio."""
-    return clipped_surrogate(logprobs_new, batch["logprobs"], batch["advantages"],
-                             batch_mask(batch), cfg.clip_ratio)
+#: the loss: the clipped surrogate of the advantages above (KL is in the reward)
+actor_loss = surrogate_actor_loss
 
 
 def actor_loss_fn(cfg: ReMaxConfig):

@@ -91,6 +91,16 @@ class JobBackend(abc.ABC):
         return others + workers
 
 
+def wait_finished(status, timeout_s: float, poll_s: float = 0.5) -> "JobState":
+    """Poll ``status()`` until the job has finished or ``timeout_s`` passed; the last state."""
+    deadline = time.monotonic() + timeout_s
+    state = status()
+    while not state.finished and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        state = status()
+    return state
+
+
 def _rank_key(name: str) -> int:
     m = re.search(r"(\d+)", name)
     return int(m.group(1)) if m else -1

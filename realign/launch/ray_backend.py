@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from realign.errors import UserError
-from realign.launch.jobs import JobBackend, JobRecord, JobState
+from realign.launch.jobs import JobBackend, JobRecord, JobState, wait_finished
 
 CONNECT_DEADLINE_S = 20.0
 
@@ -154,13 +154,7 @@ class RayJobBackend(JobBackend):
         if state.finished:
             return state
         client.stop_job(job.job_id)       # SIGTERM, then SIGKILL; its actors die with it
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            state = self.status(job)
-            if state.finished:
-                return state
-            time.sleep(0.5)
-        return state
+        return wait_finished(lambda: self.status(job), timeout_s)
 
     def log_files(self, job: JobRecord) -> list[Path]:
         """The driver's (controller's) log, fetched from the job API into the run

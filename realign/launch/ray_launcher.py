@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from pathlib import Path
 
 from realign.errors import UserError

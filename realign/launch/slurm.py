@@ -27,7 +27,7 @@ from pathlib import Path
 
 from realign.errors import UserError
 from realign.launch.base import Launcher, Network, WorkerExit
-from realign.launch.jobs import JobBackend, JobRecord, JobState
+from realign.launch.jobs import JobBackend, JobRecord, JobState, wait_finished
 
 #: client commands ``realign submit`` needs on PATH
 SUBMIT_COMMANDS = ("sbatch", "sinfo", "scontrol")
@@ -245,13 +245,7 @@ class SlurmBackend(JobBackend):
         if state.finished:
             return state
         _slurm(["scancel", job.job_id], "realign cancel")
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            state = self.status(job)
-            if state.finished:
-                return state
-            time.sleep(0.5)
-        return state
+        return wait_finished(lambda: self.status(job), timeout_s)
 
 
 # ---- inside the allocation ------------------------------------------------------------

@@ -100,7 +100,7 @@ def only_involved(model: str, head: str, src_t: tuple, dst_t: tuple) -> dict:
 
 
 def bad_input(model: str, src_t: tuple, dst_t: tuple) -> None:
-    spec, gpu = model_presets()[model], dist.get_rank()
+    spec = model_presets()[model]
     src, dst = placement(*src_t), placement(*dst_t)
     reallocate(spec, "lm", src, dst, {}, {}, dtype=torch.float32, gpus_per_node=4)
 

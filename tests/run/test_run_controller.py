@@ -116,7 +116,6 @@ def test_worker_exception_names_the_worker_and_stops_everything(tiny_assets, tmp
     assert "ValueError: the reward function broke on" in r.stderr
     assert time.monotonic() - t0 < 120
     time.sleep(1)
-    left = subprocess.run(["pgrep", "-f", f"REALIGN_WORKER_LOG={tmp_path}"], capture_output=True)
     assert not _workers_of(tmp_path / "run")
 
 

@@ -124,7 +124,7 @@ def save_roundtrip(ctx, src, dst, tp, pp, dp):
 def bad_input(ctx, path, what):
     """Each rank must raise UserError before any collective; returns the message."""
     from realign.errors import UserError
-    dev = init_device("cpu")
+    init_device("cpu")
     try:
         spec = spec_from_hf(path)
         if what == "mesh_too_big":

@@ -81,7 +81,7 @@ class GenerateEngine:
     def _decode(self, prompts, p: SamplingParams, first_index: int):
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        shard, dev = self.shard, self.shard.device.device
+        dev = self.shard.device.device
         b, n = len(prompts), p.max_new_tokens
         plen = torch.tensor([len(x) for x in prompts], device=dev)
         total = int(plen.max()) + n
