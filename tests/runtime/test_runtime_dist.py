@@ -144,7 +144,7 @@ def test_bad_input_raises_on_every_rank_before_any_collective(world2, tiny_model
     msgs = world2.run("cases_model:bad_input", tiny_models["llama"], "mesh_too_big")
     assert all("exceed the world of 2 ranks" in m for m in msgs)
     msgs = world2.run("cases_model:bad_input", tiny_models["llama"], "heads")
-    assert all("tp=2 must divide the 3 attention heads" in m for m in msgs)
+    assert all("tp=2 must divide the 3 heads" in m for m in msgs)
     bad = tmp_path / "bad"
     shutil.copytree(tiny_models["llama"], bad)
     cfg = json.loads((bad / "config.json").read_text())
