@@ -10,7 +10,7 @@ from planner.graph import DataflowGraph
 from planner.layout import Allocation, check_allocation
 from planner.plan import ExecutionPlan, SearchInfo
 from planner.plan_build import build_plan
-from planner.problem import Candidate, Problem, RoleModel
+from planner.problem import Candidate, RoleModel, assemble
 from planner.simulator import simulate
 
 GIB = 2 ** 30
@@ -40,7 +40,7 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
         cands.append([Candidate(a.mesh.first_gpu, a.mesh.n_gpus, a.layout.tp, a.layout.pp,
                                 a.layout.dp, a.micro_batches, c.time_s, c.resident_bytes,
                                 c.activation_bytes, c.weights_bytes)])
-    prob = _single_candidate_problem(graph, models, cost, cands)
+    prob = assemble(graph, models, cost, cands)
     res = simulate(prob, [0] * len(cands))
     if not res.feasible:
         g = max(range(prob.n_gpus), key=lambda x: res.peak_bytes[x])
@@ -52,31 +52,6 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
     info = SearchInfo(method="manual", seed=0, search_time_s=0.0, space_size=1.0,
                       candidates={n: 1 for n in names}, steps=0, complete=True)
     return build_plan(name, prob, [0] * len(cands), cost_config, info, ())
-
-
-def _single_candidate_problem(graph: DataflowGraph, models: dict[str, RoleModel],
-                              cost: CostModel, cands: list[list[Candidate]]) -> Problem:
-    from planner.realloc_cost import Links, ReallocModel
-    roles = graph.roles()
-    ridx = {r: i for i, r in enumerate(roles)}
-    train_mfc = [-1] * len(roles)
-    for i, m in enumerate(graph.mfcs):
-        if m.kind == "train":
-            train_mfc[ridx[m.role]] = i
-    dev = cost.cluster.device
-    prob = Problem(
-        cluster=cost.cluster, graph=graph, models=[models[r] for r in roles],
-        mem_limit_bytes=cost.mem_limit_bytes,
-        links=Links(cost.cluster.gpus_per_node, cost.intra_bytes_per_s, cost.inter_bytes_per_s,
-                    dev.intra_node_latency_s, dev.inter_node_latency_s),
-        mfc_model=[ridx[m.role] for m in graph.mfcs],
-        mfc_is_train=[m.kind == "train" for m in graph.mfcs], deps=graph.deps(),
-        model_train_mfc=train_mfc,
-        realloc_models=[ReallocModel.of(models[r].spec, models[r].head,
-                                        cost.config.param_dtype_bytes) for r in roles],
-        cands=cands)
-    prob.same_mesh = [[[0]] for _ in cands]
-    return prob
 
 
 def check_plan_matches(plan: ExecutionPlan, graph: DataflowGraph, models: dict[str, RoleModel],

@@ -116,7 +116,6 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
     """
     cluster = cost.cluster
     roles = [r for r in graph.roles()]
-    model_list = [models[r] for r in roles]
     ridx = {r: i for i, r in enumerate(roles)}
     limit = cost.mem_limit_bytes
     meshes = meshes if meshes is not None else enumerate_meshes(cluster)
@@ -158,16 +157,30 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                             f"{cluster.describe()} within {limit / 2**30:.1f} GiB per GPU",
                             field="cluster")
         cands.append(per_mfc)
-    dev = cluster.device
+    return assemble(graph, models, cost, cands, n_iters)
+
+
+def assemble(graph: DataflowGraph, models: dict[str, RoleModel], cost: CostModel,
+             cands: list[list[Candidate]], n_iters: int = 3) -> Problem:
+    """A :class:`Problem` from priced candidates: model and dependency bookkeeping,
+    links and the same-mesh groups (shared by searched and hand-written plans)."""
+    roles = graph.roles()
+    ridx = {r: i for i, r in enumerate(roles)}
+    train_mfc = [-1] * len(roles)
+    for i, m in enumerate(graph.mfcs):
+        if m.kind == "train":
+            train_mfc[ridx[m.role]] = i
+    cluster, dev = cost.cluster, cost.cluster.device
     links = Links(cluster.gpus_per_node, cost.intra_bytes_per_s, cost.inter_bytes_per_s,
                   dev.intra_node_latency_s, dev.inter_node_latency_s)
     prob = Problem(
-        cluster=cluster, graph=graph, models=model_list, mem_limit_bytes=limit, links=links,
+        cluster=cluster, graph=graph, models=[models[r] for r in roles],
+        mem_limit_bytes=cost.mem_limit_bytes, links=links,
         mfc_model=[ridx[m.role] for m in graph.mfcs],
         mfc_is_train=[m.kind == "train" for m in graph.mfcs],
         deps=graph.deps(), model_train_mfc=train_mfc,
-        realloc_models=[ReallocModel.of(rm.spec, rm.head, cost.config.param_dtype_bytes)
-                        for rm in model_list],
+        realloc_models=[ReallocModel.of(models[r].spec, models[r].head,
+                                        cost.config.param_dtype_bytes) for r in roles],
         cands=cands, n_iters=n_iters)
     for cs in cands:
         groups: dict[tuple[int, int], list[int]] = {}
