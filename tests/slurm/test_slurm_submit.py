@@ -163,7 +163,9 @@ def test_requeue_and_cancel_resume_from_the_last_checkpoint(slurm_cluster, tiny_
     # a new submit resumes; then a worker killed under Slurm is named and the job fails
     job2 = submit(exp, run_dir, "--steps", str(steps + 1000))
     assert job2 != job
-    wait_for(job2, lambda s: s["state"] == "RUNNING" and (s["step"] or 0) >= steps + 2,
+    # metrics.jsonl still holds the cancelled job's steps past its checkpoint (up to
+    # `done`) until the new controller truncates it: wait for steps beyond those
+    wait_for(job2, lambda s: s["state"] == "RUNNING" and (s["step"] or 0) >= done + 2,
              what="resumed steps")
     log2 = (run_dir / "logs" / f"controller-{job2}.log").read_text()
     assert f"resuming from {ckpt} (step {steps})" in log2, log2
