@@ -11,6 +11,12 @@ class CostModelConfig(BaseModel):
 
     matmul_efficiency: float = Field(
         0.5, gt=0, le=1, description="Fraction of peak FLOP/s that large GEMMs reach.")
+    gemm_half_rows: float = Field(
+        128.0, ge=0, description="GEMM rows (tokens of one micro-batch) at which a layer's "
+        "GEMMs reach half of matmul_efficiency; 0 ignores the row count.")
+    gemm_half_width: float = Field(
+        128.0, ge=0, description="Mean TP-sharded GEMM width (columns per GPU) at which a "
+        "layer's GEMMs reach half of matmul_efficiency; 0 ignores the width.")
     mem_bw_efficiency: float = Field(
         0.8, gt=0, le=1, description="Fraction of peak memory bandwidth that streaming reads reach.")
     link_efficiency: float = Field(

@@ -6,7 +6,20 @@ n_h heads, d head size. Rates: R = peak FLOP/s x matmul efficiency, B_mem = memo
 bandwidth x efficiency, B_link = link bandwidth x efficiency (intra- or inter-node).
 
 Time terms (seconds), per pipeline stage and micro-batch unless stated:
-* compute: FLOPs / (tp * pp * R), with forward FLOPs per token
+* GEMM rate by size (FLOP/s): a pass whose layer GEMMs have ``M`` rows (tokens of one
+  micro-batch: ``b s`` in training and inference, ``b x prompt`` in prefill, ``b`` in
+  a decode step) and a mean TP-sharded width ``w = (layer TP-split params) / (4 h tp)``
+  (the mean of the QKV, proj, fc1, fc2 sharded dimensions, columns per GPU) runs at
+  ``R_M = R x M/(M + M_half) x w/(w + w_half)`` (``gemm_half_rows``,
+  ``gemm_half_width``; 128 each by default, 0 switches a factor off). Why: a GEMM
+  with few rows is memory-bound (arithmetic intensity ~M FLOP/byte against a ridge
+  of ~295 on an H100: 989 TFLOP/s over 3.35 TB/s) and leaves SMs idle (tile and wave
+  quantization, NVIDIA's "Matrix Multiplication Background" guide); DeepGEMM's
+  published Hopper table gives 206 / 352 TFLOP/s at M = 64 / 128 (N=2112, K=7168)
+  against ~1500 at M = 4096, i.e. ~0.14 / 0.23 of the large-M rate, where the curve
+  gives 0.33 / 0.5 (the bf16 ridge is half the FP8 one, so bf16 saturates earlier).
+  Large GEMMs (M in the thousands, w >= 1000) keep 0.9-0.97 of R.
+* compute: FLOPs / (tp * pp * R_M), with forward FLOPs per token
   ``2 P_mm + 4 L n_h d c`` (c = attended context: s/2 causal, prompt + gen/2 in decode);
   backward = 2x forward; recomputation adds one forward.
 * TP: 2 all-reduces of ``b s h`` activations per layer forward (2 more backward, 2
@@ -14,9 +27,13 @@ Time terms (seconds), per pipeline stage and micro-batch unless stated:
   latency of ``2 log2(n)`` messages.
 * PP: ``(m + pp - 1)`` stage slots per pipelined pass (the bubble), plus activation
   sends between stages; decode runs ``max(m, pp)`` slots per generated token.
-* decode step: ``max(compute, (stage weights + KV cache read) / B_mem)`` - memory-bound.
-* DP: gradient all-reduce (reduce-scatter + all-gather with the distributed
-  optimizer: the same bytes) of the stage's parameters per optimizer step.
+* decode step: ``max(compute at R_b, (stage weights + KV cache read) / B_mem)`` -
+  memory-bound.
+* DP, per optimizer step: gradients are reduced in fp32 (``grad_dtype_bytes``, as
+  Megatron's ``grad_reduce_in_fp32``): a ring all-reduce of ``4 P`` bytes, or with
+  the distributed optimizer a reduce-scatter of ``4 P`` bytes plus an all-gather of
+  the updated ``param_dtype x P`` weights (each ``(n-1)/n * bytes / B_link`` plus
+  ``log2(n)`` message latencies); P = the stage's parameters on one GPU.
 * optimizer: ``optimizer_step_bytes_per_param`` bytes of traffic per local parameter.
 * fixed costs: ``layer_overhead_s`` per layer per pass per micro-batch (kernel launches,
   framework work: dominant for small micro-batches and in decoding) and
@@ -29,7 +46,8 @@ flight; inference adds one micro-batch's layer activations and fp32 logits;
 generation adds the KV cache of its sequences and the logits of one step.
 
 A :class:`~planner.profile.ProfileTable` measured on real hardware overrides the
-device rates and, where it has an entry, whole MFC times. The cost model never
+device rates (a measured GEMM rate stands for R, large GEMMs; the size curve still
+scales it) and, where it has an entry, whole MFC times. The cost model never
 starts profiling by itself.
 """
 from __future__ import annotations
@@ -95,6 +113,16 @@ class CostModel:
         lat = dev.inter_node_latency_s if inter_node else dev.intra_node_latency_s
         return 2.0 * (n - 1) / n * nbytes / bw + 2.0 * math.ceil(math.log2(n)) * lat
 
+    def reduce_scatter_s(self, nbytes: float, n: int, inter_node: bool) -> float:
+        """Ring reduce-scatter (or all-gather) of ``nbytes`` over ``n`` ranks: half an
+        all-reduce."""
+        if n <= 1:
+            return 0.0
+        dev = self.cluster.device
+        bw = self.inter_bytes_per_s if inter_node else self.intra_bytes_per_s
+        lat = dev.inter_node_latency_s if inter_node else dev.intra_node_latency_s
+        return (n - 1) / n * nbytes / bw + math.ceil(math.log2(n)) * lat
+
     def p2p_s(self, nbytes: float, inter_node: bool) -> float:
         dev = self.cluster.device
         if inter_node:
@@ -123,6 +151,18 @@ class CostModel:
         dt = self.config.param_dtype_bytes
         sharded = spec.qkv_out + spec.n_heads * spec.kv_channels + 3 * spec.ffn_hidden
         return dt * (5 * spec.hidden + sharded / tp)
+
+    def gemm_rate(self, spec: ModelSpec, rows: float, tp: int) -> float:
+        """Achieved FLOP/s of one layer's GEMMs with ``rows`` tokens on one GPU:
+        ``R x rows/(rows + r_half) x w/(w + w_half)``, w the mean TP-sharded width."""
+        cfg = self.config
+        rate = self.flops_per_s
+        if cfg.gemm_half_rows > 0:
+            rate *= rows / (rows + cfg.gemm_half_rows)
+        if cfg.gemm_half_width > 0:
+            w = spec.layer_sharded_params() / (4.0 * spec.hidden * tp)
+            rate *= w / (w + cfg.gemm_half_width)
+        return rate
 
     def _fwd_flops_per_token(self, spec: ModelSpec, head: str, context: float) -> float:
         attn = 4.0 * spec.n_layers * spec.n_heads * spec.kv_channels * context
@@ -156,7 +196,7 @@ class CostModel:
             # prefill: compute-bound forward over the prompts
             pre_tok = b * mfc.prompt_len
             pre_flops = pre_tok * self._fwd_flops_per_token(spec, head, mfc.prompt_len / 2)
-            pre_stage = (pre_flops / (tp * pp * self.flops_per_s)
+            pre_stage = (pre_flops / (tp * pp * self.gemm_rate(spec, pre_tok, tp))
                          + L / pp * 2 * self.allreduce_s(pre_tok * h * dt, tp, False)
                          + (self.p2p_s(pre_tok * h * dt, pp_inter) if pp > 1 else 0.0)
                          + L / pp * self.layer_overhead_s + self.microbatch_overhead_s)
@@ -166,7 +206,7 @@ class CostModel:
             kv_tok_layer = 2 * (spec.n_kv_heads / tp) * spec.kv_channels * dt
             kv_read = b * L / pp * kv_tok_layer * ctx
             flops = b * self._fwd_flops_per_token(spec, head, ctx) / (tp * pp)
-            step = max(flops / self.flops_per_s, (weights + kv_read) / self.mem_bytes_per_s)
+            step = max(flops / self.gemm_rate(spec, b, tp), (weights + kv_read) / self.mem_bytes_per_s)
             step += L / pp * 2 * self.allreduce_s(b * h * dt, tp, False)
             step += L / pp * self.layer_overhead_s
             if pp > 1:
@@ -185,7 +225,7 @@ class CostModel:
             fwd = tok * self._fwd_flops_per_token(spec, head, mfc.seq_len / 2)
             passes = (3.0 + (1.0 if cfg.activation_recompute else 0.0)) if train else 1.0
             n_ar = (4 + (2 if cfg.activation_recompute else 0)) if train else 2
-            compute = passes * fwd / (tp * pp * self.flops_per_s)
+            compute = passes * fwd / (tp * pp * self.gemm_rate(spec, tok, tp))
             fixed = passes * L / pp * self.layer_overhead_s + self.microbatch_overhead_s
             tp_comm = L / pp * n_ar * self.allreduce_s(tok * h * dt, tp, False)
             p2p = (2 if train else 1) * self.p2p_s(tok * h * dt, pp_inter) if pp > 1 else 0.0
@@ -196,8 +236,13 @@ class CostModel:
             terms["pp_bubble"] = steps * (pp - 1) * (compute + tp_comm + p2p + fixed)
             act_layer = tok * self._act_bytes_per_token_layer(spec, tp)
             if train:
-                grad_bytes = dt * p_gpu
-                terms["dp_grad_sync"] = steps * self.allreduce_s(grad_bytes, dp, dp_inter)
+                grad_bytes = cfg.grad_dtype_bytes * p_gpu
+                if cfg.distributed_optimizer:   # reduce-scatter grads, all-gather new weights
+                    sync = (self.reduce_scatter_s(grad_bytes, dp, dp_inter)
+                            + self.reduce_scatter_s(weights, dp, dp_inter))
+                else:
+                    sync = self.allreduce_s(grad_bytes, dp, dp_inter)
+                terms["dp_grad_sync"] = steps * sync
                 opt_params = p_gpu / (dp if cfg.distributed_optimizer else 1)
                 terms["optimizer"] = (steps * opt_params * cfg.optimizer_step_bytes_per_param
                                       / self.mem_bytes_per_s)

@@ -39,7 +39,8 @@ LAT_INTER = 1e-5
 DEV = DeviceSpec(name="toy", peak_flops=R, mem_bytes=1e9, mem_bw_bytes_per_s=B_MEM,
                  intra_node_bytes_per_s=B_INTRA, inter_node_bytes_per_s=B_INTER,
                  intra_node_latency_s=LAT_INTRA, inter_node_latency_s=LAT_INTER)
-EXACT = CostModelConfig(matmul_efficiency=1.0, mem_bw_efficiency=1.0, link_efficiency=1.0)
+EXACT = CostModelConfig(matmul_efficiency=1.0, mem_bw_efficiency=1.0, link_efficiency=1.0,
+                        gemm_half_rows=0, gemm_half_width=0)   # no GEMM-size curve
 TOY = ModelSpec(name="toy", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128,
                 vocab_size=128)
 
@@ -51,6 +52,14 @@ ATTN = 1024
 
 def flops_per_token(context: float) -> float:
     return 2 * P_MM + ATTN * context
+
+
+def rs(nbytes: float, n: int, inter: bool = False) -> float:
+    """Ring reduce-scatter (or all-gather): half the all-reduce's traffic and steps."""
+    if n == 1:
+        return 0.0
+    bw, lat = (B_INTER, LAT_INTER) if inter else (B_INTRA, LAT_INTRA)
+    return (n - 1) / n * nbytes / bw + math.ceil(math.log2(n)) * lat
 
 
 def ar(nbytes: float, n: int, inter: bool = False) -> float:
@@ -246,8 +255,14 @@ def test_train_tp2_dp2_across_nodes(recompute, distributed):
     assert c.terms_s["compute"] == approx(steps * 2 * compute)
     assert c.terms_s["tp_comm"] == approx(steps * 2 * tp_comm)
     assert c.terms_s["pp_comm"] == 0 and c.terms_s["pp_bubble"] == 0
-    # DP groups are {0,2} and {1,3}: across the two nodes, so the NIC rate applies
-    assert c.terms_s["dp_grad_sync"] == approx(steps * ar(DT * p_gpu, 2, inter=True))
+    # DP groups are {0,2} and {1,3}: across the two nodes, so the NIC rate applies.
+    # Gradients are reduced in fp32 (4 bytes); the distributed optimizer reduce-scatters
+    # them and all-gathers the updated bf16 weights, the plain one all-reduces them.
+    if distributed:
+        sync = rs(4 * p_gpu, 2, inter=True) + rs(DT * p_gpu, 2, inter=True)
+    else:
+        sync = ar(4 * p_gpu, 2, inter=True)
+    assert c.terms_s["dp_grad_sync"] == approx(steps * sync)
     shard = 2 if distributed else 1
     assert c.terms_s["optimizer"] == approx(steps * p_gpu / shard * 30 / B_MEM)
     assert c.weights_bytes == approx(DT * p_gpu)
@@ -282,6 +297,56 @@ def test_train_pipeline_bubble_and_activation_sends():
     assert c.activation_bytes == approx(4 * 1 * tok * act_per_token_layer(1) + 2 * 4 * tok * 128)
 
 
+# ---- GEMM efficiency by size --------------------------------------------------------
+
+CURVE = EXACT.model_copy(update={"matmul_efficiency": 0.5, "gemm_half_rows": 128.0,
+                                 "gemm_half_width": 64.0})
+
+
+@pytest.mark.parametrize("rows,tp", [(96, 1), (96, 2), (4096, 4), (1, 1)])
+def test_gemm_rate_by_rows_and_sharded_width(rows, tp):
+    # mean TP-sharded width of the four layer GEMMs: (128 + 64 + 256 + 128) / 4 / tp
+    width = LAYER_SPLIT / (4 * H) / tp
+    assert width == 144 / tp
+    want = 0.5 * R * rows / (rows + 128) * width / (width + 64)
+    assert cost_model(config=CURVE).gemm_rate(TOY, rows, tp) == approx(want)
+    # either half-point at 0 switches its factor off
+    rows_only = CURVE.model_copy(update={"gemm_half_width": 0.0})
+    assert cost_model(config=rows_only).gemm_rate(TOY, rows, tp) == approx(0.5 * R * rows / (rows + 128))
+    assert cost_model().gemm_rate(TOY, rows, tp) == approx(R)     # EXACT: no curve
+
+
+def test_gemm_curve_prices_train_inference_prefill_and_decode():
+    cm = cost_model(config=CURVE)
+    lay = Layout(tp=2, dp=2)
+    w = 144 / 2
+    eff = lambda rows: 0.5 * R * rows / (rows + 128) * w / (w + 64)   # noqa: E731
+    # train: 16 seqs / 2 mini-batches / dp 2 / 2 micro-batches = 2 seqs x 48 tokens
+    tr = cm.mfc_cost(mfc("train", n_seqs=16, minibatches=2), TOY, "lm", mesh(4), lay, 2)
+    tok = 2 * 48
+    assert tr.terms_s["compute"] == approx(2 * 2 * 3 * tok * flops_per_token(24) / (2 * eff(tok)))
+    inf = cm.mfc_cost(mfc("inference"), TOY, "lm", mesh(4), lay, 1)
+    tok = 4 * 48
+    assert inf.terms_s["compute"] == approx(tok * flops_per_token(24) / (2 * eff(tok)))
+    # generate on one GPU with a scarce FLOP rate: prefill rows are the prompt tokens of
+    # the micro-batch, decode rows the sequences of one step (compute-bound here)
+    slow = DEV.model_copy(update={"peak_flops": 1e9})
+    gm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=4, device=slow), CURVE)
+    g = gm.mfc_cost(mfc("generate"), TOY, "lm", mesh(1), Layout(), 1)
+    e1 = lambda rows: 0.5 * 1e9 * rows / (rows + 128) * 144 / (144 + 64)   # noqa: E731
+    assert g.terms_s["prefill"] == approx(8 * 16 * flops_per_token(8) / e1(8 * 16))
+    assert g.terms_s["decode"] == approx(32 * 8 * flops_per_token(32) / e1(8))
+
+
+def test_gemm_curve_makes_small_micro_batches_cost_more():
+    spec = model_presets()["llama2-7b"]
+    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=8, device=resolve_device("h100-80g")))
+    m = mfc("train", n_seqs=64)
+    t = [cm.mfc_cost(m, spec, "lm", mesh(8), Layout(pp=8), mb).terms_s["compute"]
+         for mb in (1, 4, 16, 64)]
+    assert t == sorted(t) and t[-1] / t[0] > 1.2
+
+
 # ---- monotonic sanity ------------------------------------------------------------
 
 def test_more_tp_lowers_weights_per_gpu():
@@ -309,7 +374,8 @@ def test_more_micro_batches_lowers_activation_memory():
 def test_profile_rates_override_device_rates():
     rates = MeasuredRates(matmul_flops_per_s=2e12, mem_bytes_per_s=4e11,
                           intra_node_bytes_per_s=3e10, inter_node_bytes_per_s=5e9)
-    cm = cost_model(config=CostModelConfig(), profile=ProfileTable(device="toy", rates=rates))
+    cm = cost_model(config=CostModelConfig(gemm_half_rows=0, gemm_half_width=0),
+                    profile=ProfileTable(device="toy", rates=rates))
     assert (cm.flops_per_s, cm.mem_bytes_per_s, cm.intra_bytes_per_s, cm.inter_bytes_per_s) == (
         2e12, 4e11, 3e10, 5e9)   # measured rates are used as they are, no efficiency
     c = cm.mfc_cost(mfc("inference"), TOY, "lm", mesh(1), Layout(), 1)
