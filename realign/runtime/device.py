@@ -101,7 +101,8 @@ _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "ran
 def _cpu_factory(fn):
     def factory(*args, **kwargs):
         dev = kwargs.get("device")
-        if dev is not None and str(dev).startswith("cuda"):
+        if dev is not None and (dev.type if isinstance(dev, torch.device)
+                                else str(dev)).startswith("cuda"):
             kwargs["device"] = "cpu"
         return fn(*args, **kwargs)
     factory.__wrapped__ = fn

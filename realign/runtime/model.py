@@ -24,7 +24,7 @@ Head = Literal["lm", "value"]
 
 #: Transformer-Engine's fused modules keep the norms inside the linear layers; these
 #: are the local-spec names the planner uses for them.
-_TE_NAMES = {
+TE_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
@@ -176,7 +176,7 @@ def global_name(local_name: str, spec: ModelSpec, pp: int, pp_rank: int) -> str:
     if not name.startswith("decoder.layers."):
         return name
     _, _, idx, rest = name.split(".", 3)
-    rest = _TE_NAMES.get(rest, rest)
+    rest = TE_NAMES.get(rest, rest)
     layer = stage_layers(spec.n_layers, pp, pp_rank)[int(idx)]
     return f"decoder.layers.{layer}.{rest}"
 

@@ -1,13 +1,19 @@
 """Sampling parameters and the choice of the next token from full-vocabulary logits.
 
-Sampling is seeded per sequence (``seed + global index of the sequence``), so a
-sampled output does not depend on the layout (TP/PP/DP) that produced it.
+Sampling is Gumbel-max with counter-based noise: the noise of token ``v`` for the
+``t``-th generated position of sequence ``i`` is a hash of ``(seed, i, t, v)``, where
+``i`` is the sequence's global index in the call. A sampled output therefore does not
+depend on the layout (TP/PP/DP) that produced it nor on the batch around it, and the
+whole batch is drawn with a few vectorised integer operations (no per-row generator).
+``argmax(logits + Gumbel noise)`` is an exact draw from ``softmax(logits)``.
 """
 from __future__ import annotations
 
 import torch
 
 from realign.runtime.settings import SamplingParams
+
+_M32 = 0xFFFFFFFF
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -28,21 +34,50 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def choose_tokens(logits: torch.Tensor, p: SamplingParams, generators: list[torch.Generator],
-                  active: torch.Tensor) -> torch.Tensor:
-    """Next token per row of float logits [b, V] (padding vocabulary already masked).
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32) without int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
 
-    Only ``active`` rows (those generating at this step) draw from their generator, so
-    a sequence's samples depend on its seed alone, not on the batch around it."""
-    choice = logits.argmax(dim=-1)
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (xorshift-multiply, constants of C. Wellons' "lowbias32")
+    on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _hash32_int(x: int) -> int:
+    """:func:`hash32` of one Python int."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: int, seq_ids: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
+    """float64 uniforms in (0, 1), [b, vocab]: a pure function of (seed, sequence id,
+    generated position, token id)."""
+    step = _hash32_int(_hash32_int(seed) ^ _hash32_int((seed >> 32) ^ 0x5BD1E995)
+                       ^ _hash32_int(position + 0x9E3779B9))
+    row = hash32(hash32(seq_ids.long() & _M32) ^ step)
+    tok = hash32(torch.arange(vocab, device=seq_ids.device) ^ 0x68E31DA4)
+    bits = hash32(row.unsqueeze(1) ^ tok.unsqueeze(0))
+    return (bits.double() + 0.5) / 2.0 ** 32
+
+
+def choose_tokens(logits: torch.Tensor, p: SamplingParams, seq_ids: torch.Tensor,
+                  position: int) -> torch.Tensor:
+    """Next token per row of float logits [b, V] (padding vocabulary already masked);
+    ``seq_ids`` [b] global sequence indices, ``position`` the index of the token being
+    generated."""
     if p.greedy:
-        return choice
-    probs = filter_logits(logits, p).softmax(dim=-1)
-    for i in active.nonzero().flatten().tolist():
-        choice[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
-    return choice
-
-
-def make_generators(p: SamplingParams, first_index: int, n: int) -> list[torch.Generator]:
-    """One generator per sequence ``first_index .. first_index + n - 1``."""
-    return [torch.Generator().manual_seed(p.seed + first_index + i) for i in range(n)]
+        return logits.argmax(dim=-1)
+    u = uniform_noise(p.seed, seq_ids, position, logits.shape[-1])
+    gumbel = -torch.log(-torch.log(u))
+    return (filter_logits(logits, p).double() + gumbel).argmax(dim=-1)

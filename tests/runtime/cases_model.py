@@ -59,6 +59,34 @@ def logits_parity(ctx, path, tp, pp, dp):
             float((lp - ref_lp * lp_valid).abs().max()))
 
 
+def scoring_matches_megatron_forward(ctx, path, head, tp, pp, micro_batches):
+    """Max |scoring forward - megatron GPTModel forward| of the head's output (log-probs
+    or values), the latter run through megatron's own pipeline schedule."""
+    from realign.runtime.engines.base import (from_last_stage, gather_dp, local_batch,
+                                              position_ids, run_schedule, split)
+    from realign.runtime.engines.inference import head_outputs
+
+    shard = replica(ctx, path, head, tp, pp, 1)
+    if shard is None:
+        return None
+    batch = sample_batch(n=8)
+    ours = InferenceEngine(shard, micro_batches=micro_batches).inference(batch)
+    ours = ours["logprobs" if head == "lm" else "values"]
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        out = model(mb["tokens"], position_ids(mb["tokens"]), None)
+        return out, lambda output, non_loss_data=True: head_outputs(shard, output, mb).float()
+
+    micro = split(local_batch(batch, shard), micro_batches)
+    with torch.no_grad():
+        res = run_schedule(shard, shard.module, forward_step, micro, forward_only=True,
+                           collect_non_loss_data=True)
+    mine = torch.cat(res) if shard.groups.is_last_stage else None
+    theirs = gather_dp(shard, from_last_stage(shard, mine, tuple(ours.shape), torch.float32))
+    return float((ours - theirs).abs().max())
+
+
 def reward_parity(ctx, path, tp, pp, dp):
     """Scores of a value-head replica vs transformers' sequence classifier, and the
     per-token values vs its score head on every position."""

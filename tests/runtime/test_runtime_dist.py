@@ -26,6 +26,18 @@ def test_other_families_logits_match_transformers(world2, tiny_models, model, tp
         assert logits_diff < TOL and logprob_diff < TOL
 
 
+@pytest.mark.parametrize("model,head,tp,pp,micro", [
+    ("llama", "lm", 1, 1, 1), ("qwen2", "lm", 2, 1, 2), ("llama_tied", "lm", 1, 2, 2),
+    ("llama_rm", "value", 2, 1, 1), ("llama_rm", "value", 1, 2, 2)])
+def test_scoring_forward_equals_megatrons(world2, tiny_models, model, head, tp, pp, micro):
+    """Scoring runs its own forward over megatron's parameters; training runs
+    megatron's. They must agree (PPO ratios start at 1)."""
+    for diff in world2.run("cases_model:scoring_matches_megatron_forward", tiny_models[model],
+                           head, tp, pp, micro):
+        if diff is not None:
+            assert diff < 1e-5
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_value_head_matches_transformers_classifier(world2, tiny_models, tp, pp):
     for values_diff, scores_diff in world2.run("cases_model:reward_parity",

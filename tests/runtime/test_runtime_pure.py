@@ -150,16 +150,45 @@ def test_top_k_and_top_p_filters():
     assert keep() == [True] * 4
 
 
-def test_sampling_draws_only_for_active_rows():
-    from realign.runtime.sampling import SamplingParams, choose_tokens, make_generators
+def test_a_rows_draw_depends_on_its_seed_id_and_position_alone():
+    from realign.runtime.sampling import SamplingParams, choose_tokens
 
     p = SamplingParams(seed=5)
     logits = torch.randn(3, 50)
-    alone = choose_tokens(logits[1:2], p, make_generators(p, 1, 1), torch.tensor([True]))
-    gens = make_generators(p, 0, 3)
-    choose_tokens(logits, p, gens, torch.tensor([False, False, True]))   # row 1 idle
-    both = choose_tokens(logits, p, gens, torch.tensor([True, True, True]))
-    assert both[1] == alone[0]
+    alone = choose_tokens(logits[1:2], p, torch.tensor([7]), 2)
+    batch = choose_tokens(logits, p, torch.tensor([3, 7, 9]), 2)
+    assert batch[1] == alone[0]
+    other_seed = [choose_tokens(logits[1:2], SamplingParams(seed=s), torch.tensor([7]), 2)
+                  for s in range(20)]
+    assert len({int(t) for t in other_seed}) > 1
+
+
+def test_sampling_frequencies_follow_the_filtered_distribution():
+    from realign.runtime.sampling import SamplingParams, choose_tokens
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 40000
+    logits = probs.log().expand(n, 4)
+    ids = torch.arange(n)
+    freq = torch.bincount(choose_tokens(logits, SamplingParams(seed=1), ids, 0), minlength=4) / n
+    assert torch.allclose(freq, probs, atol=0.01), freq
+    top2 = torch.bincount(choose_tokens(logits, SamplingParams(seed=2, top_k=2), ids, 3),
+                          minlength=4) / n
+    assert torch.allclose(top2, torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=0.01), top2
+
+
+def test_hash32_matches_integer_arithmetic():
+    from realign.runtime.sampling import _hash32_int, hash32
+
+    def ref(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+    xs = [0, 1, 2, 12345, 0x7FFFFFFF, 0x80000000, 0xDEADBEEF, 0xFFFFFFFF]
+    assert hash32(torch.tensor(xs)).tolist() == [ref(x) for x in xs]
+    assert [_hash32_int(x) for x in xs] == [ref(x) for x in xs]
 
 
 def test_token_logprobs_and_gradient_match_log_softmax():
