@@ -179,16 +179,27 @@ class Controller:
             self.broadcast(("setup", setup))
             self.gather("ready")
             progress = Progress(s.steps, start, self.out)
+            # Workers need nothing from the controller between steps, so the next step
+            # is sent as soon as this one is done (unless a checkpoint comes first) and
+            # the logging overlaps it. A step's time runs from its predecessor's end
+            # (or its own start after a checkpoint) to its own end.
+            t0 = time.perf_counter()
+            self.broadcast(("step", start))
             for step in range(start, s.steps):
-                t0 = time.perf_counter()
-                self.broadcast(("step", step))
                 replies = self.gather("done")
-                row = merge_metrics(step, [m[2] for m in replies.values()],
-                                    time.perf_counter() - t0)
+                now = time.perf_counter()
+                wall, t0 = now - t0, now
+                save = (step + 1) % s.checkpoint_interval == 0 or step + 1 == s.steps
+                if not save:
+                    self.broadcast(("step", step + 1))
+                row = merge_metrics(step, [m[2] for m in replies.values()], wall)
                 log.write(row)
                 progress.update(step, row)
-                if (step + 1) % s.checkpoint_interval == 0 or step + 1 == s.steps:
+                if save:
                     self.save_checkpoint(step + 1)
+                    if step + 1 < s.steps:
+                        t0 = time.perf_counter()
+                        self.broadcast(("step", step + 1))
             self.broadcast(("final", str(s.final_dir)))
             self.gather("saved_final")
             self.broadcast(("stop",))

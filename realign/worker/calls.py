@@ -77,14 +77,13 @@ class Calls:
     def rule_reward(self, op: RuleReward, store, step):
         seqs, prompts = store[op.seqs_key], store["prompts"]
         k = len(seqs["tokens"]) // len(prompts["answers"])
-        out = []
-        for i in range(len(seqs["tokens"])):
-            p, n = int(seqs["prompt_lengths"][i]), int(seqs["lengths"][i])
-            text = self.tokenizer.decode(seqs["tokens"][i, p:n].tolist(),
-                                         skip_special_tokens=True)
-            j = i // k
-            out.append(float(self.reward_fn(prompts["texts"][j], text, prompts["answers"][j])))
-        r = torch.tensor(out, dtype=torch.float32)
+        rows = zip(seqs["tokens"].tolist(), seqs["prompt_lengths"].tolist(),
+                   seqs["lengths"].tolist())
+        texts = self.tokenizer.batch_decode([t[p:n] for t, p, n in rows],
+                                            skip_special_tokens=True)
+        r = torch.tensor([float(self.reward_fn(prompts["texts"][i // k], text,
+                                               prompts["answers"][i // k]))
+                          for i, text in enumerate(texts)], dtype=torch.float32)
         return {op.out_key: {op.out_key: r}}, {f"{op.out_key.removesuffix('s')}_mean": float(r.mean())}
 
     # ---- train ---------------------------------------------------------------------

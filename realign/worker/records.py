@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils.rnn import pad_sequence
 
 Record = dict[str, object]
 
@@ -18,17 +19,20 @@ def sequences_from_generation(prompts: list[list[int]], gen_tokens: torch.Tensor
                               gen_logprobs: torch.Tensor, gen_lengths: torch.Tensor,
                               pad_id: int) -> tuple[Record, Record]:
     """(``seqs`` record, ``logprobs`` record) from prompts and their continuations."""
-    rows = [list(p) + gen_tokens[i, :int(gen_lengths[i])].tolist() for i, p in enumerate(prompts)]
-    s = max(len(r) for r in rows)
-    tokens = torch.full((len(rows), s), pad_id, dtype=torch.long)
-    logprobs = torch.zeros(len(rows), s - 1, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        tokens[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        n, p = int(gen_lengths[i]), len(prompts[i])
-        logprobs[i, p - 1:p - 1 + n] = gen_logprobs[i, :n].float().cpu()
-    seqs = {"tokens": tokens,
-            "lengths": torch.tensor([len(r) for r in rows], dtype=torch.long),
-            "prompt_lengths": torch.tensor([len(p) for p in prompts], dtype=torch.long)}
+    plen = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    glen = gen_lengths.cpu().long()
+    b, n = gen_tokens.shape
+    s = int((plen + glen).max())
+    tokens = torch.full((b, s), pad_id, dtype=torch.long)
+    tokens[:, :int(plen.max())] = pad_sequence([torch.tensor(p, dtype=torch.long) for p in prompts],
+                                               batch_first=True, padding_value=pad_id)
+    valid = torch.arange(n).unsqueeze(0) < glen.unsqueeze(1)                # [b, n]
+    rows = torch.arange(b).unsqueeze(1).expand(b, n)[valid]
+    cols = (plen.unsqueeze(1) + torch.arange(n).unsqueeze(0))[valid]
+    tokens[rows, cols] = gen_tokens.cpu()[valid]
+    logprobs = torch.zeros(b, s - 1, dtype=torch.float32)
+    logprobs[rows, cols - 1] = gen_logprobs.cpu().float()[valid]
+    seqs = {"tokens": tokens, "lengths": plen + glen, "prompt_lengths": plen}
     return seqs, {"logprobs": logprobs}
 
 
