@@ -18,7 +18,8 @@ class SamplingParams(BaseModel):
                          "whose probability reaches top_p (nucleus sampling).")
     stop_token_ids: tuple[int, ...] = Field((), description="A sequence ends after "
                                             "generating one of these (it is kept).")
-    seed: int = Field(0, description="Sequence i samples with seed + i.")
+    seed: int = Field(0, description="Sampling noise of sequence i's t-th token is a "
+                      "hash of (seed, i, t): independent of layout and batch.")
 
 
 

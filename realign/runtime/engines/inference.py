@@ -5,8 +5,8 @@ reward model), over right-padded variable-length sequences.
 Scoring needs no autograd, so it runs the generation decoder's plain forward
 (:class:`~realign.runtime.engines.decoder.StageDecoder`, the same parameter tensors)
 rather than megatron's autograd-aware layers, whose per-module Python work dominated
-the scoring time of small models (6.9 ms -> see the step benchmark). Micro-batches
-flow stage to stage as each stage finishes them.
+the scoring time of small models (tiny GRPO reference pass: 0.011 -> 0.005 s).
+Micro-batches flow stage to stage as each stage finishes them.
 """
 from __future__ import annotations
 
