@@ -105,17 +105,12 @@ class CostModel:
 
     # ---- collectives -------------------------------------------------------------
     def allreduce_s(self, nbytes: float, n: int, inter_node: bool) -> float:
-        """Ring all-reduce of ``nbytes`` over ``n`` ranks."""
-        if n <= 1:
-            return 0.0
-        dev = self.cluster.device
-        bw = self.inter_bytes_per_s if inter_node else self.intra_bytes_per_s
-        lat = dev.inter_node_latency_s if inter_node else dev.intra_node_latency_s
-        return 2.0 * (n - 1) / n * nbytes / bw + 2.0 * math.ceil(math.log2(n)) * lat
+        """Ring all-reduce of ``nbytes`` over ``n`` ranks: a reduce-scatter then an
+        all-gather."""
+        return 2.0 * self.reduce_scatter_s(nbytes, n, inter_node)
 
     def reduce_scatter_s(self, nbytes: float, n: int, inter_node: bool) -> float:
-        """Ring reduce-scatter (or all-gather) of ``nbytes`` over ``n`` ranks: half an
-        all-reduce."""
+        """Ring reduce-scatter (or all-gather) of ``nbytes`` over ``n`` ranks."""
         if n <= 1:
             return 0.0
         dev = self.cluster.device

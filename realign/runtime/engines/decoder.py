@@ -91,10 +91,9 @@ class StageDecoder:
         dtype, dev = shard.device.dtype, shard.device.device
         self.cos, self.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
         shape = (cache_rows, self.n_groups, max_len, self.d)
-        self.k = [torch.zeros(shape, dtype=dtype, device=dev) for _ in self.layers] \
-            if cache_rows else []
-        self.v = [torch.zeros(shape, dtype=dtype, device=dev) for _ in self.layers] \
-            if cache_rows else []
+        cached = range(len(self.layers) if cache_rows else 0)
+        self.k = [torch.zeros(shape, dtype=dtype, device=dev) for _ in cached]
+        self.v = [torch.zeros(shape, dtype=dtype, device=dev) for _ in cached]
         self.rows = torch.arange(max(cache_rows, 1), device=dev)
 
     # ---- the two entry points ---------------------------------------------------------
