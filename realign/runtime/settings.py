@@ -2,6 +2,8 @@
 (read by ``realign plan`` on a laptop) can embed them without importing torch."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -38,3 +40,9 @@ class TrainConfig(BaseModel):
                              "0 disables clipping.")
     micro_batches: int = Field(1, gt=0, description="Micro-batches per step and DP rank.")
     distributed_optimizer: bool = Field(True, description="Shard optimizer state over DP.")
+    forward: Literal["auto", "megatron", "plain"] = Field(
+        "auto", description="The training forward under megatron's schedule, DDP and "
+        "optimizer: 'megatron' runs megatron-core's layers (Transformer-Engine's fused "
+        "kernels on CUDA); 'plain' runs the generation decoder's differentiable tensor "
+        "forward over the same parameters, with less per-module Python work, which "
+        "dominates small models; 'auto' is plain on CPU and megatron on CUDA.")

@@ -30,7 +30,8 @@ def value_loss(outputs, mb):
     return err.sum() / valid.sum(), {}
 
 
-def train(ctx, path, head, tp, pp, dp, micro, steps, distributed_optimizer=True):
+def train(ctx, path, head, tp, pp, dp, micro, steps, distributed_optimizer=True,
+          forward="auto"):
     """Train a fresh replica; returns per-step metrics and the final outputs."""
     shard = replica(ctx, path, head, tp, pp, dp, fresh=True)
     if shard is None:
@@ -39,7 +40,8 @@ def train(ctx, path, head, tp, pp, dp, micro, steps, distributed_optimizer=True)
     batch["target"] = torch.linspace(-1, 1, 8)
     engine = TrainEngine(shard, TrainConfig(lr=LR, clip_grad=CLIP, adam_eps=EPS,
                                             micro_batches=micro,
-                                            distributed_optimizer=distributed_optimizer))
+                                            distributed_optimizer=distributed_optimizer,
+                                            forward=forward))
     loss = sft_loss if head == "lm" else value_loss
     history = [engine.train_step(batch, loss) for _ in range(steps)]
     out = InferenceEngine(shard).inference(batch)

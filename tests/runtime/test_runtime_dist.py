@@ -111,19 +111,24 @@ def test_generation_logprobs_equal_inference(world2, tiny_models, tp, pp):
         assert diff < TOL
 
 
-@pytest.mark.parametrize("model,head,tp,pp,dp,micro,distopt", [
-    ("llama", "lm", 2, 1, 1, 2, True),
-    ("llama_tied", "lm", 1, 2, 1, 2, True),     # 1F1B; tied embedding synced over stages
-    ("qwen2", "lm", 1, 1, 2, 1, True),
-    ("llama", "lm", 1, 1, 2, 2, False),
-    ("llama_rm", "value", 2, 1, 1, 1, True),
+@pytest.mark.parametrize("model,head,tp,pp,dp,micro,distopt,forward", [
+    ("llama", "lm", 2, 1, 1, 2, True, "plain"),
+    ("llama_tied", "lm", 1, 2, 1, 2, True, "plain"),   # 1F1B; tied embedding synced over stages
+    ("qwen2", "lm", 1, 1, 2, 1, True, "plain"),
+    ("llama", "lm", 1, 1, 2, 2, False, "plain"),
+    ("llama_rm", "value", 2, 1, 1, 1, True, "plain"),
+    ("llama", "lm", 2, 1, 1, 2, True, "megatron"),
+    ("llama_tied", "lm", 1, 2, 1, 2, True, "megatron"),
+    ("llama_rm", "value", 2, 1, 1, 1, True, "megatron"),
 ])
 def test_train_step_matches_pytorch_reference(world2, tiny_models, model, head, tp, pp, dp,
-                                              micro, distopt):
+                                              micro, distopt, forward):
+    """Both training forwards (megatron's layers, the plain decoder forward) give the
+    PyTorch reference's losses, grad norms and updated weights."""
     path, steps = tiny_models[model], 2
     ref_hist, ref_out = world2.run("cases_train:reference", path, head, dp * micro, steps)[0]
     for hist, out in world2.run("cases_train:train", path, head, tp, pp, dp, micro, steps,
-                                distopt):
+                                distopt, forward):
         for step, (got, want) in enumerate(zip(hist, ref_hist)):
             # step 0 is exact up to float order; Adam's first update (lr 1e-2) amplifies
             # rounding in near-zero gradients, so later steps get a looser bound

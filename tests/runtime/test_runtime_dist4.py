@@ -28,11 +28,13 @@ def test_logits_and_greedy_generation(world4, tiny_models, tp, pp, dp):
         assert tokens == ref
 
 
-def test_train_step_tp2_pp2(world4, tiny_models):
+@pytest.mark.parametrize("forward", ["plain", "megatron"])
+def test_train_step_tp2_pp2(world4, tiny_models, forward):
     import pytest as pt
     path = tiny_models["qwen2"]
     ref_hist, ref_out = world4.run("cases_train:reference", path, "lm", 2, 2)[0]
-    for hist, out in world4.run("cases_train:train", path, "lm", 2, 2, 1, 2, 2, True):
+    for hist, out in world4.run("cases_train:train", path, "lm", 2, 2, 1, 2, 2, True,
+                                forward):
         for step, (got, want) in enumerate(zip(hist, ref_hist)):
             rel = 1e-5 if step == 0 else 1e-3
             assert got["loss"] == pt.approx(want["loss"], rel=rel)

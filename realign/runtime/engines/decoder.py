@@ -1,6 +1,9 @@
 """KV-cache forward of one pipeline stage for generation: the decoder's math written
 as plain tensor functions over the stage's own megatron parameters, with a per-row
-cache so a batch of prompts of different lengths is prefilled in one forward.
+cache so a batch of prompts of different lengths is prefilled in one forward. The
+cache-less ``score`` forward is also differentiable (TP collectives through megatron's
+autograd-aware mappings), so training can run it under megatron's schedule, DDP and
+optimizer (``train.forward``).
 
 Why not megatron's forward: its ``StaticInferenceContext`` keeps one sequence offset
 for the whole batch, so prompts of different lengths cannot be prefilled together;
@@ -141,15 +144,15 @@ class StageDecoder:
         every = isinstance(out, str) and out == "all"
         if not every:
             x = x[:, -1] if isinstance(out, str) else x[self.rows, out]    # [b, h]
-        x = F.linear(F.rms_norm(x, (x.shape[-1],), self.final_norm, self.spec.norm_eps),
-                     self.head)
+        x = F.rms_norm(x, (x.shape[-1],), self.final_norm, self.spec.norm_eps)
+        x = F.linear(self._copy(x) if self.shard.head == "lm" else x, self.head)
         return x if every else self._gather_vocab(x)
 
     def _layer(self, i, w: LayerWeights, x, cos, sin, mask, attend):
         b, s, h = x.shape
         eps, d, ng, r = self.spec.norm_eps, self.d, self.n_groups, self.per_group
         y = F.rms_norm(x, (h,), w.ln1, eps)
-        qkv = F.linear(y, w.qkv, w.qkv_bias).view(b, s, ng, (r + 2) * d)
+        qkv = F.linear(self._copy(y), w.qkv, w.qkv_bias).view(b, s, ng, (r + 2) * d)
         q, k, v = qkv.split([r * d, d, d], dim=-1)
         q = rotate(q.reshape(b, s, ng * r, d), cos, sin)
         k = rotate(k, cos, sin)
@@ -159,7 +162,7 @@ class StageDecoder:
             scale=self.scale, enable_gqa=r > 1)
         x = x + self._reduce(F.linear(o.transpose(1, 2).reshape(b, s, ng * r * d), w.proj))
         y = F.rms_norm(x, (h,), w.ln2, eps)
-        gate, up = F.linear(y, w.fc1).chunk(2, dim=-1)
+        gate, up = F.linear(self._copy(y), w.fc1).chunk(2, dim=-1)
         return x + self._reduce(F.linear(F.silu(gate) * up, w.fc2))
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -172,10 +175,24 @@ class StageDecoder:
         return self._reduce(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
     def _reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum of a row-parallel output over the TP group."""
-        if self.tp_group is not None:
+        """Sum of a row-parallel output over the TP group (backward: identity)."""
+        if self.tp_group is None:
+            return t
+        if not torch.is_grad_enabled():
             dist.all_reduce(t, group=self.tp_group)
-        return t
+            return t
+        from megatron.core.tensor_parallel.mappings import (
+            reduce_from_tensor_model_parallel_region)
+        return reduce_from_tensor_model_parallel_region(t, self.tp_group)
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        """The replicated input of a column-parallel weight: identity forward; its
+        gradient is summed over the TP group in backward."""
+        if self.tp_group is None or not torch.is_grad_enabled():
+            return t
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region)
+        return copy_to_tensor_model_parallel_region(t, self.tp_group)
 
     def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         if self.tp_group is None:

@@ -1,6 +1,8 @@
 """Training engine of one replica: megatron DDP, the distributed optimizer, gradient
 clipping, micro-batches and the 1F1B pipeline schedule (pp > 1), all with the
-replica's own process groups.
+replica's own process groups. The forward inside the schedule is megatron's
+``GPTModel`` or the decoder's plain differentiable forward over the same parameters
+(``TrainConfig.forward``; equal gradients are tested).
 
 The loss is supplied by the algorithm: ``loss_fn(outputs, micro_batch) -> (loss,
 metrics)`` where ``outputs`` are the per-token log-probs [b, s-1] (LM head) or values
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from realign.runtime.device import cuda_tensor_type_names
 from realign.runtime.engines.base import (Batch, check_batch, local_batch, position_ids,
                                           run_schedule, split)
+from realign.runtime.engines.decoder import StageDecoder
 from realign.runtime.engines.inference import head_outputs
 from realign.runtime.model import ModelShard
 from realign.runtime.settings import TrainConfig
@@ -55,6 +58,8 @@ class TrainEngine:
         config.no_sync_func = self.model.no_sync
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
+        self.plain = cfg.forward == "plain" or (cfg.forward == "auto"
+                                                and dev.kind == "cpu")
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         """One optimiser step over the batch; returns ``loss``, ``grad_norm``,
@@ -66,9 +71,14 @@ class TrainEngine:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
+        forward = self._plain_forward(micro[0]["tokens"].shape[1]) if self.plain else None
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            out = model(mb["tokens"], position_ids(mb["tokens"]), None)
+            if forward is None:
+                out = model(mb["tokens"], position_ids(mb["tokens"]), None)
+            else:
+                out = forward(mb["tokens"])
 
             def loss_func(output):
                 loss, metrics = loss_fn(head_outputs(shard, output, mb), mb)
@@ -84,6 +94,21 @@ class TrainEngine:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_ok"] = float(bool(update_ok))
         return metrics
+
+    def _plain_forward(self, seq_len: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """tokens [b, s] -> this stage's output as megatron's ``GPTModel`` gives it
+        inside the schedule: head output [b, s, .] on the last stage, hidden states
+        [s, b, h] (sequence-first, what the schedule sends) on the others. A later
+        stage's input is what the schedule set with ``set_input_tensor``."""
+        shard = self.shard
+        g, decoder = shard.groups, shard.module.decoder
+        dec = StageDecoder(shard, max_len=seq_len)
+
+        def forward(tokens: torch.Tensor) -> torch.Tensor:
+            x = tokens if g.is_first_stage else decoder.input_tensor.transpose(0, 1)
+            out = dec.score(x)
+            return out if g.is_last_stage else out.transpose(0, 1).contiguous()
+        return forward
 
     def _reduce_metrics(self, reduced: list[dict]) -> dict[str, float]:
         """Mean over micro-batches (last stage), then over DP; broadcast over PP."""
