@@ -182,7 +182,8 @@ class StageDecoder:
             dist.all_reduce(t, group=self.tp_group)
             return t
         from megatron.core.tensor_parallel.mappings import (
-            reduce_from_tensor_model_parallel_region)
+            reduce_from_tensor_model_parallel_region,
+        )
         return reduce_from_tensor_model_parallel_region(t, self.tp_group)
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
@@ -191,7 +192,8 @@ class StageDecoder:
         if self.tp_group is None or not torch.is_grad_enabled():
             return t
         from megatron.core.tensor_parallel.mappings import (
-            copy_to_tensor_model_parallel_region)
+            copy_to_tensor_model_parallel_region,
+        )
         return copy_to_tensor_model_parallel_region(t, self.tp_group)
 
     def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,14 @@ import torch
 import torch.distributed as dist
 
 from realign.runtime.device import cuda_tensor_type_names
-from realign.runtime.engines.base import (Batch, check_batch, local_batch, position_ids,
-                                          run_schedule, split)
+from realign.runtime.engines.base import (
+    Batch,
+    check_batch,
+    local_batch,
+    position_ids,
+    run_schedule,
+    split,
+)
 from realign.runtime.engines.decoder import StageDecoder
 from realign.runtime.engines.inference import head_outputs
 from realign.runtime.model import ModelShard
@@ -35,9 +41,11 @@ class TrainEngine:
     with the same whole batch; the returned metrics are the same on every rank."""
 
     def __init__(self, shard: ModelShard, cfg: TrainConfig):
-        from megatron.core.distributed import (DistributedDataParallel,
-                                               DistributedDataParallelConfig,
-                                               finalize_model_grads)
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.shard, self.cfg = shard, cfg
