@@ -4,6 +4,9 @@ PPO / GRPO / ReMax / REINFORCE++ / RLOO generate with the actor and score with t
 reference and the reward; DPO scores preference pairs with the reference; SFT and
 reward modelling are a single training call. The reward is a model call when a
 ``reward`` model is configured, else a rule function on the controller (no MFC).
+The reference is optional for the RL algorithms (:data:`OPTIONAL_ROLES`): without a
+``ref`` model the graph has no reference call, which is right only when the KL
+coefficient is 0 (realign's run checks that against the hyper-parameters).
 """
 from __future__ import annotations
 
@@ -18,14 +21,26 @@ Algorithm = Literal["ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft"
 
 #: Roles each algorithm needs (besides the optional reward model).
 REQUIRED_ROLES: dict[str, tuple[str, ...]] = {
-    "ppo": ("actor", "critic", "ref", "reward"),
-    "grpo": ("actor", "ref"),
-    "remax": ("actor", "ref"),
-    "reinforce_pp": ("actor", "ref"),
-    "rloo": ("actor", "ref"),
+    "ppo": ("actor", "critic", "reward"),
+    "grpo": ("actor",),
+    "remax": ("actor",),
+    "reinforce_pp": ("actor",),
+    "rloo": ("actor",),
     "dpo": ("actor", "ref"),
     "sft": ("actor",),
     "rm": ("reward",),
+}
+
+#: Roles an algorithm uses when configured and does without otherwise.
+OPTIONAL_ROLES: dict[str, tuple[str, ...]] = {
+    "ppo": ("ref",),
+    "grpo": ("ref", "reward"),
+    "remax": ("ref", "reward"),
+    "reinforce_pp": ("ref", "reward"),
+    "rloo": ("ref", "reward"),
+    "dpo": (),
+    "sft": (),
+    "rm": (),
 }
 
 
@@ -42,8 +57,8 @@ class BatchShape(BaseModel):
     ppo_epochs: int = Field(1, gt=0, description="Epochs over each batch.")
 
 
-def _rollout(shape: BatchShape, n: int, with_reward_model: bool) -> list[MFC]:
-    """actor.generate, then the reward (if a model) and the reference scoring."""
+def _rollout(shape: BatchShape, n: int, with_reward_model: bool, with_ref: bool) -> list[MFC]:
+    """actor.generate, then the reward (if a model) and the reference (if one) scoring."""
     p, g = shape.prompt_len, shape.gen_len
     calls = [MFC(name="actor.generate", role="actor", kind="generate", n_seqs=n,
                  prompt_len=p, gen_len=g, input_keys=("prompts",),
@@ -51,9 +66,16 @@ def _rollout(shape: BatchShape, n: int, with_reward_model: bool) -> list[MFC]:
     if with_reward_model:
         calls.append(MFC(name="reward.inference", role="reward", kind="inference", n_seqs=n,
                          prompt_len=p, gen_len=g, input_keys=("seqs",), output_keys=("rewards",)))
-    calls.append(MFC(name="ref.inference", role="ref", kind="inference", n_seqs=n,
-                     prompt_len=p, gen_len=g, input_keys=("seqs",), output_keys=("ref_logprobs",)))
+    if with_ref:
+        calls.append(MFC(name="ref.inference", role="ref", kind="inference", n_seqs=n,
+                         prompt_len=p, gen_len=g, input_keys=("seqs",),
+                         output_keys=("ref_logprobs",)))
     return calls
+
+
+def _scored(with_reward_model: bool, with_ref: bool) -> tuple[str, ...]:
+    """The rollout records a training call reads besides seqs and logprobs."""
+    return (("ref_logprobs",) if with_ref else ()) + (("rewards",) if with_reward_model else ())
 
 
 def _actor_train(shape: BatchShape, n: int, inputs: tuple[str, ...], group_size: int = 1) -> MFC:
@@ -63,13 +85,14 @@ def _actor_train(shape: BatchShape, n: int, inputs: tuple[str, ...], group_size:
                n_epochs=shape.ppo_epochs, group_size=group_size)
 
 
-def ppo(shape: BatchShape, with_reward_model: bool = True) -> list[MFC]:
+def ppo(shape: BatchShape, with_reward_model: bool = True, with_ref: bool = True) -> list[MFC]:
     n = shape.prompts_per_step * shape.samples_per_prompt
     p, g = shape.prompt_len, shape.gen_len
-    calls = _rollout(shape, n, with_reward_model)
+    calls = _rollout(shape, n, with_reward_model, with_ref)
     calls.append(MFC(name="critic.inference", role="critic", kind="inference", n_seqs=n,
                      prompt_len=p, gen_len=g, input_keys=("seqs",), output_keys=("values",)))
-    ins = ("seqs", "logprobs", "ref_logprobs", "values") + (("rewards",) if with_reward_model else ())
+    ins = (("seqs", "logprobs") + (("ref_logprobs",) if with_ref else ()) + ("values",)
+           + (("rewards",) if with_reward_model else ()))
     calls.append(_actor_train(shape, n, ins))
     calls.append(MFC(name="critic.train", role="critic", kind="train", n_seqs=n, prompt_len=p,
                      gen_len=g, input_keys=ins, output_keys=("critic_stats",),
@@ -77,23 +100,25 @@ def ppo(shape: BatchShape, with_reward_model: bool = True) -> list[MFC]:
     return calls
 
 
-def _critic_free(shape: BatchShape, with_reward_model: bool) -> list[MFC]:
+def _critic_free(shape: BatchShape, with_reward_model: bool, with_ref: bool = True
+                 ) -> list[MFC]:
     """GRPO, REINFORCE++ and RLOO share one graph; they differ in the advantage."""
     n = shape.prompts_per_step * shape.samples_per_prompt
-    calls = _rollout(shape, n, with_reward_model)
-    ins = ("seqs", "logprobs", "ref_logprobs") + (("rewards",) if with_reward_model else ())
+    calls = _rollout(shape, n, with_reward_model, with_ref)
+    ins = ("seqs", "logprobs") + _scored(with_reward_model, with_ref)
     return calls + [_actor_train(shape, n, ins)]
 
 
-def remax(shape: BatchShape, with_reward_model: bool = True) -> list[MFC]:
+def remax(shape: BatchShape, with_reward_model: bool = True, with_ref: bool = True
+          ) -> list[MFC]:
     """ReMax: a sampled and a greedy rollout; the greedy reward is the baseline."""
     n = shape.prompts_per_step * shape.samples_per_prompt
     p, g = shape.prompt_len, shape.gen_len
-    calls = _rollout(shape, n, with_reward_model)
+    calls = _rollout(shape, n, with_reward_model, with_ref)
     calls.insert(1, MFC(name="actor.greedy_generate", role="actor", kind="generate",
                         n_seqs=shape.prompts_per_step, prompt_len=p, gen_len=g,
                         input_keys=("prompts",), output_keys=("greedy_seqs",)))
-    ins = ("seqs", "logprobs", "ref_logprobs")
+    ins = ("seqs", "logprobs") + (("ref_logprobs",) if with_ref else ())
     if with_reward_model:
         calls.insert(3, MFC(name="reward.greedy_inference", role="reward", kind="inference",
                             n_seqs=shape.prompts_per_step, prompt_len=p, gen_len=g,
@@ -104,7 +129,8 @@ def remax(shape: BatchShape, with_reward_model: bool = True) -> list[MFC]:
     return calls + [_actor_train(shape, n, ins)]
 
 
-def dpo(shape: BatchShape, with_reward_model: bool = False) -> list[MFC]:
+def dpo(shape: BatchShape, with_reward_model: bool = False, with_ref: bool = True
+        ) -> list[MFC]:
     """DPO: the reference scores chosen and rejected responses, the actor trains."""
     n = 2 * shape.prompts_per_step
     p, g = shape.prompt_len, shape.gen_len
@@ -115,11 +141,13 @@ def dpo(shape: BatchShape, with_reward_model: bool = False) -> list[MFC]:
     ]
 
 
-def sft(shape: BatchShape, with_reward_model: bool = False) -> list[MFC]:
+def sft(shape: BatchShape, with_reward_model: bool = False, with_ref: bool = False
+        ) -> list[MFC]:
     return [_actor_train(shape, shape.prompts_per_step, ("examples",))]
 
 
-def rm(shape: BatchShape, with_reward_model: bool = True) -> list[MFC]:
+def rm(shape: BatchShape, with_reward_model: bool = True, with_ref: bool = False
+       ) -> list[MFC]:
     """Reward modelling: pairwise Bradley-Terry on chosen/rejected responses."""
     return [MFC(name="reward.train", role="reward", kind="train",
                 n_seqs=2 * shape.prompts_per_step, prompt_len=shape.prompt_len,
@@ -150,7 +178,7 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str]) -> DataflowG
         raise PlanError(f"{algorithm} needs the model role(s) {', '.join(missing)}",
                         field="models")
     with_rm = "reward" in roles and algorithm not in ("dpo", "sft")
-    calls = BUILDERS[algorithm](shape, with_reward_model=with_rm)
+    calls = BUILDERS[algorithm](shape, with_reward_model=with_rm, with_ref="ref" in roles)
     used = {m.role for m in calls}
     extra = sorted(roles - used)
     if extra:

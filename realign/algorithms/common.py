@@ -89,6 +89,14 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
     raise ValueError(f"unknown KL estimator {kind!r}; allowed: k1, k2, k3, low_var_kl")
 
 
+def rollout_ref_logprobs(batch: Batch) -> torch.Tensor:
+    """The reference's log-probs of the rollout tokens [b, s-1]. A run without a
+    reference model (allowed only with a KL coefficient of 0; the graph then has no
+    reference call) reads the rollout policy's own, so every KL estimate of the
+    rollout is exactly 0 and the reward is unchanged."""
+    return batch["ref_logprobs"] if "ref_logprobs" in batch else batch["logprobs"]
+
+
 def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
              kind: KLEstimator = "k1") -> torch.Tensor:
     """Per-token KL estimate [b, s-1], zero outside ``mask``."""

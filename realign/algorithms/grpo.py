@@ -60,6 +60,8 @@ def actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg: GRPOConfig
     mask = batch_mask(batch)
     loss, metrics = clipped_surrogate(logprobs_new, batch["logprobs"], batch["advantages"],
                                       mask, cfg.clip_ratio, cfg.loss_agg)
+    if "ref_logprobs" not in batch:          # no reference model (kl_coef is 0)
+        return loss, metrics
     kl = aggregate(kl_penalty(logprobs_new, batch["ref_logprobs"], cfg.kl_estimator), mask,
                    cfg.loss_agg)
     metrics["kl"] = kl.detach()

@@ -24,7 +24,8 @@ from pydantic import Field
 
 from realign.algorithms.common import (AlgorithmConfig, Batch, KLEstimator, batch_mask,
                                        clipped_surrogate, kl_penalty, last_token_scores,
-                                       masked_mean, masked_whiten, require, token_kl)
+                                       masked_mean, masked_whiten, require,
+                                       rollout_ref_logprobs, token_kl)
 
 
 class PPOConfig(AlgorithmConfig):
@@ -77,12 +78,13 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
 
 @torch.no_grad()
 def prepare(batch: Batch, cfg: PPOConfig) -> Batch:
-    """Rollout (``rewards``, ``logprobs``, ``ref_logprobs``, ``values``) -> the batch
+    """Rollout (``rewards``, ``logprobs``, ``values``, ``ref_logprobs`` if a reference
+    model runs) -> the batch
     with ``advantages`` and ``returns`` [b, s-1]."""
-    require(batch, "rewards", "logprobs", "ref_logprobs", "values")
+    require(batch, "rewards", "logprobs", "values")
     mask = batch_mask(batch)
     kl_coef = cfg.kl_coef if cfg.kl_in_reward else 0.0
-    r = token_rewards(batch["rewards"], batch["logprobs"], batch["ref_logprobs"], mask,
+    r = token_rewards(batch["rewards"], batch["logprobs"], rollout_ref_logprobs(batch), mask,
                       kl_coef, cfg.kl_estimator)
     adv, ret = gae(r, batch["values"][:, :-1].float(), mask, cfg.gamma, cfg.lam)
     if cfg.normalize_advantages:
@@ -100,8 +102,9 @@ def actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg: PPOConfig
     if not cfg.kl_in_reward and cfg.kl_coef > 0:
         kl = masked_mean(kl_penalty(logprobs_new, batch["ref_logprobs"], cfg.kl_estimator), mask)
         loss = loss + cfg.kl_coef * kl
-    with torch.no_grad():
-        metrics["kl"] = masked_mean(logprobs_new - batch["ref_logprobs"], mask)
+    if "ref_logprobs" in batch:              # no reference model: no KL to report
+        with torch.no_grad():
+            metrics["kl"] = masked_mean(logprobs_new - batch["ref_logprobs"], mask)
     return loss, metrics
 
 

@@ -16,7 +16,7 @@ from pydantic import Field
 
 from realign.algorithms.common import (AlgorithmConfig, Batch, batch_mask,
                                        surrogate_actor_loss, discounted_returns, masked_whiten,
-                                       require)
+                                       rollout_ref_logprobs, require)
 from realign.algorithms.ppo import token_rewards
 
 
@@ -35,9 +35,9 @@ class ReinforcePPConfig(AlgorithmConfig):
 def prepare(batch: Batch, cfg: ReinforcePPConfig) -> Batch:
     """Adds ``returns`` (discounted, KL-penalised) and ``advantages`` (the returns
     whitened over the batch's response tokens), both [b, s-1]."""
-    require(batch, "rewards", "logprobs", "ref_logprobs")
+    require(batch, "rewards", "logprobs")
     mask = batch_mask(batch)
-    r = token_rewards(batch["rewards"], batch["logprobs"], batch["ref_logprobs"], mask,
+    r = token_rewards(batch["rewards"], batch["logprobs"], rollout_ref_logprobs(batch), mask,
                       cfg.kl_coef, "k1")
     ret = discounted_returns(r, mask, cfg.gamma)
     return {**batch, "returns": ret, "advantages": masked_whiten(ret, mask)}

@@ -17,7 +17,8 @@ import torch
 from pydantic import Field
 
 from realign.algorithms.common import (AlgorithmConfig, Batch, batch_mask,
-                                       broadcast_to_tokens, surrogate_actor_loss, require,
+                                       broadcast_to_tokens, rollout_ref_logprobs,
+                                       surrogate_actor_loss, require,
                                        token_kl)
 from realign.errors import UserError
 
@@ -53,9 +54,9 @@ def greedy_baseline_advantages(rewards: torch.Tensor, greedy_rewards: torch.Tens
 def prepare(batch: Batch, cfg: ReMaxConfig) -> Batch:
     """Adds ``advantages`` [b, s-1]; ``greedy_rewards`` is consumed (it has one row per
     prompt, not per sequence, so it leaves the training batch)."""
-    require(batch, "rewards", "greedy_rewards", "logprobs", "ref_logprobs")
+    require(batch, "rewards", "greedy_rewards", "logprobs")
     mask = batch_mask(batch)
-    kl = token_kl(batch["logprobs"], batch["ref_logprobs"], mask, "k1").sum(1)
+    kl = token_kl(batch["logprobs"], rollout_ref_logprobs(batch), mask, "k1").sum(1)
     adv = greedy_baseline_advantages(batch["rewards"].float() - cfg.kl_coef * kl,
                                      batch["greedy_rewards"], cfg.samples_per_prompt)
     out = {k: v for k, v in batch.items() if k != "greedy_rewards"}

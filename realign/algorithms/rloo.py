@@ -17,7 +17,7 @@ from pydantic import Field
 
 from realign.algorithms.common import (AlgorithmConfig, Batch, batch_mask,
                                        broadcast_to_tokens, surrogate_actor_loss, group_view,
-                                       require, token_kl)
+                                       rollout_ref_logprobs, require, token_kl)
 
 
 class RLOOConfig(AlgorithmConfig):
@@ -43,9 +43,9 @@ def leave_one_out_advantages(rewards: torch.Tensor, samples_per_prompt: int) -> 
 @torch.no_grad()
 def prepare(batch: Batch, cfg: RLOOConfig) -> Batch:
     """Adds ``advantages`` [b, s-1]: each response's leave-one-out advantage."""
-    require(batch, "rewards", "logprobs", "ref_logprobs")
+    require(batch, "rewards", "logprobs")
     mask = batch_mask(batch)
-    kl = token_kl(batch["logprobs"], batch["ref_logprobs"], mask, "k1").sum(1)
+    kl = token_kl(batch["logprobs"], rollout_ref_logprobs(batch), mask, "k1").sum(1)
     adv = leave_one_out_advantages(batch["rewards"].float() - cfg.kl_coef * kl,
                                    cfg.samples_per_prompt)
     return {**batch, "advantages": broadcast_to_tokens(adv, mask)}

@@ -62,7 +62,12 @@ def prepare(args: argparse.Namespace):
                             field=f"models.{role}")
         paths[role] = str(p.resolve())
     models = resolve_models(cfg, base)
-    algorithm_config(cfg)                                  # hyper-parameters valid?
+    _, algo_cfg = algorithm_config(cfg)                    # hyper-parameters valid?
+    kl_coef = getattr(algo_cfg, "kl_coef", 0.0)
+    if name in RL and "ref" not in paths and kl_coef > 0:
+        raise UserError(f"{name} with kl_coef {kl_coef} needs a reference model: set "
+                        "models.ref, or algorithm.params.kl_coef: 0 to train without one",
+                        field="models.ref")
     rule_reward = name in RL and "reward" not in paths
     if rule_reward:
         from realign.rewards.registry import load_reward_fn

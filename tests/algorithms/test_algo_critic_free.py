@@ -151,3 +151,29 @@ def test_loss_decreases_along_negative_gradient(mod, cfg, extra):
     assert (theta.grad[adv > 0] < 0).all() and (theta.grad[adv < 0] > 0).all()
     mask = response_mask(batch["lengths"], batch["prompt_lengths"], 5)
     assert (theta.grad[mask == 0] == 0).all()       # prompt and padding get no gradient
+
+
+# ---- no reference model (kl_coef 0) ------------------------------------------------
+
+@pytest.mark.parametrize("mod,cfg,extra", [
+    (grpo, grpo.GRPOConfig(samples_per_prompt=2, kl_coef=0.0), {}),
+    (rloo, rloo.RLOOConfig(samples_per_prompt=2, kl_coef=0.0), {}),
+    (reinforce_pp, reinforce_pp.ReinforcePPConfig(kl_coef=0.0), {}),
+    (remax, remax.ReMaxConfig(samples_per_prompt=2, kl_coef=0.0),
+     {"greedy_rewards": t([1.0])}),
+])
+def test_without_ref_logprobs_the_advantages_and_loss_are_those_of_kl_coef_zero(mod, cfg, extra):
+    """A run without a reference model has no ref_logprobs: the advantages and the loss
+    equal those with a reference at kl_coef 0 (which weighs the KL by nothing)."""
+    with_ref = _batch([3, 1], lengths=[4, 5], prompt_lengths=[2, 3], **extra)
+    with_ref["ref_logprobs"] = t([[0, -0.7, 0.3, 0], [0, 0, 0.2, -0.4]])
+    with_ref["logprobs"] = t([[0, -0.2, -0.1, 0], [0, 0, -0.3, -0.5]])
+    without = {k: v for k, v in with_ref.items() if k != "ref_logprobs"}
+    a, b = mod.prepare(with_ref, cfg), mod.prepare(without, cfg)
+    assert "ref_logprobs" not in b
+    torch.testing.assert_close(a["advantages"], b["advantages"])
+    new = with_ref["logprobs"] + 0.1
+    loss_a, m_a = mod.actor_loss(new, a, cfg)
+    loss_b, m_b = mod.actor_loss(new, b, cfg)
+    torch.testing.assert_close(loss_a, loss_b)
+    assert "kl" not in m_b

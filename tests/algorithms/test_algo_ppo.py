@@ -158,3 +158,20 @@ def test_losses_decrease_along_negative_gradient():
     with torch.no_grad():
         c_after, _ = critic(v - 0.01 * v.grad, batch)
     assert c_after < c
+
+
+def test_without_a_reference_model_prepare_and_loss_equal_kl_coef_zero():
+    """No ref_logprobs (a run without a reference model): the KL in the reward is 0, so
+    advantages and returns are those at kl_coef 0; the loss reports no KL."""
+    full = _rollout()
+    without = {k: v for k, v in full.items() if k != "ref_logprobs"}
+    cfg = ppo.PPOConfig(gamma=0.5, lam=0.5, kl_coef=0.0, normalize_advantages=False)
+    a, b = ppo.prepare(full, cfg), ppo.prepare(without, cfg)
+    for key in ("advantages", "returns"):
+        torch.testing.assert_close(a[key], b[key])
+    # row 1: reward 2 at position 2 with no KL -> advantage 2 - value 1.0
+    assert b["advantages"][1].tolist() == [0, 0, 1.0, 0]
+    loss_a, _ = ppo.actor_loss(full["logprobs"] + 0.1, a, cfg)
+    loss_b, m = ppo.actor_loss(full["logprobs"] + 0.1, b, cfg)
+    torch.testing.assert_close(loss_a, loss_b)
+    assert "kl" not in m

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from planner.algorithms import REQUIRED_ROLES, BatchShape, build_graph
+from planner.algorithms import OPTIONAL_ROLES, REQUIRED_ROLES, BatchShape, build_graph
 from planner.cluster import ClusterSpec, resolve_device
 from planner.cost_model import CostModel
 from planner.errors import PlanError
@@ -41,7 +41,7 @@ def random_instance(rng: random.Random) -> Problem:
     presets = model_presets()
     while True:
         alg = rng.choice(ALGORITHMS)
-        roles = set(REQUIRED_ROLES[alg])
+        roles = set(REQUIRED_ROLES[alg]) | ({"ref"} & set(OPTIONAL_ROLES[alg]))
         if alg in ("grpo", "remax", "rloo") and rng.random() < 0.5:
             roles.add("reward")
         n_nodes, gpn = rng.choice(CLUSTERS)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from planner.algorithms import BUILDERS, REQUIRED_ROLES, BatchShape, build_graph
+from planner.algorithms import (BUILDERS, OPTIONAL_ROLES, REQUIRED_ROLES, BatchShape,
+                                build_graph)
 from planner.errors import PlanError
 from planner.graph import MFC, DataflowGraph
 
@@ -27,8 +28,24 @@ def by_name(g: DataflowGraph) -> dict[str, MFC]:
 
 
 def test_every_algorithm_has_a_builder_and_required_roles():
-    assert set(BUILDERS) == set(REQUIRED_ROLES) == {
+    assert set(BUILDERS) == set(REQUIRED_ROLES) == set(OPTIONAL_ROLES) == {
         "ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft", "rm"}
+
+
+@pytest.mark.parametrize("alg,roles", [
+    ("grpo", {"actor"}), ("rloo", {"actor", "reward"}), ("reinforce_pp", {"actor"}),
+    ("remax", {"actor"}), ("remax", {"actor", "reward"}),
+    ("ppo", {"actor", "critic", "reward"})])
+def test_rl_graphs_without_a_reference_model(alg, roles):
+    """No ref model: no reference call, and no training call reads ref_logprobs; the
+    rest of the graph is the one with a reference, minus that call."""
+    g = build_graph(alg, SHAPE, roles)
+    full = build_graph(alg, SHAPE, roles | {"ref"})
+    assert "ref" not in g.roles()
+    assert all("ref_logprobs" not in m.input_keys for m in g.mfcs)
+    assert [m.name for m in g.mfcs] == [m.name for m in full.mfcs if m.name != "ref.inference"]
+    for m, f in zip(g.mfcs, (f for f in full.mfcs if f.name != "ref.inference")):
+        assert m.input_keys == tuple(k for k in f.input_keys if k != "ref_logprobs")
 
 
 def test_ppo_graph():
@@ -137,8 +154,8 @@ def test_rm_graph_doubles_the_batch():
 
 @pytest.mark.parametrize("alg,roles,missing", [
     ("ppo", {"actor", "ref", "reward"}, "critic"),
-    ("grpo", {"actor"}, "ref"),
-    ("dpo", {"ref"}, "actor"),
+    ("grpo", {"ref"}, "actor"),
+    ("dpo", {"actor"}, "ref"),
     ("sft", set(), "actor"),
     ("rm", {"actor"}, "reward"),
 ])

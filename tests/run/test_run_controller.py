@@ -59,6 +59,19 @@ def test_grpo_learns_and_saves_a_hf_actor(tiny_assets, tmp_path):
     assert any(not torch.equal(start[k], trained[k]) for k in start), "weights did not change"
 
 
+def test_grpo_without_a_reference_model_runs_no_reference_call(tiny_assets, tmp_path):
+    """kl_coef 0 and no models.ref: the plan has no ref.inference and the run trains."""
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=3, models__ref=None)
+    r = run(exp, tmp_path / "run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert "ref.inference" not in json.dumps(plan)
+    rows = metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert all("time.ref.inference" not in row and "kl" not in row for row in rows)
+    assert all(row["actor.update_ok"] == 1.0 for row in rows)
+
+
 def test_resume_after_sigkill_is_bit_identical(tiny_assets, tmp_path):
     exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=6,
                      run__checkpoint_interval=2)

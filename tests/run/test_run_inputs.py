@@ -113,3 +113,9 @@ def test_a_reallocating_plan_really_reallocates_and_learns(tiny_assets, tmp_path
     first = sum(row["reward_mean"] for row in rows[:5]) / 5
     last = sum(row["reward_mean"] for row in rows[-5:]) / 5
     assert last > first + 0.05, (first, last)
+
+
+@pytest.mark.pure
+def test_kl_loss_without_a_reference_model(tiny_assets, tmp_path):
+    err = bad(tiny_assets, tmp_path, models__ref=None, algorithm__params__kl_coef=0.04)
+    assert "models.ref" in err and "kl_coef" in err
