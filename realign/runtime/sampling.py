@@ -63,21 +63,37 @@ def _hash32_int(x: int) -> int:
 def uniform_noise(seed: int, seq_ids: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
     """float64 uniforms in (0, 1), [b, vocab]: a pure function of (seed, sequence id,
     generated position, token id)."""
-    step = _hash32_int(_hash32_int(seed) ^ _hash32_int((seed >> 32) ^ 0x5BD1E995)
-                       ^ _hash32_int(position + 0x9E3779B9))
-    row = hash32(hash32(seq_ids.long() & _M32) ^ step)
+    return uniform_noise_block(seed, seq_ids, range(position, position + 1), vocab)[0]
+
+
+def uniform_noise_block(seed: int, seq_ids: torch.Tensor, positions: range, vocab: int
+                        ) -> torch.Tensor:
+    """:func:`uniform_noise` of several consecutive positions at once, [len(positions),
+    b, vocab] (fewer, larger tensor operations than one call per position)."""
+    base = _hash32_int(seed) ^ _hash32_int((seed >> 32) ^ 0x5BD1E995)
+    steps = torch.tensor([_hash32_int(base ^ _hash32_int(t + 0x9E3779B9)) for t in positions],
+                         dtype=torch.long, device=seq_ids.device)
+    row = hash32(hash32(seq_ids.long() & _M32).unsqueeze(0) ^ steps.unsqueeze(1))   # [n, b]
     tok = hash32(torch.arange(vocab, device=seq_ids.device) ^ 0x68E31DA4)
-    bits = hash32(row.unsqueeze(1) ^ tok.unsqueeze(0))
+    bits = hash32(row.unsqueeze(2) ^ tok)
     return (bits.double() + 0.5) / 2.0 ** 32
 
 
+def gumbel_noise(seed: int, seq_ids: torch.Tensor, positions: range, vocab: int
+                 ) -> torch.Tensor:
+    """The Gumbel noise ``-log(-log(u))`` :func:`choose_tokens` adds, [len(positions),
+    b, vocab], for callers that draw several positions from one computation."""
+    return -torch.log(-torch.log(uniform_noise_block(seed, seq_ids, positions, vocab)))
+
+
 def choose_tokens(logits: torch.Tensor, p: SamplingParams, seq_ids: torch.Tensor,
-                  position: int) -> torch.Tensor:
+                  position: int, gumbel: torch.Tensor | None = None) -> torch.Tensor:
     """Next token per row of float logits [b, V] (padding vocabulary already masked);
     ``seq_ids`` [b] global sequence indices, ``position`` the index of the token being
-    generated."""
+    generated; ``gumbel`` [b, V] that position's :func:`gumbel_noise` if already made."""
     if p.greedy:
         return logits.argmax(dim=-1)
-    u = uniform_noise(p.seed, seq_ids, position, logits.shape[-1])
-    gumbel = -torch.log(-torch.log(u))
+    if gumbel is None:
+        gumbel = gumbel_noise(p.seed, seq_ids, range(position, position + 1),
+                              logits.shape[-1])[0]
     return (filter_logits(logits, p).double() + gumbel).argmax(dim=-1)

@@ -163,6 +163,25 @@ def test_a_rows_draw_depends_on_its_seed_id_and_position_alone():
     assert len({int(t) for t in other_seed}) > 1
 
 
+def test_noise_made_in_blocks_equals_noise_made_per_position(monkeypatch):
+    """Generation draws its noise a block of positions at a time; every position's
+    noise (hence every draw) is the one a per-position call makes, across block ends."""
+    from realign.runtime.engines import generate
+    from realign.runtime.sampling import SamplingParams, uniform_noise, uniform_noise_block
+
+    ids = torch.tensor([3, 7, 2 ** 33 + 5])
+    block = uniform_noise_block(2 ** 40 + 9, ids, range(2, 6), 50)
+    for i, t in enumerate(range(2, 6)):
+        assert torch.equal(block[i], uniform_noise(2 ** 40 + 9, ids, t, 50))
+    monkeypatch.setattr(generate, "NOISE_BLOCK", 2 * 3 * 50)         # two positions a block
+    blocks = generate._NoiseBlocks(SamplingParams(seed=4), ids, 5, 50)
+    assert blocks.per_block == 2
+    for t in range(5):
+        u = uniform_noise(4, ids, t, 50)
+        assert torch.equal(blocks.at(t), -torch.log(-torch.log(u)))
+    assert generate._NoiseBlocks(SamplingParams(greedy=True), ids, 5, 50).at(0) is None
+
+
 def test_sampling_frequencies_follow_the_filtered_distribution():
     from realign.runtime.sampling import SamplingParams, choose_tokens
 

@@ -51,7 +51,7 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights:
 
 
 def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Non-interleaved RoPE on [b, s, heads, d] with cos/sin [b, s, 1, rot_dim]
+    """Non-interleaved RoPE on [b, s, heads..., d] with cos/sin [b, s, 1..., rot_dim]
     (megatron's ``_apply_rotary_pos_emb_bshd``; dims past rot_dim pass through)."""
     rot = cos.shape[-1]
     x, rest = t[..., :rot], t[..., rot:]
@@ -152,10 +152,9 @@ class StageDecoder:
         b, s, h = x.shape
         eps, d, ng, r = self.spec.norm_eps, self.d, self.n_groups, self.per_group
         y = F.rms_norm(x, (h,), w.ln1, eps)
-        qkv = F.linear(self._copy(y), w.qkv, w.qkv_bias).view(b, s, ng, (r + 2) * d)
-        q, k, v = qkv.split([r * d, d, d], dim=-1)
-        q = rotate(q.reshape(b, s, ng * r, d), cos, sin)
-        k = rotate(k, cos, sin)
+        qkv = F.linear(self._copy(y), w.qkv, w.qkv_bias).view(b, s, ng, r + 2, d)
+        qk = rotate(qkv[:, :, :, :r + 1], cos.unsqueeze(3), sin.unsqueeze(3))  # one RoPE
+        q, k, v = qk[:, :, :, :r].reshape(b, s, ng * r, d), qk[:, :, :, r], qkv[:, :, :, r + 1]
         keys, values = attend(i, k.transpose(1, 2), v.transpose(1, 2))
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None,

@@ -22,7 +22,10 @@ from realign.errors import UserError
 from realign.runtime.engines.base import gather_dp
 from realign.runtime.engines.decoder import StageDecoder, run_stage
 from realign.runtime.model import ModelShard
-from realign.runtime.sampling import SamplingParams, choose_tokens
+from realign.runtime.sampling import SamplingParams, choose_tokens, gumbel_noise
+
+#: float64 noise values drawn per computation (positions x rows x vocabulary): 32 MB
+NOISE_BLOCK = 1 << 22
 
 
 @dataclass
@@ -88,8 +91,9 @@ class GenerateEngine:
         dec = StageDecoder(self.shard, longest + n, cache_rows=b)
         logits = run_stage(self.shard, partial(dec.prefill, lengths=plen), tokens)
         pos = plen.clone()                                   # where the next token goes
+        noise = _NoiseBlocks(p, seq_ids, n, self.shard.spec.vocab_size)
         for t in range(n):
-            choice, logp = self._choose(logits, p, seq_ids, t)
+            choice, logp = self._choose(logits, p, seq_ids, t, noise)
             live = ~done
             out_tok[:, t] = torch.where(live, choice, self.pad_id)
             out_lp[:, t] = torch.where(live, logp, 0.0)
@@ -102,14 +106,15 @@ class GenerateEngine:
             pos += 1
         return out_tok, out_lp, out_len
 
-    def _choose(self, logits, p: SamplingParams, seq_ids: torch.Tensor, t: int):
+    def _choose(self, logits, p: SamplingParams, seq_ids: torch.Tensor, t: int,
+                noise: _NoiseBlocks):
         """Next token and its log-prob on the last stage, broadcast to every stage."""
         shard = self.shard
         g = shard.groups
         packed = None
         if g.is_last_stage:
             logits = logits.float()[:, : shard.spec.vocab_size]
-            choice = choose_tokens(logits, p, seq_ids, t)
+            choice = choose_tokens(logits, p, seq_ids, t, noise.at(t))
             logp = logits.log_softmax(-1).gather(1, choice.unsqueeze(1)).squeeze(1)
             packed = torch.stack([choice.double(), logp.double()])
         if g.layout.pp > 1:
@@ -119,3 +124,23 @@ class GenerateEngine:
             dist.broadcast(packed, src=g.world_rank(g.tp_rank, g.dp_rank, g.layout.pp - 1),
                            group=g.pgs.pp)
         return packed[0].long(), packed[1].float()
+
+
+class _NoiseBlocks:
+    """The sampling noise of the generated positions, made a block of positions at a
+    time (at most :data:`NOISE_BLOCK` values) rather than once per position."""
+
+    def __init__(self, p: SamplingParams, seq_ids: torch.Tensor, n: int, vocab: int):
+        self.p, self.seq_ids, self.n, self.vocab = p, seq_ids, n, vocab
+        self.per_block = max(1, NOISE_BLOCK // max(1, seq_ids.shape[0] * vocab))
+        self.start, self.block = 0, None
+
+    def at(self, t: int) -> torch.Tensor | None:
+        """Noise [b, vocab] of position ``t`` (None when greedy)."""
+        if self.p.greedy:
+            return None
+        if self.block is None or not self.start <= t < self.start + self.block.shape[0]:
+            self.start = t
+            end = min(self.n, t + self.per_block)
+            self.block = gumbel_noise(self.p.seed, self.seq_ids, range(t, end), self.vocab)
+        return self.block[t - self.start]
