@@ -46,8 +46,9 @@ def test_grpo_learns_and_saves_a_hf_actor(tiny_assets, tmp_path):
     first = sum(row["reward_mean"] for row in rows[:5]) / 5
     last = sum(row["reward_mean"] for row in rows[-5:]) / 5
     assert last > first + 0.08, (first, last)
-    for key in ("actor.loss", "actor.grad_norm", "kl", "tokens_per_s", "time.actor.generate"):
+    for key in ("actor.loss", "actor.grad_norm", "tokens_per_s", "time.actor.generate"):
         assert key in rows[-1], key
+    assert "time.ref.inference" not in rows[-1]             # kl_coef 0 and no ref model
     assert list((tmp_path / "run" / "tensorboard").iterdir())
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final" / "actor")
@@ -59,17 +60,21 @@ def test_grpo_learns_and_saves_a_hf_actor(tiny_assets, tmp_path):
     assert any(not torch.equal(start[k], trained[k]) for k in start), "weights did not change"
 
 
-def test_grpo_without_a_reference_model_runs_no_reference_call(tiny_assets, tmp_path):
-    """kl_coef 0 and no models.ref: the plan has no ref.inference and the run trains."""
-    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=3, models__ref=None)
+def test_grpo_with_a_reference_model_scores_and_logs_the_kl(tiny_assets, tmp_path):
+    """With models.ref the plan has a reference call, and the KL to the reference is
+    logged (and shown) every step; without it (the shipped YAML, kl_coef 0) neither."""
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=3,
+                     models__ref="tiny/actor", algorithm__params__kl_coef=0.01)
     r = run(exp, tmp_path / "run")
     assert r.returncode == 0, r.stderr[-3000:]
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
-    assert "ref.inference" not in json.dumps(plan)
+    assert "ref.inference" in json.dumps(plan)
     rows = metrics(tmp_path / "run")
     assert [row["step"] for row in rows] == [0, 1, 2]
-    assert all("time.ref.inference" not in row and "kl" not in row for row in rows)
-    assert all(row["actor.update_ok"] == 1.0 for row in rows)
+    assert all("time.ref.inference" in row and "kl" in row for row in rows)
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)    # ref = the actor at step 0
+    assert rows[-1]["kl"] > 0
+    assert " kl " in r.stderr + r.stdout
 
 
 def test_resume_after_sigkill_is_bit_identical(tiny_assets, tmp_path):

@@ -16,8 +16,6 @@ REALIGN = [sys.executable, "-m", "realign.cli.main"]
 MANUAL_REALLOC = {
     "actor.generate": {"mesh": {"first_gpu": 0, "n_gpus": 2}, "layout": {"tp": 1, "pp": 1, "dp": 2},
                        "micro_batches": 1},
-    "ref.inference": {"mesh": {"first_gpu": 0, "n_gpus": 2}, "layout": {"tp": 1, "pp": 1, "dp": 2},
-                      "micro_batches": 1},
     "actor.train": {"mesh": {"first_gpu": 0, "n_gpus": 2}, "layout": {"tp": 2, "pp": 1, "dp": 1},
                     "micro_batches": 2},
 }
@@ -90,9 +88,9 @@ def test_infeasible_manual_allocation(tiny_assets, tmp_path):
 
 @pytest.mark.pure
 def test_manual_allocation_must_cover_every_mfc(tiny_assets, tmp_path):
-    manual = {k: v for k, v in MANUAL_REALLOC.items() if k != "ref.inference"}
+    manual = {k: v for k, v in MANUAL_REALLOC.items() if k != "actor.generate"}
     err = bad(tiny_assets, tmp_path, plan__manual=manual)
-    assert "plan.manual" in err and "ref.inference" in err
+    assert "plan.manual" in err and "actor.generate" in err
 
 
 @pytest.mark.cpu_dist

@@ -20,9 +20,8 @@ from tests.slurm.cluster import IFNAME, LocalSlurm, install
 pytestmark = pytest.mark.slurm
 
 MESH = {"first_gpu": 0, "n_gpus": 2}
-MANUAL = {   # generate and score at DP2, train at PP2: one layer stack per node
+MANUAL = {   # generate at DP2, train at PP2: one layer stack per node
     "actor.generate": {"mesh": MESH, "layout": {"tp": 1, "pp": 1, "dp": 2}, "micro_batches": 1},
-    "ref.inference": {"mesh": MESH, "layout": {"tp": 1, "pp": 1, "dp": 2}, "micro_batches": 1},
     "actor.train": {"mesh": MESH, "layout": {"tp": 1, "pp": 2, "dp": 1}, "micro_batches": 2},
 }
 STEPS = 8
