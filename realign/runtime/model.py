@@ -8,7 +8,7 @@ importable; the TE spec on CUDA with TE installed. The vocabulary is padded to
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -39,6 +39,9 @@ class ModelShard:
     groups: ReplicaGroups
     device: DeviceInfo
     module: torch.nn.Module        #: the megatron ``GPTModel`` (unwrapped)
+    #: the plain decoder's view of ``module``'s parameters, made on first use
+    #: (:func:`realign.runtime.engines.decoder.stage_weights`)
+    decoder_weights: object = field(default=None, repr=False, compare=False)
 
     @property
     def config(self):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.nn.utils.rnn import pad_sequence
 
 Record = dict[str, object]
 
@@ -24,8 +23,9 @@ def sequences_from_generation(prompts: list[list[int]], gen_tokens: torch.Tensor
     b, n = gen_tokens.shape
     s = int((plen + glen).max())
     tokens = torch.full((b, s), pad_id, dtype=torch.long)
-    tokens[:, :int(plen.max())] = pad_sequence([torch.tensor(p, dtype=torch.long) for p in prompts],
-                                               batch_first=True, padding_value=pad_id)
+    longest = int(plen.max())
+    tokens[:, :longest] = torch.tensor([p + [pad_id] * (longest - len(p)) for p in prompts],
+                                       dtype=torch.long)
     valid = torch.arange(n).unsqueeze(0) < glen.unsqueeze(1)                # [b, n]
     rows = torch.arange(b).unsqueeze(1).expand(b, n)[valid]
     cols = (plen.unsqueeze(1) + torch.arange(n).unsqueeze(0))[valid]

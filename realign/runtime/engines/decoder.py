@@ -50,6 +50,38 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights:
         fc1=p["mlp.linear_fc1.weight"], fc2=p["mlp.linear_fc2.weight"])
 
 
+@dataclass
+class StageWeights:
+    """The parameter tensors of one pipeline stage the decoder reads (the megatron
+    parameters themselves, so training, loading and reallocation show through) and the
+    RoPE table up to the model's longest sequence."""
+
+    layers: list[LayerWeights]
+    emb: torch.Tensor | None            #: word embeddings (first stage)
+    final_norm: torch.Tensor | None     #: last stage
+    head: torch.Tensor | None           #: LM head (tied or not) or value head; last stage
+    cos: torch.Tensor                   #: [max_seq_len, rot_dim] in the compute dtype
+    sin: torch.Tensor
+
+
+def stage_weights(shard: ModelShard) -> StageWeights:
+    """The shard's :class:`StageWeights`, made once and kept on the shard."""
+    if shard.decoder_weights is None:
+        m, g = shard.module, shard.groups
+        head = None
+        if g.is_last_stage:
+            head = (m.shared_embedding_or_output_weight()
+                    if m.share_embeddings_and_output_weights else m.output_layer.weight)
+        freqs = m.rotary_pos_emb(shard.spec.max_seq_len)[:, 0, 0, :]   # [len, rot_dim] fp32
+        dtype = shard.device.dtype
+        shard.decoder_weights = StageWeights(
+            layers=[layer_weights(layer) for layer in m.decoder.layers],
+            emb=m.embedding.word_embeddings.weight if g.is_first_stage else None,
+            final_norm=m.decoder.final_layernorm.weight if g.is_last_stage else None,
+            head=head, cos=freqs.cos().to(dtype), sin=freqs.sin().to(dtype))
+    return shard.decoder_weights
+
+
 def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Non-interleaved RoPE on [b, s, heads..., d] with cos/sin [b, s, 1..., rot_dim]
     (megatron's ``_apply_rotary_pos_emb_bshd``; dims past rot_dim pass through)."""
@@ -84,15 +116,13 @@ class StageDecoder:
         self.d = spec.kv_channels
         scale = m.config.softmax_scale
         self.scale = scale if scale is not None else self.d ** -0.5
-        self.layers = [layer_weights(layer) for layer in m.decoder.layers]
-        self.emb = m.embedding.word_embeddings.weight if g.is_first_stage else None
-        if g.is_last_stage:
-            self.final_norm = m.decoder.final_layernorm.weight
-            self.head = (m.shared_embedding_or_output_weight()
-                         if m.share_embeddings_and_output_weights else m.output_layer.weight)
-        freqs = m.rotary_pos_emb(max_len)[:, 0, 0, :]          # [max_len, rot_dim] fp32
+        w = stage_weights(shard)
+        self.layers, self.emb, self.final_norm, self.head = w.layers, w.emb, w.final_norm, w.head
         dtype, dev = shard.device.dtype, shard.device.device
-        self.cos, self.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        self.cos, self.sin = w.cos[:max_len], w.sin[:max_len]
+        if max_len > w.cos.shape[0]:         # past the checkpoint's max positions
+            freqs = m.rotary_pos_emb(max_len)[:, 0, 0, :]
+            self.cos, self.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
         shape = (cache_rows, self.n_groups, max_len, self.d)
         cached = range(len(self.layers) if cache_rows else 0)
         self.k = [torch.zeros(shape, dtype=dtype, device=dev) for _ in cached]

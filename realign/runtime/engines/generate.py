@@ -79,9 +79,8 @@ class GenerateEngine:
         b, n = len(prompts), p.max_new_tokens
         plen = torch.tensor([len(x) for x in prompts], device=dev)
         longest = int(plen.max())
-        tokens = torch.full((b, longest), self.pad_id, dtype=torch.long, device=dev)
-        for i, x in enumerate(prompts):
-            tokens[i, :len(x)] = torch.tensor(x, device=dev)
+        tokens = torch.tensor([x + [self.pad_id] * (longest - len(x)) for x in prompts],
+                              dtype=torch.long, device=dev)
         out_tok = torch.full((b, n), self.pad_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros(b, n, device=dev)
         out_len = torch.zeros(b, dtype=torch.long, device=dev)

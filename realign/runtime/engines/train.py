@@ -75,7 +75,8 @@ class TrainEngine:
         shard = self.shard
         check_batch(batch, shard, self.cfg.micro_batches)
         micro = split(local_batch(batch, shard), self.cfg.micro_batches)
-        self.model.train()
+        if not self.model.training:      # a recursive walk over every module otherwise
+            self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
