@@ -17,6 +17,8 @@ TRL runs twice by default: once with a reference model (``beta`` > 0) so it does
 same work per step as realign's graph when that graph has a reference-model MFC, and
 once with the experiment's own ``kl_coef`` as ``beta`` (TRL skips the reference
 forward entirely at ``beta == 0``). The headline ratio is against the same-work run.
+When the two are the same run (the experiment has no reference model, or a KL
+coefficient above 0), TRL runs once.
 
 Everything measured under (configs, versions, threads, CPUs, raw per-step numbers)
 goes into the JSON (``--json`` prints it, ``--out`` writes it).
@@ -261,7 +263,9 @@ def run(args: argparse.Namespace) -> int:
             kl = algorithm_config(cfg)[1].kl_coef
             variants = {"same-work": kl if kl > 0 or not has_ref else SAME_WORK_BETA,
                         "experiment-beta": kl}
-            if args.trl_variants != "both":
+            if variants["same-work"] == kl:     # one and the same TRL run: do it once
+                del variants["experiment-beta"]
+            if args.trl_variants != "both" and args.trl_variants in variants:
                 variants = {args.trl_variants: variants[args.trl_variants]}
             rnd["trl"] = {}
             for name, beta in variants.items():
