@@ -24,26 +24,6 @@ from realign.launch.base import Launcher, worker_env
 
 ACCEPT_TIMEOUT_S = 300.0
 POLL_S = 0.2
-#: step commands sent beyond the one running, so workers never wait for the controller
-STEPS_AHEAD = 1
-
-
-def saves_after(step: int, steps: int, interval: int) -> bool:
-    """Whether a checkpoint is written after ``step`` (0-based) of a ``steps``-step run."""
-    return (step + 1) % interval == 0 or step + 1 == steps
-
-
-def steps_to_send(current: int, sent: int, steps: int, interval: int,
-                  ahead: int = STEPS_AHEAD) -> range:
-    """The step commands to send now, ``current`` being the step the controller waits
-    for and ``sent`` the first not yet sent: up to ``current + ahead``, never past the
-    run's end nor past a checkpoint (the workers must be idle while it is written)."""
-    end = min(steps, current + ahead + 1)
-    for j in range(current, end):
-        if saves_after(j, steps, interval):
-            end = j + 1
-            break
-    return range(sent, max(sent, end))
 
 
 class WorkerFailed(Exception):
@@ -199,28 +179,19 @@ class Controller:
             self.broadcast(("setup", setup))
             self.gather("ready")
             progress = Progress(s.steps, start, self.out)
-            # Workers need nothing from the controller between steps, so the commands
-            # of the next STEPS_AHEAD steps wait in their sockets (never past a
-            # checkpoint): a worker starts its next step as soon as it ends one, and the
-            # logging here overlaps it. A step's time runs from its predecessor's end
+            # Workers need nothing from the controller between steps, so the next step
+            # is sent as soon as this one is done (unless a checkpoint comes first) and
+            # the logging overlaps it. A step's time runs from its predecessor's end
             # (or its own start after a checkpoint) to its own end.
-            sent = start
-
-            def send_ahead(current: int) -> None:
-                nonlocal sent
-                for j in steps_to_send(current, sent, s.steps, s.checkpoint_interval):
-                    self.broadcast(("step", j))
-                    sent = j + 1
-
             t0 = time.perf_counter()
-            send_ahead(start)
+            self.broadcast(("step", start))
             for step in range(start, s.steps):
                 replies = self.gather("done")
                 now = time.perf_counter()
                 wall, t0 = now - t0, now
-                save = saves_after(step, s.steps, s.checkpoint_interval)
+                save = (step + 1) % s.checkpoint_interval == 0 or step + 1 == s.steps
                 if not save:
-                    send_ahead(step + 1)
+                    self.broadcast(("step", step + 1))
                 row = merge_metrics(step, [m[2] for m in replies.values()], wall)
                 log.write(row)
                 progress.update(step, row)
@@ -228,7 +199,7 @@ class Controller:
                     self.save_checkpoint(step + 1)
                     if step + 1 < s.steps:
                         t0 = time.perf_counter()
-                        send_ahead(step + 1)
+                        self.broadcast(("step", step + 1))
             self.broadcast(("final", str(s.final_dir)))
             self.gather("saved_final")
             self.broadcast(("stop",))
