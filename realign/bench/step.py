@@ -207,10 +207,31 @@ def _ver(pkg: str) -> str | None:
 
 
 def _load() -> dict:
-    """1/5/15-minute load averages: other work on the machine skews every number here."""
+    """1/5/15-minute load averages and the CPU time counters: other work on the machine,
+    or on the host of a virtual machine (steal time), skews every number here."""
     la = os.getloadavg() if hasattr(os, "getloadavg") else (None, None, None)
     return {"loadavg_1m": la[0], "loadavg_5m": la[1], "loadavg_15m": la[2],
-            "unix_s": time.time()}
+            "unix_s": time.time(), "cpu_ticks": _cpu_ticks()}
+
+
+def _cpu_ticks() -> dict[str, int] | None:
+    """The machine's total and stolen CPU time (``/proc/stat``, clock ticks); None where
+    there is no such file."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return {"total": sum(fields[:8]), "steal": fields[7] if len(fields) > 7 else 0}
+
+
+def steal_fraction(before: dict, after: dict) -> float | None:
+    """Share of the CPU time between two :func:`_load` snapshots that the hypervisor
+    gave to other machines (0 on bare metal)."""
+    a, b = before.get("cpu_ticks"), after.get("cpu_ticks")
+    if not a or not b or b["total"] <= a["total"]:
+        return None
+    return (b["steal"] - a["steal"]) / (b["total"] - a["total"])
 
 
 def _environment() -> dict:
@@ -278,6 +299,9 @@ def run(args: argparse.Namespace) -> int:
             rnd["tokens_per_s_ratio"] = {n: r_tps / v["summary"]["tokens_per_s"]
                                          for n, v in rnd["trl"].items()}
         rnd["load"]["end"] = _load()
+        marks = list(rnd["load"].items())             # the parts, in the order they ran
+        rnd["steal_fraction"] = {name.removeprefix("before_"): steal_fraction(a, b)
+                                 for (name, a), (_, b) in zip(marks, marks[1:])}
         rounds.append(rnd)
 
     def kept_realign(r):
@@ -300,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
                                             for r in rounds])}
                  for j, m in enumerate(first["summary"]["mfcs"])],
         "estimated_iteration_s": first["summary"]["estimated_iteration_s"],
-    }}
+    }, "steal_fraction_per_round": [r["steal_fraction"] for r in rounds]}
     if not args.skip_trl:
         summary["trl"] = {}
         for name in variants:
@@ -374,6 +398,10 @@ def _table(res: dict) -> str:
                      f"(generate {t['generate_mean_s']:.4f}, ref {t['ref_logps_mean_s']:.4f}, "
                      f"train {t['train_mean_s']:.4f}); {t['tokens_per_s']:.1f} tokens/s; "
                      f"realign/TRL = {s['comparison']['tokens_per_s_ratio'][name]:.2f}x")
+    steal = [f"{part} {v:.0%}" for rnd in s["steal_fraction_per_round"]
+             for part, v in rnd.items() if v is not None]
+    if steal:
+        lines.append("CPU time stolen by the host, per round and part: " + ", ".join(steal))
     if "comparison" in s:
         c = s["comparison"]
         lines.append(f"target {c['target_ratio']}x vs TRL {c['headline_variant']}: "

@@ -52,3 +52,12 @@ def test_missing_bench_env_says_make_bench_env(tmp_path):
     with pytest.raises(UserError, match="make bench-env"):
         step.main([str(REPO / "experiments" / "tiny-grpo-cpu.yaml"),
                    "--bench-venv", str(tmp_path / "nope")])
+
+
+@pytest.mark.pure
+def test_steal_fraction_between_two_snapshots():
+    from realign.bench.step import steal_fraction
+    before = {"cpu_ticks": {"total": 100, "steal": 5}}
+    assert steal_fraction(before, {"cpu_ticks": {"total": 300, "steal": 25}}) == pytest.approx(0.1)
+    assert steal_fraction(before, {"cpu_ticks": None}) is None
+    assert steal_fraction(before, before) is None                # no time passed
