@@ -129,12 +129,19 @@ def test_requeue_and_cancel_resume_from_the_last_checkpoint(slurm_cluster, tiny_
     first_ckpt = checkpoint.latest(run_dir)[0]
     r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+    def restarted_log() -> str:
+        log = (run_dir / "logs" / f"controller-{job}.log").read_text()
+        marker = f"realign: job {job} (restart 1)"
+        return log[log.index(marker):] if marker in log else ""
+
+    # the first run's metrics past its checkpoint stay until the restart truncates them
+    # (before it logs "resuming"), so wait for that line, then for steps past it
     wait_for(job, lambda s: s["state"] == "RUNNING" and "restarts 1" in s["detail"]
-             and (s["step"] or 0) >= first_ckpt + 4, what="a restart past its checkpoint")
-    log = (run_dir / "logs" / f"controller-{job}.log").read_text()
-    restarted = log[log.index(f"realign: job {job} (restart 1)"):]
-    resumed = int(re.search(r"resuming from \S+ \(step (\d+)\)", restarted).group(1))
+             and "resuming from" in restarted_log(), what="a restart that resumed")
+    resumed = int(re.search(r"resuming from \S+ \(step (\d+)\)", restarted_log()).group(1))
     assert resumed >= first_ckpt and resumed % 3 == 0, (first_ckpt, resumed)
+    wait_for(job, lambda s: (s["step"] or 0) >= resumed + 2, what="steps past the checkpoint")
 
     assert checkpoint.latest(run_dir) is not None
     assert worker_pids(run_dir), "no worker process found"
