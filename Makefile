@@ -58,7 +58,7 @@ bench-env:
 	$(BENCH_VENV)/bin/python -c "import torch, trl, transformers; print('bench env: torch', torch.__version__, 'trl', trl.__version__, 'transformers', transformers.__version__)"
 
 bench-step:
-	$(BIN)/realign bench step experiments/tiny-grpo-cpu.yaml --steps 10 --rounds 5 --out benchmarks/results/step_tiny_grpo.json
+	$(BIN)/realign bench step experiments/tiny-grpo-cpu.yaml --steps 10 --rounds 8 --out benchmarks/results/step_tiny_grpo.json
 
 clean:
 	rm -rf build *.egg-info planner/_core*.so out

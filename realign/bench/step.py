@@ -46,6 +46,10 @@ TARGET_RATIO = 1.5
 #: any positive value makes TRL load and run the reference model; the value itself
 #: does not change the amount of work.
 SAME_WORK_BETA = 1e-3
+#: A round counts towards the headline only if the hypervisor stole at most this share of
+#: the CPU time during each of its parts: stolen time slows the two sides unequally (TRL's
+#: OpenMP threads far more), so such a round measures the host, not the trainers.
+STEAL_LIMIT = 0.02
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -244,6 +248,13 @@ def _environment() -> dict:
                                              "transformers")}}
 
 
+def clean_rounds(rounds: list[dict], limit: float = STEAL_LIMIT) -> list[int]:
+    """Indices of the rounds whose every part had at most ``limit`` of its CPU time
+    stolen (a part whose steal is unknown, without ``/proc/stat``, counts as clean)."""
+    return [i for i, r in enumerate(rounds)
+            if all(v is None or v <= limit for v in r.get("steal_fraction", {}).values())]
+
+
 def _pooled_tokens_per_s(steps: list[tuple[float, float]]) -> float | None:
     """(gen_tokens, step_time_s) pairs from every round -> tokens per second."""
     total_s = sum(t for _, t in steps)
@@ -341,8 +352,22 @@ def run(args: argparse.Namespace) -> int:
                 **{k: _mean([r["trl"][name]["summary"][k] for r in rounds])
                    for k in ("cpu_mean_s", "generate_mean_s", "ref_logps_mean_s", "train_mean_s")}}
         head = next(iter(variants))
+        clean = clean_rounds(rounds)
+
+        def clean_ratio(name: str) -> float | None:
+            if not clean:
+                return None
+            mine = [p for i in clean for p in kept_realign(rounds[i])]
+            theirs = [(x["gen_tokens"], x["step_time_s"])
+                      for i in clean for x in rounds[i]["trl"][name]["steps"][args.warmup:]]
+            return _pooled_tokens_per_s(mine) / _pooled_tokens_per_s(theirs)
+
         summary["comparison"] = {
             "target_ratio": TARGET_RATIO, "headline_variant": head,
+            "headline": "tokens/s ratio pooled over the clean rounds (host steal <= "
+                        f"{STEAL_LIMIT:.0%} in every part); the other ratios use every round",
+            "steal_limit": STEAL_LIMIT, "clean_rounds": clean,
+            "tokens_per_s_ratio_clean": {n: clean_ratio(n) for n in variants},
             "tokens_per_s_ratio": {n: summary["realign"]["tokens_per_s"] / v["tokens_per_s"]
                                    for n, v in summary["trl"].items()},
             "ratio_per_round": {n: [r["tokens_per_s_ratio"][n] for r in rounds]
@@ -354,8 +379,9 @@ def run(args: argparse.Namespace) -> int:
                                                             for r in rounds)
                                        for n in variants},
         }
-        summary["comparison"]["meets_target"] = (
-            summary["comparison"]["tokens_per_s_ratio"][head] >= TARGET_RATIO)
+        headline = summary["comparison"]["tokens_per_s_ratio_clean"][head]
+        summary["comparison"]["meets_target"] = (None if headline is None
+                                                 else headline >= TARGET_RATIO)
     result = {
         "study": "step",
         "experiment": str(args.experiment),
@@ -404,8 +430,17 @@ def _table(res: dict) -> str:
         lines.append("CPU time stolen by the host, per round and part: " + ", ".join(steal))
     if "comparison" in s:
         c = s["comparison"]
-        lines.append(f"target {c['target_ratio']}x vs TRL {c['headline_variant']}: "
-                     f"{'met' if c['meets_target'] else 'NOT met'}")
+        head = c["headline_variant"]
+        ratio = c["tokens_per_s_ratio_clean"][head]
+        if ratio is None:
+            lines.append(f"no round ran with host steal <= {c['steal_limit']:.0%}: the target "
+                         f"{c['target_ratio']}x is undetermined (all rounds: "
+                         f"{c['tokens_per_s_ratio'][head]:.2f}x)")
+        else:
+            lines.append(f"clean rounds {c['clean_rounds']} (host steal <= "
+                         f"{c['steal_limit']:.0%}): realign/TRL = {ratio:.2f}x; target "
+                         f"{c['target_ratio']}x vs TRL {head}: "
+                         f"{'met' if c['meets_target'] else 'NOT met'}")
     return "\n".join(lines)
 
 

@@ -61,3 +61,14 @@ def test_steal_fraction_between_two_snapshots():
     assert steal_fraction(before, {"cpu_ticks": {"total": 300, "steal": 25}}) == pytest.approx(0.1)
     assert steal_fraction(before, {"cpu_ticks": None}) is None
     assert steal_fraction(before, before) is None                # no time passed
+
+
+@pytest.mark.pure
+def test_clean_rounds_are_those_the_host_stole_little_from():
+    from realign.bench.step import clean_rounds
+    rounds = [{"steal_fraction": {"realign": 0.01, "trl_same-work": 0.0}},
+              {"steal_fraction": {"realign": 0.0, "trl_same-work": 0.09}},     # TRL disturbed
+              {"steal_fraction": {"realign": 0.05, "trl_same-work": 0.0}},     # realign disturbed
+              {"steal_fraction": {"realign": None, "trl_same-work": 0.02}}]    # unknown, at limit
+    assert clean_rounds(rounds) == [0, 3]
+    assert clean_rounds(rounds, limit=0.1) == [0, 1, 2, 3]
