@@ -180,6 +180,7 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str]) -> DataflowG
     with_rm = "reward" in roles and algorithm not in ("dpo", "sft")
     calls = BUILDERS[algorithm](shape, with_reward_model=with_rm, with_ref="ref" in roles)
     used = {m.role for m in calls}
+    assert used <= set(REQUIRED_ROLES[algorithm]) | set(OPTIONAL_ROLES[algorithm]), used
     extra = sorted(roles - used)
     if extra:
         raise PlanError(f"{algorithm} does not use the model role(s) {', '.join(extra)}; "
