@@ -19,7 +19,7 @@ from planner.graph import MFC, DataflowGraph
 
 Algorithm = Literal["ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft", "rm"]
 
-#: Roles each algorithm needs (besides the optional reward model).
+#: Roles each algorithm needs.
 REQUIRED_ROLES: dict[str, tuple[str, ...]] = {
     "ppo": ("actor", "critic", "reward"),
     "grpo": ("actor",),
@@ -73,11 +73,6 @@ def _rollout(shape: BatchShape, n: int, with_reward_model: bool, with_ref: bool)
     return calls
 
 
-def _scored(with_reward_model: bool, with_ref: bool) -> tuple[str, ...]:
-    """The rollout records a training call reads besides seqs and logprobs."""
-    return (("ref_logprobs",) if with_ref else ()) + (("rewards",) if with_reward_model else ())
-
-
 def _actor_train(shape: BatchShape, n: int, inputs: tuple[str, ...], group_size: int = 1) -> MFC:
     return MFC(name="actor.train", role="actor", kind="train", n_seqs=n,
                prompt_len=shape.prompt_len, gen_len=shape.gen_len, input_keys=inputs,
@@ -105,7 +100,8 @@ def _critic_free(shape: BatchShape, with_reward_model: bool, with_ref: bool = Tr
     """GRPO, REINFORCE++ and RLOO share one graph; they differ in the advantage."""
     n = shape.prompts_per_step * shape.samples_per_prompt
     calls = _rollout(shape, n, with_reward_model, with_ref)
-    ins = ("seqs", "logprobs") + _scored(with_reward_model, with_ref)
+    ins = (("seqs", "logprobs") + (("ref_logprobs",) if with_ref else ())
+           + (("rewards",) if with_reward_model else ()))
     return calls + [_actor_train(shape, n, ins)]
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from realign.data.collate import pad_right
+
 Record = dict[str, object]
 
 
@@ -18,14 +20,12 @@ def sequences_from_generation(prompts: list[list[int]], gen_tokens: torch.Tensor
                               gen_logprobs: torch.Tensor, gen_lengths: torch.Tensor,
                               pad_id: int) -> tuple[Record, Record]:
     """(``seqs`` record, ``logprobs`` record) from prompts and their continuations."""
-    plen = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    prompt_tokens, plen = pad_right(prompts, pad_id)
     glen = gen_lengths.cpu().long()
     b, n = gen_tokens.shape
     s = int((plen + glen).max())
     tokens = torch.full((b, s), pad_id, dtype=torch.long)
-    longest = int(plen.max())
-    tokens[:, :longest] = torch.tensor([p + [pad_id] * (longest - len(p)) for p in prompts],
-                                       dtype=torch.long)
+    tokens[:, :prompt_tokens.shape[1]] = prompt_tokens
     valid = torch.arange(n).unsqueeze(0) < glen.unsqueeze(1)                # [b, n]
     rows = torch.arange(b).unsqueeze(1).expand(b, n)[valid]
     cols = (plen.unsqueeze(1) + torch.arange(n).unsqueeze(0))[valid]

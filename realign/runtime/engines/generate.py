@@ -18,6 +18,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from realign.data.collate import pad_right
 from realign.errors import UserError
 from realign.runtime.engines.base import gather_dp
 from realign.runtime.engines.decoder import StageDecoder, run_stage
@@ -77,10 +78,8 @@ class GenerateEngine:
     def _decode(self, prompts, p: SamplingParams, first_index: int):
         dev = self.shard.device.device
         b, n = len(prompts), p.max_new_tokens
-        plen = torch.tensor([len(x) for x in prompts], device=dev)
-        longest = int(plen.max())
-        tokens = torch.tensor([x + [self.pad_id] * (longest - len(x)) for x in prompts],
-                              dtype=torch.long, device=dev)
+        tokens, plen = pad_right(prompts, self.pad_id)
+        tokens, plen, longest = tokens.to(dev), plen.to(dev), tokens.shape[1]
         out_tok = torch.full((b, n), self.pad_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros(b, n, device=dev)
         out_len = torch.zeros(b, dtype=torch.long, device=dev)
