@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from planner.algorithms import build_graph
+from planner.cost_config import CostModelConfig
 from planner.errors import PlanError
 from planner.model_spec import model_presets, model_spec_from_hf_config
 from planner.plan import ExecutionPlan
@@ -34,6 +35,20 @@ def resolve_models(cfg: ExperimentConfig, base: Path) -> dict[str, RoleModel]:
     return out
 
 
+def cost_config(cfg: ExperimentConfig) -> CostModelConfig:
+    """``plan.cost`` pricing the optimizer the run uses: ``train.distributed_optimizer``
+    (resolved for ``device``) unless ``plan.cost`` says otherwise, which must agree."""
+    cost = cfg.plan.cost
+    runs = cfg.train.uses_distributed_optimizer(cfg.device)
+    if "distributed_optimizer" in cost.model_fields_set and cost.distributed_optimizer != runs:
+        raise UserError(f"plan.cost.distributed_optimizer is {cost.distributed_optimizer} but "
+                        f"the run's optimizer is {'' if runs else 'not '}distributed "
+                        f"(train.distributed_optimizer, device {cfg.device}); set them alike "
+                        "or leave plan.cost.distributed_optimizer out",
+                        field="plan.cost.distributed_optimizer")
+    return cost.model_copy(update={"distributed_optimizer": runs})
+
+
 def plan_experiment(cfg: ExperimentConfig, base: Path,
                     overrides: dict | None = None) -> ExecutionPlan:
     """Search the execution plan of an experiment (``overrides``: search settings)."""
@@ -46,7 +61,7 @@ def plan_experiment(cfg: ExperimentConfig, base: Path,
     fields = cfg.plan.model_dump(exclude={"cost", "profile", "file", "manual"})
     fields.update({k: v for k, v in (overrides or {}).items() if v is not None})
     settings = SearchSettings(**fields)
-    return search(cfg.name, graph, models, cfg.cluster.spec(), cfg.plan.cost, profile, settings)
+    return search(cfg.name, graph, models, cfg.cluster.spec(), cost_config(cfg), profile, settings)
 
 
 def resolve_plan(cfg: ExperimentConfig, base: Path, models: dict[str, RoleModel]) -> ExecutionPlan:
@@ -66,5 +81,5 @@ def resolve_plan(cfg: ExperimentConfig, base: Path, models: dict[str, RoleModel]
     if cfg.plan.manual:
         allocs = {k: Allocation(mesh=v.mesh, layout=v.layout, micro_batches=v.micro_batches)
                   for k, v in cfg.plan.manual.items()}
-        return manual_plan(cfg.name, graph, models, cluster, allocs, cfg.plan.cost)
+        return manual_plan(cfg.name, graph, models, cluster, allocs, cost_config(cfg))
     return plan_experiment(cfg, base)

@@ -39,10 +39,20 @@ class TrainConfig(BaseModel):
     clip_grad: float = Field(1.0, ge=0, description="Clip the global grad norm to this; "
                              "0 disables clipping.")
     micro_batches: int = Field(1, gt=0, description="Micro-batches per step and DP rank.")
-    distributed_optimizer: bool = Field(True, description="Shard optimizer state over DP.")
+    distributed_optimizer: bool | None = Field(
+        None, description="Shard optimizer state over DP (ZeRO-1: reduce-scatter gradients, "
+        "all-gather new weights). Unset: on for cuda; off for cpu, where memory is rarely "
+        "the limit and one gradient all-reduce is cheaper than gloo's two collectives "
+        "(its reduce-scatter cannot be polled, see polled_wait.py).")
     forward: Literal["auto", "megatron", "plain"] = Field(
         "auto", description="The training forward under megatron's schedule, DDP and "
         "optimizer: 'megatron' runs megatron-core's layers (Transformer-Engine's fused "
         "kernels on CUDA); 'plain' runs the generation decoder's differentiable tensor "
         "forward over the same parameters, with less per-module Python work, which "
         "dominates small models; 'auto' is plain on CPU and megatron on CUDA.")
+
+    def uses_distributed_optimizer(self, device: str) -> bool:
+        """``distributed_optimizer``, its unset default resolved for ``device``."""
+        if self.distributed_optimizer is not None:
+            return self.distributed_optimizer
+        return device != "cpu"

@@ -52,5 +52,24 @@ def _all_reduce(t, op, group) -> None:
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_group,
                    vocab_size: int) -> torch.Tensor:
     """``log softmax(logits)[target]`` for vocabulary-parallel ``logits`` [..., V/tp].
-    Differentiable; float32 result of shape ``targets.shape``."""
+    Differentiable; float32 result of shape ``targets.shape``.
+
+    Without tensor parallelism the whole vocabulary is here, and torch's fused
+    ``log_softmax`` (with its own backward) does the same in fewer kernels: half the
+    time of the parallel version's forward and backward on the tiny CPU models."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return local_token_logprobs(logits, targets, vocab_size)
+    return parallel_token_logprobs(logits, targets, tp_group, vocab_size)
+
+
+def local_token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                         vocab_size: int) -> torch.Tensor:
+    """:func:`token_logprobs` of logits [..., padded V] holding the whole vocabulary."""
+    logp = logits[..., :vocab_size].float().log_softmax(-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def parallel_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_group,
+                            vocab_size: int) -> torch.Tensor:
+    """The vocabulary-parallel computation, whatever the group's size."""
     return _TokenLogProbs.apply(logits, targets, tp_group, vocab_size)

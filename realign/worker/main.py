@@ -7,6 +7,7 @@ traceback before the process exits non-zero.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -14,11 +15,18 @@ from multiprocessing.connection import Client
 
 
 def serve(conn, rank: int, world: int) -> None:
+    from realign.runtime.polled_wait import polled_waits
     from realign.worker.session import Session
     msg = conn.recv()
     assert msg[0] == "setup", msg
     session = Session(msg[1], rank, world)
     conn.send(("ready", rank))
+    # gloo on CPU: poll collectives rather than sleep in them (see polled_wait.py)
+    with polled_waits() if session.dev.kind == "cpu" else contextlib.nullcontext():
+        _commands(conn, session, rank)
+
+
+def _commands(conn, session, rank: int) -> None:
     while True:
         msg = conn.recv()
         if msg[0] == "step":

@@ -98,6 +98,8 @@ def test_shipped_experiments_parse():
     (with_(SMALL, "models.critic", _DELETE), ["models", "critic"]),
     (with_(SMALL, "plan.method", "magic"), ["plan.method", "magic", "anneal"]),
     (with_(SMALL, "algorithm", _DELETE), ["algorithm", "missing"]),
+    (with_(with_(SMALL, "plan.cost", {"distributed_optimizer": False}), "device", "cuda"),
+     ["plan.cost.distributed_optimizer", "train.distributed_optimizer", "cuda"]),
 ])
 def test_bad_yaml_fields_exit_2(tmp_path, capsys, cfg, needles):
     rc = main(["plan", str(write(tmp_path, cfg))])
@@ -165,3 +167,41 @@ def test_planning_never_imports_torch(tmp_path):
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("device,train,cost,priced", [
+    ("cuda", None, None, True), ("cpu", None, None, False),     # unset: by device
+    ("cpu", True, None, True), ("cuda", False, None, False),    # the run's choice
+    ("cpu", False, False, False), ("cuda", None, True, True)])  # stated alike
+def test_the_cost_model_prices_the_optimizer_the_run_uses(device, train, cost, priced):
+    from realign.config.experiment import ExperimentConfig
+    from realign.config.planning import cost_config
+
+    cfg = with_(SMALL, "device", device)
+    if train is not None:
+        cfg["train"] = {"distributed_optimizer": train}
+    if cost is not None:
+        cfg["plan"]["cost"] = {"distributed_optimizer": cost}
+    exp = ExperimentConfig.model_validate(cfg)
+    assert cost_config(exp).distributed_optimizer is priced
+    assert exp.train.uses_distributed_optimizer(device) is priced
+
+
+def test_a_sharded_optimizer_shrinks_the_memory_the_plan_counts():
+    from realign.config.experiment import ExperimentConfig
+    from realign.config.planning import resolve_models, resolve_plan
+
+    alloc = {"mesh": {"first_gpu": 0, "n_gpus": 8}, "layout": {"tp": 4, "pp": 1, "dp": 2}}
+    base = {"name": "g", "models": {"actor": "llama2-7b"}, "device": "cuda",
+            "algorithm": {"name": "grpo", "prompts_per_step": 8, "samples_per_prompt": 2,
+                          "prompt_len": 64, "gen_len": 64, "params": {"kl_coef": 0.0}},
+            "cluster": {"nodes": 1, "gpus_per_node": 8, "device": "a100-80g"},
+            "plan": {"manual": {"actor.generate": alloc, "actor.train": alloc}}}
+    mem = {}
+    for zero1 in (True, False):
+        cfg = ExperimentConfig.model_validate(dict(base, train={"distributed_optimizer": zero1}))
+        plan = resolve_plan(cfg, REPO, resolve_models(cfg, REPO))
+        mem[zero1] = plan.allocation("actor.train").mem_bytes
+    # Adam state + fp32 master weights: 12 bytes per parameter, half of it per DP rank
+    params_per_gpu = 6.7e9 / 4
+    assert mem[False] - mem[True] == pytest.approx(12 * params_per_gpu / 2, rel=0.05)

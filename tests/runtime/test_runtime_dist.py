@@ -173,3 +173,20 @@ def test_bad_input_raises_on_every_rank_before_any_collective(world2, tiny_model
     assert all("'score.weight' is missing" in m for m in msgs)
     # the world is still alive: no rank was left inside a collective
     assert world2.run("cases_model:logits_parity", tiny_models["llama"], 1, 1, 2)[0][0] < TOL
+
+
+def test_collectives_under_polled_waits_give_their_results(world2):
+    """CPU workers poll gloo works instead of sleeping in them (polled_wait.py)."""
+    res = world2.run("cases_polled_wait:collectives_polled")
+    for r, (results, kinds, inside, restored) in enumerate(res):
+        assert inside and restored
+        assert results == {
+            "all_reduce": [3.0] * 3, "all_gather": [[0.0, 0.0], [1.0, 1.0]],
+            "all_gather_into_tensor": [0.0, 0.0, 1.0, 1.0], "broadcast": [1.0, 1.0],
+            "reduce_scatter": [3.0 * (r + 1)], "p2p": [7.0] * 3,
+            "objects": [{"rank": 0}, {"rank": 1}]}
+        # polled kinds report completion by themselves (else polling only adds the
+        # budget); gloo's reduce-scatter does not, so it is left to the blocking wait
+        assert kinds == {"all_reduce": (True, True), "all_gather": (True, True),
+                         "broadcast": (True, True), "barrier": (True, True),
+                         "reduce_scatter": (False, False)}

@@ -204,15 +204,70 @@ def test_hash32_matches_integer_arithmetic():
     assert hash32(torch.tensor(xs)).tolist() == [_hash32_int(x) for x in xs]
 
 
-def test_token_logprobs_and_gradient_match_log_softmax():
-    from realign.runtime.vocab_parallel import token_logprobs
+@pytest.mark.parametrize("which", ["local", "parallel"])
+def test_token_logprobs_and_gradient_match_the_definition(which):
+    from realign.runtime import vocab_parallel as vp
 
     logits = torch.randn(2, 5, 256, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 200, (2, 5))
-    ours = token_logprobs(logits, targets, None, 200)
-    ref = logits[..., :200].log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+    if which == "local":   # what token_logprobs runs without TP
+        ours = vp.token_logprobs(logits, targets, None, 200)
+    else:                  # the TP version, here over a single rank
+        ours = vp.parallel_token_logprobs(logits, targets, None, 200)
+    # log p = z_t - log sum_{v < 200} exp z_v; d/dz_v = [v = t] - p_v (v < 200), 0 past
+    z = logits.detach()[..., :200]
+    ref = z.gather(-1, targets[..., None])[..., 0] - z.exp().sum(-1).log()
     assert torch.allclose(ours.double(), ref, atol=1e-6)
-    w = torch.randn(2, 5)
-    g1, = torch.autograd.grad((ours * w).sum(), logits)
-    g2, = torch.autograd.grad((ref * w).sum(), logits)
-    assert torch.allclose(g1.double(), g2, atol=1e-6)
+    w = torch.randn(2, 5, dtype=torch.float64)
+    g, = torch.autograd.grad((ours * w).sum(), logits)
+    onehot = torch.nn.functional.one_hot(targets, 256).double()
+    p = torch.cat([z.softmax(-1), torch.zeros(2, 5, 56, dtype=torch.float64)], -1)
+    assert torch.allclose(g, (onehot - p) * w[..., None], atol=1e-6)
+
+
+class _FakeWork:
+    """A work whose op type and completion the test controls."""
+
+    def __init__(self, op: str | None, done_after: int | None):
+        self.op, self.done_after, self.polls, self.waited = op, done_after, 0, False
+
+    def _get_op_type(self):
+        from torch._C._distributed_c10d import OpType
+
+        if self.op is None:
+            raise AttributeError("_get_op_type")
+        return int(OpType.__members__[self.op])      # what gloo's works answer
+
+    def is_completed(self):
+        self.polls += 1
+        return self.done_after is not None and self.polls > self.done_after
+
+
+def _blocking_wait(work, *args):
+    work.waited = args or True
+    return "waited"
+
+
+def test_a_pollable_work_is_polled_until_it_completes_then_waited():
+    from realign.runtime.polled_wait import poll_then_wait
+
+    work = _FakeWork("ALLREDUCE", done_after=5)
+    assert poll_then_wait(work, _blocking_wait, 10.0, "timeout-arg") == "waited"
+    assert work.polls == 6 and work.waited == ("timeout-arg",)
+
+
+def test_polling_stops_at_the_budget_and_falls_back_to_the_blocking_wait():
+    from realign.runtime.polled_wait import poll_then_wait
+
+    work = _FakeWork("BROADCAST", done_after=None)     # never completes by itself
+    assert poll_then_wait(work, _blocking_wait, 0.01) == "waited"
+    assert work.polls > 1 and work.waited is True
+
+
+@pytest.mark.parametrize("op", ["_REDUCE_SCATTER_BASE", "SEND", "RECV", "UNKNOWN", None])
+def test_works_that_do_not_report_completion_are_not_polled(op):
+    from realign.runtime.polled_wait import poll_then_wait
+
+    work = _FakeWork(op, done_after=None)   # None: the private op-type API is missing
+    assert poll_then_wait(work, _blocking_wait, 10.0) == "waited"   # at once, no budget
+    assert work.polls == 0 and work.waited is True

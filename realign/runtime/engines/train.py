@@ -50,16 +50,17 @@ class TrainEngine:
 
         self.shard, self.cfg = shard, cfg
         pgs, dev, config = shard.groups.pgs, shard.device, shard.config
+        zero1 = cfg.uses_distributed_optimizer(dev.kind)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.distributed_optimizer)
+            use_distributed_optimizer=zero1)
         self.model = DistributedDataParallel(config, ddp_config, shard.module,
                                              pg_collection=pgs)
         opt_config = OptimizerConfig(
             optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
             clip_grad=cfg.clip_grad, bf16=dev.dtype == torch.bfloat16,
-            params_dtype=dev.dtype, use_distributed_optimizer=cfg.distributed_optimizer)
+            params_dtype=dev.dtype, use_distributed_optimizer=zero1)
         with cuda_tensor_type_names(dev), _world_is_replica(shard.groups.model_group):
             self.optimizer = get_megatron_optimizer(
                 opt_config, [self.model], use_gloo_process_groups=False, pg_collection=pgs)
