@@ -32,7 +32,8 @@ POLLABLE = frozenset({"BROADCAST", "ALLREDUCE", "ALLREDUCE_COALESCED", "ALLGATHE
 
 #: poll this long before blocking: a collective whose peers are ready completes in
 #: ~0.3 ms polled. Short, because a polling vCPU competes with its peers' when the
-#: host is contended (with a 20 ms budget and 30 % steal, steps took twice as long).
+#: host is contended (with a 20 ms budget, a tiny GRPO run at 33 % steal took 0.122 s a
+#: step against 0.055 s for a blocking run at 20 % steal).
 DEFAULT_BUDGET_S = 0.002
 
 
