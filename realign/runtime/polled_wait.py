@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 #: gloo works of these types report completion as soon as the collective is done
-POLLABLE = frozenset({"BROADCAST", "ALLREDUCE", "ALLREDUCE_COALESCED", "ALLGATHER",
-                      "_ALLGATHER_BASE", "ALLGATHER_COALESCED", "BARRIER"})
+#: (the coalesced all-reduce of megatron's gradient sync answers ALLREDUCE)
+POLLABLE = frozenset({"BROADCAST", "ALLREDUCE", "ALLGATHER", "ALLGATHER_COALESCED",
+                      "BARRIER"})
 
 #: poll this long before blocking: a collective whose peers are ready completes in
 #: ~0.3 ms polled. Short, because a polling vCPU competes with its peers' when the

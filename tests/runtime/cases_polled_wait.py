@@ -9,6 +9,14 @@ import torch.distributed as dist
 from realign.runtime.polled_wait import pollable, polled_waits
 
 
+def _coalesced(issue):
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    with _coalescing_manager(dist.group.WORLD, async_ops=True) as cm:
+        issue()
+    return cm.works[0]
+
+
 def collectives_polled(ctx):
     """Every collective the runtime uses gives its usual result under polled waits;
     returns which op types were polled and whether their works completed on their own
@@ -47,7 +55,12 @@ def collectives_polled(ctx):
                 ("broadcast", lambda: dist.broadcast(torch.ones(2), src=0, async_op=True)),
                 ("barrier", lambda: dist.barrier(async_op=True)),
                 ("reduce_scatter", lambda: dist.reduce_scatter_tensor(
-                    torch.empty(1), torch.ones(2), async_op=True))]:
+                    torch.empty(1), torch.ones(2), async_op=True)),
+                # what megatron's gradient sync and parameter all-gather issue
+                ("coalesced_all_reduce", lambda: _coalesced(
+                    lambda: dist.all_reduce(torch.ones(2)))),
+                ("coalesced_all_gather", lambda: _coalesced(
+                    lambda: dist.all_gather_into_tensor(torch.empty(2), torch.ones(1))))]:
             work = start()
             deadline = time.monotonic() + 5.0
             while pollable(work) and not work.is_completed() and time.monotonic() < deadline:

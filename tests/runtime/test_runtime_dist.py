@@ -189,4 +189,6 @@ def test_collectives_under_polled_waits_give_their_results(world2):
         # budget); gloo's reduce-scatter does not, so it is left to the blocking wait
         assert kinds == {"all_reduce": (True, True), "all_gather": (True, True),
                          "broadcast": (True, True), "barrier": (True, True),
-                         "reduce_scatter": (False, False)}
+                         "reduce_scatter": (False, False),
+                         "coalesced_all_reduce": (True, True),
+                         "coalesced_all_gather": (True, True)}
