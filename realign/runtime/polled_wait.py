@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist

@@ -22,6 +22,7 @@ from realign.data.collate import collate_preferences, collate_prompts, collate_s
 from realign.data.datasets import load_dataset
 from realign.data.sampler import PromptSampler
 from realign.data.tokenizer import load_tokenizer, pad_id
+from realign.errors import UserError
 from realign.runtime.device import init_device
 from realign.runtime.hf_checkpoint import read_hf_config, save_hf_checkpoint, spec_from_hf
 from realign.worker.calls import Calls
@@ -41,6 +42,34 @@ def algorithm_config(cfg: ExperimentConfig):
     fields = algo.config.model_fields
     params.update({k: v for k, v in shape.items() if k in fields})
     return algo, algo.config(**params)
+
+
+_RESHARDED = ("it was written by an optimizer sharded differently (train."
+              "distributed_optimizer, or the plan's data-parallel layout)")
+
+
+def check_optimizer_layout(saved: dict, zero1: bool, name: str) -> None:
+    """A checkpoint's optimizer state only fits an optimizer sharded the same way."""
+    was = saved.get("distributed_optimizer")    # absent before it was recorded
+    if was is not None and was != zero1:
+        raise UserError(f"checkpoint {name} was written with the optimizer "
+                        f"{'' if was else 'not '}sharded over data-parallel ranks; this run "
+                        f"{'shards' if zero1 else 'does not shard'} it. Set "
+                        f"train.distributed_optimizer: {str(was).lower()} to resume",
+                        field="train.distributed_optimizer")
+
+
+def check_optimizer_shapes(optimizer, name: str) -> None:
+    """Loaded Adam moments must have their parameters' shapes (torch does not check);
+    catches checkpoints from before the sharding was recorded."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            moment = optimizer.state.get(p, {}).get("exp_avg")
+            if moment is not None and moment.shape != p.shape:
+                raise UserError(f"checkpoint {name}: optimizer state of shape "
+                                f"{tuple(moment.shape)} for a parameter of shape "
+                                f"{tuple(p.shape)}; {_RESHARDED}",
+                                field="train.distributed_optimizer")
 
 
 class Session:
@@ -116,7 +145,8 @@ class Session:
         for key, h in self._trained_here():
             eng = self.calls.train_engines[key]
             state[key] = {"module": h.shard.module.state_dict(),
-                          "optimizer": eng.optimizer.optimizer.state_dict()}
+                          "optimizer": eng.optimizer.optimizer.state_dict(),
+                          "distributed_optimizer": eng.zero1}
         buf = io.BytesIO()
         torch.save(state, buf)
         checkpoint.save_file(buf.getvalue(), Path(folder) / f"rank{self.rank}.pt")
@@ -125,9 +155,15 @@ class Session:
         state = torch.load(folder / f"rank{self.rank}.pt", map_location=self.dev.device,
                            weights_only=False)
         for key, h in self._trained_here():
+            eng = self.calls.train_engines[key]
+            check_optimizer_layout(state[key], eng.zero1, folder.name)
             h.shard.module.load_state_dict(state[key]["module"])
-            self.calls.train_engines[key].optimizer.optimizer.load_state_dict(
-                state[key]["optimizer"])
+            try:
+                eng.optimizer.optimizer.load_state_dict(state[key]["optimizer"])
+            except ValueError as e:     # torch: parameter groups of other sizes
+                raise UserError(f"checkpoint {folder.name}: {e}; {_RESHARDED}",
+                                field="train.distributed_optimizer") from None
+            check_optimizer_shapes(eng.optimizer.optimizer, folder.name)
 
     def save_final(self, folder: str) -> None:
         """The trained actor (or reward model under ``rm``) as a HF checkpoint."""

@@ -122,6 +122,34 @@ def test_partial_checkpoint_is_ignored(tiny_assets, tmp_path):
     assert (rd / "checkpoints" / "step_000004" / "manifest.json").is_file()
 
 
+def test_resuming_with_a_differently_sharded_optimizer_is_refused(tiny_assets, tmp_path):
+    rd = tmp_path / "run"
+
+    def exp(**train):     # (one YAML path per test: each call rewrites it)
+        return experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=4,
+                          run__checkpoint_interval=2, **train)
+
+    assert run(exp(train__distributed_optimizer=True), rd, "--steps", "2").returncode == 0
+    plain = exp()                                     # unset: not sharded on cpu
+    r = run(plain, rd)
+    assert r.returncode == 1
+    assert "train.distributed_optimizer: true to resume" in r.stderr, r.stderr[-3000:]
+    # a checkpoint from before the sharding was recorded: caught by its state's shapes
+    ckpt = rd / "checkpoints" / "step_000002"
+    for f in ckpt.glob("rank*.pt"):
+        state = torch.load(f, weights_only=False)
+        for part in state.values():
+            part.pop("distributed_optimizer")
+        torch.save(state, f)
+    r = run(plain, rd)
+    assert r.returncode == 1
+    assert "sharded differently (train.distributed_optimizer" in r.stderr, r.stderr[-3000:]
+    assert (ckpt / "manifest.json").is_file()      # the checkpoint itself is kept
+    r = run(exp(train__distributed_optimizer=True), rd)   # resumes with the same setting
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["step"] for row in metrics(rd)] == list(range(4))
+
+
 def test_worker_exception_names_the_worker_and_stops_everything(tiny_assets, tmp_path):
     (tiny_assets / "bad_reward.py").write_text(
         "def boom(prompt, response, answer):\n"

@@ -50,7 +50,7 @@ class TrainEngine:
 
         self.shard, self.cfg = shard, cfg
         pgs, dev, config = shard.groups.pgs, shard.device, shard.config
-        zero1 = cfg.uses_distributed_optimizer(dev.kind)
+        self.zero1 = zero1 = cfg.uses_distributed_optimizer(dev.kind)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=zero1)
