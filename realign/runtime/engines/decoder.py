@@ -17,6 +17,10 @@ tensors megatron trains, so reallocation and training need nothing new. Equality
 with megatron's forward (and transformers') is tested at TP1, TP2 and PP2.
 
 Tensors are batch-first: hidden [b, s, h]; cache [b, kv_heads/tp, len, d] per layer.
+The cached forwards attend over a key length rounded up to :data:`KEY_BLOCK` (the
+extra cache positions are masked out): torch's CPU attention kernels take a slow path
+when the key length is not a multiple of the vector width, e.g. 0.33 against 0.15 ms
+for 32 prompts of 8 tokens with 8 or 16 keys.
 """
 from __future__ import annotations
 
@@ -27,6 +31,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from realign.runtime.model import TE_NAMES, ModelShard
+
+#: cached attention spans whole blocks of this many keys (16 fp32 = one AVX-512 vector)
+KEY_BLOCK = 16
+
+
+def key_span(n: int) -> int:
+    """``n`` keys rounded up to whole :data:`KEY_BLOCK` blocks."""
+    return -(-n // KEY_BLOCK) * KEY_BLOCK
 
 
 @dataclass
@@ -123,7 +135,7 @@ class StageDecoder:
         if max_len > w.cos.shape[0]:         # past the checkpoint's max positions
             freqs = m.rotary_pos_emb(max_len)[:, 0, 0, :]
             self.cos, self.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-        shape = (cache_rows, self.n_groups, max_len, self.d)
+        shape = (cache_rows, self.n_groups, key_span(max_len), self.d)
         cached = range(len(self.layers) if cache_rows else 0)
         self.k = [torch.zeros(shape, dtype=dtype, device=dev) for _ in cached]
         self.v = [torch.zeros(shape, dtype=dtype, device=dev) for _ in cached]
@@ -133,19 +145,21 @@ class StageDecoder:
     def prefill(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         b, s = x.shape[:2]
         dev = x.device
-        pos = torch.arange(s, device=dev)
-        causal = pos.unsqueeze(1) >= pos.unsqueeze(0)                     # [s, s]
-        valid = pos.unsqueeze(0) < lengths.unsqueeze(1)                   # [b, s] keys
-        mask = (causal.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)    # [b, 1, s, s]
+        span = key_span(s)
+        pos, keys = torch.arange(s, device=dev), torch.arange(span, device=dev)
+        causal = pos.unsqueeze(1) >= keys.unsqueeze(0)                    # [s, span]
+        valid = keys.unsqueeze(0) < lengths.unsqueeze(1)                  # [b, span]
+        mask = (causal.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)    # [b, 1, s, span]
 
         def attend(i, k, v):
             self.k[i][:, :, :s] = k
             self.v[i][:, :, :s] = v
-            return k, v
+            return self.k[i][:, :, :span], self.v[i][:, :, :span]
         return self._forward(x, pos.unsqueeze(0).expand(b, s), mask, attend, lengths - 1)
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
         """``kv_len``: an upper bound of ``pos + 1`` (the cache prefix attended)."""
+        kv_len = key_span(kv_len)
         keys = torch.arange(kv_len, device=x.device)
         mask = (keys.unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]  # [b, 1, 1, k]
 
