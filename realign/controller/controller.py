@@ -223,16 +223,22 @@ class Controller:
                            "time": time.time()})
 
 
-def merge_metrics(step: int, parts: list[dict], wall_s: float) -> dict:
-    """One row per step: the union of what the ops' lead ranks reported."""
+def merge_metrics(step: int, reports: list[dict], wall_s: float) -> dict:
+    """One row per step from every worker's report: the union of what the ops' lead
+    ranks reported (``metrics``), and the mean of each ``dp_parts`` metric over the
+    workers that reported it (one per data-parallel rank, equal shares of the batch)."""
     row: dict = {"step": step, "step_time_s": wall_s}
     recv = 0.0
-    for p in parts:
-        for k, v in p.items():
+    shares: dict[str, list[float]] = {}
+    for rep in reports:
+        for k, v in rep["metrics"].items():
             if ".recv_bytes.r" in k:
                 recv += v
             else:
                 row[k] = v
+        for k, v in rep["dp_parts"].items():
+            shares.setdefault(k, []).append(v)
+    row.update({k: sum(v) / len(v) for k, v in shares.items()})
     if recv:
         row["realloc_bytes"] = recv
     if "gen_tokens" in row and wall_s > 0:

@@ -22,6 +22,11 @@ from realign.worker.records import Record, merge, sequences_from_generation
 from realign.worker.replicas import Hosted
 
 
+#: train metrics that are the same on every rank of the replica (the rest are the
+#: loss function's, per DP rank)
+GLOBAL_TRAIN_METRICS = ("grad_norm", "update_ok")
+
+
 class Calls:
     def __init__(self, *, specs, heads, shape, algorithm, algo_cfg, train_cfg: TrainConfig,
                  sampling, tokenizer, pad_id: int, eos_id: int | None, reward_fn, seed: int):
@@ -33,8 +38,14 @@ class Calls:
 
     # ---- dispatch ------------------------------------------------------------------
     def call(self, op: Call, h: Hosted, store: dict[str, Record], step: int):
-        fn = {"generate": self.generate, "inference": self.inference, "train": self.train}
-        return fn[op.kind](op, h, store, step)
+        """``(records, metrics, dp_parts)``: the records the call made, its metrics
+        (reported by the op's first rank) and this rank's share of the metrics the
+        controller averages over data-parallel ranks (empty but from one rank per DP
+        rank)."""
+        if op.kind == "train":
+            return self.train(op, h, store, step)
+        fn = {"generate": self.generate, "inference": self.inference}[op.kind]
+        return *fn(op, h, store, step), {}
 
     # ---- generate ------------------------------------------------------------------
     def generate(self, op: Call, h: Hosted, store, step):
@@ -107,14 +118,21 @@ class Calls:
                 sl = slice(m * size, (m + 1) * size)
                 sub = {k: (v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0
                            and v.shape[0] == rows else v) for k, v in batch.items()}
-                res = engine.train_step(sub, loss_fn)
+                # the loss metrics are averaged over DP by the controller (no
+                # collective): each DP rank's last stage reports its own
+                res = engine.train_step(sub, loss_fn, dp_mean=False)
                 for k, v in res.items():
                     totals[k] = totals.get(k, 0.0) + float(v)
                 n += 1
-        metrics = {f"{op.role}.{k}": v / n for k, v in totals.items()}
-        if op.role in ("actor", "reward"):
-            metrics.update({k: v / n for k, v in totals.items() if k in ("loss", "kl")})
-        return {}, metrics
+        means = {k: v / n for k, v in totals.items()}
+        shared = {k: means.pop(k) for k in GLOBAL_TRAIN_METRICS if k in means}
+        g = h.shard.groups
+        parts = {}
+        if g.is_last_stage and g.tp_rank == 0:
+            parts = {f"{op.role}.{k}": v for k, v in means.items()}
+            if op.role in ("actor", "reward"):
+                parts.update({k: v for k, v in means.items() if k in ("loss", "kl")})
+        return {}, {f"{op.role}.{k}": v for k, v in shared.items()}, parts
 
     def train_engine(self, op: Call, h: Hosted) -> TrainEngine:
         if op.replica not in self.train_engines:

@@ -8,7 +8,9 @@ What an op does on a member rank:
 * ``Call``: generate / inference / train on the replica, reading and writing records;
 * ``RuleReward``: score generated text with the reward function;
 * ``Release``: free a reallocated copy's storage after its last use.
-The first rank of each op reports its wall time and metrics to the controller.
+The first rank of each op reports its wall time and metrics to the controller; metrics
+that differ between data-parallel ranks (a train call's loss) come from every DP rank
+as ``dp_parts`` and the controller averages them (no collective in the step for it).
 """
 from __future__ import annotations
 
@@ -32,9 +34,12 @@ class StepRunner:
         self.program, self.hosted, self.calls = program, hosted, calls
         self.rank, self.device, self.dtype, self.gpn = rank, device, dtype, gpus_per_node
 
-    def run(self, step: int, dataset: dict[str, Record]) -> dict[str, float]:
+    def run(self, step: int, dataset: dict[str, Record]) -> dict[str, dict[str, float]]:
+        """``{"metrics": ..., "dp_parts": ...}``: this rank's report of the step (see
+        :func:`realign.controller.controller.merge_metrics`)."""
         store: dict[str, Record] = dict(dataset)
         metrics: dict[str, float] = {}
+        dp_parts: dict[str, float] = {}
         me = self.rank
         for op in self.program.ops:
             if me not in op.ranks:
@@ -49,8 +54,9 @@ class StepRunner:
             elif isinstance(op, Send):
                 self._send(op, store)
             elif isinstance(op, Call):
-                out, m = self.calls.call(op, self.hosted[op.replica], store, step)
+                out, m, parts = self.calls.call(op, self.hosted[op.replica], store, step)
                 store.update(out)
+                dp_parts.update(parts)
                 if lead:
                     metrics[f"time.{op.mfc}"] = time.perf_counter() - t0
                     metrics.update(m)
@@ -62,7 +68,7 @@ class StepRunner:
             elif isinstance(op, Release):
                 h = self.hosted[op.replica]
                 h.released = release_copy(h.shard)
-        return metrics
+        return {"metrics": metrics, "dp_parts": dp_parts}
 
     def _realloc(self, op: Realloc):
         src, dst = self.hosted[op.src], self.hosted[op.dst]

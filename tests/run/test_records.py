@@ -21,3 +21,20 @@ def test_sequences_join_each_prompt_with_its_own_continuation():
     # position t scores token t+1: a response token at position p is scored at p-1
     assert torch.allclose(logprobs["logprobs"], torch.tensor([
         [0.0, 0.0, -0.1, -0.2], [-0.3, -0.4, -0.5, 0.0], [0.0, -0.6, 0.0, 0.0]]))
+
+
+def test_step_row_averages_the_data_parallel_shares_and_keeps_the_rest():
+    from realign.controller.controller import merge_metrics
+    reports = [
+        {"metrics": {"time.actor.train": 0.5, "actor.grad_norm": 2.0, "gen_tokens": 40.0,
+                     "realloc.actor.recv_bytes.r0": 10.0},
+         "dp_parts": {"loss": 1.0, "actor.loss": 1.0}},
+        {"metrics": {"realloc.actor.recv_bytes.r1": 6.0},
+         "dp_parts": {"loss": 3.0, "actor.loss": 3.0}},
+        {"metrics": {}, "dp_parts": {}},       # a rank that reports no share (not last stage)
+    ]
+    row = merge_metrics(7, reports, wall_s=2.0)
+    assert row["step"] == 7 and row["step_time_s"] == 2.0
+    assert row["loss"] == row["actor.loss"] == 2.0      # over the two reporting ranks
+    assert row["actor.grad_norm"] == 2.0 and row["time.actor.train"] == 0.5
+    assert row["realloc_bytes"] == 16.0 and row["tokens_per_s"] == 20.0

@@ -42,10 +42,21 @@ def train(ctx, path, head, tp, pp, dp, micro, steps, distributed_optimizer=True,
                                             micro_batches=micro,
                                             distributed_optimizer=distributed_optimizer,
                                             forward=forward))
+    assert engine.optimizer.optimizer.param_groups[0]["fused"], "CPU Adam runs fused"
     loss = sft_loss if head == "lm" else value_loss
     history = [engine.train_step(batch, loss) for _ in range(steps)]
     out = InferenceEngine(shard).inference(batch)
     return history, out["logprobs" if head == "lm" else "values"]
+
+
+def train_local_metrics(ctx, path, tp, pp, dp):
+    """One step with ``dp_mean=False``: (this rank's metrics, last stage?, dp rank)."""
+    shard = replica(ctx, path, "lm", tp, pp, dp, fresh=True)
+    batch = sample_batch(n=8, s=10)
+    engine = TrainEngine(shard, TrainConfig(lr=LR, clip_grad=CLIP, adam_eps=EPS))
+    metrics = engine.train_step(batch, sft_loss, dp_mean=False)
+    g = shard.groups
+    return metrics, g.is_last_stage, g.dp_rank
 
 
 def reference(ctx, path, head, chunks, steps):

@@ -139,6 +139,24 @@ def test_train_step_matches_pytorch_reference(world2, tiny_models, model, head, 
         assert float((out - ref_out).abs().max()) < 2e-3
 
 
+@pytest.mark.parametrize("tp,pp,dp", [(1, 1, 2), (1, 2, 1)])
+def test_unreduced_train_metrics_are_each_dp_ranks_own(world2, tiny_models, tp, pp, dp):
+    """``dp_mean=False``: each DP rank's last stage returns its own loss (their mean is
+    the reduced loss, i.e. the reference's); other stages only the global metrics."""
+    path = tiny_models["llama"]
+    ref_hist, _ = world2.run("cases_train:reference", path, "lm", dp, 1)[0]
+    got = world2.run("cases_train:train_local_metrics", path, tp, pp, dp)
+    last = [m for m, is_last, _ in got if is_last]
+    assert len(last) == dp
+    assert sum(m["loss"] for m in last) / dp == pytest.approx(ref_hist[0]["loss"], rel=1e-5)
+    if dp > 1:
+        assert last[0]["loss"] != pytest.approx(last[1]["loss"], rel=1e-3)
+    for m, is_last, _ in got:
+        assert m["grad_norm"] == pytest.approx(ref_hist[0]["grad_norm"], rel=1e-5)
+        if not is_last:
+            assert set(m) == {"grad_norm", "update_ok"}
+
+
 @pytest.mark.parametrize("src,tp,pp", [("llama", 2, 1), ("llama_tied", 1, 2), ("qwen2", 1, 2)])
 def test_save_in_hf_format_round_trips(world2, tiny_models, tmp_path, src, tp, pp):
     diff, files = world2.run("cases_model:save_roundtrip", tiny_models[src],

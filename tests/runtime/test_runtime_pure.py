@@ -271,3 +271,22 @@ def test_works_that_do_not_report_completion_are_not_polled(op):
     work = _FakeWork(op, done_after=None)   # None: the private op-type API is missing
     assert poll_then_wait(work, _blocking_wait, 10.0) == "waited"   # at once, no budget
     assert work.polls == 0 and work.waited is True
+
+
+def test_torchs_adam_is_switched_to_its_fused_kernel_before_any_state():
+    from realign.runtime.engines.train import use_fused_adam
+    params = [torch.nn.Parameter(torch.ones(3))]
+    opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.0)
+    assert use_fused_adam(opt)
+    assert opt.param_groups[0]["fused"] and not opt.param_groups[0]["foreach"]
+    params[0].grad = torch.ones(3)
+    opt.step()                                   # the fused kernel runs on CPU
+    assert float(params[0][0]) == pytest.approx(0.9)
+    assert not use_fused_adam(opt)               # state exists now: left alone
+    assert not use_fused_adam(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
+
+
+def test_cached_attention_spans_whole_key_blocks():
+    from realign.runtime.engines.decoder import KEY_BLOCK, key_span
+    assert [key_span(n) for n in (1, KEY_BLOCK, KEY_BLOCK + 1)] == [
+        KEY_BLOCK, KEY_BLOCK, 2 * KEY_BLOCK]

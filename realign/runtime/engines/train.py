@@ -64,15 +64,24 @@ class TrainEngine:
         with cuda_tensor_type_names(dev), _world_is_replica(shard.groups.model_group):
             self.optimizer = get_megatron_optimizer(
                 opt_config, [self.model], use_gloo_process_groups=False, pg_collection=pgs)
+        if dev.kind == "cpu":
+            use_fused_adam(self.optimizer.optimizer)
         config.no_sync_func = self.model.no_sync
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
         self.plain = cfg.forward == "plain" or (cfg.forward == "auto"
                                                 and dev.kind == "cpu")
 
-    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, batch: Batch, loss_fn: LossFn, dp_mean: bool = True
+                   ) -> dict[str, float]:
         """One optimiser step over the batch; returns ``loss``, ``grad_norm``,
-        ``update_ok`` and the loss function's metrics (means over micro-batches and DP)."""
+        ``update_ok`` and the loss function's metrics (means over micro-batches and DP).
+
+        ``dp_mean=False`` skips the collectives that average the loss metrics: they are
+        then this DP rank's means, returned on the last pipeline stage only (other
+        stages get ``grad_norm`` and ``update_ok``, which are global), for a caller
+        that averages them over DP itself (the controller does, from each DP rank's
+        report)."""
         shard = self.shard
         check_batch(batch, shard, self.cfg.micro_batches)
         micro = split(local_batch(batch, shard), self.cfg.micro_batches)
@@ -100,7 +109,7 @@ class TrainEngine:
                                collect_non_loss_data=False)
         with cuda_tensor_type_names(self.shard.device):
             update_ok, grad_norm, _ = self.optimizer.step()
-        metrics = self._reduce_metrics(reduced)
+        metrics = self._reduce_metrics(reduced) if dp_mean else _local_means(reduced)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_ok"] = float(bool(update_ok))
         return metrics
@@ -141,6 +150,33 @@ class TrainEngine:
             dist.all_reduce(vals, group=g.pgs.dp)
             vals /= g.layout.dp
         return {k: float(v) for k, v in zip(keys, vals)}
+
+
+def _local_means(reduced: list[dict]) -> dict[str, float]:
+    """Each loss metric's mean over this rank's micro-batches (empty off the last
+    stage, where the schedule returns nothing)."""
+    if not reduced:
+        return {}
+    keys = sorted(reduced[0])
+    vals = torch.stack([torch.stack([r[k].float() for r in reduced]) for k in keys])
+    return dict(zip(keys, vals.mean(dim=1).tolist()))
+
+
+def use_fused_adam(optimizer) -> bool:
+    """Switch torch's Adam/AdamW to its fused kernel (one call for every parameter)
+    before its first step; returns whether it did.
+
+    Without TE or apex, megatron builds torch's ``AdamW`` with the default
+    per-tensor loop, and has no setting for torch's ``fused`` flag. On CPU the fused
+    kernel is ~3x faster for a small model (0.26 against 0.88 ms a step for 21
+    tensors), whose step is dominated by per-operation overhead. Only torch's own
+    classes are switched (TE's and apex's are fused already), and only while no state
+    exists: the flag decides the dtype and device of the step counters torch creates."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or optimizer.state:
+        return False
+    for group in optimizer.param_groups:
+        group["foreach"], group["fused"] = False, True
+    return True
 
 
 @contextlib.contextmanager
