@@ -139,6 +139,13 @@ def test_train_step_matches_pytorch_reference(world2, tiny_models, model, head, 
         assert float((out - ref_out).abs().max()) < 2e-3
 
 
+@pytest.mark.parametrize("forward", ["plain", "megatron"])
+def test_generation_outputs_feed_training(world2, tiny_models, forward):
+    for ordinary, update_ok in world2.run("cases_generate:outputs_feed_training",
+                                          tiny_models["llama"], 1, 1, 2, forward):
+        assert ordinary and update_ok == 1.0
+
+
 @pytest.mark.parametrize("tp,pp,dp", [(1, 1, 2), (1, 2, 1)])
 def test_unreduced_train_metrics_are_each_dp_ranks_own(world2, tiny_models, tp, pp, dp):
     """``dp_mean=False``: each DP rank's last stage returns its own loss (their mean is
