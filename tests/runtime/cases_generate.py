@@ -58,25 +58,27 @@ def logprobs_match_inference(ctx, path, tp, pp, dp):
 
 
 def outputs_feed_training(ctx, path, tp, pp, dp, forward):
-    """Generation runs in inference mode; what it returns (and the RoPE tables the
-    decoder and megatron cache meanwhile) must still serve autograd: train on the
-    generated sequences with a loss weighted by the generated log-probs."""
+    """Generation and scoring run in inference mode; what they return (and the RoPE
+    tables the decoder and megatron cache meanwhile) must still serve autograd: train
+    on the generated sequences with a loss weighted by their scored log-probs."""
     from realign.runtime.engines.train import TrainConfig, TrainEngine
 
     shard = replica(ctx, path, "lm", tp, pp, dp, fresh=True)
     gen = GenerateEngine(shard).generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=1))
-    ordinary = not any(t.is_inference() for t in (gen.tokens, gen.logprobs, gen.lengths))
     seqs = [p + gen.tokens[i, :gen.lengths[i]].tolist() for i, p in enumerate(PROMPTS)]
     s = max(map(len, seqs))
     tokens = torch.zeros(len(seqs), s, dtype=torch.long)
     for i, x in enumerate(seqs):
         tokens[i, :len(x)] = torch.tensor(x)
-    weight = gen.logprobs.sum(1).neg()          # per-row weights from the generation
+    lengths = torch.tensor([len(x) for x in seqs])
+    scored = InferenceEngine(shard).inference({"tokens": tokens, "lengths": lengths})
+    made = (gen.tokens, gen.logprobs, gen.lengths, scored["logprobs"])
+    ordinary = not any(t.is_inference() for t in made)
+    weight = scored["logprobs"].sum(1).neg()    # per-row weights from the scoring
 
     def loss(outputs, mb):
         return -(outputs.sum(1) * mb["weight"]).mean(), {}
 
     engine = TrainEngine(shard, TrainConfig(lr=1e-3, forward=forward))
-    m = engine.train_step({"tokens": tokens, "lengths": torch.tensor([len(x) for x in seqs]),
-                           "weight": weight}, loss)
+    m = engine.train_step({"tokens": tokens, "lengths": lengths, "weight": weight}, loss)
     return ordinary, m["update_ok"]

@@ -140,7 +140,7 @@ def test_train_step_matches_pytorch_reference(world2, tiny_models, model, head, 
 
 
 @pytest.mark.parametrize("forward", ["plain", "megatron"])
-def test_generation_outputs_feed_training(world2, tiny_models, forward):
+def test_generation_and_scoring_outputs_feed_training(world2, tiny_models, forward):
     for ordinary, update_ok in world2.run("cases_generate:outputs_feed_training",
                                           tiny_models["llama"], 1, 1, 2, forward):
         assert ordinary and update_ok == 1.0

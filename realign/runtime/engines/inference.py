@@ -75,8 +75,10 @@ class InferenceEngine:
         check_batch(batch, shard, self.micro_batches)
         micro = split(local_batch(batch, shard), self.micro_batches)
         results = []
-        with torch.no_grad():
-            dec = StageDecoder(shard, max_len=batch["tokens"].shape[1])
+        dec = StageDecoder(shard, max_len=batch["tokens"].shape[1])
+        # inference mode (cheaper small ops than no_grad); what leaves it is made
+        # outside by the concatenation below, an ordinary tensor
+        with torch.inference_mode():
             for mb in micro:        # stages pass micro-batches on as they finish them
                 out = run_stage(shard, dec.score, mb["tokens"])
                 if out is not None:
