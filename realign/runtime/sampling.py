@@ -19,7 +19,8 @@ _M32 = 0xFFFFFFFF
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, top-k and top-p applied to float logits [b, V]; removed tokens get
     ``-inf``."""
-    logits = logits / p.temperature
+    if p.temperature != 1.0:
+        logits = logits / p.temperature
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = logits.topk(p.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

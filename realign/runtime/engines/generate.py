@@ -120,13 +120,14 @@ class GenerateEngine:
             logits = logits.float()[:, : shard.spec.vocab_size]
             choice = choose_tokens(logits, p, seq_ids, t, noise.at(t))
             logp = logits.log_softmax(-1).gather(1, choice.unsqueeze(1)).squeeze(1)
+            if g.layout.pp == 1:
+                return choice, logp
             packed = torch.stack([choice.double(), logp.double()])
-        if g.layout.pp > 1:
-            if packed is None:
-                packed = torch.empty(2, seq_ids.shape[0], dtype=torch.float64,
-                                     device=shard.device.device)
-            dist.broadcast(packed, src=g.world_rank(g.tp_rank, g.dp_rank, g.layout.pp - 1),
-                           group=g.pgs.pp)
+        if packed is None:
+            packed = torch.empty(2, seq_ids.shape[0], dtype=torch.float64,
+                                 device=shard.device.device)
+        dist.broadcast(packed, src=g.world_rank(g.tp_rank, g.dp_rank, g.layout.pp - 1),
+                       group=g.pgs.pp)
         return packed[0].long(), packed[1].float()
 
 
