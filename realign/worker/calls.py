@@ -39,9 +39,9 @@ class Calls:
     # ---- dispatch ------------------------------------------------------------------
     def call(self, op: Call, h: Hosted, store: dict[str, Record], step: int):
         """``(records, metrics, dp_parts)``: the records the call made, its metrics
-        (reported by the op's first rank) and this rank's share of the metrics the
-        controller averages over data-parallel ranks (empty but from one rank per DP
-        rank)."""
+        (the op's first rank reports them) and this rank's share of the metrics the
+        controller averages over data-parallel ranks (a train call's loss metrics, from
+        one rank of each DP rank's last stage; empty elsewhere)."""
         if op.kind == "train":
             return self.train(op, h, store, step)
         fn = {"generate": self.generate, "inference": self.inference}[op.kind]
