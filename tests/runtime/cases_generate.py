@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from cases_model import replica
+from realign.data.collate import pad_right
 from realign.runtime.engines.generate import GenerateEngine
 from realign.runtime.engines.inference import InferenceEngine
 from realign.runtime.sampling import SamplingParams
@@ -36,6 +37,12 @@ def hf_greedy(ctx, path, n, prompts=PROMPTS):
     return out
 
 
+def joined(prompts, gen):
+    """Each prompt followed by its generated tokens, right-padded: (tokens, lengths)."""
+    return pad_right([p + gen.tokens[i, :gen.lengths[i]].tolist()
+                      for i, p in enumerate(prompts)], pad_id=0)
+
+
 def logprobs_match_inference(ctx, path, tp, pp, dp):
     """Generated tokens' log-probs equal ``inference`` on prompt + generation."""
     shard = replica(ctx, path, "lm", tp, pp, dp)
@@ -43,12 +50,7 @@ def logprobs_match_inference(ctx, path, tp, pp, dp):
         return None
     gen = GenerateEngine(shard).generate(PROMPTS, SamplingParams(max_new_tokens=5, seed=3,
                                                                  top_k=50, temperature=0.9))
-    seqs = [p + gen.tokens[i, :gen.lengths[i]].tolist() for i, p in enumerate(PROMPTS)]
-    s = max(map(len, seqs))
-    tokens = torch.zeros(len(seqs), s, dtype=torch.long)
-    for i, x in enumerate(seqs):
-        tokens[i, :len(x)] = torch.tensor(x)
-    lengths = torch.tensor([len(x) for x in seqs])
+    tokens, lengths = joined(PROMPTS, gen)
     lp = InferenceEngine(shard).inference({"tokens": tokens, "lengths": lengths})["logprobs"]
     diff = 0.0
     for i, p in enumerate(PROMPTS):
@@ -65,12 +67,7 @@ def outputs_feed_training(ctx, path, tp, pp, dp, forward):
 
     shard = replica(ctx, path, "lm", tp, pp, dp, fresh=True)
     gen = GenerateEngine(shard).generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=1))
-    seqs = [p + gen.tokens[i, :gen.lengths[i]].tolist() for i, p in enumerate(PROMPTS)]
-    s = max(map(len, seqs))
-    tokens = torch.zeros(len(seqs), s, dtype=torch.long)
-    for i, x in enumerate(seqs):
-        tokens[i, :len(x)] = torch.tensor(x)
-    lengths = torch.tensor([len(x) for x in seqs])
+    tokens, lengths = joined(PROMPTS, gen)
     scored = InferenceEngine(shard).inference({"tokens": tokens, "lengths": lengths})
     made = (gen.tokens, gen.logprobs, gen.lengths, scored["logprobs"])
     ordinary = not any(t.is_inference() for t in made)
