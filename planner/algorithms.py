@@ -1,47 +1,35 @@
-"""One dataflow-graph builder per algorithm, from the batch shape.
+"""The torch-free half of every algorithm: the data it trains on, the model roles it
+needs and the dataflow graph of one iteration, built from the batch shape. The other
+half (hyper-parameters, the ``prepare`` step, the losses) is
+``realign/algorithms/<name>.py``, linked to this one by name
+(``realign.algorithms.registry``), so the planner reads its part without torch.
 
 PPO / GRPO / ReMax / REINFORCE++ / RLOO generate with the actor and score with the
 reference and the reward; DPO scores preference pairs with the reference; SFT and
 reward modelling are a single training call. The reward is a model call when a
-``reward`` model is configured, else a rule function on the controller (no MFC).
-The reference is optional for the RL algorithms (:data:`OPTIONAL_ROLES`): without a
-``ref`` model the graph has no reference call, which is right only when the KL
-coefficient is 0 (realign's run checks that against the hyper-parameters).
+``reward`` model is configured, else a rule function on the generated text
+(:class:`~planner.graph.RuleReward`, part of the graph). The reference is optional for
+the RL algorithms: without a ``ref`` model the graph has no reference call, which is
+right only when the KL coefficient is 0 (realign's run checks that against the
+hyper-parameters).
 """
 from __future__ import annotations
 
-from typing import Callable, Literal
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.errors import PlanError
-from planner.graph import MFC, DataflowGraph
+from planner.graph import MFC, DataflowGraph, RuleReward
 
 Algorithm = Literal["ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft", "rm"]
+DataKind = Literal["prompts", "preferences", "sft"]
 
-#: Roles each algorithm needs.
-REQUIRED_ROLES: dict[str, tuple[str, ...]] = {
-    "ppo": ("actor", "critic", "reward"),
-    "grpo": ("actor",),
-    "remax": ("actor",),
-    "reinforce_pp": ("actor",),
-    "rloo": ("actor",),
-    "dpo": ("actor", "ref"),
-    "sft": ("actor",),
-    "rm": ("reward",),
-}
-
-#: Roles an algorithm uses when configured and does without otherwise.
-OPTIONAL_ROLES: dict[str, tuple[str, ...]] = {
-    "ppo": ("ref",),
-    "grpo": ("ref", "reward"),
-    "remax": ("ref", "reward"),
-    "reinforce_pp": ("ref", "reward"),
-    "rloo": ("ref", "reward"),
-    "dpo": (),
-    "sft": (),
-    "rm": (),
-}
+#: The graph key each kind of dataset fills (the graph's one dataset key).
+DATASET_KEYS: Mapping[str, str] = MappingProxyType(
+    {"prompts": "prompts", "preferences": "pairs", "sft": "examples"})
 
 
 class BatchShape(BaseModel):
@@ -50,27 +38,33 @@ class BatchShape(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     prompts_per_step: int = Field(512, gt=0, description="Prompts (or pairs, or examples) per step.")
-    samples_per_prompt: int = Field(1, gt=0, description="Responses sampled per prompt (GRPO/RLOO group size).")
+    samples_per_prompt: int = Field(1, gt=0, description="Responses sampled per prompt "
+                                    "(GRPO/RLOO group size).")
     prompt_len: int = Field(128, gt=0, description="Prompt tokens per sequence (padded bound).")
     gen_len: int = Field(256, gt=0, description="Generated / response tokens per sequence.")
     ppo_minibatches: int = Field(4, gt=0, description="Optimizer steps per epoch over the batch.")
     ppo_epochs: int = Field(1, gt=0, description="Epochs over each batch.")
 
 
-def _rollout(shape: BatchShape, n: int, with_reward_model: bool, with_ref: bool) -> list[MFC]:
-    """actor.generate, then the reward (if a model) and the reference (if one) scoring."""
+def _rollout(shape: BatchShape, n: int, with_reward_model: bool, with_ref: bool
+             ) -> tuple[list[MFC], list[RuleReward]]:
+    """actor.generate, then the reward (a model call, or a rule on the text) and the
+    reference (if one) scoring."""
     p, g = shape.prompt_len, shape.gen_len
     calls = [MFC(name="actor.generate", role="actor", kind="generate", n_seqs=n,
                  prompt_len=p, gen_len=g, input_keys=("prompts",),
                  output_keys=("seqs", "logprobs"))]
+    rules = []
     if with_reward_model:
         calls.append(MFC(name="reward.inference", role="reward", kind="inference", n_seqs=n,
                          prompt_len=p, gen_len=g, input_keys=("seqs",), output_keys=("rewards",)))
+    else:
+        rules.append(RuleReward(seqs_key="seqs", out_key="rewards"))
     if with_ref:
         calls.append(MFC(name="ref.inference", role="ref", kind="inference", n_seqs=n,
                          prompt_len=p, gen_len=g, input_keys=("seqs",),
                          output_keys=("ref_logprobs",)))
-    return calls
+    return calls, rules
 
 
 def _actor_train(shape: BatchShape, n: int, inputs: tuple[str, ...], group_size: int = 1) -> MFC:
@@ -80,53 +74,51 @@ def _actor_train(shape: BatchShape, n: int, inputs: tuple[str, ...], group_size:
                n_epochs=shape.ppo_epochs, group_size=group_size)
 
 
-def ppo(shape: BatchShape, with_reward_model: bool = True, with_ref: bool = True) -> list[MFC]:
+Built = tuple[list[MFC], list[RuleReward]]
+
+
+def ppo(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
     n = shape.prompts_per_step * shape.samples_per_prompt
     p, g = shape.prompt_len, shape.gen_len
-    calls = _rollout(shape, n, with_reward_model, with_ref)
+    calls, rules = _rollout(shape, n, with_reward_model, with_ref)
     calls.append(MFC(name="critic.inference", role="critic", kind="inference", n_seqs=n,
                      prompt_len=p, gen_len=g, input_keys=("seqs",), output_keys=("values",)))
-    ins = (("seqs", "logprobs") + (("ref_logprobs",) if with_ref else ()) + ("values",)
-           + (("rewards",) if with_reward_model else ()))
+    ins = ("seqs", "logprobs") + (("ref_logprobs",) if with_ref else ()) + ("values", "rewards")
     calls.append(_actor_train(shape, n, ins))
     calls.append(MFC(name="critic.train", role="critic", kind="train", n_seqs=n, prompt_len=p,
                      gen_len=g, input_keys=ins, output_keys=("critic_stats",),
                      n_minibatches=shape.ppo_minibatches, n_epochs=shape.ppo_epochs))
-    return calls
+    return calls, rules
 
 
-def _critic_free(shape: BatchShape, with_reward_model: bool, with_ref: bool = True
-                 ) -> list[MFC]:
+def critic_free(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
     """GRPO, REINFORCE++ and RLOO share one graph; they differ in the advantage."""
     n = shape.prompts_per_step * shape.samples_per_prompt
-    calls = _rollout(shape, n, with_reward_model, with_ref)
-    ins = (("seqs", "logprobs") + (("ref_logprobs",) if with_ref else ())
-           + (("rewards",) if with_reward_model else ()))
-    return calls + [_actor_train(shape, n, ins)]
+    calls, rules = _rollout(shape, n, with_reward_model, with_ref)
+    ins = ("seqs", "logprobs") + (("ref_logprobs",) if with_ref else ()) + ("rewards",)
+    return calls + [_actor_train(shape, n, ins)], rules
 
 
-def remax(shape: BatchShape, with_reward_model: bool = True, with_ref: bool = True
-          ) -> list[MFC]:
+def remax(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
     """ReMax: a sampled and a greedy rollout; the greedy reward is the baseline."""
     n = shape.prompts_per_step * shape.samples_per_prompt
     p, g = shape.prompt_len, shape.gen_len
-    calls = _rollout(shape, n, with_reward_model, with_ref)
+    calls, rules = _rollout(shape, n, with_reward_model, with_ref)
     calls.insert(1, MFC(name="actor.greedy_generate", role="actor", kind="generate",
                         n_seqs=shape.prompts_per_step, prompt_len=p, gen_len=g,
-                        input_keys=("prompts",), output_keys=("greedy_seqs",)))
-    ins = ("seqs", "logprobs") + (("ref_logprobs",) if with_ref else ())
+                        input_keys=("prompts",), output_keys=("greedy_seqs",), greedy=True))
     if with_reward_model:
         calls.insert(3, MFC(name="reward.greedy_inference", role="reward", kind="inference",
                             n_seqs=shape.prompts_per_step, prompt_len=p, gen_len=g,
                             input_keys=("greedy_seqs",), output_keys=("greedy_rewards",)))
-        ins += ("rewards", "greedy_rewards")
     else:
-        ins += ("greedy_seqs",)
-    return calls + [_actor_train(shape, n, ins)]
+        rules.append(RuleReward(seqs_key="greedy_seqs", out_key="greedy_rewards"))
+    ins = (("seqs", "logprobs") + (("ref_logprobs",) if with_ref else ())
+           + ("rewards", "greedy_rewards"))
+    return calls + [_actor_train(shape, n, ins)], rules
 
 
-def dpo(shape: BatchShape, with_reward_model: bool = False, with_ref: bool = True
-        ) -> list[MFC]:
+def dpo(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
     """DPO: the reference scores chosen and rejected responses, the actor trains."""
     n = 2 * shape.prompts_per_step
     p, g = shape.prompt_len, shape.gen_len
@@ -134,51 +126,93 @@ def dpo(shape: BatchShape, with_reward_model: bool = False, with_ref: bool = Tru
         MFC(name="ref.inference", role="ref", kind="inference", n_seqs=n, prompt_len=p,
             gen_len=g, input_keys=("pairs",), output_keys=("ref_logprobs",)),
         _actor_train(shape, n, ("pairs", "ref_logprobs"), group_size=2),   # whole pairs
-    ]
+    ], []
 
 
-def sft(shape: BatchShape, with_reward_model: bool = False, with_ref: bool = False
-        ) -> list[MFC]:
-    return [_actor_train(shape, shape.prompts_per_step, ("examples",))]
+def sft(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
+    return [_actor_train(shape, shape.prompts_per_step, ("examples",))], []
 
 
-def rm(shape: BatchShape, with_reward_model: bool = True, with_ref: bool = False
-       ) -> list[MFC]:
+def rm(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
     """Reward modelling: pairwise Bradley-Terry on chosen/rejected responses."""
     return [MFC(name="reward.train", role="reward", kind="train",
                 n_seqs=2 * shape.prompts_per_step, prompt_len=shape.prompt_len,
                 gen_len=shape.gen_len, input_keys=("pairs",), output_keys=("reward_stats",),
                 n_minibatches=shape.ppo_minibatches, n_epochs=shape.ppo_epochs,
-                group_size=2)]
+                group_size=2)], []
 
 
-BUILDERS: dict[str, Callable[..., list[MFC]]] = {
-    "ppo": ppo,
-    "grpo": _critic_free,
-    "reinforce_pp": _critic_free,
-    "rloo": _critic_free,
-    "remax": remax,
-    "dpo": dpo,
-    "sft": sft,
-    "rm": rm,
-}
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """What the planner (and the run's checks) know of one algorithm."""
+
+    name: str
+    data_kind: DataKind                      #: what each line of its training data holds
+    required_roles: tuple[str, ...]          #: model roles it cannot do without
+    optional_roles: tuple[str, ...]          #: roles it uses when configured
+    builder: Callable[[BatchShape, bool, bool], Built]   #: (shape, with RM, with ref)
+
+    @property
+    def dataset_key(self) -> str:
+        """The graph key its dataset fills."""
+        return DATASET_KEYS[self.data_kind]
+
+    @property
+    def generates(self) -> bool:
+        """It samples responses to prompts and is rewarded for them (RL)."""
+        return self.data_kind == "prompts"
 
 
-def build_graph(algorithm: str, shape: BatchShape, roles: set[str]) -> DataflowGraph:
-    """The dataflow graph of ``algorithm`` for the configured model ``roles``."""
-    if algorithm not in BUILDERS:
-        raise PlanError(f"unknown algorithm {algorithm!r}; allowed: "
-                        f"{', '.join(BUILDERS)}", field="algorithm.name")
-    missing = [r for r in REQUIRED_ROLES[algorithm] if r not in roles]
+def _table(*specs: AlgorithmSpec) -> Mapping[str, AlgorithmSpec]:
+    table: dict[str, AlgorithmSpec] = {}
+    for a in specs:
+        if a.name in table:
+            raise ValueError(f"algorithm {a.name!r} listed twice")
+        table[a.name] = a
+    return MappingProxyType(table)
+
+
+_RL_OPTIONAL = ("ref", "reward")
+
+#: Every algorithm by name (the names of ``realign.algorithms.registry.ALGORITHMS``).
+ALGORITHMS: Mapping[str, AlgorithmSpec] = _table(
+    AlgorithmSpec("ppo", "prompts", ("actor", "critic", "reward"), ("ref",), ppo),
+    AlgorithmSpec("grpo", "prompts", ("actor",), _RL_OPTIONAL, critic_free),
+    AlgorithmSpec("remax", "prompts", ("actor",), _RL_OPTIONAL, remax),
+    AlgorithmSpec("reinforce_pp", "prompts", ("actor",), _RL_OPTIONAL, critic_free),
+    AlgorithmSpec("rloo", "prompts", ("actor",), _RL_OPTIONAL, critic_free),
+    AlgorithmSpec("dpo", "preferences", ("actor", "ref"), (), dpo),
+    AlgorithmSpec("sft", "sft", ("actor",), (), sft),
+    AlgorithmSpec("rm", "preferences", ("reward",), (), rm),
+)
+
+
+def algorithm_spec(name: str) -> AlgorithmSpec:
+    if name not in ALGORITHMS:
+        raise PlanError(f"unknown algorithm {name!r}; allowed: {', '.join(ALGORITHMS)}",
+                        field="algorithm.name")
+    return ALGORITHMS[name]
+
+
+def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
+                train_micro_batches: int | None = None) -> DataflowGraph:
+    """The dataflow graph of ``algorithm`` for the configured model ``roles``.
+    ``train_micro_batches``: every train call runs with exactly this many micro-batches
+    (``train.micro_batches``); None lets the planner choose."""
+    spec = algorithm_spec(algorithm)
+    missing = [r for r in spec.required_roles if r not in roles]
     if missing:
         raise PlanError(f"{algorithm} needs the model role(s) {', '.join(missing)}",
                         field="models")
-    with_rm = "reward" in roles and algorithm not in ("dpo", "sft")
-    calls = BUILDERS[algorithm](shape, with_reward_model=with_rm, with_ref="ref" in roles)
+    with_rm = "reward" in roles and spec.generates
+    calls, rules = spec.builder(shape, with_rm, "ref" in roles)
     used = {m.role for m in calls}
-    assert used <= set(REQUIRED_ROLES[algorithm]) | set(OPTIONAL_ROLES[algorithm]), used
+    assert used <= set(spec.required_roles) | set(spec.optional_roles), used
     extra = sorted(roles - used)
     if extra:
         raise PlanError(f"{algorithm} does not use the model role(s) {', '.join(extra)}; "
                         f"remove them", field="models")
-    return DataflowGraph(algorithm=algorithm, mfcs=tuple(calls))
+    if train_micro_batches is not None:
+        calls = [m.model_copy(update={"micro_batches": train_micro_batches})
+                 if m.kind == "train" else m for m in calls]
+    return DataflowGraph(algorithm=algorithm, mfcs=tuple(calls), rule_rewards=tuple(rules))

@@ -3,6 +3,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+#: Generation's KV cache holds whole blocks of this many positions (realign's decoder
+#: attends over whole 16-key blocks, see ``realign/runtime/engines/decoder.py``;
+#: vLLM's paged cache also defaults to 16-token blocks).
+KV_CACHE_BLOCK_TOKENS = 16
+
 
 class CostModelConfig(BaseModel):
     """Efficiencies and training precision the analytic cost model assumes."""
@@ -33,5 +38,8 @@ class CostModelConfig(BaseModel):
         False, description="Full activation recomputation in training (one extra forward).")
     mem_usable_fraction: float = Field(
         0.9, gt=0, le=1, description="Part of device memory a plan may use (rest: context, fragmentation).")
+    kv_cache_block_tokens: int = Field(
+        KV_CACHE_BLOCK_TOKENS, gt=0, description="Positions per KV-cache block: a generated "
+        "sequence's cache is allocated for prompt_len + gen_len rounded up to whole blocks.")
     max_micro_batches: int = Field(
         64, gt=0, description="Largest micro-batch count the search considers.")

@@ -26,7 +26,12 @@ Time terms (seconds), per pipeline stage and micro-batch unless stated:
   more with recomputation); ring all-reduce = ``2 (n-1)/n * bytes / B_link`` plus a
   latency of ``2 log2(n)`` messages.
 * PP: ``(m + pp - 1)`` stage slots per pipelined pass (the bubble), plus activation
-  sends between stages; decode runs ``max(m, pp)`` slots per generated token.
+  sends between stages.
+* generation runs its ``m`` micro-batches as *waves*, as the runtime does: ``g =
+  min(m, pp)`` waves are in flight together, pipelined over the stages, and
+  ``ceil(m / g)`` such groups run one after another. A group costs ``(g + pp - 1)``
+  prefill slots and ``pp`` decode slots per generated token (``g = pp`` keeps every
+  stage busy; fewer waves leave bubbles); with pp = 1 the waves simply run in turn.
 * decode step: ``max(compute at R_b, (stage weights + KV cache read) / B_mem)`` -
   memory-bound.
 * DP, per optimizer step: gradients are reduced in fp32 (``grad_dtype_bytes``, as
@@ -43,7 +48,10 @@ Memory terms (bytes per GPU): weights ``param_dtype x params/tp`` of the heavies
 stage; training adds fp32 main grads and optimizer state (divided by dp with the
 distributed optimizer) and 1F1B activations for ``min(pp, m)`` micro-batches in
 flight; inference adds one micro-batch's layer activations and fp32 logits;
-generation adds the KV cache of its sequences and the logits of one step.
+generation adds the KV cache of the waves in flight (``g`` waves of ``b`` sequences;
+each wave's cache is allocated when it starts and freed when it ends, for
+``prompt_len + gen_len`` tokens rounded up to whole ``kv_cache_block_tokens`` blocks)
+and the logits of one step.
 
 A :class:`~planner.profile.ProfileTable` measured on real hardware overrides the
 device rates (a measured GEMM rate stands for R, large GEMMs; the size curve still
@@ -147,6 +155,23 @@ class CostModel:
         sharded = spec.qkv_out + spec.n_heads * spec.kv_channels + 3 * spec.ffn_hidden
         return dt * (5 * spec.hidden + sharded / tp)
 
+    def kv_cache_bytes(self, spec: ModelSpec, mfc: MFC, layout: Layout, waves: int) -> float:
+        """Peak KV-cache bytes per GPU of a generation run as ``waves`` waves: the
+        ``min(waves, pp)`` waves in flight, each ``n_seqs / (dp waves)`` sequences of
+        ``prompt_len + gen_len`` positions rounded up to whole cache blocks, keys and
+        values of the stage's ``L / pp`` layers for its ``n_kv_heads / tp`` heads.
+
+        Example: 2 layers, 2 KV heads of 16, fp32, 64 sequences at dp 1 in 2 waves,
+        8 + 4 tokens (one 16-token block): 32 sequences x 2 layers x (2 x 2 x 16 x 4) bytes
+        x 16 positions = 262144 bytes.
+        """
+        tp, pp = layout.tp, layout.pp
+        block = self.config.kv_cache_block_tokens
+        positions = -(-(mfc.prompt_len + mfc.gen_len) // block) * block
+        per_token_layer = 2 * (spec.n_kv_heads / tp) * spec.kv_channels * self.config.param_dtype_bytes
+        in_flight = min(waves, pp) * mfc.n_seqs / layout.dp / waves
+        return in_flight * spec.n_layers / pp * per_token_layer * positions
+
     def gemm_rate(self, spec: ModelSpec, rows: float, tp: int) -> float:
         """Achieved FLOP/s of one layer's GEMMs with ``rows`` tokens on one GPU:
         ``R x rows/(rows + r_half) x w/(w + w_half)``, w the mean TP-sharded width."""
@@ -187,7 +212,9 @@ class CostModel:
 
         if mfc.kind == "generate":
             seqs = mfc.n_seqs / dp
-            b = seqs / m
+            b = seqs / m                       # sequences per wave
+            g = min(m, pp)                     # waves in flight together
+            groups = math.ceil(m / g)          # groups of waves, one after another
             # prefill: compute-bound forward over the prompts
             pre_tok = b * mfc.prompt_len
             pre_flops = pre_tok * self._fwd_flops_per_token(spec, head, mfc.prompt_len / 2)
@@ -195,7 +222,7 @@ class CostModel:
                          + L / pp * 2 * self.allreduce_s(pre_tok * h * dt, tp, False)
                          + (self.p2p_s(pre_tok * h * dt, pp_inter) if pp > 1 else 0.0)
                          + L / pp * self.layer_overhead_s + self.microbatch_overhead_s)
-            terms["prefill"] = (m + pp - 1) * pre_stage
+            terms["prefill"] = groups * (g + pp - 1) * pre_stage
             # decode: memory-bound; each micro-batch step reads the stage weights + KV
             ctx = mfc.prompt_len + mfc.gen_len / 2
             kv_tok_layer = 2 * (spec.n_kv_heads / tp) * spec.kv_channels * dt
@@ -206,10 +233,9 @@ class CostModel:
             step += L / pp * self.layer_overhead_s
             if pp > 1:
                 step += self.p2p_s(b * h * dt, pp_inter)
-            terms["decode"] = mfc.gen_len * max(m, pp) * step
-            kv_total = seqs * L / pp * kv_tok_layer * (mfc.prompt_len + mfc.gen_len)
-            act = kv_total + 4.0 * b * logit_cols * 2 + \
-                b * mfc.prompt_len * self._act_bytes_per_token_layer(spec, tp)
+            terms["decode"] = groups * mfc.gen_len * pp * step
+            act = (self.kv_cache_bytes(spec, mfc, layout, m) + 4.0 * b * logit_cols * 2
+                   + b * mfc.prompt_len * self._act_bytes_per_token_layer(spec, tp))
             resident = weights
         else:
             train = mfc.kind == "train"

@@ -1,13 +1,23 @@
-"""User-facing planning errors. Each names what is wrong and what is allowed."""
+"""User-facing input errors. Each names the offending field, what is wrong and what
+is allowed; the CLI prints them without a traceback and exits with code 2.
+
+One hierarchy for the whole project: :class:`UserError` is any bad input (the
+runtime re-exports it as :class:`realign.errors.UserError`), :class:`PlanError` is bad
+planning input, :class:`InfeasibleError` a plan that fits nowhere.
+"""
 
 
-class PlanError(Exception):
-    """A user error in planning input: the message says how to fix it."""
+class UserError(Exception):
+    """Bad user input: ``field`` is the offending config path (or flag) when there is one."""
 
     def __init__(self, message: str, field: str | None = None):
         self.field = field
         self.message = message
         super().__init__(f"{field}: {message}" if field else message)
+
+
+class PlanError(UserError):
+    """A user error in planning input: the message says how to fix it."""
 
 
 class InfeasibleError(PlanError):

@@ -2,8 +2,11 @@
 
 An MFC is one call of one model: ``actor.generate``, ``ref.inference``,
 ``actor.train``... It names the keys it reads and writes; edges are derived from
-keys (a key that no MFC produces comes from the dataset). One builder per
-algorithm lives in :mod:`planner.algorithms`.
+keys (a key that no MFC produces comes from the dataset). A :class:`RuleReward` is
+the one step that is not a model call: a reward function scores a generation's
+sequences on the ranks that generated them (no GPU time, so the planner does not
+price it; it only adds the key it writes). One builder per algorithm lives in
+:mod:`planner.algorithms`.
 """
 from __future__ import annotations
 
@@ -34,6 +37,11 @@ class MFC(BaseModel):
     n_epochs: int = Field(1, gt=0, description="Passes over the batch (train only).")
     group_size: int = Field(1, gt=0, description="Consecutive sequences that must stay in "
                             "one micro-batch (2: a chosen/rejected preference pair).")
+    greedy: bool = Field(False, description="generate: take the most likely token (ReMax's "
+                         "baseline) instead of sampling.")
+    micro_batches: int | None = Field(None, gt=0, description="Micro-batches per step and "
+                                      "replica fixed by the user (train.micro_batches); "
+                                      "None: the planner chooses.")
 
     @property
     def seq_len(self) -> int:
@@ -48,7 +56,19 @@ class MFC(BaseModel):
         if per_step % self.group_size:
             raise PlanError(f"{per_step} sequences per step do not split into groups of "
                             f"{self.group_size}", field=f"mfc {self.name}")
+        if self.greedy and self.kind != "generate":
+            raise PlanError("only a generate call can be greedy", field=f"mfc {self.name}")
         return self
+
+
+class RuleReward(BaseModel):
+    """A reward function on the generated text: scores the sequences under ``seqs_key``
+    (written by a generate MFC) into ``out_key``, on the ranks that generated them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seqs_key: str = Field(description="Key of the generated sequences it scores.")
+    out_key: str = Field(description="Key of the rewards it writes (one per sequence).")
 
 
 class DataflowGraph(BaseModel):
@@ -58,6 +78,8 @@ class DataflowGraph(BaseModel):
 
     algorithm: str
     mfcs: tuple[MFC, ...]
+    rule_rewards: tuple[RuleReward, ...] = Field(
+        (), description="Reward functions on generated text (no reward model).")
 
     @model_validator(mode="after")
     def _check(self) -> "DataflowGraph":
@@ -71,6 +93,15 @@ class DataflowGraph(BaseModel):
                     raise PlanError(f"key {k!r} is produced by both {producers[k]} and "
                                     f"{m.name}", field="graph")
                 producers[k] = m.name
+        kinds = {m.name: m.kind for m in self.mfcs}
+        for r in self.rule_rewards:
+            if kinds.get(producers.get(r.seqs_key, "")) != "generate":
+                raise PlanError(f"a rule reward scores {r.seqs_key!r}, which no generate "
+                                "call writes", field="graph")
+            if r.out_key in producers:
+                raise PlanError(f"key {r.out_key!r} is produced by both "
+                                f"{producers[r.out_key]} and a rule reward", field="graph")
+            producers[r.out_key] = producers[r.seqs_key]
         g = self.to_networkx()
         if not nx.is_directed_acyclic_graph(g):
             raise PlanError("the dataflow graph has a cycle", field="graph")
@@ -82,12 +113,21 @@ class DataflowGraph(BaseModel):
         return self
 
     def producer_of(self) -> dict[str, str]:
-        return {k: m.name for m in self.mfcs for k in m.output_keys}
+        """Key -> the MFC that writes it (a rule reward's key: the MFC that generated
+        the sequences it scores, on whose ranks it is computed)."""
+        out = {k: m.name for m in self.mfcs for k in m.output_keys}
+        out.update({r.out_key: out[r.seqs_key] for r in self.rule_rewards})
+        return out
 
     def dataset_keys(self) -> list[str]:
         """Keys read but produced by no MFC: they come from the dataset."""
         prod = self.producer_of()
         return sorted({k for m in self.mfcs for k in m.input_keys if k not in prod})
+
+    def rule_reward_after(self, mfc: str) -> tuple[RuleReward, ...]:
+        """The rule rewards that score what ``mfc`` generated."""
+        prod = self.producer_of()
+        return tuple(r for r in self.rule_rewards if prod[r.seqs_key] == mfc)
 
     def to_networkx(self) -> nx.DiGraph:
         """Nodes are MFC names; an edge a->b carries the keys b reads from a."""

@@ -151,7 +151,8 @@ def _pool_keys(prob: Problem, colocate: bool) -> list[str]:
 
 
 def _pow2_splits(n: int, parts: int, gpn: int) -> list[tuple[int, ...]]:
-    sizes = [s for s in (2 ** k for k in range(0, 12)) if s <= n and (s < gpn and gpn % s == 0 or s % gpn == 0)]
+    sizes = [s for s in (2 ** k for k in range(0, 12))
+             if s <= n and (s < gpn and gpn % s == 0 or s % gpn == 0)]
     return [c for c in itertools.product(sizes, repeat=parts) if sum(c) == n]
 
 

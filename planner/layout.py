@@ -43,10 +43,17 @@ class Allocation(BaseModel):
     layout: Layout
     micro_batches: int = Field(1, gt=0, description="Micro-batches per (mini-)batch and replica.")
 
-    def same_placement(self, other: "Allocation") -> bool:
-        """Same GPUs holding the same parameter shards (micro-batching aside)."""
-        return (self.mesh == other.mesh and self.layout.tp == other.layout.tp
-                and self.layout.pp == other.layout.pp)
+
+def shard_placement(first_gpu: int, n_gpus: int, tp: int, pp: int) -> tuple[int, int, int, int]:
+    """What decides which GPU holds which parameter shard: the mesh and (tp, pp); dp
+    follows from them and micro-batches only split the batch. A call of a trained
+    model whose shard placement differs from its training call's needs a reallocation
+    (the one rule: the simulator prices it, the plan lists it, the run executes it).
+
+    >>> shard_placement(0, 4, 2, 1) == shard_placement(0, 4, 2, 1)
+    True
+    """
+    return (first_gpu, n_gpus, tp, pp)
 
 
 # ---- rank arithmetic (pure) ------------------------------------------------------
@@ -123,6 +130,9 @@ def layout_problems(layout: Layout, mesh: DeviceMesh, model: ModelSpec, mfc: MFC
     if layout.tp > mesh.n_gpus or mesh.n_gpus % layout.tp:
         out.append(f"tp={layout.tp} must divide the mesh size {mesh.n_gpus}")
     out += model_layout_problems(layout, model)
+    if mfc.micro_batches is not None and micro_batches != mfc.micro_batches:
+        out.append(f"micro_batches={micro_batches} but {mfc.name} runs with "
+                   f"{mfc.micro_batches} (train.micro_batches)")
     per_step = mfc.n_seqs // mfc.n_minibatches if mfc.kind == "train" else mfc.n_seqs
     if per_step % layout.dp:
         out.append(f"dp={layout.dp} must divide the {per_step} sequences per step of "
@@ -148,13 +158,14 @@ def check_allocation(alloc: Allocation, model: ModelSpec, mfc: MFC,
 
 def enumerate_layouts(mesh: DeviceMesh, model: ModelSpec, mfc: MFC,
                       cluster: ClusterSpec) -> list[Layout]:
-    """All valid (tp, pp, dp) of ``model`` for ``mfc`` on ``mesh`` (micro-batches aside)."""
+    """All valid (tp, pp, dp) of ``model`` for ``mfc`` on ``mesh`` (micro-batches aside,
+    unless the MFC fixes its count)."""
     out = []
     n = mesh.n_gpus
     for tp in _divisors(n):
         for pp in _divisors(n // tp):
             lay = Layout(tp=tp, pp=pp, dp=n // (tp * pp))
-            if not layout_problems(lay, mesh, model, mfc, 1, cluster):
+            if not layout_problems(lay, mesh, model, mfc, mfc.micro_batches or 1, cluster):
                 out.append(lay)
     return out
 

@@ -61,10 +61,26 @@ def check_plan_matches(plan: ExecutionPlan, graph: DataflowGraph, models: dict[s
         raise PlanError(f"the plan is for the cluster {plan.cluster.describe()}; this "
                         f"experiment has {cluster.describe()}", field=field)
     if plan.graph != graph:
-        raise PlanError(f"the plan is for another dataflow graph ({plan.graph.algorithm}, "
-                        f"{len(plan.graph.mfcs)} MFCs, batch shapes may differ)", field=field)
+        raise PlanError(f"the plan is for another dataflow graph: {graph_diff(plan.graph, graph)}",
+                        field=field)
     for pm in plan.models:
         rm = models.get(pm.role)
         if rm is None or rm.spec.model_dump(exclude={"name"}) != pm.spec.model_dump(exclude={"name"}):
             raise PlanError(f"the plan's {pm.role} model differs from the experiment's",
                             field=field)
+
+
+def graph_diff(planned: DataflowGraph, wanted: DataflowGraph) -> str:
+    """How the plan's graph differs from the experiment's, in a few words."""
+    if planned.algorithm != wanted.algorithm:
+        return f"algorithm {planned.algorithm} in the plan, {wanted.algorithm} here"
+    a, b = [m.name for m in planned.mfcs], [m.name for m in wanted.mfcs]
+    if a != b:
+        return f"MFCs {a} in the plan, {b} here"
+    for pm, wm in zip(planned.mfcs, wanted.mfcs):
+        fields = [f for f in type(pm).model_fields if getattr(pm, f) != getattr(wm, f)]
+        if fields:
+            return "; ".join(f"{pm.name}.{f} is {getattr(pm, f)!r} in the plan, "
+                             f"{getattr(wm, f)!r} here" for f in fields)
+    return (f"rule rewards {[r.out_key for r in planned.rule_rewards]} in the plan, "
+            f"{[r.out_key for r in wanted.rule_rewards]} here")

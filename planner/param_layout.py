@@ -35,6 +35,14 @@ class LogicalTensor:
             n *= s
         return n
 
+    def shard_shape(self, tp: int) -> tuple[int, ...]:
+        """Shape of one TP rank's local shard. fc1 (352, 64) at tp=4 -> (88, 64)."""
+        if self.shard_dim is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.shard_dim] //= tp
+        return tuple(shape)
+
     def shard_ranges(self, tp_rank: int, tp: int) -> list[tuple[int, int]]:
         """Global index ranges along ``shard_dim`` held by ``tp_rank`` of ``tp``."""
         assert self.shard_dim is not None

@@ -3,22 +3,27 @@
 It names things (models by role, MFCs by name, meshes by GPU range) and holds no
 live objects, so it round-trips through JSON without loss and a saved plan can be
 executed again without searching (``realign run`` reads it unchanged).
+
+A plan is consistent by construction (:func:`plan_problems`, checked whenever one is
+made or read): one valid allocation per MFC of its graph, and exactly the
+reallocations its allocations imply, so the run can execute what it lists.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from planner.cluster import ClusterSpec
 from planner.cost_config import CostModelConfig
 from planner.errors import PlanError
 from planner.graph import DataflowGraph
-from planner.layout import Layout
+from planner.layout import Layout, layout_problems, shard_placement
 from planner.mesh import DeviceMesh
 from planner.model_spec import ModelSpec
 
-PLAN_SCHEMA_VERSION = 1
+#: 2: rule rewards in the graph, exact train inputs, fixed micro-batches, waves.
+PLAN_SCHEMA_VERSION = 2
 
 
 class _Frozen(BaseModel):
@@ -44,6 +49,12 @@ class MFCAllocation(_Frozen):
     micro_batches: int
     time_s: float = Field(description="Estimated duration of one call.")
     mem_bytes: float = Field(description="Peak memory per GPU of its mesh while it runs.")
+
+    @property
+    def shards(self) -> tuple[int, int, int, int]:
+        """:func:`planner.layout.shard_placement` of this allocation."""
+        return shard_placement(self.mesh.first_gpu, self.mesh.n_gpus, self.layout.tp,
+                               self.layout.pp)
 
 
 class Reallocation(_Frozen):
@@ -102,6 +113,13 @@ class ExecutionPlan(_Frozen):
     search: SearchInfo
     heuristics: tuple[HeuristicResult, ...]
 
+    @model_validator(mode="after")
+    def _consistent(self) -> "ExecutionPlan":
+        problems = plan_problems(self)
+        if problems:
+            raise PlanError("; ".join(problems), field="plan")
+        return self
+
     def allocation(self, mfc: str) -> MFCAllocation:
         for a in self.allocations:
             if a.mfc == mfc:
@@ -113,17 +131,25 @@ class ExecutionPlan(_Frozen):
 
     @staticmethod
     def from_json(text: str, source: str = "plan") -> "ExecutionPlan":
+        import json
         try:
-            plan = ExecutionPlan.model_validate_json(text)
+            version = json.loads(text).get("schema_version")
+        except (ValueError, AttributeError):
+            version = None
+        if version is not None and version != PLAN_SCHEMA_VERSION:
+            raise PlanError(f"{source} has schema_version {version}; this realign reads "
+                            f"{PLAN_SCHEMA_VERSION} (plan it again with realign plan)",
+                            field="plan")
+        try:
+            return ExecutionPlan.model_validate_json(text)
         except ValidationError as e:
             err = e.errors()[0]
             loc = ".".join(str(x) for x in err["loc"])
             raise PlanError(f"{source} is not a valid execution plan: {loc}: {err['msg']}",
                             field="plan") from None
-        if plan.schema_version != PLAN_SCHEMA_VERSION:
-            raise PlanError(f"{source} has schema_version {plan.schema_version}; this realign "
-                            f"reads {PLAN_SCHEMA_VERSION}", field="plan")
-        return plan
+        except PlanError as e:
+            raise PlanError(f"{source} is not a consistent execution plan: {e.message}",
+                            field="plan") from None
 
     @staticmethod
     def load(path: str | Path) -> "ExecutionPlan":
@@ -131,3 +157,62 @@ class ExecutionPlan(_Frozen):
         if not p.is_file():
             raise PlanError(f"no plan file at {str(p)!r}", field="plan")
         return ExecutionPlan.from_json(p.read_text(), source=str(p))
+
+
+def expected_reallocations(plan: ExecutionPlan) -> list[tuple[str, str]]:
+    """(role, MFC) of every call that needs its model's parameters reallocated: a call of
+    a trained model whose shard placement differs from its training call's (the rule
+    of :func:`planner.simulator.needs_realloc`)."""
+    train = {a.role: a for a in plan.allocations if a.kind == "train"}
+    return [(a.role, a.mfc) for a in plan.allocations
+            if a.role in train and a.kind != "train" and a.shards != train[a.role].shards]
+
+
+def plan_problems(plan: ExecutionPlan) -> list[str]:
+    """Why ``plan`` cannot be executed as it is (empty when it can): allocations that
+    do not match its graph, meshes outside its cluster, layouts its models or batches
+    cannot take, and reallocations other than those its allocations imply."""
+    out: list[str] = []
+    mfcs = {m.name: m for m in plan.graph.mfcs}
+    names = [a.mfc for a in plan.allocations]
+    if names != list(mfcs):
+        return [f"its allocations are for {names}, its graph has the MFCs {list(mfcs)}"]
+    specs = {pm.role: pm.spec for pm in plan.models}
+    if set(specs) != set(plan.graph.roles()):
+        return [f"its models are {sorted(specs)}, its graph calls {sorted(plan.graph.roles())}"]
+    gpn = plan.cluster.gpus_per_node
+    for a in plan.allocations:
+        m = mfcs[a.mfc]
+        where = f"allocation {a.mfc}"
+        if (a.role, a.kind) != (m.role, m.kind):
+            out.append(f"{where} is a {a.role} {a.kind} call, the graph's is a {m.role} "
+                       f"{m.kind} call")
+            continue
+        try:
+            a.mesh.validate_on(plan.cluster)
+        except PlanError as e:
+            out.append(f"{where}: {e.message}")
+            continue
+        if a.mesh_name != a.mesh.name(gpn):
+            out.append(f"{where}: mesh_name {a.mesh_name!r} is not its mesh's name "
+                       f"{a.mesh.name(gpn)!r}")
+        out += [f"{where}: {p}" for p in layout_problems(a.layout, a.mesh, specs[a.role], m,
+                                                         a.micro_batches, plan.cluster)]
+    if out:
+        return out
+    train = {a.role: a for a in plan.allocations if a.kind == "train"}
+    want = expected_reallocations(plan)
+    have = [(r.role, r.to_mfc) for r in plan.reallocations]
+    if sorted(have) != sorted(want):
+        out.append(f"it lists the reallocations {sorted(have)}; its allocations imply "
+                   f"{sorted(want)}")
+        return out
+    for r in plan.reallocations:
+        src, dst = train[r.role], plan.allocation(r.to_mfc)
+        if (r.src_mesh, r.src_layout, r.dst_mesh, r.dst_layout) != (
+                src.mesh, src.layout, dst.mesh, dst.layout):
+            out.append(f"the reallocation of {r.role} to {r.to_mfc} goes {r.src_layout} on "
+                       f"{r.src_mesh.name(gpn)} -> {r.dst_layout} on {r.dst_mesh.name(gpn)}, "
+                       f"but the calls run {src.layout} on {src.mesh_name} and {dst.layout} "
+                       f"on {dst.mesh_name}")
+    return out

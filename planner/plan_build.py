@@ -2,8 +2,15 @@
 from __future__ import annotations
 
 from planner.cost_config import CostModelConfig
-from planner.plan import (ExecutionPlan, HeuristicResult, MFCAllocation, PlannedModel,
-                          Reallocation, SearchInfo, TimelineEvent)
+from planner.plan import (
+    ExecutionPlan,
+    HeuristicResult,
+    MFCAllocation,
+    PlannedModel,
+    Reallocation,
+    SearchInfo,
+    TimelineEvent,
+)
 from planner.problem import Problem
 from planner.simulator import simulate
 

@@ -11,7 +11,7 @@ from planner.cluster import ClusterSpec
 from planner.cost_model import CostModel
 from planner.errors import PlanError
 from planner.graph import DataflowGraph
-from planner.layout import Layout, enumerate_layouts
+from planner.layout import Layout, enumerate_layouts, shard_placement
 from planner.mesh import DeviceMesh, enumerate_meshes
 from planner.model_spec import ModelSpec
 from planner.realloc_cost import Links, ReallocModel
@@ -49,6 +49,11 @@ class Candidate:
     def place(self) -> tuple[int, int, int, int, int]:
         return (self.first_gpu, self.n_gpus, self.tp, self.pp, self.dp)
 
+    @property
+    def shards(self) -> tuple[int, int, int, int]:
+        """:func:`planner.layout.shard_placement` of this candidate."""
+        return shard_placement(self.first_gpu, self.n_gpus, self.tp, self.pp)
+
     def mesh(self) -> DeviceMesh:
         return DeviceMesh(first_gpu=self.first_gpu, n_gpus=self.n_gpus)
 
@@ -82,11 +87,12 @@ class Problem:
             n *= len(c)
         return n
 
-    def index_of(self, mfc: int, cand: Candidate) -> int:
-        return self.cands[mfc].index(cand)
 
-
-def _micro_batch_options(per_replica: int, cap: int) -> list[int]:
+def _micro_batch_options(per_replica: int, cap: int, fixed: int | None = None) -> list[int]:
+    """Micro-batch counts to price: powers of two and the whole count that divide the
+    replica's share, up to ``cap``; only ``fixed`` when the MFC fixes it."""
+    if fixed is not None:
+        return [fixed] if per_replica % fixed == 0 else []
     return [m for m in range(1, min(per_replica, cap) + 1) if per_replica % m == 0
             and (m & (m - 1) == 0 or m == per_replica)]
 
@@ -140,7 +146,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
             for lay in enumerate_layouts(proto, rm.spec, mfc, cluster):
                 group = []
                 for mb in _micro_batch_options(per_step // lay.dp // mfc.group_size,
-                                               cost.config.max_micro_batches):
+                                               cost.config.max_micro_batches, mfc.micro_batches):
                     c = cost.mfc_cost(mfc, rm.spec, rm.head, proto, lay, mb)
                     own = c.activation_bytes + (
                         c.resident_bytes if (mfc.kind == "train" or not trained) else 0.0)

@@ -30,7 +30,8 @@ class MeasuredRates(BaseModel):
     intra_node_bytes_per_s: float | None = Field(None, gt=0, description="Achieved intra-node bus bandwidth.")
     inter_node_bytes_per_s: float | None = Field(None, gt=0, description="Achieved inter-node bus bandwidth.")
     layer_overhead_s: float | None = Field(None, ge=0, description="Measured fixed cost per layer call.")
-    microbatch_overhead_s: float | None = Field(None, ge=0, description="Measured fixed cost per micro-batch.")
+    microbatch_overhead_s: float | None = Field(None, ge=0,
+                                                description="Measured fixed cost per micro-batch.")
 
 
 class MeasuredMFC(BaseModel):

@@ -78,14 +78,14 @@ class ReallocCache:
 
 
 def needs_realloc(prob: Problem, assign: list[int], i: int, upto: int | None = None) -> bool:
-    """Whether MFC i runs on another placement than its model's training (False while
-    the training MFC is not yet assigned, i.e. at or beyond ``upto``)."""
+    """Whether MFC i holds its model's parameters in another shard placement than the
+    model's training call (:func:`planner.layout.shard_placement`; False while the
+    training MFC is not yet assigned, i.e. at or beyond ``upto``)."""
     model = prob.mfc_model[i]
     t = prob.model_train_mfc[model]
     if t < 0 or t == i or (upto is not None and t >= upto):
         return False
-    a, b = prob.cands[t][assign[t]], prob.cands[i][assign[i]]
-    return (a.first_gpu, a.n_gpus, a.tp, a.pp) != (b.first_gpu, b.n_gpus, b.tp, b.pp)
+    return prob.cands[t][assign[t]].shards != prob.cands[i][assign[i]].shards
 
 
 def memory(prob: Problem, assign: list[int], upto: int | None = None) -> tuple[list[float], float]:

@@ -14,7 +14,8 @@ import time
 import pytest
 
 import planner
-from planner.algorithms import OPTIONAL_ROLES, REQUIRED_ROLES, BatchShape, build_graph
+from planner.algorithms import ALGORITHMS as SPECS
+from planner.algorithms import BatchShape, build_graph
 from planner.anneal import AnnealSettings, anneal
 from planner.cluster import ClusterSpec, resolve_device
 from planner.core_bridge import core_anneal, core_simulate, load_core, to_core
@@ -39,7 +40,7 @@ def random_problem(rng: random.Random) -> Problem:
     presets = model_presets()
     while True:
         alg = rng.choice(ALGORITHMS)
-        roles = set(REQUIRED_ROLES[alg]) | ({"ref"} & set(OPTIONAL_ROLES[alg]))
+        roles = set(SPECS[alg].required_roles) | ({"ref"} & set(SPECS[alg].optional_roles))
         if alg in ("grpo", "remax") and rng.random() < 0.5:
             roles.add("reward")
         shape = BatchShape(prompts_per_step=rng.choice((2, 4, 8, 16, 32)),
@@ -167,7 +168,7 @@ def test_missing_extension_says_how_to_build(monkeypatch):
 
 def _ppo_70b_128gpu() -> Problem:
     spec = model_presets()["llama2-70b"]
-    roles = REQUIRED_ROLES["ppo"] + ("ref",)
+    roles = SPECS["ppo"].required_roles + ("ref",)
     graph = build_graph("ppo", BatchShape(prompts_per_step=512, gen_len=384), set(roles))
     cluster = ClusterSpec(n_nodes=16, gpus_per_node=8, device=resolve_device("h100-80g"))
     return build_problem(graph, {r: RoleModel(r, spec, head_of(r)) for r in roles},

@@ -193,6 +193,43 @@ def test_generate_tp2_pp2_two_micro_batches():
     assert b * flops_per_token(32) / (4 * R) < mem_s
     step = mem_s + (L / 2) * 2 * ar(b * H * DT, 2) + b * H * DT / B_INTRA + LAT_INTRA
     assert c.terms_s["decode"] == approx(32 * 2 * step)
+    # both waves are in flight (one per stage): the KV cache of all 8 sequences, for
+    # the stage's 2 layers and its 1 KV head, 48 positions
+    assert c.activation_bytes == approx(2 * b * (L / 2) * (2 * 1 * 16 * DT) * 48
+                                        + 4 * b * 64 * 2 + b * 16 * act_per_token_layer(2))
+
+
+@pytest.mark.parametrize("pp,m,in_flight,groups", [
+    (1, 1, 1, 1), (1, 4, 1, 4),        # pp 1: one wave at a time
+    (2, 2, 2, 1), (2, 4, 2, 2),        # pp 2: two waves pipelined, groups in turn
+    (4, 2, 2, 1)])                     # fewer waves than stages: bubbles
+def test_generation_waves_trade_kv_memory_for_time(pp, m, in_flight, groups):
+    """Generation runs its micro-batches as waves (the runtime's schedule):
+    ``min(m, pp)`` waves in flight, ``ceil(m / min(m, pp))`` groups one after another;
+    the KV cache holds the waves in flight; a group costs (in flight + pp - 1) prefill
+    slots and pp decode slots per token."""
+    c = cost_model().mfc_cost(mfc("generate"), TOY, "lm", mesh(pp), Layout(pp=pp), m)
+    b = 8 / m
+    kv_tok_layer = 2 * 2 * 16 * DT
+    assert CostModel.kv_cache_bytes(cost_model(), TOY, mfc("generate"), Layout(pp=pp), m) == \
+        approx(in_flight * b * (L / pp) * kv_tok_layer * 48)
+    weights = c.weights_bytes
+    tok = b * 16
+    link = (tok * H * DT / B_INTRA + LAT_INTRA) if pp > 1 else 0.0
+    prefill_slot = tok * flops_per_token(8) / (pp * R) + link
+    assert c.terms_s["prefill"] == approx(groups * (in_flight + pp - 1) * prefill_slot)
+    step = ((weights + b * (L / pp) * kv_tok_layer * 32) / B_MEM
+            + ((b * H * DT / B_INTRA + LAT_INTRA) if pp > 1 else 0.0))
+    assert c.terms_s["decode"] == approx(groups * 32 * pp * step)
+
+
+def test_kv_cache_is_allocated_in_whole_blocks():
+    """12 positions take one 16-position block; a 1-position block size counts exactly."""
+    short = mfc("generate", prompt=8, gen=4)
+    per_seq = L * (2 * 2 * 16 * DT)
+    assert cost_model().kv_cache_bytes(TOY, short, Layout(), 1) == approx(8 * per_seq * 16)
+    exact = cost_model(config=EXACT.model_copy(update={"kv_cache_block_tokens": 1}))
+    assert exact.kv_cache_bytes(TOY, short, Layout(), 1) == approx(8 * per_seq * 12)
 
 
 def test_decode_slots_follow_max_of_micro_batches_and_stages():

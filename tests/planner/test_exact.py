@@ -16,7 +16,8 @@ import random
 
 import pytest
 
-from planner.algorithms import OPTIONAL_ROLES, REQUIRED_ROLES, BatchShape, build_graph
+from planner.algorithms import ALGORITHMS as SPECS
+from planner.algorithms import BatchShape, build_graph
 from planner.cluster import ClusterSpec, resolve_device
 from planner.cost_model import CostModel
 from planner.errors import PlanError
@@ -41,7 +42,7 @@ def random_instance(rng: random.Random) -> Problem:
     presets = model_presets()
     while True:
         alg = rng.choice(ALGORITHMS)
-        roles = set(REQUIRED_ROLES[alg]) | ({"ref"} & set(OPTIONAL_ROLES[alg]))
+        roles = set(SPECS[alg].required_roles) | ({"ref"} & set(SPECS[alg].optional_roles))
         if alg in ("grpo", "remax", "rloo") and rng.random() < 0.5:
             roles.add("reward")
         n_nodes, gpn = rng.choice(CLUSTERS)

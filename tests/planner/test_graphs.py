@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.algorithms import (BUILDERS, OPTIONAL_ROLES, REQUIRED_ROLES, BatchShape,
-                                build_graph)
+from planner.algorithms import ALGORITHMS, DATASET_KEYS, BatchShape, build_graph
 from planner.errors import PlanError
 from planner.graph import MFC, DataflowGraph
 
@@ -27,9 +26,14 @@ def by_name(g: DataflowGraph) -> dict[str, MFC]:
     return {m.name: m for m in g.mfcs}
 
 
-def test_every_algorithm_has_a_builder_and_required_roles():
-    assert set(BUILDERS) == set(REQUIRED_ROLES) == set(OPTIONAL_ROLES) == {
-        "ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft", "rm"}
+def test_every_algorithm_is_in_the_table_with_its_data():
+    assert set(ALGORITHMS) == {"ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft",
+                               "rm"}
+    for name, spec in ALGORITHMS.items():
+        roles = set(spec.required_roles) | set(spec.optional_roles)
+        g = build_graph(name, SHAPE, roles - ({"reward"} if name in ("dpo", "sft") else set()))
+        assert g.dataset_keys() == [spec.dataset_key] == [DATASET_KEYS[spec.data_kind]]
+        assert spec.generates == any(m.kind == "generate" for m in g.mfcs)
 
 
 @pytest.mark.parametrize("alg,roles", [

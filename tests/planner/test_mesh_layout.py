@@ -8,9 +8,21 @@ import pytest
 from planner.cluster import ClusterSpec, resolve_device
 from planner.errors import PlanError
 from planner.graph import MFC
-from planner.layout import (Allocation, Layout, check_allocation, coords_of_rank,
-                            dp_groups, enumerate_layouts, group_spans_nodes, layout_problems,
-                            pp_groups, rank_of_coords, stage_layers, tp_groups)
+from planner.layout import (
+    Allocation,
+    Layout,
+    check_allocation,
+    coords_of_rank,
+    dp_groups,
+    enumerate_layouts,
+    group_spans_nodes,
+    layout_problems,
+    pp_groups,
+    rank_of_coords,
+    shard_placement,
+    stage_layers,
+    tp_groups,
+)
 from planner.mesh import DeviceMesh, enumerate_meshes
 from planner.model_spec import ModelSpec, model_presets
 
@@ -229,13 +241,19 @@ def test_check_allocation_raises_with_the_field():
     assert e.value.field == "plan.actor.mesh"
 
 
-def test_same_placement_ignores_dp_and_micro_batches():
-    a = Allocation(mesh=mesh(0, 4), layout=Layout(tp=2, dp=2), micro_batches=1)
-    assert a.same_placement(Allocation(mesh=mesh(0, 4), layout=Layout(tp=2, dp=2),
-                                       micro_batches=4))
-    assert not a.same_placement(Allocation(mesh=mesh(0, 4), layout=Layout(tp=4)))
-    assert not a.same_placement(Allocation(mesh=mesh(4, 4), layout=Layout(tp=2, dp=2)))
-    assert not a.same_placement(Allocation(mesh=mesh(0, 4), layout=Layout(tp=2, pp=2)))
+def test_shard_placement_is_mesh_tp_and_pp_only():
+    """The one reallocation rule's key: candidates (the simulator's) and plan
+    allocations (the run's) compute it alike; micro-batches do not enter it."""
+    from planner.problem import Candidate
+
+    def cand(first, n, tp, pp, mb):
+        return Candidate(first, n, tp, pp, n // (tp * pp), mb, 1.0, 0.0, 0.0, 0.0)
+
+    a = cand(0, 4, 2, 1, 1)
+    assert a.shards == cand(0, 4, 2, 1, 4).shards == shard_placement(0, 4, 2, 1)
+    assert a.shards != cand(0, 4, 4, 1, 1).shards
+    assert a.shards != cand(4, 4, 2, 1, 1).shards
+    assert a.shards != cand(0, 4, 2, 2, 1).shards
 
 
 @pytest.mark.parametrize("model,first,n,n_nodes,gpn", [

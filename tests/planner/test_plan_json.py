@@ -72,13 +72,13 @@ def test_round_trip_with_reallocations():
 
 def test_schema_version_is_in_the_file(plan):
     raw = json.loads(plan.to_json())
-    assert raw["schema_version"] == PLAN_SCHEMA_VERSION == 1
+    assert raw["schema_version"] == PLAN_SCHEMA_VERSION == 2
 
 
 def test_a_wrong_version_is_rejected(plan):
     raw = json.loads(plan.to_json())
-    raw["schema_version"] = 2
-    with pytest.raises(PlanError, match="has schema_version 2; this realign reads 1") as e:
+    raw["schema_version"] = 1
+    with pytest.raises(PlanError, match="has schema_version 1; this realign reads 2") as e:
         ExecutionPlan.from_json(json.dumps(raw), source="old.json")
     assert e.value.field == "plan" and "old.json" in str(e.value)
 
@@ -94,6 +94,46 @@ def test_a_malformed_plan_names_the_problem(plan, mutate, snippet):
     raw = json.loads(plan.to_json())
     mutate(raw)
     with pytest.raises(PlanError, match="plan.json is not a valid execution plan") as e:
+        ExecutionPlan.from_json(json.dumps(raw), source="plan.json")
+    assert snippet in str(e.value) and e.value.field == "plan"
+
+
+def _realloc_plan():
+    graph, models, cluster = experiment("grpo", ("actor", "ref"), "tiny-llama-8l", 1, 4)
+    cfg = CostModelConfig()
+    prob = build_problem(graph, models, CostModel(cluster, cfg))
+    info = SearchInfo(method="manual", seed=0, search_time_s=0.0, space_size=1.0,
+                      candidates={}, steps=0, complete=False)
+    return build_plan("ds", prob, openrlhf(prob), cfg, info, ())
+
+
+def _alloc(raw, name):
+    return next(a for a in raw["allocations"] if a["mfc"] == name)
+
+
+@pytest.mark.parametrize("mutate,snippet", [
+    (lambda raw: _alloc(raw, "actor.train")["mesh"].update(first_gpu=8),
+     "allocation actor.train: mesh GPUs 8..9 exceed the cluster's 4 GPUs"),
+    (lambda raw: _alloc(raw, "actor.train")["layout"].update(dp=1),
+     "allocation actor.train: tp*pp*dp = 1 but the mesh has 2 GPUs"),
+    (lambda raw: _alloc(raw, "actor.train").update(micro_batches=3),
+     "allocation actor.train: micro_batches=3 must divide"),
+    (lambda raw: _alloc(raw, "actor.train").update(mfc="actor.trian"),
+     "its allocations are for"),
+    (lambda raw: _alloc(raw, "actor.train").update(kind="inference"),
+     "allocation actor.train is a actor inference call"),
+    (lambda raw: _alloc(raw, "actor.train").update(mesh_name="n7"),
+     "mesh_name 'n7' is not its mesh's name"),
+    (lambda raw: raw.update(reallocations=[]), "it lists the reallocations []"),
+    (lambda raw: raw["reallocations"][0]["src_layout"].update(tp=4, dp=1),
+     "the reallocation of actor to actor.generate goes TP4"),
+])
+def test_an_inconsistent_plan_is_refused_and_says_why(mutate, snippet):
+    """What the run executes must be what the plan says: allocations for exactly the
+    graph's MFCs, valid on the cluster, and exactly the reallocations they imply."""
+    raw = json.loads(_realloc_plan().to_json())
+    mutate(raw)
+    with pytest.raises(PlanError, match="plan.json is not a consistent execution plan") as e:
         ExecutionPlan.from_json(json.dumps(raw), source="plan.json")
     assert snippet in str(e.value) and e.value.field == "plan"
 

@@ -177,7 +177,7 @@ def test_bytes_moved_equal_the_lower_bound(cases):
 
 
 def test_copies_cover_each_destination_slice_exactly_once(cases):
-    for spec, head, gpn, src, dst, plan in cases:
+    for spec, head, _gpn, _src, dst, plan in cases:
         got: dict[tuple[int, str], list] = defaultdict(list)
         for c in plan.copies:
             got[(c.dst_gpu, c.dst_tensor)].append(c)
@@ -204,7 +204,7 @@ def test_copies_cover_each_destination_slice_exactly_once(cases):
 
 
 def test_senders_hold_the_slice_and_receivers_lacked_it(cases):
-    for spec, head, gpn, src, dst, plan in cases:
+    for spec, head, gpn, src, _dst, plan in cases:
         src_gpus = list(src.mesh.gpus)
         for c in plan.copies:
             held = holdings(spec, head, src, c.src_gpu)
