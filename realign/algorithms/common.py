@@ -21,9 +21,9 @@ KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean"]
 
 
-class AlgorithmConfig(BaseModel):
-    """Base of the algorithms' hyper-parameter models: unknown keys are errors, values
-    are frozen."""
+class AlgorithmParams(BaseModel):
+    """Base of the algorithms' hyper-parameter models (an experiment's
+    ``algorithm.params``): unknown keys are errors, values are frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -20,11 +20,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from realign.algorithms.common import (AlgorithmConfig, Batch, batch_mask, pairs, require,
-                                       sequence_logprob)
+from realign.algorithms.common import AlgorithmParams, Batch, batch_mask, pairs, require, sequence_logprob
 
 
-class DPOConfig(AlgorithmConfig):
+class DPOConfig(AlgorithmParams):
     """DPO / IPO hyper-parameters."""
 
     beta: float = Field(0.1, gt=0, description="beta: strength of the KL constraint to "

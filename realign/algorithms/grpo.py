@@ -15,13 +15,22 @@ from functools import partial
 import torch
 from pydantic import Field
 
-from realign.algorithms.common import (AlgorithmConfig, Batch, KLEstimator, LossAgg,
-                                       aggregate, batch_mask, broadcast_to_tokens,
-                                       clipped_surrogate, group_view, kl_penalty,
-                                       require)
+from realign.algorithms.common import (
+    AlgorithmParams,
+    Batch,
+    KLEstimator,
+    LossAgg,
+    aggregate,
+    batch_mask,
+    broadcast_to_tokens,
+    clipped_surrogate,
+    group_view,
+    kl_penalty,
+    require,
+)
 
 
-class GRPOConfig(AlgorithmConfig):
+class GRPOConfig(AlgorithmParams):
     """GRPO hyper-parameters."""
 
     samples_per_prompt: int = Field(8, ge=2, description="G: responses per prompt, on "

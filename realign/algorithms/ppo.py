@@ -22,13 +22,23 @@ from functools import partial
 import torch
 from pydantic import Field
 
-from realign.algorithms.common import (AlgorithmConfig, Batch, KLEstimator, batch_mask,
-                                       clipped_surrogate, kl_penalty, last_token_scores,
-                                       masked_mean, masked_whiten, require,
-                                       rollout_ref_logprobs, token_kl)
+from realign.algorithms.common import (
+    AlgorithmParams,
+    Batch,
+    KLEstimator,
+    batch_mask,
+    clipped_surrogate,
+    kl_penalty,
+    last_token_scores,
+    masked_mean,
+    masked_whiten,
+    require,
+    rollout_ref_logprobs,
+    token_kl,
+)
 
 
-class PPOConfig(AlgorithmConfig):
+class PPOConfig(AlgorithmParams):
     """PPO hyper-parameters."""
 
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")

@@ -1,11 +1,12 @@
-"""The table of algorithms by name: each entry is its config class, its ``prepare``
-step and, per trained model role, a factory of the training engine's loss function.
+"""The table of algorithms by name: each entry is its hyper-parameter class, its
+``prepare`` step and, per trained model role, a factory of the training engine's loss
+function. This is the torch half of an algorithm; its torch-free half (data kind,
+roles, dataflow graph) is :data:`planner.algorithms.ALGORITHMS` under the same name
+(:attr:`Algorithm.spec`): ``actor.train`` trains with ``loss_fn("actor", cfg)``,
+``critic.train`` with ``loss_fn("critic", cfg)``, ``reward.train`` with
+``loss_fn("reward", cfg)``.
 
-The names and roles match the planner's dataflow graphs (``planner.algorithms``):
-``actor.train`` trains with ``loss_fn("actor", cfg)``, ``critic.train`` with
-``loss_fn("critic", cfg)``, ``reward.train`` with ``loss_fn("reward", cfg)``.
-
-Controller use::
+Use::
 
     algo = registry.get(exp.algorithm.name)
     cfg = algo.make_config(exp.algorithm.params, exp.algorithm.shape())
@@ -20,9 +21,10 @@ from typing import Any, Callable, Mapping
 
 from pydantic import ValidationError
 
-from planner.algorithms import BatchShape
+from planner.algorithms import ALGORITHMS as SPECS
+from planner.algorithms import AlgorithmSpec, BatchShape
 from realign.algorithms import dpo, grpo, ppo, reinforce_pp, remax, rloo, rm, sft
-from realign.algorithms.common import AlgorithmConfig, Batch, LossFn
+from realign.algorithms.common import AlgorithmParams, Batch, LossFn
 from realign.errors import UserError
 
 #: Config fields the batch shape sets (experiment ``algorithm.<shape field>``), so they
@@ -41,15 +43,29 @@ class Algorithm:
     ``factory(cfg) -> loss_fn``."""
 
     name: str
-    config: type[AlgorithmConfig]
-    prepare: Callable[[Batch, AlgorithmConfig], Batch]
-    losses: Mapping[str, Callable[[AlgorithmConfig], LossFn]]
+    config: type[AlgorithmParams]
+    prepare: Callable[[Batch, AlgorithmParams], Batch]
+    losses: Mapping[str, Callable[[AlgorithmParams], LossFn]]
 
     @property
     def trained_roles(self) -> tuple[str, ...]:
         return tuple(self.losses)
 
-    def make_config(self, params: Mapping[str, Any], shape: BatchShape) -> AlgorithmConfig:
+    @property
+    def spec(self) -> AlgorithmSpec:
+        """The torch-free half: data kind, model roles, dataflow graph."""
+        return SPECS[self.name]
+
+    def check_roles(self, cfg: AlgorithmParams, roles: set[str]) -> None:
+        """The configured model ``roles`` suit ``cfg``: a KL coefficient above 0 needs
+        the reference model that the algorithm otherwise does without."""
+        kl_coef = getattr(cfg, "kl_coef", 0.0)
+        if "ref" in self.spec.optional_roles and "ref" not in roles and kl_coef > 0:
+            raise UserError(f"{self.name} with kl_coef {kl_coef} needs a reference model: "
+                            "set models.ref, or algorithm.params.kl_coef: 0 to train "
+                            "without one", field="models.ref")
+
+    def make_config(self, params: Mapping[str, Any], shape: BatchShape) -> AlgorithmParams:
         """The config from the experiment's ``algorithm.params`` plus the fields the batch
         shape owns (:data:`SHAPE_FIELDS`); :class:`UserError` naming the field if invalid."""
         for name, shape_name in SHAPE_FIELDS.items():
@@ -65,10 +81,14 @@ class Algorithm:
             loc = ".".join(str(x) for x in err["loc"])
             field = (f"algorithm.{SHAPE_FIELDS[loc]}" if loc in from_shape
                      else f"algorithm.params.{loc}")
+            if err["type"] == "extra_forbidden":
+                allowed = [k for k in self.config.model_fields if k not in SHAPE_FIELDS]
+                raise UserError(f"unknown hyper-parameter of {self.name}; allowed: "
+                                f"{', '.join(allowed)}", field=field) from None
             raise UserError(f"{err['msg']} (got {err.get('input')!r}) for {self.name}",
                             field=field) from None
 
-    def loss_fn(self, role: str, cfg: AlgorithmConfig) -> LossFn:
+    def loss_fn(self, role: str, cfg: AlgorithmParams) -> LossFn:
         """The loss function that trains model ``role`` under ``cfg``."""
         if role not in self.losses:
             raise UserError(f"{self.name} trains no {role!r} model; it trains "
@@ -78,10 +98,10 @@ class Algorithm:
                             f"{type(cfg).__name__}")
         return self.losses[role](cfg)
 
-    def actor_loss_fn(self, cfg: AlgorithmConfig) -> LossFn:
+    def actor_loss_fn(self, cfg: AlgorithmParams) -> LossFn:
         return self.loss_fn("actor", cfg)
 
-    def critic_loss_fn(self, cfg: AlgorithmConfig) -> LossFn:
+    def critic_loss_fn(self, cfg: AlgorithmParams) -> LossFn:
         return self.loss_fn("critic", cfg)
 
 
@@ -90,6 +110,9 @@ def _table(*algorithms: Algorithm) -> Mapping[str, Algorithm]:
     for a in algorithms:
         if a.name in table:
             raise ValueError(f"algorithm {a.name!r} registered twice")
+        if a.name not in SPECS:
+            raise ValueError(f"algorithm {a.name!r} has no torch-free half in "
+                             "planner.algorithms")
         table[a.name] = a
     return MappingProxyType(table)
 

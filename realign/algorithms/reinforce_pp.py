@@ -14,13 +14,20 @@ from functools import partial
 import torch
 from pydantic import Field
 
-from realign.algorithms.common import (AlgorithmConfig, Batch, batch_mask,
-                                       surrogate_actor_loss, discounted_returns, masked_whiten,
-                                       rollout_ref_logprobs, require)
+from realign.algorithms.common import (
+    AlgorithmParams,
+    Batch,
+    batch_mask,
+    discounted_returns,
+    masked_whiten,
+    require,
+    rollout_ref_logprobs,
+    surrogate_actor_loss,
+)
 from realign.algorithms.ppo import token_rewards
 
 
-class ReinforcePPConfig(AlgorithmConfig):
+class ReinforcePPConfig(AlgorithmParams):
     """REINFORCE++ hyper-parameters."""
 
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")

@@ -16,14 +16,20 @@ from functools import partial
 import torch
 from pydantic import Field
 
-from realign.algorithms.common import (AlgorithmConfig, Batch, batch_mask,
-                                       broadcast_to_tokens, rollout_ref_logprobs,
-                                       surrogate_actor_loss, require,
-                                       token_kl)
+from realign.algorithms.common import (
+    AlgorithmParams,
+    Batch,
+    batch_mask,
+    broadcast_to_tokens,
+    require,
+    rollout_ref_logprobs,
+    surrogate_actor_loss,
+    token_kl,
+)
 from realign.errors import UserError
 
 
-class ReMaxConfig(AlgorithmConfig):
+class ReMaxConfig(AlgorithmParams):
     """ReMax hyper-parameters."""
 
     samples_per_prompt: int = Field(1, ge=1, description="Sampled responses per prompt "

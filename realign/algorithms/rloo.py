@@ -15,12 +15,20 @@ from functools import partial
 import torch
 from pydantic import Field
 
-from realign.algorithms.common import (AlgorithmConfig, Batch, batch_mask,
-                                       broadcast_to_tokens, surrogate_actor_loss, group_view,
-                                       rollout_ref_logprobs, require, token_kl)
+from realign.algorithms.common import (
+    AlgorithmParams,
+    Batch,
+    batch_mask,
+    broadcast_to_tokens,
+    group_view,
+    require,
+    rollout_ref_logprobs,
+    surrogate_actor_loss,
+    token_kl,
+)
 
 
-class RLOOConfig(AlgorithmConfig):
+class RLOOConfig(AlgorithmParams):
     """RLOO hyper-parameters."""
 
     samples_per_prompt: int = Field(4, ge=2, description="k: responses per prompt, on "

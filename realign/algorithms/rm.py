@@ -12,10 +12,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from realign.algorithms.common import AlgorithmConfig, Batch, pairs, require
+from realign.algorithms.common import AlgorithmParams, Batch, pairs, require
 
 
-class RMConfig(AlgorithmConfig):
+class RMConfig(AlgorithmParams):
     """Reward-modelling hyper-parameters (none yet; unknown keys are errors)."""
 
 

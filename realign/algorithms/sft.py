@@ -9,11 +9,10 @@ from functools import partial
 import torch
 from pydantic import Field
 
-from realign.algorithms.common import (AlgorithmConfig, Batch, LossAgg, aggregate,
-                                       batch_mask, require)
+from realign.algorithms.common import AlgorithmParams, Batch, LossAgg, aggregate, batch_mask, require
 
 
-class SFTConfig(AlgorithmConfig):
+class SFTConfig(AlgorithmParams):
     """SFT hyper-parameters."""
 
     loss_agg: LossAgg = Field("token_mean", description="One mean over all response "

@@ -7,10 +7,18 @@ import math
 import pytest
 import torch
 
-from realign.algorithms.common import (aggregate, broadcast_to_tokens, clipped_surrogate,
-                                       discounted_returns, kl_penalty, last_token_scores,
-                                       masked_mean, masked_whiten, response_mask,
-                                       sequence_logprob)
+from realign.algorithms.common import (
+    aggregate,
+    broadcast_to_tokens,
+    clipped_surrogate,
+    discounted_returns,
+    kl_penalty,
+    last_token_scores,
+    masked_mean,
+    masked_whiten,
+    response_mask,
+    sequence_logprob,
+)
 
 LN2 = math.log(2)
 

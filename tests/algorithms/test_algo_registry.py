@@ -8,21 +8,23 @@ import pickle
 import pytest
 import torch
 
-from planner.algorithms import BUILDERS, BatchShape
+from planner.algorithms import ALGORITHMS as SPECS
+from planner.algorithms import BatchShape, build_graph
 from realign.algorithms import registry
 from realign.algorithms.registry import ALGORITHMS, Algorithm
 from realign.errors import UserError
 
 
 def test_names_match_the_planner():
-    assert set(ALGORITHMS) == set(BUILDERS)
+    assert list(ALGORITHMS) == list(SPECS)
 
 
-@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("name", sorted(SPECS))
 def test_trained_roles_match_the_graph(name):
-    calls = BUILDERS[name](BatchShape(samples_per_prompt=2), with_reward_model=True)
-    trained = {m.role for m in calls if m.kind == "train"}
-    assert set(ALGORITHMS[name].trained_roles) == trained
+    spec = SPECS[name]
+    g = build_graph(name, BatchShape(samples_per_prompt=2), set(spec.required_roles))
+    assert set(ALGORITHMS[name].trained_roles) == g.trainable_roles()
+    assert ALGORITHMS[name].spec is spec
 
 
 def test_lookup_errors():
@@ -75,7 +77,7 @@ CONFIGS = {"grpo": {"samples_per_prompt": 2}, "rloo": {"samples_per_prompt": 2},
            "remax": {"samples_per_prompt": 2}}
 
 
-@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("name", sorted(SPECS))
 def test_prepare_then_every_loss_is_a_finite_scalar_and_descends(name):
     algo = registry.get(name)
     cfg = algo.config(**CONFIGS.get(name, {}))
