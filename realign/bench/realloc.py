@@ -77,27 +77,26 @@ def _describe(t: tuple[int, ...]) -> str:
 
 # ---- rank side ---------------------------------------------------------------------
 
-_STATE: dict = {}
-
-
-def _rank_setup(spec_json: str, head: str) -> dict:
+def _rank_setup(ctx, spec_json: str, head: str) -> dict:
     import torch
+
     from realign.realloc.synthetic import full_weights
     spec = ModelSpec.model_validate_json(spec_json)
-    _STATE.clear()
-    _STATE.update(spec=spec, head=head, full=full_weights(spec, head, seed=0))
+    ctx.store.clear()
+    ctx.store.update(spec=spec, head=head, full=full_weights(spec, head, seed=0))
     return {"threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
             "pid": os.getpid()}
 
 
-def _rank_case(src_t: tuple, dst_t: tuple, warmup: int, repeats: int) -> dict:
+def _rank_case(ctx, src_t: tuple, dst_t: tuple, warmup: int, repeats: int) -> dict:
     import torch
     import torch.distributed as dist
+
     from realign.realloc.executor import allocate_shards, reallocate
     from realign.realloc.naive import naive_reallocate
     from realign.realloc.synthetic import shards_of
 
-    spec, head, full = _STATE["spec"], _STATE["head"], _STATE["full"]
+    spec, head, full = ctx.store["spec"], ctx.store["head"], ctx.store["full"]
     gpu = dist.get_rank()
     src, dst = _placement(src_t), _placement(dst_t)
     a = shards_of(full, spec, head, src, gpu)
@@ -147,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.realloc_cost import ReallocModel, realloc_recv_send
     from realign.errors import UserError
     from realign.realloc.checks import check_reallocation, lower_bound_bytes
-    from realign.realloc.local_world import LocalWorld
+    from realign.runtime.local_world import LocalWorld
 
     spec = resolve_model(args.model) if args.model else BENCH_MODEL
     names = args.cases or list(CASES)

@@ -17,7 +17,6 @@ from planner.model_spec import ModelSpec
 from planner.param_layout import stage_tensors
 from planner.transfer import Placement
 from realign.errors import UserError
-from realign.realloc.slices import shard_shape
 
 HEADS = ("lm", "value")
 
@@ -64,7 +63,7 @@ def expected_shards(spec: ModelSpec, head: str, p: Placement, gpu: int
         return {}
     tp_rank, _dp, pp_rank = coords_of_rank(gpu - p.mesh.first_gpu, p.layout)
     del tp_rank
-    return {t.name: shard_shape(t, p.layout.tp)
+    return {t.name: t.shard_shape(p.layout.tp)
             for t in stage_tensors(spec, head, p.layout.pp, pp_rank)}
 
 

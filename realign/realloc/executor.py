@@ -2,8 +2,9 @@
 over torch.distributed point-to-point messages (gloo on CPU, NCCL on GPU).
 
 Why not ``megatron.core.resharding.swap_model_weights`` (megatron-core 0.16.1), which
-moves weights between layouts too? Measured here (see ENVIRONMENT.md) it cannot do
-what a reallocation needs:
+moves weights between layouts too? Measured on CPU over gloo with megatron-core
+0.16.1 (the project's shared environment notes, outside this repository), it cannot
+do what a reallocation needs:
 
 * it picks senders without regard to what the receiver already holds or where it is
   (TP1·DP2 -> TP2 on the same two ranks sent 297 KB although each rank held all it
@@ -64,8 +65,7 @@ from planner.layout import coords_of_rank
 from planner.model_spec import ModelSpec
 from planner.param_layout import LogicalTensor, stage_tensors
 from planner.transfer import Placement, SliceCopy, TransferPlan, transfer_plan
-from realign.realloc.checks import (ReallocError, check_reallocation, check_shards,
-                                    expected_shards)
+from realign.realloc.checks import ReallocError, check_reallocation, check_shards, expected_shards
 from realign.realloc.slices import pack, shard_view, unpack
 
 Shards = Mapping[str, torch.Tensor]
@@ -164,7 +164,8 @@ def reallocate(spec: ModelSpec, head: str, src: Placement, dst: Placement,
                dtype: torch.dtype, gpus_per_node: int,
                rank_of_gpu: Sequence[int] | None = None,
                group: dist.ProcessGroup | None = None,
-               direct_min_bytes: int = DIRECT_MIN_BYTES) -> ReallocStats:
+               direct_min_bytes: int = DIRECT_MIN_BYTES,
+               planned: tuple[int, int] | None = None) -> ReallocStats:
     """Move ``spec``'s parameters from placement ``src`` to ``dst``; call on every rank
     of ``src ∪ dst`` (others may call it too and return at once).
 
@@ -172,8 +173,10 @@ def reallocate(spec: ModelSpec, head: str, src: Placement, dst: Placement,
     ``dst_shards``: this rank's destination tensors, written in place (None outside
     ``dst``). ``dtype``: the parameters' dtype on every rank. ``rank_of_gpu[g]`` is the
     rank in ``group`` of global GPU ``g`` (default: rank ``g``). ``direct_min_bytes``:
-    see :func:`messages` (every rank must pass the same value). Returns this rank's
-    byte and message counts.
+    see :func:`messages` (every rank must pass the same value). ``planned``: (bytes,
+    bytes per element) an execution plan priced this reallocation at; the transfer
+    plan must move exactly as many elements (else :class:`ReallocError`, on every rank
+    alike). Returns this rank's byte and message counts.
     """
     world = dist.get_world_size(group)
     ranks = list(range(world)) if rank_of_gpu is None else list(rank_of_gpu)
@@ -181,15 +184,19 @@ def reallocate(spec: ModelSpec, head: str, src: Placement, dst: Placement,
         raise ReallocError(f"must map GPUs to distinct ranks in 0..{world - 1}, got {ranks}",
                            field="rank_of_gpu")
     check_reallocation(spec, head, src, dst, len(ranks))
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    plan = cached_plan(spec, head, src, dst, gpus_per_node, dtype_bytes)
+    if planned is not None and plan.bytes_moved() * planned[1] != planned[0] * dtype_bytes:
+        raise ReallocError(f"the transfer plan moves {plan.bytes_moved() // dtype_bytes} "
+                           f"elements, the execution plan priced {planned[0] // planned[1]}: "
+                           "the planner and the executor disagree", field="plan.reallocations")
     me = dist.get_rank(group)
     if me not in ranks:
         return ReallocStats(0, 0, 0, 0, 0)
     gpu = ranks.index(me)
     check_shards(src_shards, expected_shards(spec, head, src, gpu), dtype, "src_shards")
     check_shards(dst_shards, expected_shards(spec, head, dst, gpu), dtype, "dst_shards")
-
-    dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    sched = rank_schedule(cached_plan(spec, head, src, dst, gpus_per_node, dtype_bytes), gpu)
+    sched = rank_schedule(plan, gpu)
     if sched.idle:
         return ReallocStats(0, 0, 0, 0, 0)
     s_side = _Side(spec, head, src, gpu, src_shards)

@@ -22,7 +22,7 @@ from planner.param_layout import LogicalTensor, all_tensors, stage_tensors
 from planner.transfer import Placement
 from realign.realloc.checks import check_reallocation
 from realign.realloc.executor import Shards
-from realign.realloc.slices import pack, shard_shape, unpack
+from realign.realloc.slices import pack, unpack
 
 
 def _coords(p: Placement, gpu: int) -> tuple[int, int, int] | None:
@@ -67,7 +67,7 @@ def naive_reallocate(spec: ModelSpec, head: str, src: Placement, dst: Placement,
             if g == root:
                 shards = [src_shards[t.name] for t in ts]
             else:
-                shards = [torch.empty(shard_shape(t, src.layout.tp), dtype=dtype) for t in ts]
+                shards = [torch.empty(t.shard_shape(src.layout.tp), dtype=dtype) for t in ts]
                 buf = torch.empty(sum(s.numel() for s in shards), dtype=dtype)
                 dist.recv(buf, g)
                 received += buf.numel() * buf.element_size()

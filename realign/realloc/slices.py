@@ -18,15 +18,6 @@ import torch
 from planner.param_layout import LogicalTensor
 
 
-def shard_shape(t: LogicalTensor, tp: int) -> tuple[int, ...]:
-    """Shape of one TP rank's local shard of ``t``. fc1 (352, 64) at tp=4 -> (88, 64)."""
-    if t.shard_dim is None:
-        return t.shape
-    shape = list(t.shape)
-    shape[t.shard_dim] //= tp
-    return tuple(shape)
-
-
 def local_range(t: LogicalTensor, tp_rank: int, tp: int, start: int, stop: int
                 ) -> tuple[int, int]:
     """Global range ``[start, stop)`` along ``shard_dim`` -> range in the local shard.

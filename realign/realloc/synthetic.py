@@ -9,11 +9,10 @@ import zlib
 
 import torch
 
-from planner.model_spec import ModelSpec
-from planner.param_layout import all_tensors
-from planner.transfer import Placement
 from planner.layout import coords_of_rank
-from planner.param_layout import stage_tensors
+from planner.model_spec import ModelSpec
+from planner.param_layout import all_tensors, stage_tensors
+from planner.transfer import Placement
 from realign.realloc.slices import make_shard
 
 

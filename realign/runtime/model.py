@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from planner.layout import stage_layers
 from planner.model_spec import ModelSpec
-from planner.param_layout import LogicalTensor, stage_tensors
+from planner.param_layout import stage_tensors
 from realign.runtime.device import DeviceInfo
 from realign.runtime.groups import ReplicaGroups
 
@@ -184,15 +184,6 @@ def global_name(local_name: str, spec: ModelSpec, pp: int, pp_rank: int) -> str:
     return f"decoder.layers.{layer}.{rest}"
 
 
-def local_shard_shape(t: LogicalTensor, tp: int) -> tuple[int, ...]:
-    """Shape of one TP rank's shard of a logical tensor."""
-    if t.shard_dim is None:
-        return t.shape
-    shape = list(t.shape)
-    shape[t.shard_dim] //= tp
-    return tuple(shape)
-
-
 def logical_shards(model: torch.nn.Module, layout, pp_rank: int,
                    spec: ModelSpec | None = None, head: Head | None = None
                    ) -> dict[str, torch.Tensor]:
@@ -217,7 +208,7 @@ def logical_shards(model: torch.nn.Module, layout, pp_rank: int,
         if logical not in expected:
             raise ValueError(f"megatron parameter {name!r} (logical {logical!r}) is not among "
                              f"the planner's tensors of stage {pp_rank}")
-        want = local_shard_shape(expected[logical], layout.tp)
+        want = expected[logical].shard_shape(layout.tp)
         if tuple(param.shape) != want:
             raise ValueError(f"{logical}: local shard has shape {tuple(param.shape)}, the "
                              f"planner expects {want} at tp={layout.tp}")

@@ -42,13 +42,15 @@ def shard_tensors(shard: ModelShard | None) -> dict[str, torch.Tensor] | None:
 
 def reallocate_replica(spec: ModelSpec, head: Head, src: ReplicaGroups, dst: ReplicaGroups,
                        src_shard: ModelShard | None, dst_shard: ModelShard | None, *,
-                       dtype: torch.dtype, gpus_per_node: int) -> ReallocStats:
+                       dtype: torch.dtype, gpus_per_node: int,
+                       planned: tuple[int, int] | None = None) -> ReallocStats:
     """Copy the parameters of replica ``src`` into replica ``dst`` (written in place).
 
     Call on every rank of ``src ∪ dst`` (others may call it and return at once), with
     this rank's shard of each replica or None where it is not a member. ``dtype``: the
     parameters' dtype (the same on every rank). Messages go over the default (world)
-    group, point to point only. Returns this rank's byte counts.
+    group, point to point only. ``planned``: (bytes, bytes per element) the execution
+    plan priced it at, checked against what moves. Returns this rank's byte counts.
     """
     for name, g, shard in (("src", src, src_shard), ("dst", dst, dst_shard)):
         if g.member != (shard is not None):
@@ -56,7 +58,7 @@ def reallocate_replica(spec: ModelSpec, head: Head, src: ReplicaGroups, dst: Rep
                              f"{name} (member={g.member}, shard given={shard is not None})")
     return reallocate(spec, head, placement_of(src), placement_of(dst),
                       shard_tensors(src_shard), shard_tensors(dst_shard), dtype=dtype,
-                      gpus_per_node=gpus_per_node)
+                      gpus_per_node=gpus_per_node, planned=planned)
 
 
 def release_copy(shard: ModelShard | None) -> offload.Released | None:

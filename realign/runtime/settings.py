@@ -7,22 +7,28 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class SamplingParams(BaseModel):
-    """How ``generate`` picks tokens."""
+class Sampling(BaseModel):
+    """How the actor samples responses (the experiment's ``sampling`` section; their
+    length is the plan's ``gen_len``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_new_tokens: int = Field(16, gt=0, description="Tokens to generate at most per prompt.")
-    greedy: bool = Field(False, description="Take the most likely token (ignores the rest).")
     temperature: float = Field(1.0, gt=0, description="Divide logits by this before sampling.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
     top_p: float = Field(1.0, gt=0, le=1.0, description="Keep the smallest set of tokens "
                          "whose probability reaches top_p (nucleus sampling).")
+
+
+class SamplingParams(Sampling):
+    """How one ``generate`` call picks tokens: :class:`Sampling` plus what the call
+    itself decides."""
+
+    max_new_tokens: int = Field(16, gt=0, description="Tokens to generate at most per prompt.")
+    greedy: bool = Field(False, description="Take the most likely token (ignores the rest).")
     stop_token_ids: tuple[int, ...] = Field((), description="A sequence ends after "
                                             "generating one of these (it is kept).")
     seed: int = Field(0, description="Sampling noise of sequence i's t-th token is a "
                       "hash of (seed, i, t): independent of layout and batch.")
-
 
 
 class TrainConfig(BaseModel):
@@ -38,7 +44,10 @@ class TrainConfig(BaseModel):
     adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     clip_grad: float = Field(1.0, ge=0, description="Clip the global grad norm to this; "
                              "0 disables clipping.")
-    micro_batches: int = Field(1, gt=0, description="Micro-batches per step and DP rank.")
+    micro_batches: int | None = Field(
+        None, gt=0, description="Micro-batches per optimizer step and DP rank of every train "
+        "call. Unset: the plan chooses them; set: the plan must use this many (the search "
+        "considers no other count, and a saved or manual plan with another is refused).")
     distributed_optimizer: bool | None = Field(
         None, description="Shard optimizer state over DP (ZeRO-1: reduce-scatter gradients, "
         "all-gather new weights). Unset: on for cuda; off for cpu, where memory is rarely "

@@ -1,5 +1,5 @@
-"""Rank-side body of the train -> reallocate -> generate test (runs in the gloo world of
-``tests/runtime/dist_harness.py``; importable by name in the workers)."""
+"""Rank-side body of the train -> reallocate -> generate test (runs in a
+:class:`realign.runtime.local_world.LocalWorld`; importable by name in the workers)."""
 from __future__ import annotations
 
 import dataclasses

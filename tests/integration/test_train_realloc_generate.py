@@ -51,11 +51,10 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world():
-    from dist_harness import World
+    from realign.runtime.local_world import LocalWorld
 
-    w = World(WORLD, timeout_s=180, paths=(str(HERE),))
-    yield w
-    w.close()
+    with LocalWorld(WORLD, timeout_s=180) as w:
+        yield w
 
 
 @pytest.fixture(scope="module")

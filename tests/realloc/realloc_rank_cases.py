@@ -60,7 +60,7 @@ def _stats(s):
     return (s.bytes_sent, s.bytes_received, s.bytes_local, s.messages_sent, s.messages_received)
 
 
-def case(model: str, head: str, src_t: tuple, dst_t: tuple, gpn: int,
+def case(ctx, model: str, head: str, src_t: tuple, dst_t: tuple, gpn: int,
          direct_min_bytes: int = DIRECT_MIN_BYTES, strided: bool = False) -> dict:
     """A -> B, check B against the reference; B -> A, check against A.
 
@@ -85,7 +85,7 @@ def case(model: str, head: str, src_t: tuple, dst_t: tuple, gpn: int,
             "fwd": _stats(s1), "bwd": _stats(s2)}
 
 
-def only_involved(model: str, head: str, src_t: tuple, dst_t: tuple) -> dict:
+def only_involved(ctx, model: str, head: str, src_t: tuple, dst_t: tuple) -> dict:
     """Ranks outside src ∪ dst do not call the executor at all."""
     spec, gpu = model_presets()[model], dist.get_rank()
     src, dst = placement(*src_t), placement(*dst_t)
@@ -99,13 +99,13 @@ def only_involved(model: str, head: str, src_t: tuple, dst_t: tuple) -> dict:
             "dst_bad": mismatches(b, shards_of(full, spec, head, dst, gpu))}
 
 
-def bad_input(model: str, src_t: tuple, dst_t: tuple) -> None:
+def bad_input(ctx, model: str, src_t: tuple, dst_t: tuple) -> None:
     spec = model_presets()[model]
     src, dst = placement(*src_t), placement(*dst_t)
     reallocate(spec, "lm", src, dst, {}, {}, dtype=torch.float32, gpus_per_node=4)
 
 
-def naive_case(model: str, head: str, src_t: tuple, dst_t: tuple) -> dict:
+def naive_case(ctx, model: str, head: str, src_t: tuple, dst_t: tuple) -> dict:
     spec, gpu = model_presets()[model], dist.get_rank()
     src, dst = placement(*src_t), placement(*dst_t)
     full = _full(model, head)
@@ -115,7 +115,7 @@ def naive_case(model: str, head: str, src_t: tuple, dst_t: tuple) -> dict:
     return {"gpu": gpu, "dst_bad": mismatches(b, shards_of(full, spec, head, dst, gpu))}
 
 
-def release_refill(model: str, head: str, src_t: tuple, dst_t: tuple) -> dict:
+def release_refill(ctx, model: str, head: str, src_t: tuple, dst_t: tuple) -> dict:
     """The generation copy is released after use, then restored and refilled."""
     spec, gpu = model_presets()[model], dist.get_rank()
     src, dst = placement(*src_t), placement(*dst_t)

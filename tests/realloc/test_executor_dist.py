@@ -7,15 +7,14 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
+import realloc_rank_cases as rc
 
 from planner.model_spec import model_presets
 from planner.realloc_cost import ReallocModel, realloc_recv_send
 from planner.transfer import transfer_plan
 from realign.realloc.checks import lower_bound_bytes
 from realign.realloc.executor import messages
-from realign.realloc.local_world import LocalWorld, RankFailure
-
-import realloc_rank_cases as rc
+from realign.runtime.local_world import LocalWorld, RankFailure
 
 pytestmark = pytest.mark.cpu_dist
 

@@ -13,10 +13,15 @@ from planner.model_spec import model_presets
 from planner.param_layout import LogicalTensor, all_tensors
 from planner.transfer import Placement, transfer_plan
 from realign.realloc import offload as off
-from realign.realloc.checks import (ReallocError, check_reallocation, check_shards,
-                                    expected_shards, lower_bound_bytes)
+from realign.realloc.checks import (
+    ReallocError,
+    check_reallocation,
+    check_shards,
+    expected_shards,
+    lower_bound_bytes,
+)
 from realign.realloc.executor import allocate_shards, messages, rank_schedule
-from realign.realloc.slices import local_range, make_shard, pack, shard_shape, shard_view, unpack
+from realign.realloc.slices import local_range, make_shard, pack, shard_view, unpack
 from realign.realloc.synthetic import full_weights, shards_of
 
 pytestmark = pytest.mark.pure
@@ -34,7 +39,7 @@ def test_fc1_shard_is_parts_concatenated_in_order():
     full = torch.arange(24.).view(8, 3)
     s = make_shard(full, FC1, 1, 2)                       # rows [2,4) and [6,8)
     assert torch.equal(s, torch.cat([full[2:4], full[6:8]]))
-    assert shard_shape(FC1, 2) == (4, 3)
+    assert FC1.shard_shape(2) == (4, 3)
     assert local_range(FC1, 1, 2, 6, 8) == (2, 4)
     assert local_range(FC1, 1, 2, 3, 4) == (1, 2)
     v = shard_view(s, FC1, 1, 2, 0, 6, 8)

@@ -2,23 +2,35 @@
 from __future__ import annotations
 
 import torch
-
 from cases_model import replica
+from tiny_hf import hf_model
+
 from realign.data.collate import pad_right
 from realign.runtime.engines.generate import GenerateEngine
 from realign.runtime.engines.inference import InferenceEngine
 from realign.runtime.sampling import SamplingParams
-from tiny_hf import hf_model
 
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 12], [150, 1, 2, 3], [60, 61, 62, 63, 64, 65, 66, 67]]
 
 
-def generate(ctx, path, tp, pp, dp, sampling: dict, prompts=PROMPTS):
+def generate(ctx, path, tp, pp, dp, sampling: dict, prompts=PROMPTS, waves=1):
     shard = replica(ctx, path, "lm", tp, pp, dp)
     if shard is None:
         return None
-    out = GenerateEngine(shard).generate(prompts, SamplingParams(**sampling))
+    out = GenerateEngine(shard).generate(prompts, SamplingParams(**sampling), waves=waves)
     return out.tokens.tolist(), out.logprobs.tolist(), out.lengths.tolist()
+
+
+def kv_cache_peak(ctx, path, tp, pp, dp, n_prompts, prompt_len, n, waves):
+    """(peak KV-cache bytes this rank held, its model spec as JSON) when generating for
+    ``n_prompts`` prompts of ``prompt_len`` tokens in ``waves`` waves."""
+    shard = replica(ctx, path, "lm", tp, pp, dp)
+    if shard is None:
+        return None
+    prompts = [[(7 * i + j) % 150 + 3 for j in range(prompt_len)] for i in range(n_prompts)]
+    out = GenerateEngine(shard).generate(prompts, SamplingParams(max_new_tokens=n, seed=5),
+                                         waves=waves)
+    return out.kv_cache_peak_bytes, shard.spec.model_dump_json()
 
 
 def hf_greedy(ctx, path, n, prompts=PROMPTS):

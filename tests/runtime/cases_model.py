@@ -1,8 +1,9 @@
-"""Cases run inside the gloo world (see dist_harness): model build, HF loading,
+"""Cases run inside the gloo world (see realign.runtime.local_world): model build, HF loading,
 logits parity, logical shards."""
 from __future__ import annotations
 
 import torch
+from tiny_hf import hf_model
 
 from planner.layout import Layout
 from planner.mesh import DeviceMesh
@@ -12,7 +13,6 @@ from realign.runtime.engines.inference import InferenceEngine
 from realign.runtime.groups import build_replica_groups
 from realign.runtime.hf_checkpoint import HFReader, check_checkpoint, load_hf_weights, spec_from_hf
 from realign.runtime.model import build_model, logical_shards
-from tiny_hf import hf_model
 
 
 def replica(ctx, path, head, tp, pp, dp, first=0, fresh=False):
@@ -62,8 +62,14 @@ def logits_parity(ctx, path, tp, pp, dp):
 def scoring_matches_megatron_forward(ctx, path, head, tp, pp, micro_batches):
     """Max |scoring forward - megatron GPTModel forward| of the head's output (log-probs
     or values), the latter run through megatron's own pipeline schedule."""
-    from realign.runtime.engines.base import (from_last_stage, gather_dp, local_batch,
-                                              position_ids, run_schedule, split)
+    from realign.runtime.engines.base import (
+        from_last_stage,
+        gather_dp,
+        local_batch,
+        position_ids,
+        run_schedule,
+        split,
+    )
     from realign.runtime.engines.inference import head_outputs
 
     shard = replica(ctx, path, head, tp, pp, 1)

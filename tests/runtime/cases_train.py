@@ -3,11 +3,11 @@ PyTorch reference (transformers model + torch AdamW) on the same weights and dat
 from __future__ import annotations
 
 import torch
-
 from cases_model import replica, sample_batch
+from tiny_hf import hf_model
+
 from realign.runtime.engines.inference import InferenceEngine
 from realign.runtime.engines.train import TrainConfig, TrainEngine
-from tiny_hf import hf_model
 
 # a large Adam epsilon keeps float noise in near-zero gradients from turning into
 # full-size (lr) updates, so the two implementations stay comparable after a step
@@ -39,9 +39,8 @@ def train(ctx, path, head, tp, pp, dp, micro, steps, distributed_optimizer=True,
     batch = sample_batch(n=8, s=10)
     batch["target"] = torch.linspace(-1, 1, 8)
     engine = TrainEngine(shard, TrainConfig(lr=LR, clip_grad=CLIP, adam_eps=EPS,
-                                            micro_batches=micro,
                                             distributed_optimizer=distributed_optimizer,
-                                            forward=forward))
+                                            forward=forward), micro_batches=micro)
     assert engine.optimizer.optimizer.param_groups[0]["fused"], "CPU Adam runs fused"
     loss = sft_loss if head == "lm" else value_loss
     history = [engine.train_step(batch, loss) for _ in range(steps)]

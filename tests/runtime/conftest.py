@@ -26,8 +26,7 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def world2():
-    from dist_harness import World
+    from realign.runtime.local_world import LocalWorld
 
-    w = World(2, timeout_s=180)
-    yield w
-    w.close()
+    with LocalWorld(2, timeout_s=180) as w:
+        yield w

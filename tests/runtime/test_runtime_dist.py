@@ -7,6 +7,7 @@ import pytest
 pytestmark = pytest.mark.cpu_dist
 
 TOL = 1e-4
+PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 12], [150, 1, 2, 3], [60, 61, 62, 63, 64, 65, 66, 67]]
 
 
 @pytest.mark.parametrize("tp,pp,dp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)])
@@ -102,6 +103,68 @@ def test_stop_tokens_end_sequences(world2, tiny_models):
     for i in range(1, 4):
         n = greedy[i].index(stop) + 1 if stop in greedy[i] else 8
         assert lengths[i] == n and tokens[i][:n] == greedy[i][:n]
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 2)])
+@pytest.mark.parametrize("sampling", [
+    {"max_new_tokens": 6, "greedy": True},
+    {"max_new_tokens": 6, "temperature": 0.8, "top_k": 40, "seed": 7}])
+def test_generation_in_waves_gives_what_one_wave_gives(world2, tiny_models, tp, pp, dp,
+                                                       sampling):
+    """The plan's micro-batches run as waves (pipelined over the stages at pp 2): the
+    sequences are those of one wave, whatever the split."""
+    path = tiny_models["llama"]
+    prompts = PROMPTS * 2
+    whole = [r for r in world2.run("cases_generate:generate", path, tp, pp, dp, sampling,
+                                   prompts, 1) if r is not None]
+    for waves in (2, 4):
+        split = [r for r in world2.run("cases_generate:generate", path, tp, pp, dp, sampling,
+                                       prompts, waves) if r is not None]
+        for (t1, lp1, n1), (t2, lp2, n2) in zip(whole, split):
+            assert t1 == t2 and n1 == n2
+            assert max(abs(a - b) for r1, r2 in zip(lp1, lp2) for a, b in zip(r1, r2)) < TOL
+
+
+def test_waves_end_at_stop_tokens_across_the_pipeline(world2, tiny_models):
+    """A wave whose rows all stopped ends early on every stage; the other waves run on."""
+    path = tiny_models["llama"]
+    greedy = {"max_new_tokens": 8, "greedy": True}
+    ref = world2.run("cases_generate:generate", path, 1, 1, 1, greedy, PROMPTS, 1)[0][0]
+    stop = ref[0][1]
+    params = dict(greedy, stop_token_ids=[stop])
+    one = world2.run("cases_generate:generate", path, 1, 1, 1, params, PROMPTS, 1)[0]
+    for tokens, logprobs, lengths in world2.run("cases_generate:generate", path, 1, 2, 1,
+                                                params, PROMPTS, 4):
+        assert tokens == one[0] and lengths == one[2]
+        assert max(abs(a - b) for r1, r2 in zip(logprobs, one[1]) for a, b in zip(r1, r2)) < TOL
+    assert one[2][0] == 2                     # prompt 0 stopped after its second token
+
+
+@pytest.mark.parametrize("tp,pp,dp,waves", [(1, 1, 1, 1), (1, 1, 1, 4), (1, 2, 1, 1),
+                                            (1, 2, 1, 2), (1, 2, 1, 4), (2, 1, 1, 2),
+                                            (1, 1, 2, 2)])
+def test_peak_kv_cache_is_the_cost_models(world2, tiny_models, tp, pp, dp, waves):
+    """The runtime's measured peak KV-cache bytes (the waves in flight) are exactly the
+    cost model's figure for the same call, layout and micro-batches."""
+    from planner.cluster import ClusterSpec, resolve_device
+    from planner.cost_config import CostModelConfig
+    from planner.cost_model import CostModel
+    from planner.graph import MFC
+    from planner.layout import Layout
+    from planner.model_spec import ModelSpec
+
+    n_prompts, prompt_len, n = 8, 6, 5
+    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=2, device=resolve_device("cpu")),
+                   CostModelConfig(param_dtype_bytes=4))          # fp32 on CPU
+    mfc = MFC(name="actor.generate", role="actor", kind="generate", n_seqs=n_prompts,
+              prompt_len=prompt_len, gen_len=n, input_keys=("prompts",), output_keys=("seqs",))
+    got = [r for r in world2.run("cases_generate:kv_cache_peak", tiny_models["llama"], tp, pp,
+                                 dp, n_prompts, prompt_len, n, waves) if r is not None]
+    assert len(got) == tp * pp * dp
+    for measured, spec_json in got:
+        want = cm.kv_cache_bytes(ModelSpec.model_validate_json(spec_json), mfc,
+                                 Layout(tp=tp, pp=pp, dp=dp), waves)
+        assert measured == want > 0
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])

@@ -10,11 +10,10 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def world4():
-    from dist_harness import World
+    from realign.runtime.local_world import LocalWorld
 
-    w = World(4, timeout_s=240)
-    yield w
-    w.close()
+    with LocalWorld(4, timeout_s=240) as w:
+        yield w
 
 
 @pytest.mark.parametrize("tp,pp,dp", [(2, 2, 1), (2, 1, 2)])
@@ -26,6 +25,21 @@ def test_logits_and_greedy_generation(world4, tiny_models, tp, pp, dp):
     for tokens, _, _ in world4.run("cases_generate:generate", path, tp, pp, dp,
                                    {"max_new_tokens": 6, "greedy": True}):
         assert tokens == ref
+
+
+@pytest.mark.parametrize("tp,pp,dp,waves", [(1, 4, 1, 4), (1, 4, 1, 2), (2, 2, 1, 4)])
+def test_waves_pipelined_over_deep_pipelines_equal_transformers(world4, tiny_models, tp, pp,
+                                                                dp, waves):
+    """Waves in flight over 2 and 4 stages (fewer waves than stages too): middle stages
+    learn each wave's tokens from the last stage, and greedy decoding is transformers'."""
+    from cases_generate import PROMPTS
+
+    path = tiny_models["llama_tied"]
+    prompts = PROMPTS * 2
+    ref = world4.run("cases_generate:hf_greedy", path, 6, prompts)[0]
+    for tokens, _, lengths in world4.run("cases_generate:generate", path, tp, pp, dp,
+                                         {"max_new_tokens": 6, "greedy": True}, prompts, waves):
+        assert tokens == ref and lengths == [6] * len(prompts)
 
 
 @pytest.mark.parametrize("forward", ["plain", "megatron"])

@@ -17,7 +17,7 @@ from planner.model_spec import ModelSpec
 from planner.param_layout import stage_tensors
 from realign.errors import UserError
 from realign.runtime.groups import check_replica, grid_rank_enum
-from realign.runtime.model import global_name, local_shard_shape
+from realign.runtime.model import global_name
 
 SPEC = ModelSpec(name="t", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128,
                  vocab_size=200)
@@ -76,7 +76,7 @@ def test_hf_shards_reassemble_to_the_checkpoint(tiny_models, model, tp):
     seen = set()
     for t in stage_tensors(spec, "lm", 1, 0):
         shards = [read_shard(reader, spec, t, r, tp) for r in range(tp)]
-        assert all(s.shape == local_shard_shape(t, tp) for s in shards), t.name
+        assert all(s.shape == t.shard_shape(tp) for s in shards), t.name
         if t.shard_dim is None:
             full = shards[0]
         else:
@@ -166,7 +166,7 @@ def test_a_rows_draw_depends_on_its_seed_id_and_position_alone():
 def test_noise_made_in_blocks_equals_noise_made_per_position(monkeypatch):
     """Generation draws its noise a block of positions at a time; every position's
     noise (hence every draw) is the one a per-position call makes, across block ends."""
-    from realign.runtime.engines import generate
+    from realign.runtime.engines import waves as generate
     from realign.runtime.sampling import SamplingParams, uniform_noise, uniform_noise_block
 
     ids = torch.tensor([3, 7, 2 ** 33 + 5])
@@ -180,6 +180,15 @@ def test_noise_made_in_blocks_equals_noise_made_per_position(monkeypatch):
         u = uniform_noise(4, ids, t, 50)
         assert torch.equal(blocks.at(t), -torch.log(-torch.log(u)))
     assert generate._NoiseBlocks(SamplingParams(greedy=True), ids, 5, 50).at(0) is None
+
+
+def test_waves_split_the_rows_contiguously_and_evenly():
+    from realign.runtime.engines.waves import wave_bounds
+
+    assert wave_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert wave_bounds(8, 2) == [(0, 4), (4, 8)]
+    assert wave_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]     # never an empty wave
+    assert wave_bounds(5, 1) == [(0, 5)]
 
 
 def test_sampling_frequencies_follow_the_filtered_distribution():

@@ -9,7 +9,7 @@ Why not megatron's forward: its ``StaticInferenceContext`` keeps one sequence of
 for the whole batch, so prompts of different lengths cannot be prefilled together;
 the loop had to walk the prompts one position at a time (a 1000-token prompt beside
 a 100-token one cost 900 single-token forwards). Its dynamic engine needs flash-attn
-and a global parallel state, and vLLM is a GPU-only optional extra. The math here is
+and a global parallel state, and vLLM is GPU-only (not a dependency). The math here is
 the same as megatron's layers (pre-norm RMSNorm, grouped-query attention with the
 query-group-major QKV layout, RoPE from the model's own ``rotary_pos_emb``, gated
 SiLU MLP, vocabulary-parallel embedding and head) and reads the very parameter
@@ -30,10 +30,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from planner.cost_config import KV_CACHE_BLOCK_TOKENS
 from realign.runtime.model import TE_NAMES, ModelShard
 
-#: cached attention spans whole blocks of this many keys (16 fp32 = one AVX-512 vector)
-KEY_BLOCK = 16
+#: cached attention spans whole blocks of this many keys (16 fp32 = one AVX-512 vector);
+#: the cache is allocated in such blocks, as the planner prices it
+KEY_BLOCK = KV_CACHE_BLOCK_TOKENS
 
 
 def key_span(n: int) -> int:
@@ -141,6 +143,11 @@ class StageDecoder:
         self.v = [torch.zeros(shape, dtype=dtype, device=dev) for _ in cached]
         self.rows = torch.arange(max(cache_rows, 1), device=dev)
 
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of this stage's KV cache (keys and values of its layers)."""
+        return sum(t.nbytes for t in self.k + self.v)
+
     # ---- the two entry points ---------------------------------------------------------
     def prefill(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         b, s = x.shape[:2]
@@ -190,7 +197,7 @@ class StageDecoder:
             x = x[:, -1] if isinstance(out, str) else x[self.rows, out]    # [b, h]
         x = F.rms_norm(x, (x.shape[-1],), self.final_norm, self.spec.norm_eps)
         x = F.linear(self._copy(x) if self.shard.head == "lm" else x, self.head)
-        return x if every else self._gather_vocab(x)
+        return x if every else gather_vocab(x, self.tp_group)
 
     def _layer(self, i, w: LayerWeights, x, cos, sin, mask, attend):
         b, s, h = x.shape
@@ -239,12 +246,14 @@ class StageDecoder:
         )
         return copy_to_tensor_model_parallel_region(t, self.tp_group)
 
-    def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.tp_group is None:
-            return logits
-        parts = [torch.empty_like(logits) for _ in range(self.groups.layout.tp)]
-        dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
-        return torch.cat(parts, dim=-1)
+
+def gather_vocab(logits: torch.Tensor, tp_group) -> torch.Tensor:
+    """All-gather vocabulary-parallel logits [..., V/tp] over the TP group (None: TP 1)."""
+    if tp_group is None:
+        return logits
+    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(parts, logits.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=-1)
 
 
 def run_stage(shard: ModelShard, forward, tokens: torch.Tensor) -> torch.Tensor | None:

@@ -20,7 +20,7 @@ from realign.runtime.engines.base import (
     local_batch,
     split,
 )
-from realign.runtime.engines.decoder import StageDecoder, run_stage
+from realign.runtime.engines.decoder import StageDecoder, gather_vocab, run_stage
 from realign.runtime.model import ModelShard
 from realign.runtime.vocab_parallel import token_logprobs
 
@@ -67,7 +67,8 @@ class InferenceEngine:
         assert self.shard.head == "lm"
         b, s = batch["tokens"].shape
         v = self.shard.spec.vocab_size
-        return self._run(batch, lambda output, mb: gather_vocab(self.shard, output)[..., :v],
+        tp_group = self.shard.groups.pgs.tp if self.shard.groups.layout.tp > 1 else None
+        return self._run(batch, lambda output, mb: gather_vocab(output, tp_group)[..., :v],
                          (b // self.shard.groups.layout.dp, s, v))
 
     def _run(self, batch: Batch, fn, local_shape) -> torch.Tensor:
@@ -86,14 +87,3 @@ class InferenceEngine:
         mine = torch.cat(results) if shard.groups.is_last_stage else None
         return gather_dp(shard, from_last_stage(shard, mine, local_shape, torch.float32)).cpu()
 
-
-def gather_vocab(shard: ModelShard, logits: torch.Tensor) -> torch.Tensor:
-    """All-gather vocabulary-parallel logits [..., V/tp] over the TP group."""
-    tp = shard.groups.layout.tp
-    if tp == 1:
-        return logits
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(logits) for _ in range(tp)]
-    dist.all_gather(parts, logits.contiguous(), group=shard.groups.pgs.tp)
-    return torch.cat(parts, dim=-1)

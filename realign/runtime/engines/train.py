@@ -37,10 +37,11 @@ LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Ten
 
 
 class TrainEngine:
-    """``train_step(batch, loss_fn)`` for one replica. Every rank of the replica calls it
-    with the same whole batch; the returned metrics are the same on every rank."""
+    """``train_step(batch, loss_fn)`` for one replica, each step in ``micro_batches``
+    micro-batches per DP rank (the plan's). Every rank of the replica calls it with the
+    same whole batch; the returned metrics are the same on every rank."""
 
-    def __init__(self, shard: ModelShard, cfg: TrainConfig):
+    def __init__(self, shard: ModelShard, cfg: TrainConfig, micro_batches: int = 1):
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -48,7 +49,7 @@ class TrainEngine:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        self.shard, self.cfg = shard, cfg
+        self.shard, self.cfg, self.micro_batches = shard, cfg, micro_batches
         pgs, dev, config = shard.groups.pgs, shard.device, shard.config
         self.zero1 = zero1 = cfg.uses_distributed_optimizer(dev.kind)
         ddp_config = DistributedDataParallelConfig(
@@ -83,8 +84,8 @@ class TrainEngine:
         that averages them over DP itself (the controller does, from each DP rank's
         report)."""
         shard = self.shard
-        check_batch(batch, shard, self.cfg.micro_batches)
-        micro = split(local_batch(batch, shard), self.cfg.micro_batches)
+        check_batch(batch, shard, self.micro_batches)
+        micro = split(local_batch(batch, shard), self.micro_batches)
         if not self.model.training:      # a recursive walk over every module otherwise
             self.model.train()
         self.model.zero_grad_buffer()
