@@ -36,8 +36,8 @@ setup(
         # The runtime (realign run) on CPU or GPU.
         "runtime": ["torch", "megatron-core==0.16.1", "einops", "psutil",
                     "safetensors", "transformers", "tokenizers", "tensorboardX"],
-        # Optional GPU back ends: never installed on the CPU machine.
-        "gpu": ["transformer-engine[pytorch]", "vllm"],
+        # Optional GPU back end: never installed on the CPU machine.
+        "gpu": ["transformer-engine[pytorch]"],
         "test": ["pytest", "pytest-xdist"],
     },
     entry_points={"console_scripts": ["realign=realign.cli.main:main"]},

@@ -1,9 +1,7 @@
-"""User errors of the runtime and CLI. The CLI prints them without a traceback and
-exits with code 2; ``field`` is the offending config path when there is one."""
+"""User errors of the runtime and CLI: the planner's :class:`~planner.errors.UserError`
+(one hierarchy for the project; :class:`~planner.errors.PlanError` is a kind of it).
+The CLI prints them without a traceback and exits with code 2; ``field`` is the
+offending config path when there is one."""
+from planner.errors import UserError
 
-
-class UserError(Exception):
-    def __init__(self, message: str, field: str | None = None):
-        self.field = field
-        self.message = message
-        super().__init__(f"{field}: {message}" if field else message)
+__all__ = ["UserError"]

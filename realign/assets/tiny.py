@@ -66,8 +66,7 @@ def vocabulary() -> list[str]:
 
 def build_tokenizer():
     """The tiny tokenizer as a ``transformers`` fast tokenizer (see the module doc)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import processors
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(vocabulary())}
@@ -190,11 +189,3 @@ def make_tiny_assets(out_dir: str | Path, seed: int = 0, qwen2: bool = True,
     paths["prefs"] = write_jsonl(out / "prefs.jsonl", preference_pairs(train, seed))
     paths["sft"] = write_jsonl(out / "sft.jsonl", sft_rows(train))
     return paths
-
-
-if __name__ == "__main__":
-    import sys
-
-    from realign.assets.tiny_cmd import main
-
-    sys.exit(main())

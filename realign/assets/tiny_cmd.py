@@ -1,4 +1,4 @@
-"""``realign make-tiny OUT_DIR`` (also ``python -m realign.assets.tiny OUT_DIR``):
+"""``realign make-tiny OUT_DIR`` (also ``python -m realign.assets.tiny_cmd OUT_DIR``):
 write the tiny tokenizer, models and arithmetic datasets of :mod:`realign.assets.tiny`."""
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (``python -m realign.assets.tiny``): user errors are printed
+    """Stand-alone entry (``python -m realign.assets.tiny_cmd``): user errors are printed
     without a traceback, exit code 2."""
-    parser = argparse.ArgumentParser(prog="python -m realign.assets.tiny",
+    parser = argparse.ArgumentParser(prog="python -m realign.assets.tiny_cmd",
                                      description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
@@ -46,3 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -113,13 +113,13 @@ def summarize_realign(rows: list[dict], plan: dict, warmup: int) -> dict:
 
 
 def run_realign(args: argparse.Namespace, run_dir: Path) -> dict:
-    from realign.cli.run_cmd import prepare
     from realign.controller.controller import Controller
-    from realign.launch.local import LocalLauncher
+    from realign.launch.local_launcher import LocalLauncher
+    from realign.run.prepare import prepare
 
     t0 = time.perf_counter()
-    spec, cfg, plan = prepare(argparse.Namespace(experiment=args.experiment,
-                                                 run_dir=str(run_dir), steps=args.steps))
+    spec = prepare(args.experiment, run_dir=str(run_dir), steps=args.steps)
+    cfg = spec.config
     threads = cfg.launcher.threads_per_worker
     # progress goes to stderr so that --json leaves stdout to the JSON
     code = Controller(spec, LocalLauncher(threads_per_worker=threads), out=sys.stderr).run()
@@ -142,11 +142,17 @@ def run_realign(args: argparse.Namespace, run_dir: Path) -> dict:
 
 # ---- TRL ---------------------------------------------------------------------------
 
+def hyper_parameters(cfg):
+    """The experiment's algorithm hyper-parameters (``algorithm.params`` and the shape)."""
+    from realign.algorithms import registry
+    return registry.get(cfg.algorithm.name).make_config(cfg.algorithm.params,
+                                                        cfg.algorithm.shape())
+
+
 def trl_config(cfg, base: Path, steps: int, threads: int, beta: float) -> dict:
     """The driver's input: the experiment's settings in TRL's terms."""
-    from realign.worker.session import algorithm_config
     alg, data = cfg.algorithm, cfg.data.train
-    _, p = algorithm_config(cfg)
+    p = hyper_parameters(cfg)
     ref = cfg.models.roles()["actor"]
     return {
         "model": str((base / ref).resolve()),
@@ -275,7 +281,6 @@ def run(args: argparse.Namespace) -> int:
                         "first (or pass --bench-venv, or --skip-trl to measure realign only)",
                         field="--bench-venv")
     from realign.config.loading import load_experiment
-    from realign.worker.session import algorithm_config
     cfg, base = load_experiment(args.experiment)
     if cfg.algorithm.name != "grpo" and not args.skip_trl:
         raise UserError(f"the TRL comparison is GRPO only (the experiment runs "
@@ -292,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
             threads = rnd["realign"]["total_threads"]
             has_ref = any(a["mfc"].startswith("ref.")
                           for a in rnd["realign"]["plan"]["allocations"])
-            kl = algorithm_config(cfg)[1].kl_coef
+            kl = hyper_parameters(cfg).kl_coef
             variants = {"same-work": kl if kl > 0 or not has_ref else SAME_WORK_BETA,
                         "experiment-beta": kl}
             if variants["same-work"] == kl:     # one and the same TRL run: do it once

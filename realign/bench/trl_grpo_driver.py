@@ -9,8 +9,9 @@ It must not import realign (realign is not installed there, and TRL is never a
 dependency of realign): the reward below is a standalone copy of the tiny task's
 shaped reward, ``0.2 * digit share + 0.8 * (last number == answer)``.
 
-Per step it records the process CPU time (all threads) and the wall time from ``on_step_begin`` to ``on_step_end`` (the
-same span as realign's ``step_time_s``: generation, reference log-probs, rewards,
+Per step it records the process CPU time (all threads) and the wall time from
+``on_step_begin`` to ``on_step_end`` (the same span as realign's ``step_time_s``:
+generation, reference log-probs, rewards,
 loss, backward, optimiser step), the generated tokens (``completion_ids``), and the
 time inside generation, the reference forward and ``_generate_and_score_completions``.
 """

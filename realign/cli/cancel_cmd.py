@@ -13,8 +13,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from realign.controller.checkpoint import latest
     from realign.launch.jobs import backend, find
+    from realign.run.checkpoint import latest
 
     job = find(args.job)
     state = backend(job.backend).cancel(job)

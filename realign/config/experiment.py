@@ -12,13 +12,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.algorithms import Algorithm, BatchShape
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from realign.data.config import DatasetConfig
-from realign.runtime.settings import TrainConfig
 from planner.cluster import ClusterSpec, DeviceSpec, resolve_device
 from planner.cost_config import CostModelConfig
+from planner.layout import Layout
+from planner.mesh import DeviceMesh
 from planner.search import SearchSettings
+from realign.data.config import DatasetConfig
+from realign.runtime.settings import Sampling, TrainConfig
 
 
 class _Strict(BaseModel):
@@ -37,7 +37,7 @@ class ModelsConfig(_Strict):
         return {r: v for r, v in self.model_dump().items() if v is not None}
 
 
-class AlgorithmConfig(BatchShape):
+class AlgorithmSection(BatchShape):
     """The algorithm, the shape of one step's batch, and its hyper-parameters."""
 
     name: Algorithm = Field(description="ppo | grpo | remax | reinforce_pp | rloo | dpo | sft | rm")
@@ -97,14 +97,6 @@ class RewardConfig(_Strict):
                                                "'module:function'(prompt, response, answer) -> float.")
 
 
-class SamplingConfig(_Strict):
-    """How the actor samples responses (their length is algorithm.gen_len)."""
-
-    temperature: float = Field(1.0, gt=0, description="Softmax temperature.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-
-
 class RunConfig(_Strict):
     """The run folder, length, checkpoints and seed of ``realign run``."""
 
@@ -161,7 +153,7 @@ class ExperimentConfig(_Strict):
 
     name: str = Field(description="Experiment name (used in plans and run folders).")
     models: ModelsConfig
-    algorithm: AlgorithmConfig
+    algorithm: AlgorithmSection
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
     # ---- realign run (ignored by realign plan) ----
@@ -169,8 +161,8 @@ class ExperimentConfig(_Strict):
     data: DataConfig | None = Field(None, description="Datasets (required by realign run).")
     reward: RewardConfig | None = Field(None, description="Rule reward when no reward model is set.")
     train: TrainConfig = Field(default_factory=TrainConfig,
-                               description="Optimizer settings (micro_batches come from the plan).")
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+                               description="Optimizer settings (and a fixed micro-batch count).")
+    sampling: Sampling = Field(default_factory=Sampling)
     run: RunConfig = Field(default_factory=RunConfig)
     launcher: LauncherConfig = Field(default_factory=LocalLauncherConfig,
                                      description="local | slurm | ray, with their options.")

@@ -6,6 +6,7 @@ from pathlib import Path
 from planner.algorithms import build_graph
 from planner.cost_config import CostModelConfig
 from planner.errors import PlanError
+from planner.graph import DataflowGraph
 from planner.model_spec import model_presets, model_spec_from_hf_config
 from planner.plan import ExecutionPlan
 from planner.problem import RoleModel, head_of
@@ -49,11 +50,18 @@ def cost_config(cfg: ExperimentConfig) -> CostModelConfig:
     return cost.model_copy(update={"distributed_optimizer": runs})
 
 
+def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel]) -> DataflowGraph:
+    """The dataflow graph of the experiment: its algorithm, batch shape, model roles
+    and fixed train micro-batch count (``train.micro_batches``)."""
+    return build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models),
+                       train_micro_batches=cfg.train.micro_batches)
+
+
 def plan_experiment(cfg: ExperimentConfig, base: Path,
                     overrides: dict | None = None) -> ExecutionPlan:
     """Search the execution plan of an experiment (``overrides``: search settings)."""
     models = resolve_models(cfg, base)
-    graph = build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models))
+    graph = experiment_graph(cfg, models)
     profile = None
     if cfg.plan.profile:
         pp = Path(cfg.plan.profile)
@@ -69,13 +77,16 @@ def resolve_plan(cfg: ExperimentConfig, base: Path, models: dict[str, RoleModel]
     from planner.layout import Allocation
     from planner.manual import check_plan_matches, manual_plan
 
-    graph = build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models))
+    graph = experiment_graph(cfg, models)
     cluster = cfg.cluster.spec()
     if cfg.plan.file and cfg.plan.manual:
         raise UserError("give plan.file or plan.manual, not both", field="plan")
     if cfg.plan.file:
         p = Path(cfg.plan.file)
-        plan = ExecutionPlan.load(p if p.is_absolute() else base / p)
+        try:
+            plan = ExecutionPlan.load(p if p.is_absolute() else base / p)
+        except PlanError as e:
+            raise PlanError(e.message, field="plan.file") from None
         check_plan_matches(plan, graph, models, cluster)
         return plan
     if cfg.plan.manual:

@@ -8,19 +8,16 @@ seconds; nothing waits forever on a dead peer.
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
 import time
-import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener, wait
-from pathlib import Path
 
-from realign.controller import checkpoint
 from realign.controller.metrics import MetricsLog, Progress
 from realign.launch.base import Launcher, worker_env
+from realign.run import checkpoint
+from realign.run.spec import RunSpec
 
 ACCEPT_TIMEOUT_S = 300.0
 POLL_S = 0.2
@@ -30,42 +27,6 @@ class WorkerFailed(Exception):
     def __init__(self, rank: int, detail: str):
         self.rank, self.detail = rank, detail
         super().__init__(f"worker {rank} failed")
-
-
-@dataclass
-class RunSpec:
-    """Everything the controller needs, already validated (``RUN/run_spec.json``)."""
-
-    setup: dict                  #: sent to every worker (plan, config, paths)
-    n_workers: int
-    run_dir: Path
-    steps: int
-    checkpoint_interval: int
-    final_dir: Path
-
-    FILE = "run_spec.json"
-
-    def save(self) -> Path:
-        p = self.run_dir / self.FILE
-        data = {"setup": self.setup, "n_workers": self.n_workers, "run_dir": str(self.run_dir),
-                "steps": self.steps, "checkpoint_interval": self.checkpoint_interval,
-                "final_dir": str(self.final_dir)}
-        part = p.with_suffix(".part")
-        part.write_text(json.dumps(data))
-        os.replace(part, p)
-        return p
-
-    @staticmethod
-    def load(run_dir: Path) -> "RunSpec":
-        p = Path(run_dir) / RunSpec.FILE
-        if not p.is_file():
-            from realign.errors import UserError
-            raise UserError(f"{run_dir} holds no prepared run ({RunSpec.FILE} missing)",
-                            field="run_dir")
-        d = json.loads(p.read_text())
-        return RunSpec(setup=d["setup"], n_workers=d["n_workers"], run_dir=Path(d["run_dir"]),
-                       steps=d["steps"], checkpoint_interval=d["checkpoint_interval"],
-                       final_dir=Path(d["final_dir"]))
 
 
 def _free_port() -> int:
@@ -124,7 +85,8 @@ class Controller:
                 except (EOFError, ConnectionResetError):
                     time.sleep(POLL_S)
                     self._check_exits()
-                    raise WorkerFailed(rank, "closed its connection\n" + self._log_tail(rank))
+                    raise WorkerFailed(rank, "closed its connection\n"
+                                       + self._log_tail(rank)) from None
                 if msg[0] != expect:
                     raise WorkerFailed(rank, f"sent {msg[0]!r}, expected {expect!r}")
                 got[rank] = msg
@@ -175,8 +137,7 @@ class Controller:
                 print(f"already finished ({start} of {s.steps} steps)", file=self.out)
                 return 0
             self.start_workers()
-            setup = dict(s.setup, resume_dir=str(resume[1]) if resume else None)
-            self.broadcast(("setup", setup))
+            self.broadcast(("setup", s.model_dump_json(), str(resume[1]) if resume else None))
             self.gather("ready")
             progress = Progress(s.steps, start, self.out)
             # Workers need nothing from the controller between steps, so the next step
@@ -225,26 +186,26 @@ class Controller:
 
 def merge_metrics(step: int, reports: list[dict], wall_s: float) -> dict:
     """One row per step from every worker's report: the union of what the ops' lead
-    ranks reported (``metrics``), and the mean of each ``dp_parts`` metric over the
-    workers that reported it (one per data-parallel rank, equal shares of the batch)."""
+    ranks reported (``metrics``), the bytes each reallocation's ranks received summed
+    (``realloc_bytes.<mfc>``, and ``realloc_bytes`` in all), and the mean of each
+    ``dp_parts`` metric over the workers that reported it (one per data-parallel rank,
+    equal shares of the batch)."""
     row: dict = {"step": step, "step_time_s": wall_s}
-    recv = 0.0
+    received: dict[str, float] = {}
     shares: dict[str, list[float]] = {}
     for rep in reports:
         for k, v in rep["metrics"].items():
-            if ".recv_bytes.r" in k:
-                recv += v
+            if k.startswith("realloc_bytes.") and ".r" in k:
+                name = k.rsplit(".r", 1)[0]
+                received[name] = received.get(name, 0.0) + v
             else:
                 row[k] = v
         for k, v in rep["dp_parts"].items():
             shares.setdefault(k, []).append(v)
     row.update({k: sum(v) / len(v) for k, v in shares.items()})
-    if recv:
-        row["realloc_bytes"] = recv
+    if received:
+        row.update(received)
+        row["realloc_bytes"] = sum(received.values())
     if "gen_tokens" in row and wall_s > 0:
         row["tokens_per_s"] = row["gen_tokens"] / wall_s
     return row
-
-
-def format_exc() -> str:
-    return traceback.format_exc()

@@ -11,24 +11,26 @@ from pathlib import Path
 
 #: launcher name -> "module:class" (imported only when chosen)
 LAUNCHERS = {
-    "local": "realign.launch.local:LocalLauncher",
-    "slurm-step": "realign.launch.slurm:SlurmStepLauncher",
+    "local": "realign.launch.local_launcher:LocalLauncher",
+    "slurm-step": "realign.launch.slurm_launcher:SlurmStepLauncher",
     "ray": "realign.launch.ray_launcher:RayLauncher",
 }
 
 
-def make_launcher(name: str, run_dir: Path):
+def make_launcher(name: str, spec):
+    """The launcher ``name`` for the prepared run ``spec`` (its experiment's options)."""
     if name not in LAUNCHERS:
         from realign.errors import UserError
         raise UserError(f"unknown launcher {name!r}; allowed: {', '.join(LAUNCHERS)}",
                         field="--launcher")
     module, cls = LAUNCHERS[name].split(":")
-    return getattr(importlib.import_module(module), cls).for_run(run_dir)
+    return getattr(importlib.import_module(module), cls).for_run(spec)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from realign.controller.controller import Controller, RunSpec
+    from realign.controller.controller import Controller
     from realign.errors import UserError
+    from realign.run.spec import RunSpec
 
     p = argparse.ArgumentParser(prog="python -m realign.controller.main")
     p.add_argument("run_dir")
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         spec = RunSpec.load(Path(args.run_dir))
-        launcher = make_launcher(args.launcher, spec.run_dir)
+        launcher = make_launcher(args.launcher, spec)
     except UserError as e:
         print(f"realign controller: error: {e}", file=sys.stderr)
         return 2

@@ -27,8 +27,8 @@ from realign.errors import UserError
 
 #: back end name (the experiment's ``launcher.type``) -> "module:Class"
 BACKENDS: dict[str, str] = {
-    "slurm": "realign.launch.slurm:SlurmBackend",
-    "local": "realign.launch.local_job:LocalJobBackend",
+    "slurm": "realign.launch.slurm_backend:SlurmBackend",
+    "local": "realign.launch.local_backend:LocalJobBackend",
     "ray": "realign.launch.ray_backend:RayJobBackend",
 }
 
@@ -150,11 +150,13 @@ def find(job_id: str) -> JobRecord:
 # ---- what the run folder says ---------------------------------------------------------
 def progress(run_dir: Path) -> tuple[int | None, int | None, dict | None]:
     """(steps done, total steps, last metrics row) from the run folder."""
+    from realign.run.spec import RunSpec
+
     run_dir = Path(run_dir)
     total = None
     try:
-        total = json.loads((run_dir / "run_spec.json").read_text())["steps"]
-    except (OSError, ValueError, KeyError):
+        total = RunSpec.load(run_dir).steps
+    except UserError:
         pass
     last = None
     try:

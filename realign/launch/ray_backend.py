@@ -87,15 +87,6 @@ def job_client(address: str):
                         "http://HEAD:8265", field="launcher.address") from None
 
 
-def _ray_options(cfg):
-    """The experiment's launcher section as Ray options (defaults when it names another
-    launcher and ``--launcher ray`` chose this one)."""
-    from realign.config.experiment import RayLauncherConfig
-    if isinstance(cfg.launcher, RayLauncherConfig):
-        return cfg.launcher
-    return RayLauncherConfig(type="ray", threads_per_worker=cfg.launcher.threads_per_worker)
-
-
 class RayJobBackend(JobBackend):
     name = "ray"
 
@@ -118,10 +109,13 @@ class RayJobBackend(JobBackend):
         return self._clients[address]
 
     def submit(self, args: argparse.Namespace) -> JobRecord | None:
-        from realign.cli.run_cmd import prepare
+        from realign.launch.ray_launcher import ray_options
+        from realign.run.prepare import prepare
 
-        spec, cfg, plan = prepare(args)
-        opts = _ray_options(cfg)
+        spec = prepare(args.experiment, run_dir=args.run_dir, steps=args.steps,
+                       launcher=self.name)
+        cfg = spec.config
+        opts = ray_options(cfg)
         (spec.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         cmd = entrypoint(spec.run_dir)
         if args.dry_run:

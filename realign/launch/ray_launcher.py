@@ -16,10 +16,8 @@ before the workers start.
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
-from pathlib import Path
 
 from realign.errors import UserError
 from realign.launch.base import Launcher, Network, WorkerExit
@@ -91,6 +89,15 @@ class RealignWorker:
         return main()
 
 
+def ray_options(cfg):
+    """The experiment's launcher section as Ray options (defaults when it names another
+    launcher and ``--launcher ray`` chose this one)."""
+    from realign.config.experiment import RayLauncherConfig
+    if isinstance(cfg.launcher, RayLauncherConfig):
+        return cfg.launcher
+    return RayLauncherConfig(type="ray", threads_per_worker=cfg.launcher.threads_per_worker)
+
+
 class RayLauncher(Launcher):
     def __init__(self, n_nodes: int, gpus_per_node: int, address: str = "auto",
                  runtime_env: dict | None = None, resources_per_worker: dict | None = None,
@@ -110,19 +117,15 @@ class RayLauncher(Launcher):
         self._we_connected = False
 
     @classmethod
-    def for_run(cls, run_dir) -> "RayLauncher":
-        """The launcher a prepared run folder asks for; connects to the Ray cluster and
-        checks that it can hold the plan's workers (UserError otherwise)."""
-        from realign.config.experiment import RayLauncherConfig
-        setup = json.loads((Path(run_dir) / "run_spec.json").read_text())["setup"]
-        cfg = setup["config"]
-        lcfg = cfg["launcher"]
-        ray_cfg = (RayLauncherConfig.model_validate(lcfg) if lcfg["type"] == "ray" else
-                   RayLauncherConfig(type="ray", threads_per_worker=lcfg["threads_per_worker"]))
-        cluster = json.loads(setup["plan"])["cluster"]
-        launcher = cls(cluster["n_nodes"], cluster["gpus_per_node"], ray_cfg.address,
-                       ray_cfg.runtime_env, ray_cfg.resources_per_worker,
-                       ray_cfg.threads_per_worker, cfg["device"])
+    def for_run(cls, spec) -> "RayLauncher":
+        """The launcher a prepared run (:class:`~realign.run.spec.RunSpec`) asks for;
+        connects to the Ray cluster and checks that it can hold the plan's workers
+        (UserError otherwise)."""
+        opts = ray_options(spec.config)
+        cluster = spec.plan.cluster
+        launcher = cls(cluster.n_nodes, cluster.gpus_per_node, opts.address,
+                       opts.runtime_env, opts.resources_per_worker,
+                       opts.threads_per_worker, spec.config.device)
         launcher.connect()
         return launcher
 

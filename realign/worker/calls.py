@@ -1,10 +1,14 @@
-"""What each kind of MFC does on the ranks of its mesh, with records in and out.
+"""What each kind of MFC does on the ranks of its mesh, with records in and out. The
+graph's call (:class:`~planner.graph.MFC`, carried by the program's ``Call``) says
+what: its keys, batch shape and options; the allocation says how (micro-batches).
 
-* ``generate``: the actor samples responses to the step's prompts (each prompt
-  ``samples_per_prompt`` times; a greedy call once each) -> ``seqs`` + ``logprobs``;
-* ``inference``: log-probs (LM head) or values / scores (value head) of sequences;
-* ``train``: the algorithm's ``prepare`` (advantages, returns) on the gathered
-  records, then one optimizer step per mini-batch and epoch with its loss;
+* ``generate``: the actor samples ``n_seqs / prompts`` responses to each of the
+  step's prompts (greedily when the call is greedy), in the plan's waves -> its two
+  output records (sequences, then log-probs when it writes them);
+* ``inference``: log-probs (LM head), per-token values (critic) or sequence scores
+  (reward model) of sequences;
+* ``train``: the algorithm's ``prepare`` (advantages, returns) on exactly the call's
+  input records, then one optimizer step per mini-batch and epoch with its loss;
 * rule rewards: the reward function on the decoded response and the reference answer.
 Engines are created once per replica and reused (the optimizer state lives in the
 train engine).
@@ -13,14 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from realign.controller.program import Call, RuleReward
+from realign.run.program import Call, RuleReward
 from realign.runtime.engines.generate import GenerateEngine
 from realign.runtime.engines.inference import InferenceEngine
 from realign.runtime.engines.train import TrainEngine
-from realign.runtime.settings import SamplingParams, TrainConfig
+from realign.runtime.settings import Sampling, SamplingParams, TrainConfig
 from realign.worker.records import Record, merge, sequences_from_generation
 from realign.worker.replicas import Hosted
-
 
 #: train metrics that are the same on every rank of the replica (the rest are the
 #: loss function's, per DP rank)
@@ -28,12 +31,14 @@ GLOBAL_TRAIN_METRICS = ("grad_norm", "update_ok")
 
 
 class Calls:
-    def __init__(self, *, specs, heads, shape, algorithm, algo_cfg, train_cfg: TrainConfig,
-                 sampling, tokenizer, pad_id: int, eos_id: int | None, reward_fn, seed: int):
-        self.specs, self.heads, self.shape = specs, heads, shape
-        self.algorithm, self.algo_cfg, self.train_cfg = algorithm, algo_cfg, train_cfg
+    def __init__(self, *, specs, algorithm, algo_params, train_cfg: TrainConfig,
+                 sampling: Sampling, tokenizer, pad_id: int, eos_id: int | None, reward_fn,
+                 dataset_key: str, seed: int):
+        self.specs = specs
+        self.algorithm, self.algo_params, self.train_cfg = algorithm, algo_params, train_cfg
         self.sampling, self.tokenizer = sampling, tokenizer
         self.pad_id, self.eos_id, self.reward_fn, self.seed = pad_id, eos_id, reward_fn, seed
+        self.dataset_key = dataset_key
         self.train_engines: dict[str, TrainEngine] = {}
 
     # ---- dispatch ------------------------------------------------------------------
@@ -49,27 +54,26 @@ class Calls:
 
     # ---- generate ------------------------------------------------------------------
     def generate(self, op: Call, h: Hosted, store, step):
-        prompts_rec = store["prompts"]
+        prompts_rec = store[op.inputs[0]]
         rows = [prompts_rec["tokens"][i, :int(n)].tolist()
                 for i, n in enumerate(prompts_rec["lengths"])]
-        greedy = "greedy_seqs" in op.outputs
-        k = 1 if greedy else self.shape.samples_per_prompt
+        k = op.mfc.n_seqs // len(rows)          # responses per prompt
         prompts = [r for r in rows for _ in range(k)]
-        s = self.sampling
         params = SamplingParams(
-            max_new_tokens=self.shape.gen_len, greedy=greedy, temperature=s.temperature,
-            top_k=s.top_k, top_p=s.top_p,
+            **self.sampling.model_dump(), max_new_tokens=op.mfc.gen_len, greedy=op.mfc.greedy,
             stop_token_ids=(self.eos_id,) if self.eos_id is not None else (),
             seed=self.seed * 1_000_003 + step * len(prompts))
-        gen = GenerateEngine(h.shard, pad_id=self.pad_id).generate(prompts, params)
+        gen = GenerateEngine(h.shard, pad_id=self.pad_id).generate(prompts, params,
+                                                                    waves=op.micro_batches)
         seqs, logprobs = sequences_from_generation(prompts, gen.tokens, gen.logprobs,
                                                    gen.lengths, self.pad_id)
         out = {op.outputs[0]: seqs}
         if len(op.outputs) > 1:
             out[op.outputs[1]] = logprobs
-        prefix = "greedy_" if greedy else ""
+        prefix = "greedy_" if op.mfc.greedy else ""
         return out, {f"{prefix}gen_tokens": float(gen.lengths.sum()),
-                     f"{prefix}response_len": float(gen.lengths.float().mean())}
+                     f"{prefix}response_len": float(gen.lengths.float().mean()),
+                     f"kv_cache_bytes.{op.name}": float(gen.kv_cache_peak_bytes)}
 
     # ---- inference -----------------------------------------------------------------
     def inference(self, op: Call, h: Hosted, store, step):
@@ -77,16 +81,16 @@ class Calls:
         batch = {"tokens": rec["tokens"], "lengths": rec["lengths"]}
         res = InferenceEngine(h.shard, micro_batches=op.micro_batches).inference(batch)
         key = op.outputs[0]
-        if self.heads[op.role] == "lm":
+        if h.replica.head == "lm":
             return {key: {key: res["logprobs"]}}, {}
-        if key in ("rewards", "greedy_rewards"):
+        if op.role == "reward":                 # a reward model scores whole sequences
             scores = res["scores"].float()
             return {key: {key: scores}}, {f"{key.removesuffix('s')}_mean": float(scores.mean())}
         return {key: {key: res["values"].float()}}, {}
 
     # ---- rule rewards --------------------------------------------------------------
     def rule_reward(self, op: RuleReward, store, step):
-        seqs, prompts = store[op.seqs_key], store["prompts"]
+        seqs, prompts = store[op.seqs_key], store[self.dataset_key]
         k = len(seqs["tokens"]) // len(prompts["answers"])
         rows = zip(seqs["tokens"].tolist(), seqs["prompt_lengths"].tolist(),
                    seqs["lengths"].tolist())
@@ -99,21 +103,17 @@ class Calls:
 
     # ---- train ---------------------------------------------------------------------
     def train(self, op: Call, h: Hosted, store, step):
-        records = []
-        for key in op.inputs:
-            rec = store[key]
-            if key == "greedy_seqs":   # ReMax without a reward model: scored already
-                continue
-            records.append({k: v for k, v in rec.items() if isinstance(v, torch.Tensor)})
-        batch = self.algorithm.prepare(merge(records), self.algo_cfg)
+        records = [{k: v for k, v in store[key].items() if isinstance(v, torch.Tensor)}
+                   for key in op.inputs]
+        batch = self.algorithm.prepare(merge(records), self.algo_params)
         engine = self.train_engine(op, h)
-        loss_fn = self.algorithm.loss_fn(op.role, self.algo_cfg)
+        loss_fn = self.algorithm.loss_fn(op.role, self.algo_params)
         rows = batch["tokens"].shape[0]
-        n_mb = self.shape.ppo_minibatches
+        n_mb = op.mfc.n_minibatches
         size = rows // n_mb
         totals: dict[str, float] = {}
         n = 0
-        for _epoch in range(self.shape.ppo_epochs):
+        for _epoch in range(op.mfc.n_epochs):
             for m in range(n_mb):
                 sl = slice(m * size, (m + 1) * size)
                 sub = {k: (v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0
@@ -136,6 +136,6 @@ class Calls:
 
     def train_engine(self, op: Call, h: Hosted) -> TrainEngine:
         if op.replica not in self.train_engines:
-            cfg = self.train_cfg.model_copy(update={"micro_batches": op.micro_batches})
-            self.train_engines[op.replica] = TrainEngine(h.shard, cfg)
+            self.train_engines[op.replica] = TrainEngine(h.shard, self.train_cfg,
+                                                         micro_batches=op.micro_batches)
         return self.train_engines[op.replica]

@@ -41,7 +41,7 @@ def send_record(rec: Record, dst: int) -> None:
     header = {k: (("tensor", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
                   else ("object", v)) for k, v in rec.items()}
     dist.send_object_list([header], dst=dst)
-    for k, v in rec.items():
+    for _k, v in rec.items():
         if isinstance(v, torch.Tensor):
             dist.send(v.contiguous(), dst=dst)
 

@@ -1,4 +1,4 @@
-"""The model replicas a worker hosts: groups, shards, engines, built from the program.
+"""The model replicas a worker hosts: groups and shards, built from the program.
 
 Every world rank walks the program's replica list in the same order (creating
 process groups is collective over the world); members build their shard. Trained
@@ -7,15 +7,13 @@ built without weights and their storage is released until first use.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from planner.layout import Layout
 from planner.mesh import DeviceMesh
 from planner.model_spec import ModelSpec
-from realign.controller.program import Program, Replica
 from realign.realloc import offload
+from realign.run.program import Program, Replica
 from realign.runtime.device import DeviceInfo
 from realign.runtime.groups import ReplicaGroups, build_replica_groups
 from realign.runtime.hf_checkpoint import HFReader, load_hf_weights
@@ -28,12 +26,10 @@ class Hosted:
     groups: ReplicaGroups
     shard: ModelShard | None            #: None on ranks outside the replica's mesh
     released: offload.Released | None = None
-    engines: dict[str, object] = field(default_factory=dict)
 
 
-def build_replicas(program: Program, specs: dict[str, ModelSpec], heads: dict[str, str],
-                   paths: dict[str, str], trained_roles: set[str], device: DeviceInfo,
-                   seed: int) -> dict[str, Hosted]:
+def build_replicas(program: Program, specs: dict[str, ModelSpec], paths: dict[str, str],
+                   device: DeviceInfo, seed: int) -> dict[str, Hosted]:
     readers: dict[str, HFReader] = {}
     out: dict[str, Hosted] = {}
     for r in program.replicas:
@@ -43,17 +39,11 @@ def build_replicas(program: Program, specs: dict[str, ModelSpec], heads: dict[st
         shard = None
         released = None
         if groups.member:
-            shard = build_model(spec, heads[r.role], groups, device, seed=seed,
-                                init_weights=False)
-            filled_by_realloc = r.role in trained_roles and not r.trained
-            if filled_by_realloc:
+            shard = build_model(spec, r.head, groups, device, seed=seed, init_weights=False)
+            if r.reallocated:
                 released = offload.release(shard.module.parameters())
             else:
                 reader = readers.setdefault(r.role, HFReader(paths[r.role]))
                 load_hf_weights(shard, paths[r.role], reader)
         out[r.key] = Hosted(r, groups, shard, released)
     return out
-
-
-def dtype_of(device: DeviceInfo) -> torch.dtype:
-    return device.dtype

@@ -1,9 +1,10 @@
-"""A worker's execution of one iteration: walk the program's ops in order, take part
-in those that name this rank, skip the rest (so disjoint meshes run concurrently).
+"""A worker's execution of one step: walk the program's ops in order, take part in
+those that name this rank, skip the rest (so disjoint meshes run concurrently).
 
 What an op does on a member rank:
 * ``Realloc``: refill the destination copy from the trained copy (executor, bytes
-  exactly the planner's), restoring its storage first if it was released;
+  exactly the plan's: a different count is an error), restoring its storage first if
+  it was released;
 * ``Send``: the record goes from its holder to each rank lacking it, point to point;
 * ``Call``: generate / inference / train on the replica, reading and writing records;
 * ``RuleReward``: score generated text with the reward function;
@@ -17,10 +18,9 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 
-from realign.controller.program import Call, Program, Realloc, Release, RuleReward, Send
 from realign.realloc import offload
+from realign.run.program import Call, Program, Realloc, Release, RuleReward, Send
 from realign.runtime.realloc_glue import reallocate_replica, release_copy
 from realign.worker.records import Record, recv_record, send_record
 from realign.worker.replicas import Hosted
@@ -49,8 +49,8 @@ class StepRunner:
             if isinstance(op, Realloc):
                 stats = self._realloc(op)
                 if lead:
-                    metrics[f"realloc.{op.dst}.s"] = time.perf_counter() - t0
-                metrics[f"realloc.{op.role}.recv_bytes.r{me}"] = float(stats.bytes_received)
+                    metrics[f"time.realloc.{op.to_mfc}"] = time.perf_counter() - t0
+                metrics[f"realloc_bytes.{op.to_mfc}.r{me}"] = float(stats.bytes_received)
             elif isinstance(op, Send):
                 self._send(op, store)
             elif isinstance(op, Call):
@@ -58,7 +58,7 @@ class StepRunner:
                 store.update(out)
                 dp_parts.update(parts)
                 if lead:
-                    metrics[f"time.{op.mfc}"] = time.perf_counter() - t0
+                    metrics[f"time.{op.name}"] = time.perf_counter() - t0
                     metrics.update(m)
             elif isinstance(op, RuleReward):
                 out, m = self.calls.rule_reward(op, store, step)
@@ -75,9 +75,10 @@ class StepRunner:
         if dst.released is not None:
             offload.restore(dst.released)
             dst.released = None
-        spec, head = self.calls.specs[op.role], self.calls.heads[op.role]
+        spec, head = self.calls.specs[op.role], src.replica.head
         return reallocate_replica(spec, head, src.groups, dst.groups, src.shard, dst.shard,
-                                  dtype=self.dtype, gpus_per_node=self.gpn)
+                                  dtype=self.dtype, gpus_per_node=self.gpn,
+                                  planned=(op.bytes, op.dtype_bytes))
 
     def _send(self, op: Send, store: dict[str, Record]) -> None:
         me = self.rank
@@ -87,7 +88,3 @@ class StepRunner:
             for d in op.dst_ranks:
                 if op.sender_of(d) == me:
                     send_record(store[op.key], d)
-
-
-def barrier() -> None:
-    dist.barrier()

@@ -5,6 +5,7 @@ the sampler's k-th batch, sampling seeds derive from the step, and the checkpoin
 holds the only other state (weights and optimizer state of trained copies)."""
 from __future__ import annotations
 
+import datetime
 import io
 import os
 import shutil
@@ -13,36 +14,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from planner.plan import ExecutionPlan
 from realign.algorithms import registry
-from realign.config.experiment import ExperimentConfig
-from realign.controller import checkpoint
-from realign.controller.program import build_program
 from realign.data.collate import collate_preferences, collate_prompts, collate_sft
 from realign.data.datasets import load_dataset
 from realign.data.sampler import PromptSampler
 from realign.data.tokenizer import load_tokenizer, pad_id
 from realign.errors import UserError
+from realign.run import checkpoint
+from realign.run.program import RuleReward
+from realign.run.spec import RunSpec
 from realign.runtime.device import init_device
 from realign.runtime.hf_checkpoint import read_hf_config, save_hf_checkpoint, spec_from_hf
 from realign.worker.calls import Calls
 from realign.worker.replicas import build_replicas
 from realign.worker.runner import StepRunner
-
-DATASET_KEY = {"prompts": "prompts", "preferences": "pairs", "sft": "examples"}
-
-
-def algorithm_config(cfg: ExperimentConfig):
-    """The algorithm's hyper-parameters, with the batch-shape fields from the YAML."""
-    algo = registry.get(cfg.algorithm.name)
-    params = dict(cfg.algorithm.params)
-    shape = {"samples_per_prompt": cfg.algorithm.samples_per_prompt,
-             "minibatches": cfg.algorithm.ppo_minibatches,
-             "ppo_epochs": cfg.algorithm.ppo_epochs}
-    fields = algo.config.model_fields
-    params.update({k: v for k, v in shape.items() if k in fields})
-    return algo, algo.config(**params)
-
 
 _RESHARDED = ("it was written by an optimizer sharded differently (train."
               "distributed_optimizer, or the plan's data-parallel layout)")
@@ -73,45 +58,48 @@ def check_optimizer_shapes(optimizer, name: str) -> None:
 
 
 class Session:
-    def __init__(self, setup: dict, rank: int, world: int):
+    def __init__(self, spec: RunSpec, rank: int, world: int, resume_dir: str | None = None):
         self.rank, self.world = rank, world
-        cfg = ExperimentConfig.model_validate(setup["config"])
-        self.cfg = cfg
-        plan = ExecutionPlan.from_json(setup["plan"])
-        self.paths: dict[str, str] = setup["paths"]
+        cfg = self.cfg = spec.config
+        self.spec = spec
+        self.paths = {role: str(p) for role, p in spec.paths.items()}
+        self.program = spec.program()
         # the device index on this host (launchers set LOCAL_RANK; Ray shows one GPU each)
         self.dev = init_device(cfg.device, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group(self.dev.backend, rank=rank, world_size=world)
+        if self.dev.kind == "cuda":
+            short = self.program.memory_shortfall(rank, torch.cuda.mem_get_info()[0])
+            if short:
+                raise UserError(f"{short}; free the GPU or plan for less memory",
+                                field="plan")
+        timeout = datetime.timedelta(seconds=self.program.collective_timeout_s())
+        dist.init_process_group(self.dev.backend, rank=rank, world_size=world, timeout=timeout)
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = load_tokenizer(self.paths["actor" if "actor" in self.paths else "reward"])
         self.pad = pad_id(self.tokenizer)
-        self.dataset = load_dataset(cfg.data.train, self.tokenizer, setup["base"])
-        self.algo, algo_cfg = algorithm_config(cfg)
-        rule = setup["rule_reward"]
+        self.dataset = load_dataset(cfg.data.train, self.tokenizer, spec.base_dir)
+        self.algo = registry.get(cfg.algorithm.name)
+        params = self.algo.make_config(cfg.algorithm.params, cfg.algorithm.shape())
         reward_fn = None
-        if rule:
+        if any(isinstance(op, RuleReward) for op in self.program.ops):
             from realign.rewards.registry import load_reward_fn
             reward_fn = load_reward_fn(cfg.reward.fn if cfg.reward else "math_verify",
-                                       base_dir=setup["base"])
-        self.program = build_program(plan, rule_reward=rule)
+                                       base_dir=spec.base_dir)
         self.specs = {r: spec_from_hf(p) for r, p in self.paths.items()}
-        self.heads = {pm.role: pm.head for pm in plan.models}
-        self.trained = {m.role for m in plan.graph.mfcs if m.kind == "train"}
-        self.hosted = build_replicas(self.program, self.specs, self.heads, self.paths,
-                                     self.trained, self.dev, cfg.run.seed)
-        self.calls = Calls(specs=self.specs, heads=self.heads, shape=cfg.algorithm,
-                           algorithm=self.algo, algo_cfg=algo_cfg, train_cfg=cfg.train,
-                           sampling=cfg.sampling, tokenizer=self.tokenizer, pad_id=self.pad,
+        self.hosted = build_replicas(self.program, self.specs, self.paths, self.dev,
+                                     cfg.run.seed)
+        self.calls = Calls(specs=self.specs, algorithm=self.algo, algo_params=params,
+                           train_cfg=cfg.train, sampling=cfg.sampling,
+                           tokenizer=self.tokenizer, pad_id=self.pad,
                            eos_id=self.tokenizer.eos_token_id, reward_fn=reward_fn,
-                           seed=cfg.run.seed)
+                           dataset_key=self.program.dataset_key, seed=cfg.run.seed)
         self.runner = StepRunner(self.program, self.hosted, self.calls, rank,
-                                 self.dev.device, self.dev.dtype, plan.cluster.gpus_per_node)
+                                 self.dev.device, self.dev.dtype, spec.plan.cluster.gpus_per_node)
         # train engines exist before a checkpoint is loaded into them
         for op in self.program.ops:
             if getattr(op, "kind", None) == "train" and rank in op.ranks:
                 self.calls.train_engine(op, self.hosted[op.replica])
-        if setup.get("resume_dir"):
-            self.load(Path(setup["resume_dir"]))
+        if resume_dir:
+            self.load(Path(resume_dir))
 
     # ---- data of a step --------------------------------------------------------------
     def dataset_record(self, step: int) -> dict:
@@ -129,7 +117,7 @@ class Session:
             rec = collate_preferences(examples, self.pad)
         else:
             rec = collate_sft(examples, self.pad)
-        return {DATASET_KEY[c.kind]: rec}
+        return {self.program.dataset_key: rec}
 
     def step(self, step: int) -> dict:
         return self.runner.run(step, self.dataset_record(step))
@@ -167,8 +155,8 @@ class Session:
 
     def save_final(self, folder: str) -> None:
         """The trained actor (or reward model under ``rm``) as a HF checkpoint."""
-        role = "actor" if "actor" in self.trained else "reward"
-        for key, h in self.hosted.items():
+        role = self.spec.final_role
+        for _key, h in self.hosted.items():
             if h.replica.role == role and h.replica.trained:
                 if h.shard is not None:
                     save_hf_checkpoint(h.shard, folder, read_hf_config(self.paths[role]))

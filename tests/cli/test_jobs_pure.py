@@ -12,7 +12,8 @@ import pytest
 from realign.config.experiment import SlurmLauncherConfig
 from realign.errors import UserError
 from realign.launch import jobs
-from realign.launch.slurm import batch_script, job_ports, parse_kv, partition_nodes
+from realign.launch.slurm_backend import batch_script, partition_nodes
+from realign.launch.slurm_common import job_ports, parse_kv
 
 pytestmark = pytest.mark.pure
 
@@ -36,7 +37,10 @@ def test_backend_table_rejects_unknown_names():
 
 
 def test_progress_and_status_text_from_the_run_folder(tmp_path):
-    (tmp_path / "run_spec.json").write_text(json.dumps({"steps": 24}))
+    from tests.run.specs import planned_spec
+
+    assert jobs.progress(tmp_path) == (None, None, None)         # nothing prepared yet
+    planned_spec(tmp_path, run={"steps": 24}).save()
     assert jobs.progress(tmp_path) == (0, 24, None)
     rows = [{"step": 0, "reward_mean": 0.1}, {"step": 1, "reward_mean": 0.25, "kl": 0.5}]
     (tmp_path / "metrics.jsonl").write_text(

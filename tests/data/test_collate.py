@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from realign.data.collate import (collate_preferences, collate_prompts, collate_sft,
-                                  pad_right, response_mask)
+from realign.data.collate import collate_preferences, collate_prompts, collate_sft, pad_right, response_mask
 from realign.data.datasets import PreferenceExample, PromptExample, SFTExample
 
 PAD = 0

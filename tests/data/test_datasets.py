@@ -8,8 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from realign.data.config import DatasetConfig
-from realign.data.datasets import (PreferenceExample, PromptExample, SFTExample,
-                                   load_dataset)
+from realign.data.datasets import PreferenceExample, PromptExample, SFTExample, load_dataset
 from realign.data.errors import DataError
 from realign.errors import UserError
 

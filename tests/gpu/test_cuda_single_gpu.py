@@ -33,13 +33,14 @@ def world():
 
 @pytest.fixture(scope="module")
 def replica(world, tmp_path_factory):
+    from tiny_hf import make_tiny
+
     from planner.layout import Layout
     from planner.mesh import DeviceMesh
     from realign.runtime.device import init_device
     from realign.runtime.groups import build_replica_groups
     from realign.runtime.hf_checkpoint import load_hf_weights, spec_from_hf
     from realign.runtime.model import build_model
-    from tiny_hf import make_tiny
 
     path = make_tiny(tmp_path_factory.mktemp("m") / "llama", initializer_range=0.2)
     dev = init_device("cuda")
@@ -86,7 +87,7 @@ def test_train_step_updates_weights(replica):
     from realign.runtime.settings import TrainConfig
     _path, shard = replica
     before = [p.detach().float().clone() for p in shard.module.parameters()]
-    engine = TrainEngine(shard, TrainConfig(lr=1e-3, micro_batches=2))
+    engine = TrainEngine(shard, TrainConfig(lr=1e-3), micro_batches=2)
     tokens = torch.randint(0, 200, (4, 12)).cuda()
     batch = {"tokens": tokens, "lengths": torch.tensor([12, 10, 8, 6]).cuda()}
 

@@ -12,7 +12,6 @@ YAML were checked bit-identical by hand). The tier takes 3.5-4 minutes.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -40,8 +39,8 @@ def ray_launcher(head, **changes) -> dict:
 
 
 def prepare(exp: Path, run_dir: Path, steps: int | None = None) -> None:
-    from realign.cli.run_cmd import prepare as prep
-    prep(argparse.Namespace(experiment=str(exp), run_dir=str(run_dir), steps=steps))
+    from realign.run.prepare import prepare as prep
+    prep(exp, run_dir=str(run_dir), steps=steps)
 
 
 def controller(run_dir: Path, head, **kw) -> subprocess.Popen:

@@ -8,8 +8,7 @@ import pytest
 
 from realign.errors import UserError
 from realign.launch.ray_backend import STATES, entrypoint
-from realign.launch.ray_launcher import (RayLauncher, check_reachable, ray_init_address,
-                                         rank_bundles)
+from realign.launch.ray_launcher import RayLauncher, check_reachable, rank_bundles, ray_init_address
 
 pytestmark = pytest.mark.pure
 

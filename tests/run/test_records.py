@@ -27,9 +27,10 @@ def test_step_row_averages_the_data_parallel_shares_and_keeps_the_rest():
     from realign.controller.controller import merge_metrics
     reports = [
         {"metrics": {"time.actor.train": 0.5, "actor.grad_norm": 2.0, "gen_tokens": 40.0,
-                     "realloc.actor.recv_bytes.r0": 10.0},
+                     "realloc_bytes.actor.generate.r0": 10.0,
+                     "realloc_bytes.actor.greedy_generate.r0": 1.0},
          "dp_parts": {"loss": 1.0, "actor.loss": 1.0}},
-        {"metrics": {"realloc.actor.recv_bytes.r1": 6.0},
+        {"metrics": {"realloc_bytes.actor.generate.r1": 6.0},
          "dp_parts": {"loss": 3.0, "actor.loss": 3.0}},
         {"metrics": {}, "dp_parts": {}},       # a rank that reports no share (not last stage)
     ]
@@ -37,4 +38,6 @@ def test_step_row_averages_the_data_parallel_shares_and_keeps_the_rest():
     assert row["step"] == 7 and row["step_time_s"] == 2.0
     assert row["loss"] == row["actor.loss"] == 2.0      # over the two reporting ranks
     assert row["actor.grad_norm"] == 2.0 and row["time.actor.train"] == 0.5
-    assert row["realloc_bytes"] == 16.0 and row["tokens_per_s"] == 20.0
+    assert row["realloc_bytes.actor.generate"] == 16.0
+    assert row["realloc_bytes.actor.greedy_generate"] == 1.0
+    assert row["realloc_bytes"] == 17.0 and row["tokens_per_s"] == 20.0

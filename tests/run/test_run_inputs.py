@@ -117,3 +117,32 @@ def test_a_reallocating_plan_really_reallocates_and_learns(tiny_assets, tmp_path
 def test_kl_loss_without_a_reference_model(tiny_assets, tmp_path):
     err = bad(tiny_assets, tmp_path, models__ref=None, algorithm__params__kl_coef=0.04)
     assert "models.ref" in err and "kl_coef" in err
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("params,field,says", [
+    ({"clip_ratio": "wide"}, "algorithm.params.clip_ratio", "valid number"),
+    ({"clip_ratio": -1}, "algorithm.params.clip_ratio", "greater than 0"),
+    ({"kl_coeff": 0.1}, "algorithm.params.kl_coeff", "unknown hyper-parameter of grpo; allowed:"),
+])
+def test_a_bad_hyper_parameter_names_its_key(tiny_assets, tmp_path, params, field, says):
+    err = bad(tiny_assets, tmp_path, algorithm__params=dict(params))
+    assert field in err and says in err
+
+
+@pytest.mark.pure
+def test_train_micro_batches_constrain_the_plan(tiny_assets, tmp_path):
+    """``train.micro_batches`` is not silently overwritten: the searched plan uses it,
+    and a manual plan with another count is refused naming both fields."""
+    err = bad(tiny_assets, tmp_path, plan__manual=MANUAL_REALLOC, train__micro_batches=4)
+    assert "plan.manual.actor.train" in err and "train.micro_batches" in err
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, train__micro_batches=4)
+    plan = tmp_path / "p.json"
+    r = subprocess.run([*REALIGN, "plan", str(exp), "--out", str(plan)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    allocs = {a["mfc"]: a for a in json.loads(plan.read_text())["allocations"]}
+    assert allocs["actor.train"]["micro_batches"] == 4
+    # the same plan file with another count is for another graph
+    err = bad(tiny_assets, tmp_path, plan__file=str(plan), train__micro_batches=2)
+    assert "plan.file" in err and "actor.train.micro_batches is 4 in the plan, 2 here" in err

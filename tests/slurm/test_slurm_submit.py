@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from realign.controller import checkpoint
+from realign.run import checkpoint
 from tests.run.conftest import experiment
 
 pytestmark = pytest.mark.slurm

@@ -16,12 +16,9 @@ class LocalLauncher(Launcher):
         self._logs = []
 
     @classmethod
-    def for_run(cls, run_dir) -> "LocalLauncher":
-        """The launcher a prepared run folder asks for (its experiment's settings)."""
-        import json
-        from pathlib import Path
-        cfg = json.loads((Path(run_dir) / "run_spec.json").read_text())["setup"]["config"]
-        return cls(threads_per_worker=cfg["launcher"]["threads_per_worker"])
+    def for_run(cls, spec) -> "LocalLauncher":
+        """The launcher a prepared run (:class:`~realign.run.spec.RunSpec`) asks for."""
+        return cls(threads_per_worker=spec.config.launcher.threads_per_worker)
 
     def start(self, envs: list[dict[str, str]], log_paths: list[str]) -> None:
         for env, log in zip(envs, log_paths):

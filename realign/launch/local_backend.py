@@ -43,9 +43,10 @@ class LocalJobBackend(JobBackend):
         pass                               # this machine is always there
 
     def submit(self, args: argparse.Namespace) -> JobRecord | None:
-        from realign.cli.run_cmd import prepare
+        from realign.run.prepare import prepare
 
-        spec, cfg, plan = prepare(args)
+        spec = prepare(args.experiment, run_dir=args.run_dir, steps=args.steps,
+                       launcher=self.name)
         logs = spec.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         for f in (RC_FILE, CANCELLED_FILE):

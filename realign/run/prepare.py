@@ -1,0 +1,110 @@
+"""prepare(): from an experiment YAML to a prepared run folder.
+
+Everything that can be checked before a worker starts is checked here (the config,
+the algorithm's hyper-parameters and data, the models, the reward function, the
+plan), so bad input is a :class:`~realign.errors.UserError` (exit code 2) before any
+process starts. Then the plan (searched, loaded or written by hand) and the
+:class:`~realign.run.spec.RunSpec` go into the run folder: ``plan.json``, its timeline
+``plan.svg``, ``experiment.json`` and ``run_spec.json``. ``realign run``, ``realign
+submit`` (every back end) and ``realign bench`` all prepare through it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from realign.errors import UserError
+from realign.run.spec import RunSpec
+
+
+def _with_overrides(cfg, steps: int | None, launcher: str | None):
+    """The config with ``--steps`` and ``--launcher`` applied (validated alike)."""
+    if steps is not None:
+        if steps <= 0:
+            raise UserError(f"must be > 0 (got {steps})", field="--steps")
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"steps": steps})})
+    if launcher and launcher != cfg.launcher.type:
+        from pydantic import TypeAdapter
+
+        from realign.config.experiment import LauncherConfig
+        try:
+            chosen = TypeAdapter(LauncherConfig).validate_python({"type": launcher})
+        except ValueError:
+            raise UserError(f"unknown launcher {launcher!r}", field="--launcher") from None
+        cfg = cfg.model_copy(update={"launcher": chosen})
+    return cfg
+
+
+def _checkpoint_folders(cfg, base: Path) -> dict[str, Path]:
+    """Model role -> its Hugging Face checkpoint folder (a preset has no weights)."""
+    paths = {}
+    for role, ref in cfg.models.roles().items():
+        p = Path(ref) if Path(ref).is_absolute() else base / ref
+        if not (p / "config.json").is_file():
+            raise UserError(f"{ref!r} is not a Hugging Face checkpoint folder (no config.json "
+                            "there); realign run needs weights, a preset name has none",
+                            field=f"models.{role}")
+        paths[role] = p.resolve()
+    return paths
+
+
+def _run_folder(cfg, run_dir: str | None) -> Path:
+    folder = Path(run_dir or cfg.run.dir.format(name=cfg.name)).resolve()
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{folder} is a file, not a folder", field="--run-dir" if run_dir
+                        else "run.dir")
+    return folder
+
+
+def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | None = None,
+            launcher: str | None = None) -> RunSpec:
+    """Check the experiment, plan it and write the run folder; the prepared run.
+
+    ``run_dir``, ``steps``, ``launcher``: the command line's overrides of ``run.dir``,
+    ``run.steps`` and ``launcher.type``."""
+    from planner.timeline_svg import render
+    from realign.algorithms import registry
+    from realign.config.loading import load_experiment
+    from realign.config.planning import resolve_models, resolve_plan
+    from realign.data.datasets import load_dataset
+    from realign.data.tokenizer import load_tokenizer
+
+    cfg, base = load_experiment(experiment)
+    cfg = _with_overrides(cfg, steps, launcher)
+    if cfg.data is None:
+        raise UserError("realign run needs a data section with a train dataset", field="data")
+    algo = registry.get(cfg.algorithm.name)
+    kind = algo.spec.data_kind
+    if cfg.data.train.kind != kind:
+        raise UserError(f"{algo.name} trains on {kind} data, the dataset is "
+                        f"{cfg.data.train.kind!r}", field="data.train.kind")
+    paths = _checkpoint_folders(cfg, base)
+    models = resolve_models(cfg, base)
+    params = algo.make_config(cfg.algorithm.params, cfg.algorithm.shape())
+    algo.check_roles(params, set(paths))
+    if algo.spec.generates and "reward" not in paths:
+        from realign.rewards.registry import load_reward_fn
+        load_reward_fn(cfg.reward.fn if cfg.reward else "math_verify", base_dir=base)
+    tok = load_tokenizer(paths.get("actor", paths.get("reward")))
+    data = load_dataset(cfg.data.train, tok, base, field="data.train")
+    too_long = [e for e in data.examples if len(e.prompt_ids) > cfg.algorithm.prompt_len]
+    if too_long:
+        e = too_long[0]
+        raise UserError(f"{data.path} line {e.line}: the prompt has {len(e.prompt_ids)} tokens, "
+                        f"more than algorithm.prompt_len = {cfg.algorithm.prompt_len}",
+                        field="data.train")
+    if cfg.device == "cpu" and cfg.cluster.device != "cpu":
+        raise UserError("device 'cpu' needs cluster.device 'cpu' (the plan must be for the "
+                        "machine that runs it)", field="cluster.device")
+    plan = resolve_plan(cfg, base, models)
+    spec = RunSpec(config=cfg, plan=plan, paths=paths, base_dir=base,
+                   run_dir=_run_folder(cfg, run_dir))
+    spec.program()                               # the plan compiles (before any write)
+    timeline = render(plan)
+    spec.run_dir.mkdir(parents=True, exist_ok=True)
+    (spec.run_dir / "plan.json").write_text(plan.to_json())
+    (spec.run_dir / "plan.svg").write_text(timeline)          # reallocations show as bars
+    (spec.run_dir / "experiment.json").write_text(json.dumps(cfg.model_dump(mode="json"),
+                                                             indent=1))
+    spec.save()
+    return spec

@@ -1,0 +1,226 @@
+"""The compiled program: what every worker executes, in one global order, each step.
+
+This is the one interpreter of an :class:`~planner.plan.ExecutionPlan`: it reads every
+field of every allocation and the reallocations the plan lists, and nothing else
+decides where or how a call runs. Pure (testable without processes). Every worker
+walks the same op list; an op names the GPUs (world ranks) that take part and the
+others skip it at once, so calls on disjoint meshes run concurrently, and
+point-to-point transfers always meet their peer, because both sides reach them in the
+same order. Data never passes through the controller: a ``Send`` moves a record from
+a rank of the producing mesh to each rank of the consuming mesh that lacks it.
+
+Ops, in order for each MFC of the graph:
+``Realloc`` (the plan's reallocation into this call's placement, when it lists one),
+``Send`` (input records to ranks lacking them), ``Call`` (the MFC itself, with its
+allocation), ``RuleReward`` (the graph's reward functions on what a generate call
+wrote), then ``Release`` (free a reallocated copy after its last use in the step).
+
+What each allocation field becomes: ``mesh``, ``layout`` -> the replica and the ranks
+of the call; ``micro_batches`` -> the call's micro-batches (generation: waves);
+``mfc``, ``role``, ``kind`` -> the graph's call (the plan is checked to match it);
+``mesh_name`` -> the call's label; ``time_s`` and ``mem_bytes`` -> the estimates the
+run holds itself to (:meth:`Program.collective_timeout_s`,
+:meth:`Program.memory_shortfall`). A reallocation's ``bytes`` are what its executor
+must move (checked at run time), its ``time_s`` enters the timeout like a call's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.errors import PlanError
+from planner.graph import MFC
+from planner.plan import ExecutionPlan, MFCAllocation
+
+#: The shortest collective timeout (torch's default for NCCL and gloo is 10 minutes).
+MIN_COLLECTIVE_TIMEOUT_S = 600.0
+#: How many times its estimated serial duration a step may take before a rank waiting
+#: on a peer gives up (estimates are rough; a slow step must not kill the run).
+TIMEOUT_SAFETY = 10.0
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One model placement hosted by the workers of its mesh."""
+
+    key: str               #: "<role>@g<first>+<n>:tp<tp>pp<pp>"
+    role: str
+    head: str              #: "lm" or "value"
+    first_gpu: int
+    n_gpus: int
+    tp: int
+    pp: int
+    dp: int
+    trained: bool          #: this is the copy the optimizer updates
+    reallocated: bool      #: filled from the trained copy before each use, not loaded
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.first_gpu, self.first_gpu + self.n_gpus))
+
+
+@dataclass(frozen=True)
+class Realloc:
+    role: str
+    to_mfc: str             #: the call it prepares
+    src: str                #: replica key (the trained copy)
+    dst: str
+    ranks: tuple[int, ...]  #: src ∪ dst
+    bytes: int              #: what the plan says the executor moves ...
+    dtype_bytes: int        #: ... at this many bytes per element
+    estimate_s: float
+
+
+@dataclass(frozen=True)
+class Send:
+    key: str
+    src_ranks: tuple[int, ...]   #: ranks holding the record
+    dst_ranks: tuple[int, ...]   #: ranks that need it and lack it
+    ranks: tuple[int, ...] = ()
+
+    def sender_of(self, dst: int) -> int:
+        """Spread receivers over holders: the i-th receiver gets it from holder i mod n."""
+        return self.src_ranks[self.dst_ranks.index(dst) % len(self.src_ranks)]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One MFC on its replica, as its allocation says."""
+
+    mfc: MFC                     #: the graph's call (keys, batch shape, greedy, ...)
+    replica: str
+    micro_batches: int           #: micro-batches per step and replica (generation: waves)
+    ranks: tuple[int, ...]
+    mesh_name: str
+    estimate_s: float
+    estimate_mem_bytes: float    #: planned peak memory per GPU of the mesh
+
+    @property
+    def name(self) -> str:
+        return self.mfc.name
+
+    @property
+    def kind(self) -> str:
+        return self.mfc.kind
+
+    @property
+    def role(self) -> str:
+        return self.mfc.role
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return self.mfc.input_keys
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return self.mfc.output_keys
+
+
+@dataclass(frozen=True)
+class RuleReward:
+    seqs_key: str           #: generated sequences to score
+    out_key: str            #: where the rewards go
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Release:
+    replica: str
+    ranks: tuple[int, ...]
+
+
+Op = Realloc | Send | Call | RuleReward | Release
+
+
+@dataclass(frozen=True)
+class Program:
+    replicas: tuple[Replica, ...]
+    ops: tuple[Op, ...]
+    dataset_key: str        #: the graph key the step's dataset batch fills
+    n_ranks: int
+
+    def collective_timeout_s(self) -> float:
+        """How long a rank may wait on a peer: a step's estimated duration if every call
+        and reallocation ran one after another (a rank can idle while other meshes run
+        all of them), times :data:`TIMEOUT_SAFETY`, and never below
+        :data:`MIN_COLLECTIVE_TIMEOUT_S`."""
+        serial = sum(op.estimate_s for op in self.ops if isinstance(op, (Call, Realloc)))
+        return max(MIN_COLLECTIVE_TIMEOUT_S, TIMEOUT_SAFETY * serial)
+
+    def memory_shortfall(self, rank: int, free_bytes: float) -> str | None:
+        """Why ``rank``'s device cannot hold the plan when ``free_bytes`` are free before
+        anything is built (None when it can): the planned peak of its calls."""
+        mine = [op for op in self.ops if isinstance(op, Call) and rank in op.ranks]
+        if not mine:
+            return None
+        worst = max(mine, key=lambda op: op.estimate_mem_bytes)
+        if worst.estimate_mem_bytes <= free_bytes:
+            return None
+        gib = 2 ** 30
+        return (f"GPU {rank} has {free_bytes / gib:.1f} GiB free, but the plan needs "
+                f"{worst.estimate_mem_bytes / gib:.1f} GiB on it while {worst.name} runs")
+
+
+def replica_key(role: str, first_gpu: int, n_gpus: int, tp: int, pp: int) -> str:
+    return f"{role}@g{first_gpu}+{n_gpus}:tp{tp}pp{pp}"
+
+
+def _key(a: MFCAllocation) -> str:
+    return replica_key(a.role, a.mesh.first_gpu, a.mesh.n_gpus, a.layout.tp, a.layout.pp)
+
+
+def compile_program(plan: ExecutionPlan) -> Program:
+    """The replicas to build and the ops of one step, from ``plan`` (consistent by
+    construction: :func:`planner.plan.plan_problems`)."""
+    graph = plan.graph
+    datasets = graph.dataset_keys()
+    if len(datasets) != 1:
+        raise PlanError(f"the graph reads {datasets} from no call; a step has one dataset "
+                        "batch", field="plan.graph")
+    heads = {pm.role: pm.head for pm in plan.models}
+    train = {a.role: a for a in plan.allocations if a.kind == "train"}
+    realloc_to = {r.to_mfc: r for r in plan.reallocations}
+    replicas: dict[str, Replica] = {}
+    for a in plan.allocations:
+        key = _key(a)
+        if key not in replicas:
+            replicas[key] = Replica(
+                key, a.role, heads[a.role], a.mesh.first_gpu, a.mesh.n_gpus, a.layout.tp,
+                a.layout.pp, a.layout.dp,
+                trained=a.role in train and a.shards == train[a.role].shards,
+                reallocated=a.mfc in realloc_to)
+    everyone = tuple(range(plan.cluster.n_gpus))
+    holders: dict[str, tuple[int, ...]] = {datasets[0]: everyone}
+    last_use: dict[str, int] = {}
+    ops: list[Op] = []
+    for m in graph.mfcs:
+        a = plan.allocation(m.name)
+        key = _key(a)
+        ranks = tuple(a.mesh.gpus)
+        r = realloc_to.get(m.name)
+        if r is not None:
+            src = _key(train[m.role])
+            ops.append(Realloc(m.role, m.name, src, key,
+                               tuple(sorted(set(replicas[src].ranks) | set(ranks))),
+                               r.bytes, plan.cost_config.param_dtype_bytes, r.time_s))
+        for k in m.input_keys:
+            have = holders[k]
+            lack = tuple(g for g in ranks if g not in have)
+            if lack:
+                ops.append(Send(k, have, lack, tuple(sorted(set(have[:len(lack)]) | set(lack)))))
+                holders[k] = tuple(sorted(set(have) | set(lack)))
+        ops.append(Call(m, key, a.micro_batches, ranks, a.mesh_name, a.time_s, a.mem_bytes))
+        for k in m.output_keys:
+            holders[k] = ranks
+        for rule in graph.rule_reward_after(m.name):
+            ops.append(RuleReward(rule.seqs_key, rule.out_key, ranks))
+            holders[rule.out_key] = ranks
+        if replicas[key].reallocated:
+            last_use[key] = len(ops) - 1
+    # free reallocated copies right after their last call of the step
+    out: list[Op] = []
+    last = {i: key for key, i in last_use.items()}
+    for i, op in enumerate(ops):
+        out.append(op)
+        if i in last:
+            out.append(Release(last[i], replicas[last[i]].ranks))
+    return Program(tuple(replicas.values()), tuple(out), datasets[0], plan.cluster.n_gpus)

@@ -1,0 +1,90 @@
+"""RunSpec: a prepared run, everything the controller and its workers need, already
+checked (``RUN/run_spec.json``).
+
+Typed and whole: the experiment config and the execution plan are values inside it
+(not JSON inside JSON), so the launchers, the job index and the controller read a
+run folder through one :meth:`RunSpec.load` and never parse the file by hand.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from planner.plan import ExecutionPlan
+from realign.config.experiment import ExperimentConfig
+from realign.errors import UserError
+from realign.run.program import Program, compile_program
+
+
+class RunSpec(BaseModel):
+    """A prepared run: the checked config, the plan it executes and where things are."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    FILE: ClassVar[str] = "run_spec.json"
+
+    config: ExperimentConfig = Field(description="The experiment, checked.")
+    plan: ExecutionPlan = Field(description="The plan the run executes.")
+    paths: dict[str, Path] = Field(description="Model role -> its HF checkpoint folder.")
+    base_dir: Path = Field(description="The experiment YAML's folder (relative paths in "
+                                       "the config are resolved against it).")
+    run_dir: Path = Field(description="The run folder.")
+
+    # ---- derived -------------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        return self.config.run.steps
+
+    @property
+    def checkpoint_interval(self) -> int:
+        return self.config.run.checkpoint_interval
+
+    @property
+    def n_workers(self) -> int:
+        """One worker per device of the plan's cluster."""
+        return self.plan.cluster.n_gpus
+
+    @property
+    def final_role(self) -> str:
+        """The trained model the run hands over at the end: the actor, or the reward
+        model under reward modelling."""
+        trained = self.plan.graph.trainable_roles()
+        return "actor" if "actor" in trained else "reward"
+
+    @property
+    def final_dir(self) -> Path:
+        return self.run_dir / "final" / self.final_role
+
+    def program(self) -> Program:
+        """The compiled program of the plan (what every worker executes each step)."""
+        return compile_program(self.plan)
+
+    # ---- the file ------------------------------------------------------------------
+    def save(self) -> Path:
+        """Write ``RUN/run_spec.json`` atomically."""
+        p = self.run_dir / self.FILE
+        part = p.with_name(p.name + ".part")
+        part.write_text(self.model_dump_json(indent=1))
+        os.replace(part, p)
+        return p
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> "RunSpec":
+        """The prepared run of ``run_dir``; :class:`UserError` when there is none or it
+        cannot be read."""
+        p = Path(run_dir) / cls.FILE
+        if not p.is_file():
+            raise UserError(f"{run_dir} holds no prepared run ({cls.FILE} missing); "
+                            "realign run or realign submit prepare one", field="run_dir")
+        try:
+            return cls.model_validate_json(p.read_bytes())
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"])
+            raise UserError(f"{p} is not a prepared run of this realign ({loc}: "
+                            f"{err['msg']}); prepare it again", field="run_dir") from None
+        except UserError as e:        # the plan inside is inconsistent
+            raise UserError(f"{p}: {e.message}; prepare it again", field="run_dir") from None
