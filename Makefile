@@ -8,7 +8,7 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 EXP       ?= experiments/ppo-llama2-70b-128gpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install services test test-all demo plan bench-plan bench-env bench-step core clean
+.PHONY: install services lint test test-all demo plan bench-plan bench-env bench-step core clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -18,7 +18,7 @@ install: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0+cpu
 	$(BIN)/pip install --quiet pybind11 numpy networkx pydantic PyYAML \
 	    megatron-core einops psutil safetensors transformers tokenizers tensorboardX pytest pytest-xdist \
-	    "ray[default]"
+	    "ray[default]" ruff import-linter
 	$(BIN)/pip install --quiet --no-build-isolation --no-deps -e .
 	$(BIN)/python -c "import planner._core, realign; print('realign installed')"
 
@@ -31,7 +31,12 @@ core:
 services:
 	bash tests/slurm/install_slurm.sh || echo "services: Slurm unavailable, the slurm tests will skip"
 
-test: services
+# Style and layering: ruff's rules and the import contracts (pyproject.toml).
+lint:
+	$(BIN)/ruff check --no-cache realign planner tests benchmarks setup.py
+	$(BIN)/lint-imports
+
+test: lint services
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 # The main job on this machine: tiny models and data, then GRPO on CPU (minutes).
