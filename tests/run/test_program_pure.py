@@ -99,21 +99,25 @@ def _compiled(variant):
         return e
 
 
+def assert_each_consumed(variants: dict, fields, what: str) -> None:
+    """Every field has a variant, and each variant compiles to another program than the
+    base plan's or is refused."""
+    base = compile_program(plan_of(BASE))
+    assert set(variants) == set(fields), "a field without a variant"
+    for field, variant in variants.items():
+        got = _compiled(variant)
+        assert isinstance(got, PlanError) or got != base, f"{what}.{field} is not consumed"
+
+
 @pytest.mark.parametrize("name", list(BASE))           # generate, inference, train
 def test_every_allocation_field_changes_the_program_or_is_refused(name):
     """A field nobody reads cannot slip into the plan: each one, varied alone, gives
     another program or a refusal that names what is wrong."""
-    base = compile_program(plan_of(BASE))
-    variants = _variants(name)
-    assert set(variants) == set(MFCAllocation.model_fields), "a field without a variant"
-    for field, variant in variants.items():
-        got = _compiled(variant)
-        assert isinstance(got, PlanError) or got != base, f"{name}.{field} is not consumed"
+    assert_each_consumed(_variants(name), MFCAllocation.model_fields, name)
 
 
 def test_every_reallocation_field_changes_the_program_or_is_refused():
     plan = plan_of(BASE)
-    base = compile_program(plan)
     assert len(plan.reallocations) == 1
     r = plan.reallocations[0]
 
@@ -128,10 +132,7 @@ def test_every_reallocation_field_changes_the_program_or_is_refused():
         "dst_layout": realloc(dst_layout={"tp": 2, "pp": 1, "dp": 1}),
         "bytes": realloc(bytes=r.bytes + 2), "time_s": realloc(time_s=r.time_s + 1.0),
     }
-    assert set(variants) == set(Reallocation.model_fields)
-    for field, variant in variants.items():
-        got = _compiled(variant)
-        assert isinstance(got, PlanError) or got != base, f"reallocation {field} is not consumed"
+    assert_each_consumed(variants, Reallocation.model_fields, "reallocation")
 
 
 def test_the_program_runs_the_plans_allocations_and_reallocations():
