@@ -37,13 +37,17 @@ class BatchShape(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    prompts_per_step: int = Field(512, gt=0, description="Prompts (or pairs, or examples) per step.")
-    samples_per_prompt: int = Field(1, gt=0, description="Responses sampled per prompt "
-                                    "(GRPO/RLOO group size).")
-    prompt_len: int = Field(128, gt=0, description="Prompt tokens per sequence (padded bound).")
-    gen_len: int = Field(256, gt=0, description="Generated / response tokens per sequence.")
-    ppo_minibatches: int = Field(4, gt=0, description="Optimizer steps per epoch over the batch.")
-    ppo_epochs: int = Field(1, gt=0, description="Epochs over each batch.")
+    prompts_per_step: int = Field(512, gt=0, le=1 << 24,
+                                  description="Prompts (or pairs, or examples) per step.")
+    samples_per_prompt: int = Field(1, gt=0, le=1 << 12, description="Responses sampled per "
+                                    "prompt (GRPO/RLOO group size).")
+    prompt_len: int = Field(128, gt=0, le=1 << 22,
+                            description="Prompt tokens per sequence (padded bound).")
+    gen_len: int = Field(256, gt=0, le=1 << 22,
+                         description="Generated / response tokens per sequence.")
+    ppo_minibatches: int = Field(4, gt=0, le=1 << 20,
+                                 description="Optimizer steps per epoch over the batch.")
+    ppo_epochs: int = Field(1, gt=0, le=1 << 20, description="Epochs over each batch.")
 
 
 def _rollout(shape: BatchShape, n: int, with_reward_model: bool, with_ref: bool

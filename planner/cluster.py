@@ -13,6 +13,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner.errors import PlanError
 
+#: Largest cluster the planner takes: its candidate space (and memory) grows with the
+#: square of the node count (runs of whole nodes); 256 nodes take ~1 GB and ~10 s to
+#: set up on one core.
+MAX_NODES = 256
+#: Most devices per node (one NVLink domain; an NVL72 rack has 72) the planner takes.
+MAX_GPUS_PER_NODE = 512
+
 
 class DeviceSpec(BaseModel):
     """Rates and sizes of one accelerator and its links (dense bf16 unless noted)."""
@@ -42,8 +49,8 @@ class ClusterSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    n_nodes: int = Field(gt=0, description="Number of nodes.")
-    gpus_per_node: int = Field(gt=0, description="Devices per node.")
+    n_nodes: int = Field(gt=0, le=MAX_NODES, description="Number of nodes.")
+    gpus_per_node: int = Field(gt=0, le=MAX_GPUS_PER_NODE, description="Devices per node.")
     device: DeviceSpec = Field(description="The device type of every node.")
 
     @property

@@ -23,3 +23,8 @@ class PlanError(UserError):
 class InfeasibleError(PlanError):
     """No allocation fits in GPU memory; the message names what does not fit and
     the smallest cluster that would."""
+
+
+class NonFiniteError(UserError):
+    """A reward, loss or gradient that is not a finite number: the run stops before the
+    optimizer applies it (exit code 1, naming the step and the value)."""

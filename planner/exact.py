@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from planner.deadline import Deadline
 from planner.problem import Problem
 from planner.simulator import ReallocCache, simulate
 
@@ -25,7 +26,10 @@ class ExactResult:
 
 
 def branch_and_bound(prob: Problem, incumbent: list[int] | None = None,
-                     max_nodes: int = 2_000_000) -> ExactResult:
+                     max_nodes: int = 2_000_000, deadline: Deadline | None = None
+                     ) -> ExactResult:
+    """The best assignment (or the incumbent) within ``max_nodes`` nodes and before
+    ``deadline``; ``complete`` says whether the whole space was searched."""
     cache = ReallocCache(prob)
     n = len(prob.cands)
     best: list[int] | None = None
@@ -50,7 +54,8 @@ def branch_and_bound(prob: Problem, incumbent: list[int] | None = None,
         for j in order[k]:
             if (used + area[k][j] + rest_min[k + 1]) * scale >= best_t:
                 continue
-            if nodes >= max_nodes:
+            if nodes >= max_nodes or (deadline is not None and nodes % 256 == 0
+                                      and deadline.passed()):
                 complete = False
                 return
             nodes += 1

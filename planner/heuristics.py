@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable
 
+from planner.deadline import Deadline
 from planner.problem import Problem
 from planner.simulator import ReallocCache, energy, simulate
 
@@ -37,7 +38,8 @@ def _mp_order(prob: Problem, i: int, js: list[int]) -> list[tuple[int, int]]:
     return tps
 
 
-def _fit_micro_batches(prob: Problem, choice: list[list[int]]) -> Assignment | None:
+def _fit_micro_batches(prob: Problem, choice: list[list[int]],
+                       deadline: Deadline | None = None) -> Assignment | None:
     """Pick one option per MFC (they differ in micro-batches) that fits in memory.
 
     Memory is resident state + the largest activation of any call on a GPU, so for
@@ -49,6 +51,8 @@ def _fit_micro_batches(prob: Problem, choice: list[list[int]]) -> Assignment | N
     best, best_e = None, float("inf")
     seen: set[tuple[int, ...]] = set()
     for cap in reversed(caps):
+        if deadline is not None and deadline.passed():
+            break
         assign = []
         for i, js in enumerate(choice):
             under = [j for j in js if prob.cands[i][j].activation_bytes <= cap]
@@ -64,7 +68,7 @@ def _fit_micro_batches(prob: Problem, choice: list[list[int]]) -> Assignment | N
     return best
 
 
-def megatron(prob: Problem) -> Assignment | None:
+def megatron(prob: Problem, deadline: Deadline | None = None) -> Assignment | None:
     n = prob.n_gpus
     full = [_on_mesh(prob, i, 0, n) for i in range(len(prob.cands))]
     if any(not js for js in full):
@@ -106,7 +110,7 @@ def megatron(prob: Problem) -> Assignment | None:
     return best
 
 
-def deepspeed_chat(prob: Problem) -> Assignment | None:
+def deepspeed_chat(prob: Problem, deadline: Deadline | None = None) -> Assignment | None:
     n, gpn = prob.n_gpus, prob.cluster.gpus_per_node
     choice = []
     for i in range(len(prob.cands)):
@@ -156,13 +160,15 @@ def _pow2_splits(n: int, parts: int, gpn: int) -> list[tuple[int, ...]]:
     return [c for c in itertools.product(sizes, repeat=parts) if sum(c) == n]
 
 
-def openrlhf(prob: Problem) -> Assignment | None:
+def openrlhf(prob: Problem, deadline: Deadline | None = None) -> Assignment | None:
     best, best_e = None, float("inf")
     cache = ReallocCache(prob)
     for colocate in (False, True):
         keys = _pool_keys(prob, colocate)
         pools = list(dict.fromkeys(keys))
         for split in _pow2_splits(prob.n_gpus, len(pools), prob.cluster.gpus_per_node):
+            if deadline is not None and deadline.passed():
+                return best
             # place pools largest first: power-of-two blocks stay aligned
             order = sorted(range(len(pools)), key=lambda p: -split[p])
             first, where = 0, {}
@@ -172,7 +178,7 @@ def openrlhf(prob: Problem) -> Assignment | None:
             choice = [_on_mesh(prob, i, *where[keys[i]]) for i in range(len(prob.cands))]
             if any(not js for js in choice):
                 continue
-            assign = _fit_micro_batches(prob, choice)
+            assign = _fit_micro_batches(prob, choice, deadline)
             if assign is None:
                 continue
             e = energy(prob, simulate(prob, assign, cache))
@@ -181,7 +187,8 @@ def openrlhf(prob: Problem) -> Assignment | None:
     return best
 
 
-HEURISTICS: dict[str, Callable[[Problem], Assignment | None]] = {
+#: name -> builder(problem, deadline) (a builder past the deadline returns what it has)
+HEURISTICS: dict[str, Callable[..., Assignment | None]] = {
     "megatron": megatron,
     "deepspeed-chat": deepspeed_chat,
     "openrlhf": openrlhf,

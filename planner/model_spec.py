@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from planner.errors import PlanError
 
@@ -111,38 +111,68 @@ def model_presets() -> dict[str, ModelSpec]:
     return {name: ModelSpec(name=name, **fields) for name, fields in raw.items()}
 
 
+#: ModelSpec field -> the config.json key it is read from (for error messages)
+_HF_KEYS = {"n_layers": "num_hidden_layers", "hidden": "hidden_size",
+            "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+            "ffn_hidden": "intermediate_size", "vocab_size": "vocab_size",
+            "head_dim": "head_dim", "max_seq_len": "max_position_embeddings",
+            "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps"}
+
+
 def model_spec_from_hf_config(path: str | Path, name: str | None = None) -> ModelSpec:
-    """Read a Hugging Face ``config.json`` (a file or a folder that holds one)."""
+    """Read a Hugging Face ``config.json`` (a file or a folder that holds one); a
+    :class:`PlanError` naming the file and the key for anything it cannot use."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
         raise PlanError(f"no config.json at {str(path)!r}", field="model")
     try:
-        cfg = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PlanError(f"{p} is not valid JSON ({e})", field="model") from None
+    if not isinstance(cfg, dict):
+        raise PlanError(f"{p} holds a {type(cfg).__name__}, not the JSON object of a "
+                        "model config", field="model")
+    required = ["num_hidden_layers", "hidden_size", "num_attention_heads",
+                "intermediate_size", "vocab_size"]
+    missing = [k for k in required if k not in cfg]
+    if missing:
+        raise PlanError(f"{p} lacks the key {missing[0]!r} that a LLaMA-family "
+                        "config.json has", field="model")
+    rope = cfg.get("rope_parameters")
+    rope = rope if isinstance(rope, dict) else {}
+    n_heads = cfg["num_attention_heads"]
+    fields = dict(
+        name=name or p.parent.name or "hf-model",
+        n_layers=cfg["num_hidden_layers"],
+        hidden=cfg["hidden_size"],
+        n_heads=n_heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+        ffn_hidden=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+        head_dim=cfg.get("head_dim"),
+        max_seq_len=cfg.get("max_position_embeddings", 4096),
+        rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        norm_eps=cfg.get("rms_norm_eps", 1e-5),
+    )
+    for key in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size",
+                "head_dim", "max_seq_len"):
+        value = fields[key]        # whole numbers only: no 4.5 layers, no "four" heads
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise PlanError(f"{p}: {_HF_KEYS[key]} must be a whole number, got {value!r}",
+                            field="model")
     try:
-        rope = cfg.get("rope_parameters") or {}
-        n_heads = cfg["num_attention_heads"]
-        return ModelSpec(
-            name=name or p.parent.name or "hf-model",
-            n_layers=cfg["num_hidden_layers"],
-            hidden=cfg["hidden_size"],
-            n_heads=n_heads,
-            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            ffn_hidden=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-            head_dim=cfg.get("head_dim"),
-            max_seq_len=cfg.get("max_position_embeddings", 4096),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        )
-    except KeyError as e:
-        raise PlanError(f"{p} lacks the key {e.args[0]!r} that a LLaMA-family "
-                        "config.json has", field="model") from None
+        return ModelSpec(**fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = _HF_KEYS.get(str(err["loc"][0]) if err["loc"] else "", "?")
+        raise PlanError(f"{p}: {key} {err['msg'].lower()} (got {err.get('input')!r})",
+                        field="model") from None
+    except PlanError as e:
+        raise PlanError(f"{p}: {e.message}", field="model") from None
 
 
 def resolve_model(ref: str) -> ModelSpec:

@@ -46,7 +46,7 @@ class MFCAllocation(_Frozen):
     mesh: DeviceMesh
     mesh_name: str
     layout: Layout
-    micro_batches: int
+    micro_batches: int = Field(gt=0, description="Micro-batches per step and replica.")
     time_s: float = Field(description="Estimated duration of one call.")
     mem_bytes: float = Field(description="Peak memory per GPU of its mesh while it runs.")
 
@@ -81,7 +81,10 @@ class TimelineEvent(_Frozen):
 
 class HeuristicResult(_Frozen):
     name: str
-    iteration_time_s: float | None = Field(description="None when it does not fit in memory.")
+    iteration_time_s: float | None = Field(description="None when it does not fit in memory "
+                                           "(or was not evaluated).")
+    evaluated: bool = Field(True, description="False when planning ran out of "
+                            "plan.time_limit_s before building it.")
     allocations: dict[str, str] = Field(default_factory=dict,
                                         description="MFC -> 'mesh layout xMB' summary.")
 

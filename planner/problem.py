@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from planner.cluster import ClusterSpec
 from planner.cost_model import CostModel
+from planner.deadline import Deadline
 from planner.errors import PlanError
 from planner.graph import DataflowGraph
 from planner.layout import Layout, enumerate_layouts, shard_placement
@@ -113,12 +114,14 @@ def _pareto(cands: list[Candidate]) -> list[Candidate]:
 
 
 def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: CostModel,
-                  n_iters: int = 3, meshes: list[DeviceMesh] | None = None) -> Problem:
+                  n_iters: int = 3, meshes: list[DeviceMesh] | None = None,
+                  deadline: Deadline | None = None) -> Problem:
     """Enumerate and price every allocation of every MFC of ``graph``.
 
     Candidates whose own memory already exceeds the limit are dropped (they can be
     in no feasible plan), and for one placement only micro-batch counts on the
-    time/memory Pareto front are kept (a dominated one is never better).
+    time/memory Pareto front are kept (a dominated one is never better). ``deadline``:
+    a :class:`PlanError` once it has passed.
     """
     cluster = cost.cluster
     roles = [r for r in graph.roles()]
@@ -141,6 +144,8 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
         per_step = mfc.n_seqs // (mfc.n_minibatches if mfc.kind == "train" else 1)
         per_mfc: list[Candidate] = []
         for size, group_meshes in by_size.items():
+            if deadline is not None:
+                deadline.check(f"pricing the allocations of {mfc.name} on {cluster.describe()}")
             proto = group_meshes[0]
             priced: list[Candidate] = []
             for lay in enumerate_layouts(proto, rm.spec, mfc, cluster):
@@ -159,7 +164,8 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
             for mesh in group_meshes:
                 per_mfc += [replace(c, first_gpu=mesh.first_gpu) for c in priced]
         if not per_mfc:
-            raise PlanError(f"{mfc.name} ({rm.spec.name}) fits on no mesh of the cluster "
+            raise PlanError(f"{mfc.name} ({rm.spec.name}, {mfc.n_seqs} sequences of "
+                            f"{mfc.seq_len} tokens per step) fits on no mesh of the cluster "
                             f"{cluster.describe()} within {limit / 2**30:.1f} GiB per GPU",
                             field="cluster")
         cands.append(per_mfc)

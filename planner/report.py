@@ -49,7 +49,9 @@ def table(plan: ExecutionPlan) -> str:
                f"(search: {plan.search.method}, {plan.search.search_time_s:.1f} s, "
                f"{plan.search.steps} steps, space {plan.search.space_size:.3g})")
     for h in plan.heuristics:
-        if h.iteration_time_s is None:
+        if not h.evaluated:
+            out.append(f"  {h.name:15s} not evaluated within plan.time_limit_s")
+        elif h.iteration_time_s is None:
             out.append(f"  {h.name:15s} does not fit in memory")
         else:
             out.append(f"  {h.name:15s} {h.iteration_time_s:9.3f} s   searched plan is "

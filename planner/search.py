@@ -6,6 +6,9 @@ Pure: no I/O, no environment variables. Steps:
 3. search from them: exact branch and bound when the space is small, else
    simulated annealing in the C++ core, one chain per heuristic seed;
 4. the best plan found is never worse than any heuristic (they are its seeds).
+``time_limit_s`` bounds all of it on the wall clock (:class:`~planner.deadline.Deadline`):
+a phase that runs out of time stops with what it has (the search keeps the best seed),
+and set-up that cannot finish in time is a :class:`PlanError` naming the setting.
 If nothing fits in memory, :class:`InfeasibleError` says what does not fit and the
 smallest cluster (more nodes of the same kind) that would.
 """
@@ -18,9 +21,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.anneal import AnnealSettings
-from planner.cluster import ClusterSpec
+from planner.cluster import MAX_NODES, ClusterSpec
 from planner.cost_config import CostModelConfig
 from planner.cost_model import CostModel
+from planner.deadline import Deadline
 from planner.errors import InfeasibleError, PlanError
 from planner.exact import branch_and_bound
 from planner.graph import DataflowGraph
@@ -39,7 +43,8 @@ class SearchSettings(BaseModel):
 
     method: Literal["auto", "exact", "anneal"] = Field(
         "auto", description="auto: exact when the space has at most exact_max_space plans.")
-    time_limit_s: float = Field(20.0, gt=0, description="Wall-clock cap on the search itself.")
+    time_limit_s: float = Field(20.0, gt=0, le=86400, description="Wall-clock cap on planning, "
+                                "set-up included.")
     seed: int = Field(0, ge=0, description="Seed of the annealer's random numbers.")
     anneal_steps: int = Field(300_000, gt=0, description="Annealing steps, split over the seeds.")
     exact_max_space: int = Field(100_000, gt=0, description="Largest space searched exactly under auto.")
@@ -54,18 +59,29 @@ def _min_memory_start(prob: Problem) -> list[int]:
             for cs in prob.cands]
 
 
-def _heuristics(prob: Problem) -> dict[str, list[int] | None]:
-    return {name: fn(prob) for name, fn in HEURISTICS.items()}
+def _heuristics(prob: Problem, deadline: Deadline | None = None
+                ) -> tuple[dict[str, list[int] | None], set[str]]:
+    """Each heuristic's plan (None: it has none that fits), and the names of those not
+    built because the deadline passed first."""
+    out: dict[str, list[int] | None] = {}
+    skipped: set[str] = set()
+    for name, fn in HEURISTICS.items():
+        if deadline is not None and deadline.passed():
+            out[name] = None
+            skipped.add(name)
+        else:
+            out[name] = fn(prob, deadline)
+    return out, skipped
 
 
-def _anneal(prob: Problem, seeds: list[list[int]], s: SearchSettings, deadline: float
+def _anneal(prob: Problem, seeds: list[list[int]], s: SearchSettings, deadline: Deadline
             ) -> tuple[list[int] | None, float, int]:
     from planner.core_bridge import core_anneal, to_core
     core = to_core(prob)
     best, best_e, steps = None, math.inf, 0
     per = max(1, s.anneal_steps // len(seeds))
     for k, start in enumerate(seeds):
-        left = deadline - time.perf_counter()
+        left = deadline.left_s()
         if left <= 0:
             break
         share = left / (len(seeds) - k)
@@ -83,13 +99,18 @@ def search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluste
     s = settings or SearchSettings()
     cost_config = cost_config or CostModelConfig()
     t0 = time.perf_counter()
+    # the phases stop at 90 % of the limit: building the plan from the result takes the rest
+    deadline = Deadline(t0 + 0.9 * s.time_limit_s, s.time_limit_s)
     cost = CostModel(cluster, cost_config, profile)
     try:
-        prob = build_problem(graph, models, cost, n_iters=s.n_iters)
+        prob = build_problem(graph, models, cost, n_iters=s.n_iters, deadline=deadline)
     except PlanError as e:
-        raise InfeasibleError(f"{e.message}. {_suggest(graph, models, cluster, cost_config, profile)}",
+        if e.field == "plan.time_limit_s":
+            raise
+        raise InfeasibleError(f"{e.message}. "
+                              f"{_suggest(graph, models, cluster, cost_config, profile, deadline)}",
                               field="cluster") from None
-    heur = _heuristics(prob)
+    heur, skipped = _heuristics(prob, deadline)
     cache = ReallocCache(prob)
     heur_e = {n: (energy(prob, simulate(prob, a, cache)) if a is not None else None)
               for n, a in heur.items()}
@@ -106,14 +127,17 @@ def search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluste
     complete = True
     if method == "exact":
         incumbent = unique[0] if simulate(prob, unique[0], cache).feasible else None
-        r = branch_and_bound(prob, incumbent, s.exact_max_nodes)
+        r = branch_and_bound(prob, incumbent, s.exact_max_nodes, deadline)
         best, steps, complete = r.assign, r.nodes, r.complete
     else:
-        best, _e, steps = _anneal(prob, unique, s, t0 + s.time_limit_s)
+        best, _e, steps = _anneal(prob, unique, s, deadline)
         complete = False
+    if best is None:        # out of time before the search found one: the best seed that fits
+        fits = [a for a in unique if simulate(prob, a, cache).feasible]
+        best = min(fits, key=lambda a: energy(prob, simulate(prob, a, cache))) if fits else None
     if best is None:
         raise InfeasibleError(f"{_what_does_not_fit(prob)}. "
-                              f"{_suggest(graph, models, cluster, cost_config, profile)}",
+                              f"{_suggest(graph, models, cluster, cost_config, profile, deadline)}",
                               field="cluster")
     # never worse than a heuristic (they seed the search; this makes it explicit)
     for a in seeds:
@@ -125,7 +149,7 @@ def search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluste
                       candidates={m.name: len(c) for m, c in zip(graph.mfcs, prob.cands)},
                       steps=steps, complete=complete)
     heuristics = tuple(
-        HeuristicResult(name=n, iteration_time_s=heur_e[n],
+        HeuristicResult(name=n, iteration_time_s=heur_e[n], evaluated=n not in skipped,
                         allocations=({m.name: describe_candidate(prob, i, a[i])
                                       for i, m in enumerate(graph.mfcs)} if a else {}))
         for n, a in heur.items())
@@ -147,30 +171,43 @@ def _what_does_not_fit(prob: Problem) -> str:
 
 
 def _fits_on(graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
-             cost_config: CostModelConfig, profile: ProfileTable | None) -> bool:
+             cost_config: CostModelConfig, profile: ProfileTable | None,
+             deadline: Deadline | None) -> bool:
     try:
-        prob = build_problem(graph, models, CostModel(cluster, cost_config, profile), n_iters=1)
-    except PlanError:
+        prob = build_problem(graph, models, CostModel(cluster, cost_config, profile), n_iters=1,
+                             deadline=deadline)
+    except PlanError as e:
+        if e.field == "plan.time_limit_s":
+            raise
         return False
     return simulate(prob, _min_memory_start(prob)).feasible or any(
-        a is not None for a in _heuristics(prob).values())
+        a is not None for a in _heuristics(prob, deadline)[0].values())
+
+
+_SMALLER = ("use smaller models (models.*) or a smaller batch (algorithm.prompts_per_step, "
+            "samples_per_prompt, prompt_len, gen_len)")
 
 
 def _suggest(graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
-             cost_config: CostModelConfig, profile: ProfileTable | None) -> str:
+             cost_config: CostModelConfig, profile: ProfileTable | None,
+             deadline: Deadline | None = None) -> str:
     """The smallest cluster of the same node kind on which a plan fits: double the
-    node count until one fits, then bisect between the last two counts."""
+    node count until one fits, then bisect between the last two counts (within
+    :data:`~planner.cluster.MAX_NODES` nodes and the deadline)."""
     def fits(n: int) -> bool:
         return _fits_on(graph, models, cluster.model_copy(update={"n_nodes": n}),
-                        cost_config, profile)
+                        cost_config, profile, deadline)
 
-    lo, hi = cluster.n_nodes, cluster.n_nodes * 2
-    while not fits(hi):
-        lo, hi = hi, hi * 2
-        if hi > 1024:
-            return "No cluster of up to 1024 such nodes fits it; use a smaller model or batch"
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    try:
+        lo, hi = cluster.n_nodes, min(cluster.n_nodes * 2, MAX_NODES)
+        while not (hi > lo and fits(hi)):
+            if hi >= MAX_NODES:
+                return f"No cluster of up to {MAX_NODES} such nodes fits it; {_SMALLER}"
+            lo, hi = hi, min(hi * 2, MAX_NODES)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    except PlanError:
+        return f"(No bigger cluster was tried within plan.time_limit_s); or {_SMALLER}"
     return (f"The smallest cluster that fits: {hi} nodes x {cluster.gpus_per_node} "
-            f"{cluster.device.name} ({hi * cluster.gpus_per_node} GPUs)")
+            f"{cluster.device.name} ({hi * cluster.gpus_per_node} GPUs); or {_SMALLER}")
