@@ -2,6 +2,6 @@
 (one hierarchy for the project; :class:`~planner.errors.PlanError` is a kind of it).
 The CLI prints them without a traceback and exits with code 2; ``field`` is the
 offending config path when there is one."""
-from planner.errors import UserError
+from planner.errors import NonFiniteError, UserError
 
-__all__ = ["UserError"]
+__all__ = ["NonFiniteError", "UserError"]

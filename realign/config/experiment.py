@@ -12,13 +12,16 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.algorithms import Algorithm, BatchShape
-from planner.cluster import ClusterSpec, DeviceSpec, resolve_device
+from planner.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, DeviceSpec, resolve_device
 from planner.cost_config import CostModelConfig
 from planner.layout import Layout
 from planner.mesh import DeviceMesh
 from planner.search import SearchSettings
 from realign.data.config import DatasetConfig
 from realign.runtime.settings import Sampling, TrainConfig
+
+#: The most steps a run takes (``run.steps`` and ``--steps`` alike).
+MAX_STEPS = 10 ** 9
 
 
 class _Strict(BaseModel):
@@ -53,8 +56,9 @@ class AlgorithmSection(BatchShape):
 class ClusterConfig(_Strict):
     """Nodes x devices per node, and the device kind (a preset name or explicit numbers)."""
 
-    nodes: int = Field(1, gt=0, description="Number of nodes.")
-    gpus_per_node: int = Field(8, gt=0, description="Devices per node.")
+    nodes: int = Field(1, gt=0, le=MAX_NODES, description=f"Number of nodes (at most "
+                       f"{MAX_NODES}: the planner's space grows with its square).")
+    gpus_per_node: int = Field(8, gt=0, le=MAX_GPUS_PER_NODE, description="Devices per node.")
     device: str | DeviceSpec = Field(
         "h100-80g", description="a100-80g | h100-80g | h200 | cpu, or a mapping of DeviceSpec fields.")
 
@@ -102,7 +106,8 @@ class RunConfig(_Strict):
 
     dir: str = Field("runs/{name}", description="Run folder ({name}: the experiment name); "
                                                "relative to the current directory.")
-    steps: int = Field(20, gt=0, description="Training steps.")
+    steps: int = Field(20, gt=0, le=MAX_STEPS, description=f"Training steps (at most "
+                       f"{MAX_STEPS:.0e}).")
     checkpoint_interval: int = Field(5, gt=0, description="Steps between checkpoints.")
     seed: int = Field(0, ge=0, description="Seed of initialisation and sampling.")
 

@@ -71,15 +71,44 @@ def format_validation_error(e: ValidationError, model: type[BaseModel], source: 
     return f"{source}: invalid experiment:\n  " + "\n  ".join(dict.fromkeys(lines))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that names a key twice (PyYAML keeps the
+    last value silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise UserError(f"the key {key!r} is given twice (lines {seen[key]} and "
+                                f"{line}); keep one", field="experiment")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(p: Path):
+    """The YAML document in ``p``: a :class:`UserError` for a file that is not text, not
+    YAML, or names a key twice."""
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{p} is not a text (UTF-8) file; an experiment is a YAML file",
+                        field="experiment") from None
+    except OSError as e:
+        raise UserError(f"cannot read {p}: {e.strerror}", field="experiment") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as e:
+        raise UserError(f"{p} is not valid YAML: {e}", field="experiment") from None
+
+
 def load_experiment(path: str | Path) -> tuple[ExperimentConfig, Path]:
     """Parse and validate an experiment YAML. Returns the config and its folder."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"no experiment file at {str(p)!r}", field="experiment")
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise UserError(f"{p} is not valid YAML: {e}", field="experiment") from None
+    raw = read_yaml(p)
     if not isinstance(raw, dict):
         raise UserError(f"{p} must hold a mapping with the sections name, models, algorithm, "
                         "cluster, plan", field="experiment")

@@ -9,10 +9,12 @@ seconds; nothing waits forever on a dead peer.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
 import time
 from multiprocessing.connection import Connection, Listener, wait
+from pathlib import Path
 
 from realign.controller.metrics import MetricsLog, Progress
 from realign.launch.base import Launcher, worker_env
@@ -24,8 +26,11 @@ POLL_S = 0.2
 
 
 class WorkerFailed(Exception):
-    def __init__(self, rank: int, detail: str):
-        self.rank, self.detail = rank, detail
+    """A worker failed: ``detail`` is its traceback (or log tail); ``message`` the one
+    line a user's error says, when it was one (then no traceback is shown)."""
+
+    def __init__(self, rank: int, detail: str, message: str | None = None):
+        self.rank, self.detail, self.message = rank, detail, message
         super().__init__(f"worker {rank} failed")
 
 
@@ -70,7 +75,7 @@ class Controller:
                     raise WorkerFailed(ex.rank, f"was killed (signal {-ex.returncode})\n"
                                        f"--- last lines of its log ---\n{self._log_tail(ex.rank)}"
                                        f"\n--- then worker {rank} failed: ---\n{msg[1]}")
-            raise WorkerFailed(rank, msg[1])
+            raise WorkerFailed(rank, msg[1], msg[2] if len(msg) > 2 else None)
         return msg
 
     def gather(self, expect: str) -> dict[int, tuple]:
@@ -124,18 +129,43 @@ class Controller:
             rank = conn.recv()[1]
             self.conns[rank] = conn
 
-    def run(self) -> int:
+    def resume_point(self) -> tuple[int, Path] | None:
+        """The newest intact checkpoint of the run folder, checked against this run before
+        any worker starts (a :class:`UserError` says why it cannot resume); damaged newer
+        ones are set aside, and said so."""
         s = self.spec
         checkpoint.clean_partial(s.run_dir)
-        resume = checkpoint.latest(s.run_dir)
+        resume, notes = checkpoint.resume_point(s.run_dir)
+        for note in notes:
+            print(f"realign run: {note}", file=self.out, flush=True)
+        if resume:
+            checkpoint.check_resumable(
+                checkpoint.read_manifest(resume[1]), resume[1],
+                s.config.train.uses_distributed_optimizer(s.config.device), self.trained)
+        return resume
+
+    @property
+    def trained(self) -> list[str]:
+        """Keys of the trained copies (what a checkpoint holds)."""
+        return sorted(r.key for r in self.spec.program().replicas if r.trained)
+
+    def run(self) -> int:
+        s = self.spec
+        resume = self.resume_point()
         start = resume[0] if resume else 0
+        finished = start >= s.steps
+        if finished and checkpoint.final_intact(s.final_dir):
+            print(f"already finished ({start} of {s.steps} steps); final {s.final_dir.name} "
+                  f"at {s.final_dir}", file=self.out)
+            return 0
         log = MetricsLog(s.run_dir, start)
         try:
             if resume:
                 print(f"resuming from {resume[1]} (step {start})", file=self.out, flush=True)
-            if start >= s.steps:
-                print(f"already finished ({start} of {s.steps} steps)", file=self.out)
-                return 0
+            if finished:
+                print(f"all {s.steps} steps are done, but final {s.final_dir.name} is missing "
+                      f"or incomplete: writing it again from {resume[1].name}", file=self.out,
+                      flush=True)
             self.start_workers()
             self.broadcast(("setup", s.model_dump_json(), str(resume[1]) if resume else None))
             self.gather("ready")
@@ -145,7 +175,8 @@ class Controller:
             # the logging overlaps it. A step's time runs from its predecessor's end
             # (or its own start after a checkpoint) to its own end.
             t0 = time.perf_counter()
-            self.broadcast(("step", start))
+            if not finished:
+                self.broadcast(("step", start))
             for step in range(start, s.steps):
                 replies = self.gather("done")
                 now = time.perf_counter()
@@ -161,27 +192,39 @@ class Controller:
                     if step + 1 < s.steps:
                         t0 = time.perf_counter()
                         self.broadcast(("step", step + 1))
-            self.broadcast(("final", str(s.final_dir)))
+            part = checkpoint.final_part(s.final_dir)
+            if part.exists():
+                shutil.rmtree(part)             # a killed run's half-written final model
+            self.broadcast(("final", str(part)))
             self.gather("saved_final")
+            checkpoint.seal_final(s.final_dir, s.steps)
             self.broadcast(("stop",))
             print(f"final {s.final_dir.name} saved to {s.final_dir}", file=self.out, flush=True)
             return 0
         except WorkerFailed as e:
-            print(f"\nrealign run: worker {e.rank} failed:\n{e.detail}", file=sys.stderr,
-                  flush=True)
+            if e.message is not None:
+                print(f"\nrealign run: stopped by worker {e.rank}: {e.message}\n(its traceback "
+                      f"is in {s.run_dir / 'logs' / f'worker{e.rank}.log'})", file=sys.stderr,
+                      flush=True)
+            else:
+                print(f"\nrealign run: worker {e.rank} failed:\n{e.detail}", file=sys.stderr,
+                      flush=True)
             return 1
         finally:
             log.close()
             self.launcher.stop()
 
     def save_checkpoint(self, done_steps: int) -> None:
-        tmp = checkpoint.tmp_dir(self.spec.run_dir, done_steps)
+        s = self.spec
+        tmp = checkpoint.tmp_dir(s.run_dir, done_steps)
         tmp.mkdir(parents=True, exist_ok=True)
         self.broadcast(("save", str(tmp)))
-        self.gather("saved")
-        checkpoint.commit(self.spec.run_dir, done_steps,
-                          {"steps": done_steps, "workers": self.spec.n_workers,
-                           "time": time.time()})
+        files = {name: {"size": size, "sha256": sha}
+                 for _, _, (name, size, sha) in self.gather("saved").values()}
+        checkpoint.commit(s.run_dir, done_steps, {
+            "steps": done_steps, "workers": s.n_workers, "time": time.time(), "files": files,
+            "distributed_optimizer": s.config.train.uses_distributed_optimizer(s.config.device),
+            "trained": self.trained})
 
 
 def merge_metrics(step: int, reports: list[dict], wall_s: float) -> dict:

@@ -38,11 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         spec = RunSpec.load(Path(args.run_dir))
-        launcher = make_launcher(args.launcher, spec)
-    except UserError as e:
+        return Controller(spec, make_launcher(args.launcher, spec)).run()
+    except UserError as e:           # bad input, found before any worker started
         print(f"realign controller: error: {e}", file=sys.stderr)
         return 2
-    return Controller(spec, launcher).run()
 
 
 if __name__ == "__main__":

@@ -9,15 +9,26 @@ import time
 from pathlib import Path
 
 
+def _step_of(line: str) -> int | None:
+    """The step of a metrics line, or None for a line cut off (a killed run) or damaged."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) else None
+
+
 class MetricsLog:
     """``RUN/metrics.jsonl`` (one JSON object per step) and TensorBoard events under
-    ``RUN/tensorboard``. On resume, lines past the checkpoint are dropped first."""
+    ``RUN/tensorboard``. On resume, lines past the checkpoint (and lines that are not
+    whole rows: a kill can cut the last one off) are dropped first."""
 
     def __init__(self, run_dir: Path, resume_step: int):
         self.path = run_dir / "metrics.jsonl"
         if self.path.exists():
-            kept = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln)["step"] < resume_step]
+            lines = self.path.read_text(errors="replace").splitlines()
+            kept = [ln for ln in lines if (s := _step_of(ln)) is not None and s < resume_step]
             part = self.path.with_suffix(".part")
             part.write_text("".join(ln + "\n" for ln in kept))
             os.replace(part, self.path)

@@ -144,7 +144,12 @@ def find(job_id: str) -> JobRecord:
         raise UserError(f"no job {job_id!r} in the job index {index_dir()} (jobs are "
                         f"recorded by realign submit; REALIGN_HOME moves the index){hint}",
                         field="JOB")
-    return JobRecord(**json.loads(p.read_text()))
+    try:
+        return JobRecord(**json.loads(p.read_text()))
+    except (ValueError, TypeError, UnicodeDecodeError) as e:
+        raise UserError(f"the job index entry {p} is damaged ({e}); the run folder is intact: "
+                        "remove the entry and run realign submit on it again to resume",
+                        field="JOB") from None
 
 
 # ---- what the run folder says ---------------------------------------------------------

@@ -1,20 +1,37 @@
-"""Checkpoint folders of a run, written atomically.
+"""The run folder's checkpoints and final model, written atomically and verified.
 
 Layout: ``RUN/checkpoints/step_000012/`` holds one ``rank<R>.pt`` per worker and a
-``manifest.json``. Workers write into ``step_000012.tmp/`` (each file through a
-temporary name and a rename); the controller writes the manifest and renames the
-folder only once every worker has written, so a kill at any moment leaves the
-previous checkpoint complete and the partial one ignored (and removed at the next
-start). A rename of a folder is atomic on POSIX file systems.
+``manifest.json`` that records every file's size and SHA-256, the optimizer sharding
+and the trained copies the checkpoint is for. Workers write into
+``step_000012.tmp/`` (each file through a temporary name and a rename); the controller
+writes the manifest and renames the folder only once every worker has written, so a
+kill at any moment leaves the previous checkpoint complete and the partial one ignored
+(and removed at the next start). A rename of a folder is atomic on POSIX file systems.
+
+Resuming takes the newest checkpoint whose files match its manifest; a damaged newer
+one is renamed ``step_000012.damaged`` (never deleted) and the run says so. Only
+folders named ``step_NNNNNN`` are checkpoints: anything else beside them (a user's
+backup copy) is neither read nor removed.
+
+The final model (``RUN/final/<role>``) is written into ``<role>.part`` and renamed
+once complete, with ``realign_final.json`` listing its files and sizes: a rerun
+finds a missing or damaged one and writes it again from the last checkpoint.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 KEEP_LAST = 2
+MANIFEST = "manifest.json"
+FINAL_MARKER = "realign_final.json"
+_STEP = re.compile(r"step_(\d{6,})")
+_CHUNK = 1 << 22
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -25,42 +42,186 @@ def tmp_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:06d}.tmp"
 
 
-def latest(run_dir: Path) -> tuple[int, Path] | None:
-    """(completed steps, folder) of the newest complete checkpoint, or None."""
+def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every committed checkpoint, oldest first."""
     root = run_dir / "checkpoints"
     if not root.is_dir():
-        return None
-    done = []
+        return []
+    found = []
     for d in root.iterdir():
-        if d.is_dir() and not d.name.endswith(".tmp") and (d / "manifest.json").is_file():
-            done.append((int(d.name.split("_")[1]), d))
-    return max(done) if done else None
+        m = _STEP.fullmatch(d.name)
+        if m and d.is_dir() and (d / MANIFEST).is_file():
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """(size, SHA-256 hex) of a file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return path.stat().st_size, h.hexdigest()
+
+
+def bytes_digest(data: bytes) -> tuple[int, str]:
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def read_manifest(folder: Path) -> dict:
+    return json.loads((folder / MANIFEST).read_text())
+
+
+def problems(folder: Path) -> list[str]:
+    """Why the checkpoint in ``folder`` cannot be trusted (empty when it is intact): a
+    manifest that does not parse, files missing, or of another size or SHA-256 than the
+    manifest records. Manifests from before sizes were recorded list no files."""
+    try:
+        manifest = read_manifest(folder)
+        files = manifest.get("files", {})
+        if not (isinstance(files, dict) and all(
+                isinstance(i, dict) and isinstance(i.get("size"), int)
+                and isinstance(i.get("sha256"), str) for i in files.values())):
+            raise ValueError("its files are not listed as {name: {size, sha256}}")
+    except (OSError, ValueError, AttributeError) as e:
+        return [f"{folder / MANIFEST} cannot be read ({e})"]
+    out = []
+    present = {}
+    for name, info in files.items():
+        p = folder / name
+        if not p.is_file():
+            out.append(f"{p} is missing")
+        elif p.stat().st_size != info["size"]:
+            out.append(f"{p} has {p.stat().st_size} bytes, the manifest says {info['size']}")
+        else:
+            present[name] = p
+    with ThreadPoolExecutor(max_workers=4) as pool:      # hashlib releases the GIL
+        digests = dict(zip(present, pool.map(file_digest, present.values())))
+    out += [f"{present[n]} does not match its SHA-256 in the manifest"
+            for n, (_, sha) in digests.items() if sha != files[n]["sha256"]]
+    return out
+
+
+def quarantine(folder: Path) -> Path:
+    """Rename a damaged folder out of the way (``<name>.damaged``, numbered if taken)."""
+    target = folder.with_name(folder.name + ".damaged")
+    k = 1
+    while target.exists():
+        k += 1
+        target = folder.with_name(f"{folder.name}.damaged{k}")
+    os.replace(folder, target)
+    return target
+
+
+def resume_point(run_dir: Path) -> tuple[tuple[int, Path] | None, list[str]]:
+    """(the newest intact checkpoint's (step, folder) or None, what was set aside).
+
+    Newer damaged checkpoints are renamed out of the way (:func:`quarantine`), each
+    noted. When checkpoints exist but none is intact, a :class:`UserError` names the
+    files: the run neither starts over silently nor deletes them."""
+    from realign.errors import UserError
+
+    notes: list[str] = []
+    found = _checkpoints(run_dir)
+    for step, folder in reversed(found):
+        bad = problems(folder)
+        if not bad:
+            return (step, folder), notes
+        moved = quarantine(folder)
+        notes.append(f"checkpoint {folder.name} is damaged ({'; '.join(bad)}); "
+                     f"set aside as {moved.name}")
+    if found:
+        raise UserError(f"no intact checkpoint in {run_dir / 'checkpoints'}: "
+                        f"{' / '.join(notes)}. Restore the files, or run in a new run "
+                        "folder to start over", field="run_dir")
+    return None, notes
 
 
 def clean_partial(run_dir: Path) -> None:
+    """Remove checkpoint folders a killed run left half-written (``step_N.tmp``)."""
     root = run_dir / "checkpoints"
     if root.is_dir():
         for d in root.iterdir():
-            if d.name.endswith(".tmp"):
+            if d.is_dir() and d.name.endswith(".tmp") and _STEP.fullmatch(d.name[:-4]):
                 shutil.rmtree(d, ignore_errors=True)
 
 
 def commit(run_dir: Path, step: int, manifest: dict) -> Path:
-    """Seal the checkpoint of ``step``: manifest, then the atomic folder rename."""
+    """Seal the checkpoint of ``step``: manifest, then the atomic folder rename; then
+    remove checkpoints older than the last :data:`KEEP_LAST` (checkpoints only)."""
     tmp = tmp_dir(run_dir, step)
-    m = tmp / "manifest.json"
-    m.with_suffix(".part").write_text(json.dumps(manifest, indent=1))
-    os.replace(m.with_suffix(".part"), m)
+    _write_json(tmp / MANIFEST, manifest)
     final = step_dir(run_dir, step)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
-    old = sorted(d for d in final.parent.iterdir()
-                 if d.is_dir() and not d.name.endswith(".tmp") and d != final)
-    for d in old[:-(KEEP_LAST - 1)] if KEEP_LAST > 1 else old:
+    older = [d for s, d in _checkpoints(run_dir) if d != final]
+    for d in older[:-(KEEP_LAST - 1)] if KEEP_LAST > 1 else older:
         shutil.rmtree(d, ignore_errors=True)
     return final
+
+
+def check_resumable(manifest: dict, folder: Path, distributed_optimizer: bool,
+                    trained: list[str]) -> None:
+    """A :class:`UserError` (before any worker starts) when the checkpoint in ``folder``
+    cannot resume this run: its optimizer was sharded otherwise, or it holds other
+    trained copies than this plan trains. Older manifests lack the records: the
+    workers check what they load."""
+    from realign.errors import UserError
+
+    was = manifest.get("distributed_optimizer")
+    if was is not None and was != distributed_optimizer:
+        raise UserError(f"checkpoint {folder.name} was written with the optimizer "
+                        f"{'' if was else 'not '}sharded over data-parallel ranks; this run "
+                        f"{'shards' if distributed_optimizer else 'does not shard'} it. Set "
+                        f"train.distributed_optimizer: {str(was).lower()} to resume",
+                        field="train.distributed_optimizer")
+    had = manifest.get("trained")
+    if had is not None and sorted(had) != sorted(trained):
+        raise UserError(f"checkpoint {folder.name} holds the trained copies {sorted(had)}; "
+                        f"this plan trains {sorted(trained)}. Resume with the plan it was "
+                        f"written with (plan.file: {folder.parents[1] / 'plan.json'}) or run "
+                        "in a new run folder", field="plan")
+
+
+def latest(run_dir: Path) -> tuple[int, Path] | None:
+    """(completed steps, folder) of the newest committed checkpoint (unverified)."""
+    found = _checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+# ---- the final model ------------------------------------------------------------------
+def final_part(final_dir: Path) -> Path:
+    return final_dir.with_name(final_dir.name + ".part")
+
+
+def final_intact(final_dir: Path) -> bool:
+    """The final model is there, complete: its marker lists files of those sizes."""
+    try:
+        files = json.loads((final_dir / FINAL_MARKER).read_text())["files"]
+        return all((final_dir / n).is_file() and (final_dir / n).stat().st_size == size
+                   for n, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def seal_final(final_dir: Path, steps: int) -> Path:
+    """Mark the written ``<role>.part`` folder complete and move it into place (a
+    damaged earlier one is set aside, not deleted)."""
+    part = final_part(final_dir)
+    files = {p.name: p.stat().st_size for p in sorted(part.iterdir()) if p.is_file()}
+    _write_json(part / FINAL_MARKER, {"steps": steps, "files": files})
+    if final_dir.exists():
+        quarantine(final_dir)
+    os.replace(part, final_dir)
+    _fsync_dir(final_dir.parent)
+    return final_dir
+
+
+# ---- atomic files ---------------------------------------------------------------------
+def _write_json(path: Path, data: dict) -> None:
+    save_file(json.dumps(data, indent=1).encode(), path)
 
 
 def _fsync_dir(path: Path) -> None:

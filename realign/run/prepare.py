@@ -14,15 +14,21 @@ import json
 from pathlib import Path
 
 from realign.errors import UserError
+from realign.run.checkpoint import save_file
 from realign.run.spec import RunSpec
 
 
 def _with_overrides(cfg, steps: int | None, launcher: str | None):
     """The config with ``--steps`` and ``--launcher`` applied (validated alike)."""
-    if steps is not None:
-        if steps <= 0:
-            raise UserError(f"must be > 0 (got {steps})", field="--steps")
-        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"steps": steps})})
+    if steps is not None:           # bounded exactly as run.steps is in the YAML
+        from pydantic import ValidationError
+
+        from realign.config.experiment import RunConfig
+        try:
+            run = RunConfig.model_validate({**cfg.run.model_dump(), "steps": steps})
+        except ValidationError as e:
+            raise UserError(f"{e.errors()[0]['msg']} (got {steps})", field="--steps") from None
+        cfg = cfg.model_copy(update={"run": run})
     if launcher and launcher != cfg.launcher.type:
         from pydantic import TypeAdapter
 
@@ -46,6 +52,20 @@ def _checkpoint_folders(cfg, base: Path) -> dict[str, Path]:
                             field=f"models.{role}")
         paths[role] = p.resolve()
     return paths
+
+
+def _check_weights(paths: dict[str, Path]) -> None:
+    """Every model folder holds a supported architecture and weights whose headers
+    match its config.json (every tensor there, of the right shape): read from the
+    safetensors headers, before any worker starts."""
+    from planner.problem import head_of
+    from realign.runtime.hf_checkpoint import HFReader, check_checkpoint, spec_from_hf
+
+    for role, path in paths.items():
+        try:
+            check_checkpoint(HFReader(path), spec_from_hf(path), head_of(role))
+        except UserError as e:
+            raise UserError(f"{path}: {e.message}", field=f"models.{role}") from None
 
 
 def _run_folder(cfg, run_dir: str | None) -> Path:
@@ -80,6 +100,7 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
                         f"{cfg.data.train.kind!r}", field="data.train.kind")
     paths = _checkpoint_folders(cfg, base)
     models = resolve_models(cfg, base)
+    _check_weights(paths)
     params = algo.make_config(cfg.algorithm.params, cfg.algorithm.shape())
     algo.check_roles(params, set(paths))
     if algo.spec.generates and "reward" not in paths:
@@ -102,9 +123,9 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     spec.program()                               # the plan compiles (before any write)
     timeline = render(plan)
     spec.run_dir.mkdir(parents=True, exist_ok=True)
-    (spec.run_dir / "plan.json").write_text(plan.to_json())
-    (spec.run_dir / "plan.svg").write_text(timeline)          # reallocations show as bars
-    (spec.run_dir / "experiment.json").write_text(json.dumps(cfg.model_dump(mode="json"),
-                                                             indent=1))
+    for name, text in (("plan.json", plan.to_json()),
+                       ("plan.svg", timeline),                   # reallocations show as bars
+                       ("experiment.json", json.dumps(cfg.model_dump(mode="json"), indent=1))):
+        save_file(text.encode(), spec.run_dir / name)
     spec.save()
     return spec

@@ -7,7 +7,6 @@ run folder through one :meth:`RunSpec.load` and never parse the file by hand.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import ClassVar
 
@@ -65,10 +64,10 @@ class RunSpec(BaseModel):
     # ---- the file ------------------------------------------------------------------
     def save(self) -> Path:
         """Write ``RUN/run_spec.json`` atomically."""
+        from realign.run.checkpoint import save_file
+
         p = self.run_dir / self.FILE
-        part = p.with_name(p.name + ".part")
-        part.write_text(self.model_dump_json(indent=1))
-        os.replace(part, p)
+        save_file(self.model_dump_json(indent=1).encode(), p)
         return p
 
     @classmethod

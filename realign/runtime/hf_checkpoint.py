@@ -120,21 +120,30 @@ class HFReader:
         self.path = Path(path)
         index = self.path / INDEX
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise UserError(f"{index} is not a safetensors index ({e!r})",
+                                field="model.path") from None
         elif (self.path / SINGLE).is_file():
-            weight_map = None
+            files = [SINGLE]
         else:
-            raise UserError(f"{str(path)!r} holds neither {SINGLE} nor {INDEX}",
+            raise UserError(f"{str(path)!r} holds neither {SINGLE} nor {INDEX}: no weights",
                             field="model.path")
         from safetensors import safe_open
 
         self._handles: dict[str, object] = {}
-        files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
         self._where: dict[str, str] = {}
         for f in files:
-            h = safe_open(str(self.path / f), framework="pt", device="cpu")
+            try:
+                h = safe_open(str(self.path / f), framework="pt", device="cpu")
+                names = list(h.keys())
+            except Exception as e:  # safetensors' own error type, OSError, ...
+                raise UserError(f"{self.path / f} is not a readable safetensors file "
+                                f"({type(e).__name__}: {e})", field="model.path") from None
             self._handles[f] = h
-            for k in h.keys():
+            for k in names:
                 self._where[k] = f
 
     def has(self, name: str) -> bool:

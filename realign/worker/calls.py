@@ -15,8 +15,11 @@ train engine).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
+from realign.errors import NonFiniteError, UserError
 from realign.run.program import Call, RuleReward
 from realign.runtime.engines.generate import GenerateEngine
 from realign.runtime.engines.inference import InferenceEngine
@@ -85,6 +88,12 @@ class Calls:
             return {key: {key: res["logprobs"]}}, {}
         if op.role == "reward":                 # a reward model scores whole sequences
             scores = res["scores"].float()
+            bad = ~torch.isfinite(scores)
+            if bool(bad.any()):
+                raise NonFiniteError(
+                    f"step {step}: the reward model scored {int(bad.sum())} of "
+                    f"{len(scores)} responses {float(scores[bad][0])}; the run stops before "
+                    "it trains on them", field="models.reward")
             return {key: {key: scores}}, {f"{key.removesuffix('s')}_mean": float(scores.mean())}
         return {key: {key: res["values"].float()}}, {}
 
@@ -96,9 +105,12 @@ class Calls:
                    seqs["lengths"].tolist())
         texts = self.tokenizer.batch_decode([t[p:n] for t, p, n in rows],
                                             skip_special_tokens=True)
-        r = torch.tensor([float(self.reward_fn(prompts["texts"][i // k], text,
-                                               prompts["answers"][i // k]))
-                          for i, text in enumerate(texts)], dtype=torch.float32)
+        values = []
+        for i, text in enumerate(texts):
+            prompt = prompts["texts"][i // k]
+            value = self.reward_fn(prompt, text, prompts["answers"][i // k])
+            values.append(reward_value(value, f"step {step}, sample {i} (prompt {prompt!r})"))
+        r = torch.tensor(values, dtype=torch.float32)
         return {op.out_key: {op.out_key: r}}, {f"{op.out_key.removesuffix('s')}_mean": float(r.mean())}
 
     # ---- train ---------------------------------------------------------------------
@@ -120,7 +132,11 @@ class Calls:
                            and v.shape[0] == rows else v) for k, v in batch.items()}
                 # the loss metrics are averaged over DP by the controller (no
                 # collective): each DP rank's last stage reports its own
-                res = engine.train_step(sub, loss_fn, dp_mean=False)
+                try:
+                    res = engine.train_step(sub, loss_fn, dp_mean=False)
+                except NonFiniteError as e:
+                    raise NonFiniteError(f"step {step}, {op.name} (mini-batch {m}): {e.message}; "
+                                         "nothing was saved", field=e.field) from None
                 for k, v in res.items():
                     totals[k] = totals.get(k, 0.0) + float(v)
                 n += 1
@@ -139,3 +155,21 @@ class Calls:
             self.train_engines[op.replica] = TrainEngine(h.shard, self.train_cfg,
                                                          micro_batches=op.micro_batches)
         return self.train_engines[op.replica]
+
+
+def reward_value(value, where: str) -> float:
+    """A reward function's return value as a float: a real number (a bool counts as 0
+    or 1), finite; anything else stops the run naming ``reward.fn``, the value and
+    ``where`` it came from."""
+    if isinstance(value, (str, bytes)) or value is None:
+        raise UserError(f"returned {value!r} ({type(value).__name__}) at {where}; a reward "
+                        "function returns a number", field="reward.fn")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"returned {value!r} ({type(value).__name__}) at {where}; a reward "
+                        "function returns a number", field="reward.fn") from None
+    if not math.isfinite(number):
+        raise NonFiniteError(f"returned {value!r} at {where}; the run stops before it trains "
+                             "on a non-finite reward", field="reward.fn")
+    return number

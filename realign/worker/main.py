@@ -33,8 +33,7 @@ def _commands(conn, session, rank: int) -> None:
         if msg[0] == "step":
             conn.send(("done", msg[1], session.step(msg[1])))
         elif msg[0] == "save":
-            session.save(msg[1])
-            conn.send(("saved", rank))
+            conn.send(("saved", rank, session.save(msg[1])))
         elif msg[0] == "final":
             session.save_final(msg[1])
             conn.send(("saved_final", rank))
@@ -53,11 +52,16 @@ def main() -> int:
     try:
         serve(conn, rank, world)
         return 0
-    except BaseException:
+    except BaseException as e:
+        from realign.errors import UserError
+
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)
+        # a user's error (bad reward value, non-finite loss, ...) is reported as its
+        # message alone; anything else with its traceback
+        message = str(e) if isinstance(e, UserError) else None
         try:
-            conn.send(("error", tb))
+            conn.send(("error", tb, message))
         except OSError:
             pass
         return 1

@@ -128,7 +128,8 @@ class Session:
             if h.replica.trained and h.shard is not None and key in self.calls.train_engines:
                 yield key, h
 
-    def save(self, folder: str) -> None:
+    def save(self, folder: str) -> tuple[str, int, str]:
+        """Write this rank's trained state; (file name, size, SHA-256) for the manifest."""
         state = {}
         for key, h in self._trained_here():
             eng = self.calls.train_engines[key]
@@ -137,7 +138,9 @@ class Session:
                           "distributed_optimizer": eng.zero1}
         buf = io.BytesIO()
         torch.save(state, buf)
-        checkpoint.save_file(buf.getvalue(), Path(folder) / f"rank{self.rank}.pt")
+        data, name = buf.getvalue(), f"rank{self.rank}.pt"
+        checkpoint.save_file(data, Path(folder) / name)
+        return (name, *checkpoint.bytes_digest(data))
 
     def load(self, folder: Path) -> None:
         state = torch.load(folder / f"rank{self.rank}.pt", map_location=self.dev.device,
@@ -163,6 +166,7 @@ class Session:
                 break
         dist.barrier()
         if self.rank == 0:
+            Path(folder).mkdir(parents=True, exist_ok=True)
             for f in Path(self.paths[role]).iterdir():
                 if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges",
                                       "chat_template")):

@@ -89,3 +89,29 @@ def reference(ctx, path, head, chunks, steps):
         history.append({"loss": float(loss), "grad_norm": float(norm)})
     with torch.no_grad():
         return history, outputs(batch)
+
+
+def nonfinite_gradient(ctx, path, tp, pp, dp, distributed_optimizer):
+    """A loss whose gradient is NaN: every rank of the replica raises NonFiniteError
+    before the optimizer step, and the parameters keep their values. Returns (raised on
+    this rank, largest parameter change), or None off the replica."""
+    from realign.errors import NonFiniteError
+
+    shard = replica(ctx, path, "lm", tp, pp, dp, fresh=True)
+    if shard is None:
+        return None
+    engine = TrainEngine(shard, TrainConfig(lr=LR, clip_grad=CLIP, adam_eps=EPS,
+                                            distributed_optimizer=distributed_optimizer))
+    before = [p.detach().clone() for p in shard.module.parameters()]
+
+    def nan_loss(outputs, mb):
+        return outputs.sum() * float("nan"), {}
+
+    raised = False
+    try:
+        engine.train_step(sample_batch(n=4, s=10), nan_loss)
+    except NonFiniteError as e:
+        raised = "gradient norm is nan" in str(e)
+    changed = max(float((p.detach() - b).abs().max())
+                  for p, b in zip(shard.module.parameters(), before))
+    return raised, changed

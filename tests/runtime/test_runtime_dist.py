@@ -280,3 +280,14 @@ def test_collectives_under_polled_waits_give_their_results(world2):
                          "reduce_scatter": (False, False),
                          "coalesced_all_reduce": (True, True),
                          "coalesced_all_gather": (True, True)}
+
+
+@pytest.mark.parametrize("tp,pp,dp,zero1", [(1, 1, 1, False), (2, 1, 1, True),
+                                            (1, 2, 1, False), (1, 1, 2, True)])
+def test_a_nonfinite_gradient_stops_before_the_update(world2, tiny_models, tp, pp, dp, zero1):
+    """Every rank of the replica sees the same (reduced) gradient norm, so all of them
+    stop alike (no rank left in a collective) and no parameter changes."""
+    got = [r for r in world2.run("cases_train:nonfinite_gradient", tiny_models["llama"], tp,
+                                 pp, dp, zero1) if r is not None]
+    assert len(got) == tp * pp * dp
+    assert all(raised and changed == 0.0 for raised, changed in got), got

@@ -14,11 +14,13 @@ ranks.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from realign.errors import NonFiniteError
 from realign.runtime.device import cuda_tensor_type_names
 from realign.runtime.engines.base import (
     Batch,
@@ -109,9 +111,9 @@ class TrainEngine:
         reduced = run_schedule(shard, self.model, forward_step, micro, forward_only=False,
                                collect_non_loss_data=False)
         with cuda_tensor_type_names(self.shard.device):
-            update_ok, grad_norm, _ = self.optimizer.step()
+            update_ok, grad_norm = checked_step(self.optimizer)
         metrics = self._reduce_metrics(reduced) if dp_mean else _local_means(reduced)
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["grad_norm"] = grad_norm
         metrics["update_ok"] = float(bool(update_ok))
         return metrics
 
@@ -161,6 +163,31 @@ def _local_means(reduced: list[dict]) -> dict[str, float]:
     keys = sorted(reduced[0])
     vals = torch.stack([torch.stack([r[k].float() for r in reduced]) for k in keys])
     return dict(zip(keys, vals.mean(dim=1).tolist()))
+
+
+def checked_step(optimizer) -> tuple[bool, float]:
+    """megatron's optimizer step (``MegatronOptimizer.step``, ``ChainedOptimizer.step``)
+    with the gradient norm checked before the update: ``prepare_grads`` (an fp16
+    overflow skips the step, as megatron does), the global gradient norm (reduced over
+    the replica, so every rank sees the same value), clipping to each optimizer's
+    ``clip_grad`` (0: none), then the update. A norm that is not finite raises
+    :class:`NonFiniteError` on every rank alike, and the parameters keep their values.
+    Returns (updated, gradient norm)."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    if optimizer.prepare_grads():
+        return False, float("nan")
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        raise NonFiniteError(f"the gradient norm is {grad_norm}; the update was not applied",
+                             field="train")
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = sub.get_parameters()
+        if params and sub.config.clip_grad > 0:
+            clip_grad_by_total_norm_fp32(
+                params, sub.config.clip_grad, grad_norm,
+                sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return bool(optimizer.step_with_ready_grads()), grad_norm
 
 
 def use_fused_adam(optimizer) -> bool:
