@@ -159,7 +159,11 @@ class ExecutionPlan(_Frozen):
         p = Path(path)
         if not p.is_file():
             raise PlanError(f"no plan file at {str(p)!r}", field="plan")
-        return ExecutionPlan.from_json(p.read_text(), source=str(p))
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError) as e:
+            raise PlanError(f"{p} is not a readable plan file ({e})", field="plan") from None
+        return ExecutionPlan.from_json(text, source=str(p))
 
 
 def expected_reallocations(plan: ExecutionPlan) -> list[tuple[str, str]]:

@@ -70,10 +70,13 @@ class ProfileTable(BaseModel):
     @staticmethod
     def load(path: str | Path) -> "ProfileTable":
         p = Path(path)
+        if not p.is_file():
+            raise PlanError(f"no profile table at {str(p)!r}", field="plan.profile")
         try:
-            table = ProfileTable.model_validate_json(p.read_text())
-        except FileNotFoundError:
-            raise PlanError(f"no profile table at {str(p)!r}", field="plan.profile") from None
+            table = ProfileTable.model_validate_json(p.read_bytes())
+        except (UnicodeDecodeError, OSError) as e:
+            raise PlanError(f"{p} is not a readable profile table ({e})",
+                            field="plan.profile") from None
         except ValidationError as e:
             raise PlanError(f"{p} is not a profile table: {e.errors()[0]['msg']}",
                             field="plan.profile") from None

@@ -134,6 +134,7 @@ class Controller:
         any worker starts (a :class:`UserError` says why it cannot resume); damaged newer
         ones are set aside, and said so."""
         s = self.spec
+        checkpoint.check_layout(s.run_dir)
         checkpoint.clean_partial(s.run_dir)
         resume, notes = checkpoint.resume_point(s.run_dir)
         for note in notes:
@@ -155,8 +156,8 @@ class Controller:
         start = resume[0] if resume else 0
         finished = start >= s.steps
         if finished and checkpoint.final_intact(s.final_dir):
-            print(f"already finished ({start} of {s.steps} steps); final {s.final_dir.name} "
-                  f"at {s.final_dir}", file=self.out)
+            print(f"already finished: {start} steps done (run.steps: {s.steps}); final "
+                  f"{s.final_dir.name} at {s.final_dir}", file=self.out)
             return 0
         log = MetricsLog(s.run_dir, start)
         try:

@@ -137,6 +137,25 @@ def resume_point(run_dir: Path) -> tuple[tuple[int, Path] | None, list[str]]:
     return None, notes
 
 
+#: what a run folder holds, and of which kind (a folder, or a file)
+LAYOUT = {"checkpoints": "folder", "logs": "folder", "final": "folder",
+          "tensorboard": "folder", "metrics.jsonl": "file"}
+
+
+def check_layout(run_dir: Path) -> None:
+    """A :class:`UserError` when something in the run folder stands where the run keeps
+    something of another kind (a file named ``checkpoints``, a folder named
+    ``metrics.jsonl``): nothing of it is touched."""
+    from realign.errors import UserError
+
+    for name, kind in LAYOUT.items():
+        p = run_dir / name
+        wrong = p.is_dir() if kind == "file" else (p.exists() and not p.is_dir())
+        if wrong:
+            raise UserError(f"{p} is a {'folder' if kind == 'file' else 'file'}, but the run "
+                            f"keeps a {kind} there; move it away", field="run_dir")
+
+
 def clean_partial(run_dir: Path) -> None:
     """Remove checkpoint folders a killed run left half-written (``step_N.tmp``)."""
     root = run_dir / "checkpoints"

@@ -91,6 +91,7 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
 
     cfg, base = load_experiment(experiment)
     cfg = _with_overrides(cfg, steps, launcher)
+    cfg.cluster.spec()                           # a known device (cluster.device)
     if cfg.data is None:
         raise UserError("realign run needs a data section with a train dataset", field="data")
     algo = registry.get(cfg.algorithm.name)
@@ -101,6 +102,12 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     paths = _checkpoint_folders(cfg, base)
     models = resolve_models(cfg, base)
     _check_weights(paths)
+    longest = cfg.algorithm.prompt_len + cfg.algorithm.gen_len
+    for role, m in models.items():
+        if longest > m.spec.max_seq_len:
+            raise UserError(f"prompt_len + gen_len = {longest} tokens, more than the "
+                            f"{m.spec.max_seq_len} that models.{role} takes "
+                            "(max_position_embeddings)", field="algorithm.gen_len")
     params = algo.make_config(cfg.algorithm.params, cfg.algorithm.shape())
     algo.check_roles(params, set(paths))
     if algo.spec.generates and "reward" not in paths:
@@ -122,7 +129,11 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
                    run_dir=_run_folder(cfg, run_dir))
     spec.program()                               # the plan compiles (before any write)
     timeline = render(plan)
-    spec.run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot make the run folder {spec.run_dir}: {e.strerror}",
+                        field="--run-dir" if run_dir else "run.dir") from None
     for name, text in (("plan.json", plan.to_json()),
                        ("plan.svg", timeline),                   # reallocations show as bars
                        ("experiment.json", json.dumps(cfg.model_dump(mode="json"), indent=1))):

@@ -132,6 +132,17 @@ CASES = [
     Case("a prompts_per_step that fits nowhere",
          lambda e: e.run(algorithm__prompts_per_step=1 << 22, plan__time_limit_s=4), 2,
          ("fits on no mesh", "algorithm.prompts_per_step")),
+    Case("a run folder that cannot be made",
+         lambda e: ["run", e.exp(), "--run-dir", "/proc/no/such/run"], 2,
+         ("--run-dir", "cannot make the run folder")),
+    Case("an unknown device", lambda e: e.run(cluster__device="tpu"), 2,
+         ("cluster.device", "unknown device 'tpu'")),
+    Case("a binary profile table",
+         lambda e: e.run(plan__profile=e.write("p.json", bytes(range(256)))), 2,
+         ("plan.profile", "is not a")),
+    Case("sequences longer than the model takes",
+         lambda e: e.run(algorithm__gen_len=400, data__train__max_response_len=400), 2,
+         ("algorithm.gen_len", "more than the 256 that models.actor takes")),
     # ---- models ------------------------------------------------------------------------
     Case("a config.json that is a list",
          lambda e: e.run(models__actor=e.model_copy(_config(lambda c: [c]))), 2,
@@ -175,6 +186,9 @@ CASES = [
          lambda e: e.run(plan__file=_saved_plan(
              e, lambda r: _train_alloc(r).update(micro_batches=0))), 2,
          ("plan.file", "micro_batches")),
+    Case("a binary file as the saved plan",
+         lambda e: e.run(plan__file=e.write("plan.bin", bytes(range(256)))), 2,
+         ("plan.file", "is not a readable plan file")),
     Case("a saved plan whose MFC names are not the experiment's",
          lambda e: e.run(plan__file=_saved_plan(
              e, lambda r: _train_alloc(r).update(mfc="actor.learn"))), 2,
@@ -320,6 +334,24 @@ def test_a_checkpoint_of_another_optimizer_sharding_is_refused_before_workers(
     text = "".join(capsys.readouterr())
     assert code == 2 and "train.distributed_optimizer: false" in text
     assert "Traceback" not in text and not (rd / "logs").exists()
+
+
+@pytest.mark.parametrize("name,make", [
+    ("checkpoints", lambda p: p.write_text("x")), ("final", lambda p: p.write_text("x")),
+    ("tensorboard", lambda p: p.write_text("x")), ("metrics.jsonl", lambda p: p.mkdir())])
+def test_a_run_folder_entry_of_the_wrong_kind_is_left_alone(finished_run, tmp_path, capsys,
+                                                           name, make):
+    rd = _copy(finished_run, tmp_path)
+    shutil.rmtree(rd / "logs")
+    target = rd / name
+    if target.is_dir():
+        shutil.rmtree(target)
+    else:
+        target.unlink()
+    make(target)
+    code, text = _rerun(finished_run, rd, capsys)
+    assert code == 2 and f"{target} is a" in text and "move it away" in text
+    assert not (rd / "logs").exists()
 
 
 def test_a_damaged_job_index_entry(tmp_path, monkeypatch, capsys):
