@@ -8,7 +8,7 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 EXP       ?= experiments/ppo-llama2-70b-128gpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install services lint test test-all demo plan bench-plan bench-env bench-step core clean
+.PHONY: install services lint test test-gpu test-all demo plan bench-plan bench-env bench-step core clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,11 @@ lint:
 
 test: lint services
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+# On a CUDA machine (a lent GPU): the gpu tier (1 GPU: bf16 engines and a tiny GRPO run;
+# 2 GPUs: an NCCL reallocation and a record transfer).
+test-gpu:
+	$(BIN)/python -m pytest -m gpu $(PYTEST_ARGS)
 
 # The main job on this machine: tiny models and data, then GRPO on CPU (minutes).
 demo: experiments/tiny/actor/config.json

@@ -110,6 +110,10 @@ class RunConfig(_Strict):
                        f"{MAX_STEPS:.0e}).")
     checkpoint_interval: int = Field(5, gt=0, description="Steps between checkpoints.")
     seed: int = Field(0, ge=0, description="Seed of initialisation and sampling.")
+    collective_timeout_s: float | None = Field(
+        None, gt=0, description="How long a worker waits on its peers before the run fails. "
+        "Unset: long enough for the plan's calls (10x a step's estimated duration if every "
+        "call ran in turn, at least 600 s).")
 
 
 class LocalLauncherConfig(_Strict):
@@ -134,6 +138,11 @@ class SlurmLauncherConfig(_Strict):
     env: dict[str, str] = Field(default_factory=dict, description="Environment of the job.")
     container_image: str | None = Field(None, description="Pyxis --container-image for srun.")
     threads_per_worker: int = Field(1, gt=0, description="CPU threads per worker process.")
+    gpus: Literal["per_node", "per_task"] = Field(
+        "per_node", description="device cuda: how the job asks for GPUs. per_node: "
+        "--gpus-per-node=<tasks per node> (every task sees the node's GPUs; a worker uses "
+        "the one of its local rank); per_task: --gpus-per-task=1 (each task sees only its "
+        "own GPU).")
 
 
 class RayLauncherConfig(_Strict):
@@ -162,7 +171,10 @@ class ExperimentConfig(_Strict):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
     # ---- realign run (ignored by realign plan) ----
-    device: Literal["cpu", "cuda"] = Field("cuda", description="cpu (gloo, fp32) or cuda (NCCL, bf16).")
+    device: Literal["cpu", "cuda"] = Field("cuda", description="cpu (gloo) or cuda (NCCL).")
+    dtype: Literal["bf16", "fp32"] | None = Field(
+        None, description="Parameter dtype of every model: bf16 (megatron's mixed-precision "
+        "optimizers keep fp32 main weights) or fp32. Unset: bf16 on cuda, fp32 on cpu.")
     data: DataConfig | None = Field(None, description="Datasets (required by realign run).")
     reward: RewardConfig | None = Field(None, description="Rule reward when no reward model is set.")
     train: TrainConfig = Field(default_factory=TrainConfig,
@@ -171,3 +183,7 @@ class ExperimentConfig(_Strict):
     run: RunConfig = Field(default_factory=RunConfig)
     launcher: LauncherConfig = Field(default_factory=LocalLauncherConfig,
                                      description="local | slurm | ray, with their options.")
+
+    def run_dtype(self) -> str:
+        """``dtype``, its unset default resolved for ``device``."""
+        return self.dtype or ("bf16" if self.device == "cuda" else "fp32")

@@ -36,9 +36,14 @@ def resolve_models(cfg: ExperimentConfig, base: Path) -> dict[str, RoleModel]:
     return out
 
 
+#: bytes per parameter of each run dtype
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+
+
 def cost_config(cfg: ExperimentConfig) -> CostModelConfig:
-    """``plan.cost`` pricing the optimizer the run uses: ``train.distributed_optimizer``
-    (resolved for ``device``) unless ``plan.cost`` says otherwise, which must agree."""
+    """``plan.cost`` pricing what the run executes: its optimizer
+    (``train.distributed_optimizer``) and its parameter dtype (``dtype``), both resolved
+    for ``device``, unless ``plan.cost`` says otherwise, which must then agree."""
     cost = cfg.plan.cost
     runs = cfg.train.uses_distributed_optimizer(cfg.device)
     if "distributed_optimizer" in cost.model_fields_set and cost.distributed_optimizer != runs:
@@ -47,7 +52,14 @@ def cost_config(cfg: ExperimentConfig) -> CostModelConfig:
                         f"(train.distributed_optimizer, device {cfg.device}); set them alike "
                         "or leave plan.cost.distributed_optimizer out",
                         field="plan.cost.distributed_optimizer")
-    return cost.model_copy(update={"distributed_optimizer": runs})
+    dtype_bytes = DTYPE_BYTES[cfg.run_dtype()]
+    if "param_dtype_bytes" in cost.model_fields_set and cost.param_dtype_bytes != dtype_bytes:
+        raise UserError(f"plan.cost.param_dtype_bytes is {cost.param_dtype_bytes} but the run "
+                        f"trains in {cfg.run_dtype()} ({dtype_bytes} bytes; dtype, device "
+                        f"{cfg.device}); set them alike or leave plan.cost.param_dtype_bytes "
+                        "out", field="plan.cost.param_dtype_bytes")
+    return cost.model_copy(update={"distributed_optimizer": runs,
+                                   "param_dtype_bytes": dtype_bytes})
 
 
 def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel]) -> DataflowGraph:

@@ -112,8 +112,8 @@ class Controller:
         addr = f"{net.advertise_host}:{self.listener.address[1]}"
         port = net.master_port or _free_port()
         logs = [str(s.run_dir / "logs" / f"worker{r}.log") for r in range(s.n_workers)]
-        envs = [worker_env(r, s.n_workers, net.master_addr, port, addr, authkey.hex(), logs[r])
-                for r in range(s.n_workers)]
+        envs = [worker_env(r, s.n_workers, net.master_addr, port, addr, authkey.hex(), logs[r],
+                           s.config.device) for r in range(s.n_workers)]
         self.launcher.start(envs, logs)
         deadline = time.monotonic() + ACCEPT_TIMEOUT_S
         self.listener._listener._socket.settimeout(POLL_S)

@@ -35,14 +35,20 @@ class WorkerExit:
 
 
 def worker_env(rank: int, world: int, master_addr: str, master_port: int,
-               controller_addr: str, authkey_hex: str, log_path: str) -> dict[str, str]:
-    """Environment of worker ``rank``: everything it needs to join and report."""
-    return {
+               controller_addr: str, authkey_hex: str, log_path: str,
+               device: str = "cuda") -> dict[str, str]:
+    """Environment of worker ``rank``: everything it needs to join and report. A
+    ``device: cpu`` worker sees no GPU (``CUDA_VISIBLE_DEVICES`` empty), so a CPU run
+    on a GPU machine computes on the CPU."""
+    env = {
         "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
         "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
         "REALIGN_CONTROLLER": controller_addr, "REALIGN_AUTHKEY": authkey_hex,
         "REALIGN_WORKER_LOG": log_path,
     }
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
 class Launcher(abc.ABC):

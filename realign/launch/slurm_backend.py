@@ -21,7 +21,7 @@ from pathlib import Path
 
 from realign.errors import UserError
 from realign.launch.jobs import JobBackend, JobRecord, JobState, wait_finished
-from realign.launch.slurm_common import CMD_TIMEOUT_S, job_shape, parse_kv, slurm, slurm_options
+from realign.launch.slurm_common import CMD_TIMEOUT_S, gpu_flags, job_shape, parse_kv, slurm, slurm_options
 
 #: client commands ``realign submit`` needs on PATH
 SUBMIT_COMMANDS = ("sbatch", "sinfo", "scontrol")
@@ -60,7 +60,7 @@ def partition_nodes(sinfo_out: str, partition: str | None) -> tuple[str, int, li
 
 # ---- the batch script -----------------------------------------------------------------
 def batch_script(run_dir: Path, opts, nodes: int, tasks_per_node: int, experiment: str,
-                 plan_text: str, python: str = sys.executable) -> str:
+                 plan_text: str, python: str = sys.executable, device: str = "cpu") -> str:
     """The readable ``sbatch`` script of a prepared run folder."""
     q = shlex.quote
     logs = run_dir / "logs"
@@ -77,6 +77,7 @@ def batch_script(run_dir: Path, opts, nodes: int, tasks_per_node: int, experimen
         f"#SBATCH --cpus-per-task={opts.cpus_per_task}",
         f"#SBATCH --time={opts.time_limit}",
     ]
+    lines += [f"#SBATCH {flag}" for flag in gpu_flags(opts, device, tasks_per_node)]
     if opts.partition:
         lines.append(f"#SBATCH --partition={opts.partition}")
     if opts.account:
@@ -119,7 +120,7 @@ class SlurmBackend(JobBackend):
         (spec.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         script = batch_script(spec.run_dir, opts, nodes, per_node, cfg.name,
                               f"{plan.cluster.n_nodes}x{plan.cluster.gpus_per_node} "
-                              f"{plan.cluster.device.name}")
+                              f"{plan.cluster.device.name}", device=cfg.device)
         path = spec.run_dir / SCRIPT
         path.write_text(script)
         if args.dry_run:

@@ -53,6 +53,38 @@ def parse_kv(line: str) -> dict[str, str]:
     return out
 
 
+def gpu_flags(opts, device: str, tasks_per_node: int) -> list[str]:
+    """The GPU request of a job and of its srun step (none for device cpu).
+
+    >>> from realign.config.experiment import SlurmLauncherConfig as C
+    >>> gpu_flags(C(type="slurm"), "cuda", 8), gpu_flags(C(type="slurm", gpus="per_task"), "cuda", 8)
+    (['--gpus-per-node=8'], ['--gpus-per-task=1'])
+    """
+    if device != "cuda":
+        return []
+    if opts.gpus == "per_task":
+        return ["--gpus-per-task=1"]
+    return [f"--gpus-per-node={tasks_per_node}"]
+
+
+def local_device(env: dict[str, str]) -> int:
+    """The CUDA device index a task uses, from its Slurm environment: its local rank
+    when it sees several GPUs (--gpus-per-node: all the node's), 0 when it sees one
+    (--gpus-per-task=1: only its own; CUDA_VISIBLE_DEVICES then names one device).
+
+    >>> local_device({"SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    3
+    >>> local_device({"SLURM_LOCALID": "3", "CUDA_VISIBLE_DEVICES": "3"})
+    0
+    >>> local_device({"SLURM_LOCALID": "3"})
+    3
+    """
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if len(visible) == 1:
+        return 0
+    return int(env["SLURM_LOCALID"])
+
+
 def slurm_options(cfg):
     """The experiment's launcher section as Slurm options (defaults if it names
     another launcher, e.g. a run prepared for ``local`` started under Slurm by hand)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from realign.errors import UserError
 from realign.launch.base import Launcher, Network, WorkerExit
-from realign.launch.slurm_common import job_ports, job_shape, parse_kv, slurm, slurm_options
+from realign.launch.slurm_common import gpu_flags, job_ports, job_shape, parse_kv, slurm, slurm_options
 
 STOP_WAIT_S = 3.0        #: how long stop() lets the workers end on their own
 
@@ -28,10 +28,10 @@ class SlurmStepLauncher(Launcher):
     """Workers as the tasks of one ``srun`` step of the current Slurm job."""
 
     def __init__(self, run_dir: Path, job_id: int, nodelist: str, nodes: int,
-                 tasks_per_node: int, opts, base_dir: str):
+                 tasks_per_node: int, opts, base_dir: str, device: str = "cpu"):
         self.run_dir, self.job_id, self.nodelist = Path(run_dir), job_id, nodelist
         self.nodes, self.tasks_per_node, self.opts = nodes, tasks_per_node, opts
-        self.base_dir = base_dir
+        self.base_dir, self.device = base_dir, device
         self.env_dir = self.run_dir / "slurm" / "workers"
         self.proc: subprocess.Popen | None = None
         self._log = None
@@ -47,7 +47,8 @@ class SlurmStepLauncher(Launcher):
         opts = slurm_options(spec.config)
         nodes, per_node = job_shape(opts, spec.plan, spec.n_workers)
         return cls(spec.run_dir, int(os.environ["SLURM_JOB_ID"]),
-                   os.environ["SLURM_JOB_NODELIST"], nodes, per_node, opts, str(spec.base_dir))
+                   os.environ["SLURM_JOB_NODELIST"], nodes, per_node, opts, str(spec.base_dir),
+                   spec.config.device)
 
     def _first_node_addr(self) -> str:
         first = slurm(["scontrol", "show", "hostnames", self.nodelist],
@@ -66,7 +67,8 @@ class SlurmStepLauncher(Launcher):
         cmd = ["srun", f"--ntasks={n}", f"--nodes={self.nodes}",
                f"--ntasks-per-node={self.tasks_per_node}",
                f"--cpus-per-task={self.opts.cpus_per_task}", "--kill-on-bad-exit=0",
-               "--job-name=realign-workers", "--export=ALL"]
+               "--job-name=realign-workers", "--export=ALL",
+               *gpu_flags(self.opts, self.device, self.tasks_per_node)]
         python = sys.executable
         if self.opts.container_image:
             mounts = sorted({str(self.run_dir), self.base_dir})

@@ -17,13 +17,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from realign.launch.slurm_common import local_device
+
 
 def main(argv: list[str] | None = None) -> int:
     env_dir = Path((argv or sys.argv[1:])[0])
     rank = int(os.environ["SLURM_PROCID"])
     env = json.loads((env_dir / f"rank{rank}.json").read_text())
     full = dict(os.environ, **env)
-    full["LOCAL_RANK"] = os.environ["SLURM_LOCALID"]
+    full["LOCAL_RANK"] = str(local_device(os.environ))    # the CUDA device it uses
     with open(env["REALIGN_WORKER_LOG"], "ab") as log:
         log.write(f"slurm task: rank {rank} on node {os.environ['SLURMD_NODENAME']} (job "
                   f"{os.environ['SLURM_JOB_ID']}, step {os.environ['SLURM_STEP_ID']})\n".encode())

@@ -121,6 +121,9 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
         raise UserError(f"{data.path} line {e.line}: the prompt has {len(e.prompt_ids)} tokens, "
                         f"more than algorithm.prompt_len = {cfg.algorithm.prompt_len}",
                         field="data.train")
+    if cfg.train.transformer_engine and cfg.device != "cuda":
+        raise UserError("Transformer-Engine runs on CUDA only; leave it off on cpu",
+                        field="train.transformer_engine")
     if cfg.device == "cpu" and cfg.cluster.device != "cpu":
         raise UserError("device 'cpu' needs cluster.device 'cpu' (the plan must be for the "
                         "machine that runs it)", field="cluster.device")

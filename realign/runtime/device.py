@@ -26,30 +26,42 @@ class DeviceInfo:
 
     kind: DeviceKind
     device: torch.device
-    backend: str            #: torch.distributed backend: gloo on CPU, nccl on CUDA
-    dtype: torch.dtype      #: parameter dtype: float32 on CPU, bfloat16 on CUDA
+    backend: str            #: torch.distributed backend: gloo on CPU; on CUDA NCCL for
+                            #: CUDA tensors and gloo for CPU ones (records)
+    dtype: torch.dtype      #: parameter dtype (``dtype``: bf16 on CUDA, fp32 on CPU by default)
 
 
 _CPU_COMPAT_ON = False
 
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
-def init_device(kind: DeviceKind | None = None, local_rank: int = 0) -> DeviceInfo:
-    """Choose the device (``None``: CUDA when available, else CPU) and prepare it.
+
+def default_dtype(kind: DeviceKind) -> str:
+    """The parameter dtype a device kind trains in unless told otherwise."""
+    return "bf16" if kind == "cuda" else "fp32"
+
+
+def init_device(kind: DeviceKind | None = None, local_rank: int = 0,
+                dtype: str | None = None) -> DeviceInfo:
+    """Choose the device (``None``: CUDA when available, else CPU) and prepare it;
+    ``dtype``: "bf16" or "fp32" (``None``: :func:`default_dtype`).
 
     On CPU this enables the megatron-core compatibility layer; on CUDA it sets the
     current device to ``local_rank`` and patches nothing.
     """
     if kind is None:
         kind = "cuda" if torch.cuda.is_available() else "cpu"
+    param_dtype = DTYPES[dtype or default_dtype(kind)]
     if kind == "cuda":
         if not torch.cuda.is_available():
             from realign.errors import UserError
             raise UserError("CUDA was requested but torch sees no CUDA device; use "
                             "device 'cpu' or install a CUDA build of torch", field="device")
         torch.cuda.set_device(local_rank)
-        return DeviceInfo("cuda", torch.device("cuda", local_rank), "nccl", torch.bfloat16)
+        return DeviceInfo("cuda", torch.device("cuda", local_rank), "cpu:gloo,cuda:nccl",
+                          param_dtype)
     enable_cpu_compat()
-    return DeviceInfo("cpu", torch.device("cpu"), "gloo", torch.float32)
+    return DeviceInfo("cpu", torch.device("cpu"), "gloo", param_dtype)
 
 
 def enable_cpu_compat() -> None:

@@ -303,6 +303,11 @@ def save_hf_checkpoint(shard, path: str | Path, hf_config: dict) -> None:
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         cfg = dict(hf_config)
         cfg.update(_config_numbers(spec))
+        # the tensors' own dtype (bf16 after a bf16 run), under both names transformers
+        # has used for it
+        dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.") if hf else None
+        if dtype:
+            cfg.update(torch_dtype=dtype, dtype=dtype)
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
     dist.barrier(group=g.model_group)
 

@@ -2,8 +2,8 @@
 shards of one replica, with a language-model head or a scalar value head, and the
 adapter from local megatron parameters to the planner's logical tensors.
 
-The local (non-TE) layer spec is used on CPU and whenever Transformer-Engine is not
-importable; the TE spec on CUDA with TE installed. The vocabulary is padded to
+megatron's local (non-TE) layer spec holds the parameters unless
+``train.transformer_engine`` opts in to TE's spec (CUDA only). The vocabulary is padded to
 :attr:`planner.model_spec.ModelSpec.padded_vocab` (the same for every TP).
 """
 from __future__ import annotations
@@ -64,11 +64,13 @@ class ValueHead(torch.nn.Module):
 
 
 def transformer_config(spec: ModelSpec, groups: ReplicaGroups, device: DeviceInfo,
-                       init_weights: bool = True):
-    """megatron ``TransformerConfig`` of ``spec`` under the replica's layout."""
+                       init_weights: bool = True, use_te: bool = False):
+    """megatron ``TransformerConfig`` of ``spec`` under the replica's layout. The fused
+    kernels (persistent layer norm, masked-softmax and bias-dropout fusion) are TE's
+    and apex's: on only with the TE layer spec (the local spec's norm asserts that
+    ``persist_layer_norm`` is off, its fused softmax needs apex)."""
     from megatron.core.transformer import TransformerConfig
 
-    on_cpu = device.kind == "cpu"
     return TransformerConfig(
         num_layers=spec.n_layers, hidden_size=spec.hidden,
         num_attention_heads=spec.n_heads, num_query_groups=spec.n_kv_heads,
@@ -81,29 +83,38 @@ def transformer_config(spec: ModelSpec, groups: ReplicaGroups, device: DeviceInf
         pipeline_model_parallel_size=groups.layout.pp,
         params_dtype=device.dtype, bf16=device.dtype == torch.bfloat16,
         pipeline_dtype=device.dtype,
-        use_cpu_initialization=on_cpu, perform_initialization=init_weights,
-        bias_dropout_fusion=not on_cpu, apply_rope_fusion=False,
-        masked_softmax_fusion=not on_cpu, gradient_accumulation_fusion=False,
-        persist_layer_norm=not on_cpu, bias_activation_fusion=False,
+        use_cpu_initialization=device.kind == "cpu", perform_initialization=init_weights,
+        bias_dropout_fusion=use_te, apply_rope_fusion=False,
+        masked_softmax_fusion=use_te, gradient_accumulation_fusion=False,
+        persist_layer_norm=use_te, bias_activation_fusion=False,
         attention_softmax_in_fp32=True,
     )
 
 
-def layer_spec(device: DeviceInfo):
-    """TE layer spec on CUDA when Transformer-Engine imports, the local spec otherwise."""
+def layer_spec(use_te: bool):
+    """megatron's local layer spec, or Transformer-Engine's (``train.transformer_engine``)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if device.kind == "cuda" and _have_te():
+    if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec()
     return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
-def _have_te() -> bool:
+def check_te(device: DeviceInfo) -> None:
+    """A :class:`UserError` unless Transformer-Engine can serve this device: CUDA, and
+    ``transformer_engine`` importable (a half-installed TE raises more than
+    ImportError: any failure counts)."""
+    from realign.errors import UserError
+
+    if device.kind != "cuda":
+        raise UserError("Transformer-Engine runs on CUDA only; leave it off on cpu",
+                        field="train.transformer_engine")
     try:
         import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except Exception as e:  # noqa: BLE001 (ImportError, OSError, RuntimeError, ...)
+        raise UserError(f"transformer_engine does not import ({type(e).__name__}: {e}); "
+                        "install it or leave train.transformer_engine off",
+                        field="train.transformer_engine") from None
 
 
 def ensure_process_state(seed: int, tp_rank: int) -> None:
@@ -123,21 +134,23 @@ def ensure_process_state(seed: int, tp_rank: int) -> None:
 
 
 def build_model(spec: ModelSpec, head: Head, groups: ReplicaGroups, device: DeviceInfo,
-                seed: int = 1234, init_weights: bool = True) -> ModelShard:
+                seed: int = 1234, init_weights: bool = True, use_te: bool = False
+                ) -> ModelShard:
     """Build this process's ``GPTModel`` shard of the replica (members only).
 
     ``init_weights=False`` skips random initialisation (weights come from a checkpoint).
-    Collective over the replica's embedding group when embeddings are tied and pp > 1.
+    ``use_te``: Transformer-Engine's layer spec (:func:`check_te` first). Collective over
+    the replica's embedding group when embeddings are tied and pp > 1.
     """
     from megatron.core.models.gpt import GPTModel
 
     assert groups.member, "only ranks of the replica's mesh build its model"
     ensure_process_state(seed, groups.tp_rank)
-    config = transformer_config(spec, groups, device, init_weights)
+    config = transformer_config(spec, groups, device, init_weights, use_te)
     tied = spec.tied_embeddings and head == "lm"
     torch.manual_seed(seed)
     model = GPTModel(
-        config, layer_spec(device), vocab_size=spec.padded_vocab,
+        config, layer_spec(use_te), vocab_size=spec.padded_vocab,
         max_sequence_length=spec.max_seq_len,
         pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
         share_embeddings_and_output_weights=tied, position_embedding_type="rope",
@@ -145,6 +158,13 @@ def build_model(spec: ModelSpec, head: Head, groups: ReplicaGroups, device: Devi
     if head == "value" and groups.is_last_stage:
         model.output_layer = ValueHead(spec.hidden, device.dtype, device.device)
     model.to(device.device)
+    # every parameter in the run's dtype: the local spec's torch norms are made in fp32
+    # whatever params_dtype says (megatron-LM casts its Float16Module whole; TE's norms
+    # follow params_dtype). The optimizer keeps fp32 main copies either way.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != device.dtype:
+                p.data = p.data.to(device.dtype)
     shard = ModelShard(spec=spec, head=head, groups=groups, device=device, module=model)
     _mark_tp_params(shard)
     return shard

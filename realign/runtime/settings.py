@@ -53,12 +53,17 @@ class TrainConfig(BaseModel):
         "all-gather new weights). Unset: on for cuda; off for cpu, where memory is rarely "
         "the limit and one gradient all-reduce is cheaper than gloo's two collectives "
         "(its reduce-scatter cannot be polled, see polled_wait.py).")
-    forward: Literal["auto", "megatron", "plain"] = Field(
-        "auto", description="The training forward under megatron's schedule, DDP and "
-        "optimizer: 'megatron' runs megatron-core's layers (Transformer-Engine's fused "
-        "kernels on CUDA); 'plain' runs the generation decoder's differentiable tensor "
-        "forward over the same parameters, with less per-module Python work, which "
-        "dominates small models; 'auto' is plain on CPU and megatron on CUDA.")
+    forward: Literal["plain", "megatron", "auto"] = Field(
+        "plain", description="The training forward under megatron's schedule, DDP and "
+        "optimizer. 'plain' (the default, on CPU and CUDA): the decoder's differentiable "
+        "tensor forward over megatron's parameters, the one that generation and scoring "
+        "use too, so old, new and reference log-probs come from one implementation (its "
+        "equality with megatron's and transformers' forwards is tested). 'megatron' "
+        "(opt-in): megatron-core's layers. 'auto': the same as plain.")
+    transformer_engine: bool = Field(
+        False, description="Opt-in, CUDA only: build the models with Transformer-Engine's "
+        "layer spec (fused kernels) instead of megatron's local spec; needs "
+        "transformer-engine installed. Its bf16 numerics differ from the plain forward's.")
 
     def uses_distributed_optimizer(self, device: str) -> bool:
         """``distributed_optimizer``, its unset default resolved for ``device``."""

@@ -5,6 +5,11 @@ A record is a ``dict[str, Tensor | list]`` stored under a graph key (``seqs``,
 ``logprobs``, ``rewards``...). Sequences are right-padded ``tokens`` [b, s] with
 ``lengths`` [b] and ``prompt_lengths`` [b]; per-token log-probs are [b, s-1], where
 position t scores token t+1.
+
+One device convention: records live on the CPU, on every device kind (the engines
+move what they read to their device and hand back CPU tensors). They travel over the
+world group's CPU backend: gloo, which a CUDA run's world group has beside NCCL
+(``cpu:gloo,cuda:nccl``), so a CPU run exercises exactly the CUDA run's record path.
 """
 from __future__ import annotations
 
@@ -37,26 +42,26 @@ def sequences_from_generation(prompts: list[list[int]], gen_tokens: torch.Tensor
 
 
 def send_record(rec: Record, dst: int) -> None:
-    """Header (names, shapes, dtypes, non-tensor values) then each tensor."""
+    """Header (names, shapes, dtypes, non-tensor values) then each tensor (on the CPU)."""
     header = {k: (("tensor", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor)
                   else ("object", v)) for k, v in rec.items()}
-    dist.send_object_list([header], dst=dst)
+    dist.send_object_list([header], dst=dst, device=torch.device("cpu"))
     for _k, v in rec.items():
         if isinstance(v, torch.Tensor):
-            dist.send(v.contiguous(), dst=dst)
+            dist.send(v.cpu().contiguous(), dst=dst)
 
 
-def recv_record(src: int, device: torch.device) -> Record:
+def recv_record(src: int) -> Record:
+    """A record from ``src`` (:func:`send_record`), its tensors on the CPU."""
     box = [None]
-    dist.recv_object_list(box, src=src)
+    dist.recv_object_list(box, src=src, device=torch.device("cpu"))
     out: Record = {}
     for k, (kind, *rest) in box[0].items():
         if kind == "object":
             out[k] = rest[0]
         else:
             shape, dtype = rest
-            t = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")),
-                            device=device)
+            t = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
             dist.recv(t, src=src)
             out[k] = t
     return out

@@ -17,7 +17,7 @@ from realign.run.program import Program, Replica
 from realign.runtime.device import DeviceInfo
 from realign.runtime.groups import ReplicaGroups, build_replica_groups
 from realign.runtime.hf_checkpoint import HFReader, load_hf_weights
-from realign.runtime.model import ModelShard, build_model
+from realign.runtime.model import ModelShard, build_model, check_te
 
 
 @dataclass
@@ -29,7 +29,11 @@ class Hosted:
 
 
 def build_replicas(program: Program, specs: dict[str, ModelSpec], paths: dict[str, str],
-                   device: DeviceInfo, seed: int) -> dict[str, Hosted]:
+                   device: DeviceInfo, seed: int, use_te: bool = False) -> dict[str, Hosted]:
+    """Every replica of the program (collective over the world); ``use_te``:
+    Transformer-Engine's layer spec (``train.transformer_engine``)."""
+    if use_te:
+        check_te(device)
     readers: dict[str, HFReader] = {}
     out: dict[str, Hosted] = {}
     for r in program.replicas:
@@ -39,7 +43,8 @@ def build_replicas(program: Program, specs: dict[str, ModelSpec], paths: dict[st
         shard = None
         released = None
         if groups.member:
-            shard = build_model(spec, r.head, groups, device, seed=seed, init_weights=False)
+            shard = build_model(spec, r.head, groups, device, seed=seed, init_weights=False,
+                                use_te=use_te)
             if r.reallocated:
                 released = offload.release(shard.module.parameters())
             else:

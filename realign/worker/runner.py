@@ -83,7 +83,7 @@ class StepRunner:
     def _send(self, op: Send, store: dict[str, Record]) -> None:
         me = self.rank
         if me in op.dst_ranks:
-            store[op.key] = recv_record(op.sender_of(me), self.device)
+            store[op.key] = recv_record(op.sender_of(me))
         if me in op.src_ranks:
             for d in op.dst_ranks:
                 if op.sender_of(d) == me:

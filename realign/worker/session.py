@@ -25,6 +25,7 @@ from realign.run.program import RuleReward
 from realign.run.spec import RunSpec
 from realign.runtime.device import init_device
 from realign.runtime.hf_checkpoint import read_hf_config, save_hf_checkpoint, spec_from_hf
+from realign.runtime.optimizer_state import load_optimizer_state, optimizer_state, torch_optimizers
 from realign.worker.calls import Calls
 from realign.worker.replicas import build_replicas
 from realign.worker.runner import StepRunner
@@ -65,14 +66,17 @@ class Session:
         self.paths = {role: str(p) for role, p in spec.paths.items()}
         self.program = spec.program()
         # the device index on this host (launchers set LOCAL_RANK; Ray shows one GPU each)
-        self.dev = init_device(cfg.device, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
+        self.dev = init_device(cfg.device, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+                               dtype=cfg.run_dtype())
         if self.dev.kind == "cuda":
             short = self.program.memory_shortfall(rank, torch.cuda.mem_get_info()[0])
             if short:
                 raise UserError(f"{short}; free the GPU or plan for less memory",
                                 field="plan")
-        timeout = datetime.timedelta(seconds=self.program.collective_timeout_s())
-        dist.init_process_group(self.dev.backend, rank=rank, world_size=world, timeout=timeout)
+        timeout = datetime.timedelta(seconds=cfg.run.collective_timeout_s
+                                     or self.program.collective_timeout_s())
+        dist.init_process_group(self.dev.backend, rank=rank, world_size=world, timeout=timeout,
+                                device_id=self.dev.device if self.dev.kind == "cuda" else None)
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = load_tokenizer(self.paths["actor" if "actor" in self.paths else "reward"])
         self.pad = pad_id(self.tokenizer)
@@ -86,7 +90,8 @@ class Session:
                                        base_dir=spec.base_dir)
         self.specs = {r: spec_from_hf(p) for r, p in self.paths.items()}
         self.hosted = build_replicas(self.program, self.specs, self.paths, self.dev,
-                                     cfg.run.seed)
+                                     cfg.run.seed, use_te=cfg.train.transformer_engine)
+        dist.barrier()              # every world rank's groups exist before any traffic
         self.calls = Calls(specs=self.specs, algorithm=self.algo, algo_params=params,
                            train_cfg=cfg.train, sampling=cfg.sampling,
                            tokenizer=self.tokenizer, pad_id=self.pad,
@@ -134,7 +139,7 @@ class Session:
         for key, h in self._trained_here():
             eng = self.calls.train_engines[key]
             state[key] = {"module": h.shard.module.state_dict(),
-                          "optimizer": eng.optimizer.optimizer.state_dict(),
+                          "optimizer": optimizer_state(eng.optimizer),
                           "distributed_optimizer": eng.zero1}
         buf = io.BytesIO()
         torch.save(state, buf)
@@ -150,11 +155,12 @@ class Session:
             check_optimizer_layout(state[key], eng.zero1, folder.name)
             h.shard.module.load_state_dict(state[key]["module"])
             try:
-                eng.optimizer.optimizer.load_state_dict(state[key]["optimizer"])
+                load_optimizer_state(eng.optimizer, state[key]["optimizer"])
             except ValueError as e:     # torch: parameter groups of other sizes
                 raise UserError(f"checkpoint {folder.name}: {e}; {_RESHARDED}",
                                 field="train.distributed_optimizer") from None
-            check_optimizer_shapes(eng.optimizer.optimizer, folder.name)
+            for opt in torch_optimizers(eng.optimizer):
+                check_optimizer_shapes(opt, folder.name)
 
     def save_final(self, folder: str) -> None:
         """The trained actor (or reward model under ``rm``) as a HF checkpoint."""

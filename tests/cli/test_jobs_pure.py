@@ -103,3 +103,23 @@ def test_batch_script_lines():
     assert "export NCCL_DEBUG=WARN" in s
     assert s.rstrip().endswith("exec /venv/bin/python -m realign.controller.main '/runs/r 1' "
                                "--launcher slurm-step")
+
+
+def test_a_cuda_job_asks_for_gpus_and_each_task_finds_its_own():
+    from realign.launch.slurm_common import local_device
+    from realign.launch.slurm_launcher import SlurmStepLauncher
+
+    def script(device, **opts):
+        return batch_script(Path("/r"), SlurmLauncherConfig(type="slurm", **opts), nodes=2,
+                            tasks_per_node=8, experiment="e", plan_text="p", device=device)
+
+    assert "#SBATCH --gpus-per-node=8" in script("cuda").splitlines()
+    assert "#SBATCH --gpus-per-task=1" in script("cuda", gpus="per_task").splitlines()
+    assert "--gpus" not in script("cpu")
+    step = SlurmStepLauncher(Path("/r"), 7, "n[1-2]", 2, 8, SlurmLauncherConfig(type="slurm"),
+                             "/base", device="cuda")
+    assert "--gpus-per-node=8" in step.srun_command(16)
+    # whole-node allocation: every task sees the node's GPUs and takes its local rank's;
+    # --gpus-per-task: each sees only its own, device 0
+    assert local_device({"SLURM_LOCALID": "5", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}) == 5
+    assert local_device({"SLURM_LOCALID": "5", "CUDA_VISIBLE_DEVICES": "5"}) == 0

@@ -106,8 +106,9 @@ def test_a_reallocating_plan_really_reallocates_and_learns(tiny_assets, tmp_path
     planned = plan["reallocations"][0]["bytes"]
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(row["realloc_bytes"] > 0 for row in rows)
-    # the planner prices bf16 (2 bytes); the CPU run moves fp32 (4 bytes): same slices
-    assert rows[0]["realloc_bytes"] == 2 * planned
+    # the planner prices the run's own dtype (fp32 on CPU): exactly the bytes it moves
+    assert plan["cost_config"]["param_dtype_bytes"] == 4
+    assert rows[0]["realloc_bytes"] == planned
     first = sum(row["reward_mean"] for row in rows[:5]) / 5
     last = sum(row["reward_mean"] for row in rows[-5:]) / 5
     assert last > first + 0.05, (first, last)
@@ -146,3 +147,15 @@ def test_train_micro_batches_constrain_the_plan(tiny_assets, tmp_path):
     # the same plan file with another count is for another graph
     err = bad(tiny_assets, tmp_path, plan__file=str(plan), train__micro_batches=2)
     assert "plan.file" in err and "actor.train.micro_batches is 4 in the plan, 2 here" in err
+
+
+@pytest.mark.pure
+def test_submit_dry_run_of_a_cuda_run_asks_slurm_for_gpus(tiny_assets, tmp_path):
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, device="cuda",
+                     cluster__device="a100-80g")
+    r = subprocess.run([*REALIGN, "submit", str(exp), "--launcher", "slurm", "--dry-run",
+                        "--run-dir", str(tmp_path / "run")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "#SBATCH --gpus-per-node=2" in r.stdout.splitlines()
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["cost_config"]["param_dtype_bytes"] == 2          # bf16 on cuda

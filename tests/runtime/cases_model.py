@@ -15,14 +15,14 @@ from realign.runtime.hf_checkpoint import HFReader, check_checkpoint, load_hf_we
 from realign.runtime.model import build_model, logical_shards
 
 
-def replica(ctx, path, head, tp, pp, dp, first=0, fresh=False):
+def replica(ctx, path, head, tp, pp, dp, first=0, fresh=False, dtype="fp32"):
     """Build (or fetch from the store) a replica loaded from ``path``; None off-mesh.
     ``fresh`` builds a new one (for cases that change the weights)."""
-    key = ("replica", str(path), head, tp, pp, dp, first)
+    key = ("replica", str(path), head, tp, pp, dp, first, dtype)
     if fresh:                       # never cached: the caller changes its weights
         key = key + (len(ctx.store),)
     if key not in ctx.store:
-        dev = init_device("cpu")
+        dev = init_device("cpu", dtype=dtype)
         spec = spec_from_hf(path)
         reader = HFReader(path)
         check_checkpoint(reader, spec, head)

@@ -115,3 +115,45 @@ def nonfinite_gradient(ctx, path, tp, pp, dp, distributed_optimizer):
     changed = max(float((p.detach() - b).abs().max())
                   for p, b in zip(shard.module.parameters(), before))
     return raised, changed
+
+
+def bf16_resume(ctx, path, tp, pp, dp, zero1, steps=3):
+    """bf16 training with megatron's mixed-precision optimizer (fp32 main weights):
+    ``steps`` steps straight, against ``steps - 1`` steps, a checkpoint of the model and
+    :func:`optimizer_state` loaded into a fresh replica and engine (built before the
+    load, as a resumed worker builds them), then the last step. Returns (largest
+    difference of the final weights, optimizer kinds), or None off the replica."""
+    from realign.runtime.optimizer_state import load_optimizer_state, optimizer_state, torch_optimizers
+
+    batches = [sample_batch(n=4, s=10, seed=k) for k in range(steps)]
+
+    def engine_of(shard):
+        return TrainEngine(shard, TrainConfig(lr=LR, clip_grad=CLIP, adam_eps=EPS,
+                                              distributed_optimizer=zero1))
+
+    # every rank builds the three replicas (making process groups is collective over
+    # the world), members only go on
+    straight, first, resumed = (replica(ctx, path, "lm", tp, pp, dp, fresh=True, dtype="bf16")
+                                for _ in range(3))
+    if straight is None:
+        return None
+    eng = engine_of(straight)
+    for b in batches:
+        eng.train_step(b, sft_loss)
+    eng1 = engine_of(first)
+    for b in batches[:-1]:
+        eng1.train_step(b, sft_loss)
+    saved = {"module": {k: v.clone() if torch.is_tensor(v) else v
+                        for k, v in first.module.state_dict().items()},
+             "optimizer": optimizer_state(eng1.optimizer)}
+    eng2 = engine_of(resumed)
+    resumed.module.load_state_dict(saved["module"])
+    load_optimizer_state(eng2.optimizer, saved["optimizer"])
+    eng2.train_step(batches[-1], sft_loss)
+    diff = max(float((a.float() - b.float()).abs().max())
+               for a, b in zip(straight.module.parameters(), resumed.module.parameters()))
+    kinds = sorted({type(sub).__name__ for sub in eng2.optimizer.chained_optimizers})
+    assert all(p.dtype == torch.bfloat16 for p in resumed.module.parameters())
+    assert all(p.dtype == torch.float32 for o in torch_optimizers(eng2.optimizer)
+               for g in o.param_groups for p in g["params"])      # fp32 main weights
+    return diff, kinds

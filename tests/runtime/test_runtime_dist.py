@@ -291,3 +291,19 @@ def test_a_nonfinite_gradient_stops_before_the_update(world2, tiny_models, tp, p
                                  pp, dp, zero1) if r is not None]
     assert len(got) == tp * pp * dp
     assert all(raised and changed == 0.0 for raised, changed in got), got
+
+
+@pytest.mark.parametrize("tp,pp,dp,zero1,kind", [
+    (1, 1, 1, False, "Float16OptimizerWithFloat16Params"),
+    (1, 1, 2, True, "DistributedOptimizer"), (2, 1, 1, False, "Float16OptimizerWithFloat16Params"),
+    (1, 2, 1, True, "DistributedOptimizer")])
+def test_bf16_resume_restores_the_fp32_main_weights(world2, tiny_models, tp, pp, dp, zero1, kind):
+    """A resumed bf16 replica continues exactly where an uninterrupted one is: its
+    optimizer's fp32 main weights come from the checkpoint (not cloned from the initial
+    or the bf16-rounded weights)."""
+    got = [r for r in world2.run("cases_train:bf16_resume", tiny_models["llama"], tp, pp, dp,
+                                 zero1) if r is not None]
+    assert len(got) == tp * pp * dp
+    for diff, kinds in got:
+        assert kinds == [kind]
+        assert diff == 0.0

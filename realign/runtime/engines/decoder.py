@@ -150,19 +150,22 @@ class StageDecoder:
 
     # ---- the two entry points ---------------------------------------------------------
     def prefill(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Right-padded prompts need no mask beyond causality: a prompt position sees
+        only earlier positions, all of them its own prompt's; the padding positions'
+        outputs are never read, and the cache entries they leave are overwritten by the
+        decode steps before any step attends to them. So the attention is
+        ``is_causal`` (top-left aligned over the cache's whole key blocks), which lets
+        SDPA pick a flash or memory-efficient kernel instead of building the
+        [b, heads, s, keys] scores of an explicit mask."""
         b, s = x.shape[:2]
-        dev = x.device
         span = key_span(s)
-        pos, keys = torch.arange(s, device=dev), torch.arange(span, device=dev)
-        causal = pos.unsqueeze(1) >= keys.unsqueeze(0)                    # [s, span]
-        valid = keys.unsqueeze(0) < lengths.unsqueeze(1)                  # [b, span]
-        mask = (causal.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)    # [b, 1, s, span]
+        pos = torch.arange(s, device=x.device)
 
         def attend(i, k, v):
             self.k[i][:, :, :s] = k
             self.v[i][:, :, :s] = v
             return self.k[i][:, :, :span], self.v[i][:, :, :span]
-        return self._forward(x, pos.unsqueeze(0).expand(b, s), mask, attend, lengths - 1)
+        return self._forward(x, pos.unsqueeze(0).expand(b, s), None, attend, lengths - 1)
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
         """``kv_len``: an upper bound of ``pos + 1`` (the cache prefix attended)."""

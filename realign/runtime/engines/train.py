@@ -33,6 +33,7 @@ from realign.runtime.engines.base import (
 from realign.runtime.engines.decoder import StageDecoder
 from realign.runtime.engines.inference import head_outputs
 from realign.runtime.model import ModelShard
+from realign.runtime.optimizer_state import torch_optimizers
 from realign.runtime.settings import TrainConfig
 
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -68,12 +69,12 @@ class TrainEngine:
             self.optimizer = get_megatron_optimizer(
                 opt_config, [self.model], use_gloo_process_groups=False, pg_collection=pgs)
         if dev.kind == "cpu":
-            use_fused_adam(self.optimizer.optimizer)
+            for opt in torch_optimizers(self.optimizer):
+                use_fused_adam(opt)
         config.no_sync_func = self.model.no_sync
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
-        self.plain = cfg.forward == "plain" or (cfg.forward == "auto"
-                                                and dev.kind == "cpu")
+        self.plain = cfg.forward != "megatron"
 
     def train_step(self, batch: Batch, loss_fn: LossFn, dp_mean: bool = True
                    ) -> dict[str, float]:

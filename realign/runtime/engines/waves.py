@@ -30,6 +30,10 @@ from realign.runtime.sampling import SamplingParams, choose_tokens, gumbel_noise
 
 #: float64 noise values drawn per computation (positions x rows x vocabulary): 32 MB
 NOISE_BLOCK = 1 << 22
+#: A wave's rows are checked for having all stopped every this many tokens: the check
+#: reads a device value on the host (a CUDA synchronisation), so it is not made after
+#: every token; an ended wave decodes on (its rows masked) until the next check.
+STOP_CHECK_EVERY = 8
 
 
 def wave_bounds(n: int, waves: int) -> list[tuple[int, int]]:
@@ -101,14 +105,16 @@ class _Wave:
     def record(self, t: int, choice: torch.Tensor, logp: torch.Tensor, stops: torch.Tensor,
                pad_id: int, n: int) -> None:
         """Token ``t`` of every row (rows that ended keep padding); the wave ends after
-        ``n`` tokens or when every row has produced a stop token."""
+        ``n`` tokens, or at a stop check (every :data:`STOP_CHECK_EVERY` tokens) once
+        every row has produced a stop token."""
         live = ~self.done
         self.out_tok[:, t] = torch.where(live, choice, pad_id)
         self.out_lp[:, t] = torch.where(live, logp, 0.0)
         self.out_len += live.long()
         self.done |= torch.isin(choice, stops)
         self.choice = choice
-        self.finished = t + 1 == n or bool(self.done.all())
+        self.finished = t + 1 == n or ((t + 1) % STOP_CHECK_EVERY == 0
+                                       and bool(self.done.all()))
 
 
 @dataclass
