@@ -18,7 +18,7 @@ install: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0+cpu
 	$(BIN)/pip install --quiet pybind11 numpy networkx pydantic PyYAML \
 	    megatron-core einops psutil safetensors transformers tokenizers tensorboardX pytest pytest-xdist \
-	    "ray[default]" ruff import-linter
+	    "ray[default]" ruff import-linter pillow
 	$(BIN)/pip install --quiet --no-build-isolation --no-deps -e .
 	$(BIN)/python -c "import planner._core, realign; print('realign installed')"
 
@@ -27,9 +27,11 @@ core:
 	$(BIN)/python setup.py build_ext --inplace -q
 
 # Local services the `slurm` test tier starts by itself (Slurm + munge from apt, when
-# missing; the tests bring the daemons up in a temporary folder and stop them).
+# missing; the tests bring the daemons up in a temporary folder and stop them), and
+# Chromium for the run report's browser test (headless screenshots).
 services:
 	bash tests/slurm/install_slurm.sh || echo "services: Slurm unavailable, the slurm tests will skip"
+	bash tests/browser/install_chromium.sh || echo "services: Chromium unavailable, the browser test will skip"
 
 # Style and layering: ruff's rules and the import contracts (pyproject.toml).
 lint:
@@ -44,9 +46,12 @@ test: lint services
 test-gpu:
 	$(BIN)/python -m pytest -m gpu $(PYTEST_ARGS)
 
-# The main job on this machine: tiny models and data, then GRPO on CPU (minutes).
+# The main job on this machine: tiny models and data, then a two-stage pipeline on CPU
+# (an SFT warm-start, then GRPO from its result; about a minute), then its report.
 demo: experiments/tiny/actor/config.json
-	$(BIN)/realign run experiments/tiny-grpo-cpu.yaml
+	$(BIN)/realign run experiments/demo-sft.yaml
+	$(BIN)/realign run experiments/demo-grpo.yaml
+	$(BIN)/realign report runs/demo-grpo
 
 experiments/tiny/actor/config.json:
 	$(BIN)/realign make-tiny experiments/tiny

@@ -22,7 +22,7 @@ from typing import Callable, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.errors import PlanError
-from planner.graph import MFC, DataflowGraph, RuleReward
+from planner.graph import MFC, DataflowGraph, Evaluation, RuleReward
 
 Algorithm = Literal["ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft", "rm"]
 DataKind = Literal["prompts", "preferences", "sft"]
@@ -48,6 +48,33 @@ class BatchShape(BaseModel):
     ppo_minibatches: int = Field(4, gt=0, le=1 << 20,
                                  description="Optimizer steps per epoch over the batch.")
     ppo_epochs: int = Field(1, gt=0, le=1 << 20, description="Epochs over each batch.")
+
+
+class EvalShape(BaseModel):
+    """The shape of an evaluation on held-out prompts (the experiment's ``eval`` section)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n_prompts: int = Field(gt=0, le=1 << 20, description="Held-out prompts per evaluation.")
+    samples: int = Field(4, gt=0, le=1 << 10, description="Sampled responses per prompt (k "
+                         "of pass@k); a greedy response is made too.")
+    every: int = Field(10, gt=0, description="Steps between evaluations.")
+
+
+def _evaluation(shape: BatchShape, ev: EvalShape, trained_output: str) -> list[MFC]:
+    """A greedy and a sampled generation on the held-out prompts, after training (they
+    read the trained policy: its training call's output), every ``ev.every`` steps."""
+    p, g = shape.prompt_len, shape.gen_len
+    common = dict(role="actor", kind="generate", prompt_len=p, gen_len=g, every=ev.every,
+                  input_keys=("eval_prompts", trained_output))
+    return [MFC(name="actor.eval_greedy", n_seqs=ev.n_prompts, greedy=True,
+                output_keys=("eval_greedy_seqs",), **common),
+            MFC(name="actor.eval_sample", n_seqs=ev.n_prompts * ev.samples,
+                output_keys=("eval_sample_seqs",), **common)]
+
+
+EVALUATIONS = (Evaluation(seqs_key="eval_greedy_seqs", name="greedy"),
+               Evaluation(seqs_key="eval_sample_seqs", name="sample"))
 
 
 def _rollout(shape: BatchShape, n: int, with_reward_model: bool, with_ref: bool
@@ -199,10 +226,12 @@ def algorithm_spec(name: str) -> AlgorithmSpec:
 
 
 def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
-                train_micro_batches: int | None = None) -> DataflowGraph:
+                train_micro_batches: int | None = None,
+                evaluation: EvalShape | None = None) -> DataflowGraph:
     """The dataflow graph of ``algorithm`` for the configured model ``roles``.
     ``train_micro_batches``: every train call runs with exactly this many micro-batches
-    (``train.micro_batches``); None lets the planner choose."""
+    (``train.micro_batches``); None lets the planner choose. ``evaluation``: the actor
+    generates on held-out prompts after training, every ``evaluation.every`` steps."""
     spec = algorithm_spec(algorithm)
     missing = [r for r in spec.required_roles if r not in roles]
     if missing:
@@ -219,4 +248,13 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
     if train_micro_batches is not None:
         calls = [m.model_copy(update={"micro_batches": train_micro_batches})
                  if m.kind == "train" else m for m in calls]
-    return DataflowGraph(algorithm=algorithm, mfcs=tuple(calls), rule_rewards=tuple(rules))
+    evaluations: tuple[Evaluation, ...] = ()
+    if evaluation is not None:
+        actor_train = next((m for m in calls if m.kind == "train" and m.role == "actor"), None)
+        if actor_train is None:
+            raise PlanError(f"{algorithm} trains no actor, so there is no policy to "
+                            "evaluate; remove the eval section", field="eval")
+        calls += _evaluation(shape, evaluation, actor_train.output_keys[0])
+        evaluations = EVALUATIONS
+    return DataflowGraph(algorithm=algorithm, mfcs=tuple(calls), rule_rewards=tuple(rules),
+                         evaluations=evaluations)

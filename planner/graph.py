@@ -42,6 +42,8 @@ class MFC(BaseModel):
     micro_batches: int | None = Field(None, gt=0, description="Micro-batches per step and "
                                       "replica fixed by the user (train.micro_batches); "
                                       "None: the planner chooses.")
+    every: int = Field(1, gt=0, description="Runs every this many steps (an evaluation); "
+                       "priced at 1/every of its time per step.")
 
     @property
     def seq_len(self) -> int:
@@ -71,6 +73,17 @@ class RuleReward(BaseModel):
     out_key: str = Field(description="Key of the rewards it writes (one per sequence).")
 
 
+class Evaluation(BaseModel):
+    """Scores a generation on held-out prompts for the run's metrics, not for training:
+    the verifier's accuracy, the reward function's mean and, over several samples per
+    prompt, pass@k (metrics ``eval.<name>_...``), on the ranks that generated it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seqs_key: str = Field(description="Key of the generated sequences it scores.")
+    name: str = Field(description="Metric name: greedy | sample.")
+
+
 class DataflowGraph(BaseModel):
     """The MFCs of one iteration, in a topological order; edges come from keys."""
 
@@ -80,6 +93,8 @@ class DataflowGraph(BaseModel):
     mfcs: tuple[MFC, ...]
     rule_rewards: tuple[RuleReward, ...] = Field(
         (), description="Reward functions on generated text (no reward model).")
+    evaluations: tuple[Evaluation, ...] = Field(
+        (), description="Scorings of generations on held-out prompts (the eval section).")
 
     @model_validator(mode="after")
     def _check(self) -> "DataflowGraph":
@@ -102,6 +117,10 @@ class DataflowGraph(BaseModel):
                 raise PlanError(f"key {r.out_key!r} is produced by both "
                                 f"{producers[r.out_key]} and a rule reward", field="graph")
             producers[r.out_key] = producers[r.seqs_key]
+        for e in self.evaluations:
+            if kinds.get(producers.get(e.seqs_key, "")) != "generate":
+                raise PlanError(f"an evaluation scores {e.seqs_key!r}, which no generate "
+                                "call writes", field="graph")
         g = self.to_networkx()
         if not nx.is_directed_acyclic_graph(g):
             raise PlanError("the dataflow graph has a cycle", field="graph")
@@ -128,6 +147,14 @@ class DataflowGraph(BaseModel):
         """The rule rewards that score what ``mfc`` generated."""
         prod = self.producer_of()
         return tuple(r for r in self.rule_rewards if prod[r.seqs_key] == mfc)
+
+    def evaluations_after(self, mfc: str) -> tuple[Evaluation, ...]:
+        """The evaluations that score what ``mfc`` generated."""
+        prod = self.producer_of()
+        return tuple(e for e in self.evaluations if prod[e.seqs_key] == mfc)
+
+    def mfc(self, name: str) -> MFC:
+        return next(m for m in self.mfcs if m.name == name)
 
     def to_networkx(self) -> nx.DiGraph:
         """Nodes are MFC names; an edge a->b carries the keys b reads from a."""

@@ -38,7 +38,7 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
         a, rm = allocations[m.name], models[m.role]
         c = cost.mfc_cost(m, rm.spec, rm.head, a.mesh, a.layout, a.micro_batches)
         cands.append([Candidate(a.mesh.first_gpu, a.mesh.n_gpus, a.layout.tp, a.layout.pp,
-                                a.layout.dp, a.micro_batches, c.time_s, c.resident_bytes,
+                                a.layout.dp, a.micro_batches, c.time_s / m.every, c.resident_bytes,
                                 c.activation_bytes, c.weights_bytes)])
     prob = assemble(graph, models, cost, cands)
     res = simulate(prob, [0] * len(cands))

@@ -30,7 +30,7 @@ def build_plan(name: str, prob: Problem, assign: list[int], cost_config: CostMod
         mesh = c.mesh()
         allocs.append(MFCAllocation(
             mfc=m.name, role=m.role, kind=m.kind, mesh=mesh, mesh_name=mesh.name(gpn),
-            layout=c.layout(), micro_batches=c.micro_batches, time_s=c.time_s,
+            layout=c.layout(), micro_batches=c.micro_batches, time_s=c.time_s * m.every,
             mem_bytes=max(res.peak_bytes[g] for g in mesh.gpus)))
     reallocs = []
     for (model, i), (t, nbytes) in sorted(res.realloc.items()):

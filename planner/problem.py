@@ -41,7 +41,7 @@ class Candidate:
     pp: int
     dp: int
     micro_batches: int
-    time_s: float
+    time_s: float             #: per step: one call's time / the MFC's ``every``
     resident_bytes: float     #: train: weights+grads+optimizer; others: weights
     activation_bytes: float
     weights_bytes: float
@@ -157,9 +157,9 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                         c.resident_bytes if (mfc.kind == "train" or not trained) else 0.0)
                     if own > limit:
                         continue
-                    group.append(Candidate(0, size, lay.tp, lay.pp, lay.dp, mb, c.time_s,
-                                           c.resident_bytes, c.activation_bytes,
-                                           c.weights_bytes))
+                    group.append(Candidate(0, size, lay.tp, lay.pp, lay.dp, mb,
+                                           c.time_s / mfc.every, c.resident_bytes,
+                                           c.activation_bytes, c.weights_bytes))
                 priced += _pareto(group)
             for mesh in group_meshes:
                 per_mfc += [replace(c, first_gpu=mesh.first_gpu) for c in priced]

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("realign.cli.status_cmd", "state, step and last metrics of a submitted job"),
     "logs": ("realign.cli.logs_cmd", "controller and worker logs of a submitted job"),
     "cancel": ("realign.cli.cancel_cmd", "stop a submitted job (its last checkpoint stays usable)"),
+    "report": ("realign.cli.report_cmd", "an HTML report of a run folder (curves, times, timelines)"),
 }
 
 EXIT_USER_ERROR = 2

@@ -94,6 +94,23 @@ class DataConfig(_Strict):
     train: DatasetConfig = Field(description="The training data (JSONL).")
 
 
+class EvalConfig(_Strict):
+    """Evaluation of the actor on held-out prompts during training: its greedy answer
+    and ``samples`` sampled answers per prompt, scored for the metrics ``eval.*``."""
+
+    data: DatasetConfig = Field(description="The held-out prompts (kind prompts, with "
+                                "answers); none may be a training prompt.")
+    interval: int = Field(10, gt=0, description="Evaluate after every this many steps (and "
+                          "after the first and the last step).")
+    samples: int = Field(4, gt=0, le=1024, description="Sampled answers per prompt: the "
+                         "sampled reward and accuracy, and pass@k with k = samples.")
+    max_prompts: int | None = Field(None, gt=0, description="Use the first this many "
+                                    "prompts of the file (null: all).")
+    verifier: str = Field("math_verify", description="What counts as correct (accuracy, "
+                          "pass@k): a built-in or 'module:function'(prompt, response, answer) "
+                          "returning true/false or 1/0.")
+
+
 class RewardConfig(_Strict):
     """Where rewards come from when there is no reward model."""
 
@@ -177,6 +194,8 @@ class ExperimentConfig(_Strict):
         "optimizers keep fp32 main weights) or fp32. Unset: bf16 on cuda, fp32 on cpu.")
     data: DataConfig | None = Field(None, description="Datasets (required by realign run).")
     reward: RewardConfig | None = Field(None, description="Rule reward when no reward model is set.")
+    eval: EvalConfig | None = Field(None, description="Evaluation on held-out prompts during "
+                                    "training (metrics eval.*).")
     train: TrainConfig = Field(default_factory=TrainConfig,
                                description="Optimizer settings (and a fixed micro-batch count).")
     sampling: Sampling = Field(default_factory=Sampling)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.algorithms import build_graph
+from planner.algorithms import EvalShape, build_graph
 from planner.cost_config import CostModelConfig
 from planner.errors import PlanError
 from planner.graph import DataflowGraph
@@ -62,18 +62,38 @@ def cost_config(cfg: ExperimentConfig) -> CostModelConfig:
                                    "param_dtype_bytes": dtype_bytes})
 
 
-def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel]) -> DataflowGraph:
-    """The dataflow graph of the experiment: its algorithm, batch shape, model roles
-    and fixed train micro-batch count (``train.micro_batches``)."""
+def eval_shape(cfg: ExperimentConfig, base: Path) -> EvalShape | None:
+    """The evaluation's shape: its prompt count is ``eval.max_prompts`` or the number of
+    rows of the held-out file (read here, so a plan prices the evaluation that runs)."""
+    if cfg.eval is None:
+        return None
+    p = Path(cfg.eval.data.path)
+    p = p if p.is_absolute() else base / p
+    try:
+        rows = sum(1 for line in p.read_text(encoding="utf-8").splitlines() if line.strip())
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read the held-out prompts {p} ({e})", field="eval.data.path") \
+            from None
+    if rows == 0:
+        raise UserError(f"{p} holds no prompts", field="eval.data.path")
+    n = min(rows, cfg.eval.max_prompts or rows)
+    return EvalShape(n_prompts=n, samples=cfg.eval.samples, every=cfg.eval.interval)
+
+
+def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
+                     base: Path) -> DataflowGraph:
+    """The dataflow graph of the experiment: its algorithm, batch shape, model roles,
+    fixed train micro-batch count (``train.micro_batches``) and evaluation."""
     return build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models),
-                       train_micro_batches=cfg.train.micro_batches)
+                       train_micro_batches=cfg.train.micro_batches,
+                       evaluation=eval_shape(cfg, base))
 
 
 def plan_experiment(cfg: ExperimentConfig, base: Path,
                     overrides: dict | None = None) -> ExecutionPlan:
     """Search the execution plan of an experiment (``overrides``: search settings)."""
     models = resolve_models(cfg, base)
-    graph = experiment_graph(cfg, models)
+    graph = experiment_graph(cfg, models, base)
     profile = None
     if cfg.plan.profile:
         pp = Path(cfg.plan.profile)
@@ -89,7 +109,7 @@ def resolve_plan(cfg: ExperimentConfig, base: Path, models: dict[str, RoleModel]
     from planner.layout import Allocation
     from planner.manual import check_plan_matches, manual_plan
 
-    graph = experiment_graph(cfg, models)
+    graph = experiment_graph(cfg, models, base)
     cluster = cfg.cluster.spec()
     if cfg.plan.file and cfg.plan.manual:
         raise UserError("give plan.file or plan.manual, not both", field="plan")

@@ -185,8 +185,9 @@ class Controller:
                 save = (step + 1) % s.checkpoint_interval == 0 or step + 1 == s.steps
                 if not save:
                     self.broadcast(("step", step + 1))
-                row = merge_metrics(step, [m[2] for m in replies.values()], wall)
-                log.write(row)
+                reports = [m[2] for m in replies.values()]
+                row = merge_metrics(step, reports, wall)
+                log.write(row, [e for rep in reports for e in rep.get("events", [])])
                 progress.update(step, row)
                 if save:
                     self.save_checkpoint(step + 1)

@@ -19,19 +19,28 @@ def _step_of(line: str) -> int | None:
     return step if isinstance(step, int) else None
 
 
+def _keep_before(path: Path, step: int) -> None:
+    """Drop a JSONL file's lines of steps at or past ``step`` (and broken lines)."""
+    if path.exists():
+        lines = path.read_text(errors="replace").splitlines()
+        kept = [ln for ln in lines if (s := _step_of(ln)) is not None and s < step]
+        part = path.with_suffix(".part")
+        part.write_text("".join(ln + "\n" for ln in kept))
+        os.replace(part, path)
+
+
 class MetricsLog:
-    """``RUN/metrics.jsonl`` (one JSON object per step) and TensorBoard events under
-    ``RUN/tensorboard``. On resume, lines past the checkpoint (and lines that are not
-    whole rows: a kill can cut the last one off) are dropped first."""
+    """``RUN/metrics.jsonl`` (one JSON object per step), ``RUN/timeline.jsonl`` (each
+    step's ops with their wall-clock start and end: ``{"step", "events": [[label, kind,
+    start, end, gpus], ...]}``) and TensorBoard events under ``RUN/tensorboard``. On
+    resume, lines past the checkpoint (and lines that are not whole rows: a kill can
+    cut the last one off) are dropped first."""
 
     def __init__(self, run_dir: Path, resume_step: int):
         self.path = run_dir / "metrics.jsonl"
-        if self.path.exists():
-            lines = self.path.read_text(errors="replace").splitlines()
-            kept = [ln for ln in lines if (s := _step_of(ln)) is not None and s < resume_step]
-            part = self.path.with_suffix(".part")
-            part.write_text("".join(ln + "\n" for ln in kept))
-            os.replace(part, self.path)
+        self.timeline_path = run_dir / "timeline.jsonl"
+        for p in (self.path, self.timeline_path):
+            _keep_before(p, resume_step)
         from tensorboardX import FileWriter
         from tensorboardX.proto.event_pb2 import Event, SessionLog
 
@@ -41,8 +50,9 @@ class MetricsLog:
         self.tb.add_event(Event(step=resume_step, file_version="brain.Event:2"))
         self.tb.add_event(Event(step=resume_step, session_log=SessionLog(status=SessionLog.START)))
         self.f = open(self.path, "a")
+        self.timeline = open(self.timeline_path, "a")
 
-    def write(self, row: dict) -> None:
+    def write(self, row: dict, events: list | None = None) -> None:
         """One JSONL line and one TensorBoard event holding every scalar of the step (one
         event per scalar, as ``add_scalar`` writes, costs ~0.1 ms each: the controller
         shares the CPU with the workers)."""
@@ -50,6 +60,9 @@ class MetricsLog:
 
         self.f.write(json.dumps(row) + "\n")
         self.f.flush()
+        if events:
+            self.timeline.write(json.dumps({"step": row["step"], "events": events}) + "\n")
+            self.timeline.flush()
         values = [Summary.Value(tag=k.replace(".", "/"), simple_value=float(v))
                   for k, v in row.items() if k != "step" and isinstance(v, (int, float))]
         self.tb.add_summary(Summary(value=values), row["step"])
@@ -57,17 +70,38 @@ class MetricsLog:
 
     def close(self) -> None:
         self.f.close()
+        self.timeline.close()
         self.tb.close()
 
 
+#: the progress line's numbers: (label, metrics key)
+SHOWN = (("reward", "reward_mean"), ("kl", "kl"), ("loss", "loss"),
+         ("eval acc", "eval.greedy_accuracy"), ("tok/s", "tokens_per_s"))
+
+
+def no_signal(row: dict) -> str | None:
+    """Why a step taught nothing, when every sequence's advantage was zero (a whole
+    batch with one constant reward: group-relative algorithms see no difference)."""
+    frac = row.get("actor.zero_advantage_frac")
+    if frac == 1.0:
+        reward = row.get("reward_mean")
+        got = f" {reward:.4g}" if isinstance(reward, float) else ""
+        return f"every sample got the same reward{got}: all advantages 0, nothing learned"
+    return None
+
+
 class Progress:
-    """A one-line progress bar: step, reward, KL, loss, tokens/s and ETA."""
+    """A one-line progress bar: step, reward, KL, loss, the held-out accuracy, tokens/s
+    and ETA; a step that taught nothing says so on the line, and once more on a line of
+    its own when it starts happening."""
 
     def __init__(self, total: int, start: int, stream=None):
         self.total, self.start = total, start
         self.t0 = time.monotonic()
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty()
+        self.quiet = False              #: the last step taught nothing (said already)
+        self.eval_acc: float | None = None
 
     def update(self, step: int, row: dict) -> None:
         done = step + 1 - self.start
@@ -76,11 +110,20 @@ class Progress:
         width = 20
         fill = int(width * (step + 1) / self.total)
         parts = [f"step {step + 1}/{self.total} [{'#' * fill}{'.' * (width - fill)}]"]
-        for name, key in (("reward", "reward_mean"), ("kl", "kl"), ("loss", "loss"),
-                          ("tok/s", "tokens_per_s")):
-            if key in row and row[key] is not None:
-                parts.append(f"{name} {row[key]:.4g}")
+        self.eval_acc = row.get("eval.greedy_accuracy", self.eval_acc)
+        shown = dict(row, **({"eval.greedy_accuracy": self.eval_acc}
+                             if self.eval_acc is not None else {}))
+        for name, key in SHOWN:
+            if key in shown and shown[key] is not None:
+                parts.append(f"{name} {shown[key]:.4g}")
         parts.append(f"ETA {int(eta) // 60}m{int(eta) % 60:02d}s")
+        why = no_signal(row)
+        if why:
+            parts.append("(no signal)")
+            if not self.quiet:
+                self.stream.write(("\n" if self.tty else "")
+                                  + f"step {step + 1}: {why}\n")
+        self.quiet = why is not None
         line = "  ".join(parts)
         if self.tty:
             self.stream.write("\r" + line.ljust(100))

@@ -139,7 +139,7 @@ def resume_point(run_dir: Path) -> tuple[tuple[int, Path] | None, list[str]]:
 
 #: what a run folder holds, and of which kind (a folder, or a file)
 LAYOUT = {"checkpoints": "folder", "logs": "folder", "final": "folder",
-          "tensorboard": "folder", "metrics.jsonl": "file"}
+          "tensorboard": "folder", "metrics.jsonl": "file", "timeline.jsonl": "file"}
 
 
 def check_layout(run_dir: Path) -> None:

@@ -68,6 +68,30 @@ def _check_weights(paths: dict[str, Path]) -> None:
             raise UserError(f"{path}: {e.message}", field=f"models.{role}") from None
 
 
+def _check_eval(cfg, base: Path, tok, train) -> None:
+    """The held-out prompts: a prompts file with answers, within the prompt length, none
+    of them a training prompt; the verifier loads."""
+    from realign.data.datasets import load_dataset
+    from realign.rewards.registry import load_reward_fn
+
+    ev = cfg.eval
+    if ev.data.kind != "prompts" or ev.data.answer_key is None:
+        raise UserError("the held-out set is prompts with reference answers (kind: prompts, "
+                        "an answer_key)", field="eval.data.kind")
+    held = load_dataset(ev.data, tok, base, field="eval.data")
+    seen = {tuple(e.prompt_ids): e.line for e in train.examples}
+    for e in held.examples[:ev.max_prompts]:
+        if len(e.prompt_ids) > cfg.algorithm.prompt_len:
+            raise UserError(f"{held.path} line {e.line}: the prompt has {len(e.prompt_ids)} "
+                            f"tokens, more than algorithm.prompt_len = "
+                            f"{cfg.algorithm.prompt_len}", field="eval.data")
+        if tuple(e.prompt_ids) in seen:
+            raise UserError(f"{held.path} line {e.line} is the training prompt of "
+                            f"{train.path} line {seen[tuple(e.prompt_ids)]}: a held-out set "
+                            "never overlaps the training prompts", field="eval.data")
+    load_reward_fn(ev.verifier, field="eval.verifier", base_dir=base)
+
+
 def _run_folder(cfg, run_dir: str | None) -> Path:
     folder = Path(run_dir or cfg.run.dir.format(name=cfg.name)).resolve()
     if folder.exists() and not folder.is_dir():
@@ -124,6 +148,8 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     if cfg.train.transformer_engine and cfg.device != "cuda":
         raise UserError("Transformer-Engine runs on CUDA only; leave it off on cpu",
                         field="train.transformer_engine")
+    if cfg.eval is not None:
+        _check_eval(cfg, base, tok, data)
     if cfg.device == "cpu" and cfg.cluster.device != "cpu":
         raise UserError("device 'cpu' needs cluster.device 'cpu' (the plan must be for the "
                         "machine that runs it)", field="cluster.device")

@@ -13,7 +13,9 @@ Ops, in order for each MFC of the graph:
 ``Realloc`` (the plan's reallocation into this call's placement, when it lists one),
 ``Send`` (input records to ranks lacking them), ``Call`` (the MFC itself, with its
 allocation), ``RuleReward`` (the graph's reward functions on what a generate call
-wrote), then ``Release`` (free a reallocated copy after its last use in the step).
+wrote), ``Evaluate`` (the graph's evaluations of it), then ``Release`` (free a
+reallocated copy after its last use in the step). Every op carries ``every``: the ops
+of an evaluation's MFC run only on evaluation steps (:meth:`Program.ops_for`).
 
 What each allocation field becomes: ``mesh``, ``layout`` -> the replica and the ranks
 of the call; ``micro_batches`` -> the call's micro-batches (generation: waves);
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.errors import PlanError
 from planner.graph import MFC
 from planner.plan import ExecutionPlan, MFCAllocation
 
@@ -60,6 +61,7 @@ class Replica:
 
 @dataclass(frozen=True)
 class Realloc:
+    every: int              #: runs on steps where its MFC runs (1: every step)
     role: str
     to_mfc: str             #: the call it prepares
     src: str                #: replica key (the trained copy)
@@ -72,6 +74,7 @@ class Realloc:
 
 @dataclass(frozen=True)
 class Send:
+    every: int
     key: str
     src_ranks: tuple[int, ...]   #: ranks holding the record
     dst_ranks: tuple[int, ...]   #: ranks that need it and lack it
@@ -86,6 +89,7 @@ class Send:
 class Call:
     """One MFC on its replica, as its allocation says."""
 
+    every: int
     mfc: MFC                     #: the graph's call (keys, batch shape, greedy, ...)
     replica: str
     micro_batches: int           #: micro-batches per step and replica (generation: waves)
@@ -117,26 +121,48 @@ class Call:
 
 @dataclass(frozen=True)
 class RuleReward:
+    every: int
     seqs_key: str           #: generated sequences to score
+    prompts_key: str        #: the prompts they answer (texts and reference answers)
     out_key: str            #: where the rewards go
     ranks: tuple[int, ...]
 
 
 @dataclass(frozen=True)
+class Evaluate:
+    every: int
+    seqs_key: str           #: generated sequences to score
+    prompts_key: str        #: the held-out prompts they answer
+    name: str               #: metrics ``eval.<name>_...``
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Release:
+    every: int
     replica: str
     ranks: tuple[int, ...]
 
 
-Op = Realloc | Send | Call | RuleReward | Release
+Op = Realloc | Send | Call | RuleReward | Evaluate | Release
 
 
 @dataclass(frozen=True)
 class Program:
     replicas: tuple[Replica, ...]
     ops: tuple[Op, ...]
-    dataset_key: str        #: the graph key the step's dataset batch fills
+    dataset_keys: tuple[str, ...]   #: graph keys the dataset fills (training batch, eval set)
     n_ranks: int
+
+    @property
+    def evaluates(self) -> bool:
+        """Some ops run only on evaluation steps."""
+        return any(op.every > 1 for op in self.ops)
+
+    def ops_for(self, evaluate: bool) -> tuple[Op, ...]:
+        """The ops of a step: all of them on an evaluation step, else those that run
+        every step."""
+        return self.ops if evaluate else tuple(op for op in self.ops if op.every == 1)
 
     def collective_timeout_s(self) -> float:
         """How long a rank may wait on a peer: a step's estimated duration if every call
@@ -172,10 +198,7 @@ def compile_program(plan: ExecutionPlan) -> Program:
     """The replicas to build and the ops of one step, from ``plan`` (consistent by
     construction: :func:`planner.plan.plan_problems`)."""
     graph = plan.graph
-    datasets = graph.dataset_keys()
-    if len(datasets) != 1:
-        raise PlanError(f"the graph reads {datasets} from no call; a step has one dataset "
-                        "batch", field="plan.graph")
+    datasets = tuple(graph.dataset_keys())
     heads = {pm.role: pm.head for pm in plan.models}
     train = {a.role: a for a in plan.allocations if a.kind == "train"}
     realloc_to = {r.to_mfc: r for r in plan.reallocations}
@@ -189,8 +212,8 @@ def compile_program(plan: ExecutionPlan) -> Program:
                 trained=a.role in train and a.shards == train[a.role].shards,
                 reallocated=a.mfc in realloc_to)
     everyone = tuple(range(plan.cluster.n_gpus))
-    holders: dict[str, tuple[int, ...]] = {datasets[0]: everyone}
-    last_use: dict[str, int] = {}
+    holders: dict[str, tuple[int, ...]] = {k: everyone for k in datasets}
+    last_use: dict[tuple[str, int], int] = {}     #: (replica, every) -> op index
     ops: list[Op] = []
     for m in graph.mfcs:
         a = plan.allocation(m.name)
@@ -199,28 +222,34 @@ def compile_program(plan: ExecutionPlan) -> Program:
         r = realloc_to.get(m.name)
         if r is not None:
             src = _key(train[m.role])
-            ops.append(Realloc(m.role, m.name, src, key,
+            ops.append(Realloc(m.every, m.role, m.name, src, key,
                                tuple(sorted(set(replicas[src].ranks) | set(ranks))),
                                r.bytes, plan.cost_config.param_dtype_bytes, r.time_s))
         for k in m.input_keys:
             have = holders[k]
             lack = tuple(g for g in ranks if g not in have)
             if lack:
-                ops.append(Send(k, have, lack, tuple(sorted(set(have[:len(lack)]) | set(lack)))))
-                holders[k] = tuple(sorted(set(have) | set(lack)))
-        ops.append(Call(m, key, a.micro_batches, ranks, a.mesh_name, a.time_s, a.mem_bytes))
+                ops.append(Send(m.every, k, have, lack,
+                                tuple(sorted(set(have[:len(lack)]) | set(lack)))))
+                if m.every == 1:            # an evaluation's sends do not always run
+                    holders[k] = tuple(sorted(set(have) | set(lack)))
+        ops.append(Call(m.every, m, key, a.micro_batches, ranks, a.mesh_name, a.time_s,
+                        a.mem_bytes))
         for k in m.output_keys:
             holders[k] = ranks
         for rule in graph.rule_reward_after(m.name):
-            ops.append(RuleReward(rule.seqs_key, rule.out_key, ranks))
+            ops.append(RuleReward(m.every, rule.seqs_key, m.input_keys[0], rule.out_key, ranks))
             holders[rule.out_key] = ranks
+        for ev in graph.evaluations_after(m.name):
+            ops.append(Evaluate(m.every, ev.seqs_key, m.input_keys[0], ev.name, ranks))
         if replicas[key].reallocated:
-            last_use[key] = len(ops) - 1
-    # free reallocated copies right after their last call of the step
+            last_use[(key, m.every)] = len(ops) - 1
+    # free reallocated copies right after their last call of the step, and after their
+    # last call of an evaluation step (a copy an evaluation uses is reallocated again)
     out: list[Op] = []
-    last = {i: key for key, i in last_use.items()}
+    last = {i: key for (key, _), i in last_use.items()}
     for i, op in enumerate(ops):
         out.append(op)
         if i in last:
-            out.append(Release(last[i], replicas[last[i]].ranks))
-    return Program(tuple(replicas.values()), tuple(out), datasets[0], plan.cluster.n_gpus)
+            out.append(Release(op.every, last[i], replicas[last[i]].ranks))
+    return Program(tuple(replicas.values()), tuple(out), datasets, plan.cluster.n_gpus)

@@ -9,7 +9,9 @@ what: its keys, batch shape and options; the allocation says how (micro-batches)
   (reward model) of sequences;
 * ``train``: the algorithm's ``prepare`` (advantages, returns) on exactly the call's
   input records, then one optimizer step per mini-batch and epoch with its loss;
-* rule rewards: the reward function on the decoded response and the reference answer.
+* rule rewards: the reward function on the decoded response and the reference answer;
+* evaluations: the verifier and the reward function on answers to held-out prompts,
+  as metrics ``eval.<greedy|sample>_{accuracy,reward}`` and ``eval.pass@k``.
 Engines are created once per replica and reused (the optimizer state lives in the
 train engine).
 """
@@ -20,7 +22,7 @@ import math
 import torch
 
 from realign.errors import NonFiniteError, UserError
-from realign.run.program import Call, RuleReward
+from realign.run.program import Call, Evaluate, RuleReward
 from realign.runtime.engines.generate import GenerateEngine
 from realign.runtime.engines.inference import InferenceEngine
 from realign.runtime.engines.train import TrainEngine
@@ -36,12 +38,14 @@ GLOBAL_TRAIN_METRICS = ("grad_norm", "update_ok")
 class Calls:
     def __init__(self, *, specs, algorithm, algo_params, train_cfg: TrainConfig,
                  sampling: Sampling, tokenizer, pad_id: int, eos_id: int | None, reward_fn,
-                 dataset_key: str, seed: int):
+                 verifier, seed: int):
+        """``reward_fn``: the rule reward (None with a reward model); ``verifier``: what
+        counts as correct in evaluations (None without an eval section)."""
         self.specs = specs
         self.algorithm, self.algo_params, self.train_cfg = algorithm, algo_params, train_cfg
         self.sampling, self.tokenizer = sampling, tokenizer
         self.pad_id, self.eos_id, self.reward_fn, self.seed = pad_id, eos_id, reward_fn, seed
-        self.dataset_key = dataset_key
+        self.verifier = verifier
         self.train_engines: dict[str, TrainEngine] = {}
 
     # ---- dispatch ------------------------------------------------------------------
@@ -74,6 +78,8 @@ class Calls:
         if len(op.outputs) > 1:
             out[op.outputs[1]] = logprobs
         prefix = "greedy_" if op.mfc.greedy else ""
+        if op.every > 1:                         # an evaluation's generation
+            prefix = f"eval.{'greedy' if op.mfc.greedy else 'sample'}_"
         return out, {f"{prefix}gen_tokens": float(gen.lengths.sum()),
                      f"{prefix}response_len": float(gen.lengths.float().mean()),
                      f"kv_cache_bytes.{op.name}": float(gen.kv_cache_peak_bytes)}
@@ -97,21 +103,44 @@ class Calls:
             return {key: {key: scores}}, {f"{key.removesuffix('s')}_mean": float(scores.mean())}
         return {key: {key: res["values"].float()}}, {}
 
-    # ---- rule rewards --------------------------------------------------------------
-    def rule_reward(self, op: RuleReward, store, step):
-        seqs, prompts = store[op.seqs_key], store[self.dataset_key]
+    # ---- rule rewards and evaluations ------------------------------------------------
+    def _answers(self, seqs, prompts) -> list[tuple[str, str, object]]:
+        """(prompt text, decoded response, reference answer) of every sequence; a
+        prompt's ``k`` responses are consecutive rows."""
         k = len(seqs["tokens"]) // len(prompts["answers"])
         rows = zip(seqs["tokens"].tolist(), seqs["prompt_lengths"].tolist(),
                    seqs["lengths"].tolist())
         texts = self.tokenizer.batch_decode([t[p:n] for t, p, n in rows],
                                             skip_special_tokens=True)
-        values = []
-        for i, text in enumerate(texts):
-            prompt = prompts["texts"][i // k]
-            value = self.reward_fn(prompt, text, prompts["answers"][i // k])
-            values.append(reward_value(value, f"step {step}, sample {i} (prompt {prompt!r})"))
-        r = torch.tensor(values, dtype=torch.float32)
+        return [(prompts["texts"][i // k], text, prompts["answers"][i // k])
+                for i, text in enumerate(texts)]
+
+    def _scores(self, fn, answers, step: int, what: str) -> torch.Tensor:
+        return torch.tensor([reward_value(fn(p, text, a), f"step {step}, {what} {i} "
+                                                          f"(prompt {p!r})")
+                             for i, (p, text, a) in enumerate(answers)], dtype=torch.float32)
+
+    def rule_reward(self, op: RuleReward, store, step):
+        answers = self._answers(store[op.seqs_key], store[op.prompts_key])
+        r = self._scores(self.reward_fn, answers, step, "sample")
         return {op.out_key: {op.out_key: r}}, {f"{op.out_key.removesuffix('s')}_mean": float(r.mean())}
+
+    def evaluate(self, op: Evaluate, store, step) -> dict[str, float]:
+        """``eval.<name>_accuracy`` (the verifier's share of correct answers),
+        ``eval.<name>_reward`` (the run's reward function, or the verifier without one)
+        and, with several samples per prompt, ``eval.pass@k`` (the share of prompts
+        with at least one correct sample of k)."""
+        seqs, prompts = store[op.seqs_key], store[op.prompts_key]
+        answers = self._answers(seqs, prompts)
+        correct = self._scores(self.verifier, answers, step, "evaluated answer") >= 0.5
+        reward = (self._scores(self.reward_fn, answers, step, "evaluated answer")
+                  if self.reward_fn is not None else correct.float())
+        out = {f"eval.{op.name}_accuracy": float(correct.float().mean()),
+               f"eval.{op.name}_reward": float(reward.mean())}
+        k = len(answers) // len(prompts["answers"])
+        if k > 1:
+            out[f"eval.pass@{k}"] = float(correct.view(-1, k).any(dim=1).float().mean())
+        return out
 
     # ---- train ---------------------------------------------------------------------
     def train(self, op: Call, h: Hosted, store, step):
@@ -142,13 +171,19 @@ class Calls:
                 n += 1
         means = {k: v / n for k, v in totals.items()}
         shared = {k: means.pop(k) for k in GLOBAL_TRAIN_METRICS if k in means}
+        if "advantages" in batch:      # rows with no learning signal (a constant reward)
+            flat = (batch["advantages"].abs().sum(dim=-1) == 0) if batch["advantages"].dim() > 1 \
+                else batch["advantages"] == 0
+            shared["zero_advantage_frac"] = float(flat.float().mean())
         g = h.shard.groups
         parts = {}
         if g.is_last_stage and g.tp_rank == 0:
             parts = {f"{op.role}.{k}": v for k, v in means.items()}
             if op.role in ("actor", "reward"):
                 parts.update({k: v for k, v in means.items() if k in ("loss", "kl")})
-        return {}, {f"{op.role}.{k}": v for k, v in shared.items()}, parts
+        # its output record: what later calls that read the trained model wait for
+        out = {op.outputs[0]: {"step": torch.tensor([step])}}
+        return out, {f"{op.role}.{k}": v for k, v in shared.items()}, parts
 
     def train_engine(self, op: Call, h: Hosted) -> TrainEngine:
         if op.replica not in self.train_engines:

@@ -12,6 +12,8 @@ What an op does on a member rank:
 The first rank of each op reports its wall time and metrics to the controller; metrics
 that differ between data-parallel ranks (a train call's loss) come from every DP rank
 as ``dp_parts`` and the controller averages them (no collective in the step for it).
+The first rank also records when the op started and ended (wall clock), for the run
+report's measured timeline.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import time
 import torch
 
 from realign.realloc import offload
-from realign.run.program import Call, Program, Realloc, Release, RuleReward, Send
+from realign.run.program import Call, Evaluate, Program, Realloc, Release, RuleReward, Send
 from realign.runtime.realloc_glue import reallocate_replica, release_copy
 from realign.worker.records import Record, recv_record, send_record
 from realign.worker.replicas import Hosted
@@ -34,17 +36,21 @@ class StepRunner:
         self.program, self.hosted, self.calls = program, hosted, calls
         self.rank, self.device, self.dtype, self.gpn = rank, device, dtype, gpus_per_node
 
-    def run(self, step: int, dataset: dict[str, Record]) -> dict[str, dict[str, float]]:
+    def run(self, step: int, dataset: dict[str, Record], evaluate: bool = False
+            ) -> dict[str, dict[str, float]]:
         """``{"metrics": ..., "dp_parts": ...}``: this rank's report of the step (see
-        :func:`realign.controller.controller.merge_metrics`)."""
+        :func:`realign.controller.controller.merge_metrics`); ``evaluate``: the step ends
+        with the evaluation's ops."""
         store: dict[str, Record] = dict(dataset)
         metrics: dict[str, float] = {}
         dp_parts: dict[str, float] = {}
+        events: list[list] = []
         me = self.rank
-        for op in self.program.ops:
+        for op in self.program.ops_for(evaluate):
             if me not in op.ranks:
                 continue
             lead = me == op.ranks[0]
+            wall0 = time.time()
             t0 = time.perf_counter()
             if isinstance(op, Realloc):
                 stats = self._realloc(op)
@@ -65,10 +71,17 @@ class StepRunner:
                 store.update(out)
                 if lead:
                     metrics.update(m)
+            elif isinstance(op, Evaluate):
+                m = self.calls.evaluate(op, store, step)
+                if lead:
+                    metrics.update(m)
             elif isinstance(op, Release):
                 h = self.hosted[op.replica]
                 h.released = release_copy(h.shard)
-        return {"metrics": metrics, "dp_parts": dp_parts}
+            if lead and not isinstance(op, Release):
+                events.append([*describe(op), wall0, wall0 + time.perf_counter() - t0,
+                               list(op.ranks)])
+        return {"metrics": metrics, "dp_parts": dp_parts, "events": events}
 
     def _realloc(self, op: Realloc):
         src, dst = self.hosted[op.src], self.hosted[op.dst]
@@ -88,3 +101,16 @@ class StepRunner:
             for d in op.dst_ranks:
                 if op.sender_of(d) == me:
                     send_record(store[op.key], d)
+
+
+def describe(op) -> tuple[str, str]:
+    """(label, kind) of an op on a timeline."""
+    if isinstance(op, Call):
+        return op.name, op.kind
+    if isinstance(op, Realloc):
+        return f"realloc {op.role} -> {op.to_mfc}", "realloc"
+    if isinstance(op, Send):
+        return f"send {op.key}", "send"
+    if isinstance(op, RuleReward):
+        return f"reward {op.out_key}", "reward"
+    return f"evaluate {op.name}", "eval"

@@ -81,13 +81,20 @@ class Session:
         self.tokenizer = load_tokenizer(self.paths["actor" if "actor" in self.paths else "reward"])
         self.pad = pad_id(self.tokenizer)
         self.dataset = load_dataset(cfg.data.train, self.tokenizer, spec.base_dir)
+        self.eval_record = None
+        if cfg.eval is not None:
+            held = load_dataset(cfg.eval.data, self.tokenizer, spec.base_dir, field="eval.data")
+            self.eval_record = self._prompts_record(held.examples[:cfg.eval.max_prompts])
         self.algo = registry.get(cfg.algorithm.name)
         params = self.algo.make_config(cfg.algorithm.params, cfg.algorithm.shape())
-        reward_fn = None
+        from realign.rewards.registry import load_reward_fn
+        reward_fn = verifier = None
         if any(isinstance(op, RuleReward) for op in self.program.ops):
-            from realign.rewards.registry import load_reward_fn
             reward_fn = load_reward_fn(cfg.reward.fn if cfg.reward else "math_verify",
                                        base_dir=spec.base_dir)
+        if cfg.eval is not None:
+            verifier = load_reward_fn(cfg.eval.verifier, field="eval.verifier",
+                                      base_dir=spec.base_dir)
         self.specs = {r: spec_from_hf(p) for r, p in self.paths.items()}
         self.hosted = build_replicas(self.program, self.specs, self.paths, self.dev,
                                      cfg.run.seed, use_te=cfg.train.transformer_engine)
@@ -96,7 +103,7 @@ class Session:
                            train_cfg=cfg.train, sampling=cfg.sampling,
                            tokenizer=self.tokenizer, pad_id=self.pad,
                            eos_id=self.tokenizer.eos_token_id, reward_fn=reward_fn,
-                           dataset_key=self.program.dataset_key, seed=cfg.run.seed)
+                           verifier=verifier, seed=cfg.run.seed)
         self.runner = StepRunner(self.program, self.hosted, self.calls, rank,
                                  self.dev.device, self.dev.dtype, spec.plan.cluster.gpus_per_node)
         # train engines exist before a checkpoint is loaded into them
@@ -107,25 +114,42 @@ class Session:
             self.load(Path(resume_dir))
 
     # ---- data of a step --------------------------------------------------------------
+    def _prompts_record(self, examples) -> dict:
+        rec = collate_prompts(examples, self.pad)
+        rec["answers"] = [e.answer for e in examples]
+        rec["texts"] = [e.prompt if isinstance(e.prompt, str) else str(e.prompt)
+                        for e in examples]
+        return rec
+
     def dataset_record(self, step: int) -> dict:
+        """The step's training batch (the sampler's ``step``-th) under the graph's
+        training data key, and the held-out prompts under ``eval_prompts`` when the run
+        evaluates."""
         c = self.cfg.data.train
         n = self.cfg.algorithm.prompts_per_step
         sampler = PromptSampler(len(self.dataset), n, seed=c.seed, shuffle=c.shuffle)
         sampler.consumed = step * n
         examples = self.dataset.take(sampler.next_batch())
         if c.kind == "prompts":
-            rec = collate_prompts(examples, self.pad)
-            rec["answers"] = [e.answer for e in examples]
-            rec["texts"] = [e.prompt if isinstance(e.prompt, str) else str(e.prompt)
-                            for e in examples]
+            rec = self._prompts_record(examples)
         elif c.kind == "preferences":
             rec = collate_preferences(examples, self.pad)
         else:
             rec = collate_sft(examples, self.pad)
-        return {self.program.dataset_key: rec}
+        out = {self.algo.spec.dataset_key: rec}
+        if self.eval_record is not None:
+            out["eval_prompts"] = self.eval_record
+        return out
+
+    def evaluates_at(self, step: int) -> bool:
+        """Whether step ``step`` (0-based) ends with an evaluation: after the first step,
+        after every ``eval.interval``-th, and after the last."""
+        ev = self.cfg.eval
+        return (self.program.evaluates and ev is not None
+                and (step == 0 or (step + 1) % ev.interval == 0 or step + 1 == self.spec.steps))
 
     def step(self, step: int) -> dict:
-        return self.runner.run(step, self.dataset_record(step))
+        return self.runner.run(step, self.dataset_record(step), self.evaluates_at(step))
 
     # ---- checkpoints -----------------------------------------------------------------
     def _trained_here(self):

@@ -143,6 +143,14 @@ CASES = [
     Case("sequences longer than the model takes",
          lambda e: e.run(algorithm__gen_len=400, data__train__max_response_len=400), 2,
          ("algorithm.gen_len", "more than the 256 that models.actor takes")),
+    Case("an eval set that overlaps the training prompts",
+         lambda e: e.run(eval={"data": {"path": "tiny/math_train.jsonl", "kind": "prompts",
+                                        "max_prompt_len": 8}}), 2,
+         ("eval.data", "never overlaps the training prompts")),
+    Case("an eval section for an algorithm that trains no actor",
+         lambda e: ["run", str(experiment(e.assets, "tiny-rm-cpu", e.tmp, eval={"data": {
+             "path": "tiny/math_eval.jsonl", "kind": "prompts"}})), "--run-dir", str(e.run_dir)],
+         2, ("eval", "trains no actor")),
     # ---- models ------------------------------------------------------------------------
     Case("a config.json that is a list",
          lambda e: e.run(models__actor=e.model_copy(_config(lambda c: [c]))), 2,

@@ -166,7 +166,8 @@ def test_the_program_runs_the_plans_allocations_and_reallocations():
     replicas = {rep.key: rep for rep in prog.replicas}
     assert replicas[gen.replica].reallocated and not replicas[gen.replica].trained
     assert replicas[train.replica].trained and not replicas[train.replica].reallocated
-    assert prog.dataset_key == "prompts" and prog.n_ranks == 4
+    assert prog.dataset_keys == ("prompts",) and prog.n_ranks == 4
+    assert all(op.every == 1 for op in prog.ops) and not prog.evaluates
 
 
 def test_no_reallocation_when_the_plan_lists_none():
@@ -188,7 +189,7 @@ def test_rule_rewards_and_dataset_keys_come_from_the_graph():
     train = next(op for op in prog.ops if isinstance(op, Call) and op.kind == "train")
     assert train.inputs == ("seqs", "logprobs", "rewards", "greedy_rewards")
     dpo = plan_of({"ref.inference": alloc(0, 4), "actor.train": alloc(0, 4)}, alg="dpo")
-    assert compile_program(dpo).dataset_key == "pairs"
+    assert compile_program(dpo).dataset_keys == ("pairs",)
 
 
 def test_the_estimates_the_run_holds_itself_to():
@@ -205,3 +206,40 @@ def test_the_estimates_the_run_holds_itself_to():
     msg = prog.memory_shortfall(3, free_bytes=need / 2)
     assert "GPU 3" in msg and "while" in msg
     assert prog.memory_shortfall(7, free_bytes=0) is None       # a rank with no call
+
+
+def test_an_evaluation_runs_after_training_on_evaluation_steps_only():
+    """The eval section adds a greedy and a sampled generation on held-out prompts after
+    the training call (they read its output, so they see the trained policy), priced at
+    1/every of their time per step; their ops (and their reallocations and releases)
+    run only on evaluation steps, and each is scored by an Evaluate op."""
+    from planner.algorithms import EvalShape
+    from realign.run.program import Evaluate
+
+    spec = model_presets()["tiny-llama"]
+    models = {"actor": RoleModel("actor", spec, "lm")}
+    graph = build_graph("grpo", SHAPE, {"actor"}, evaluation=EvalShape(n_prompts=8, every=5))
+    allocs = {"actor.generate": alloc(0, 2), "actor.train": alloc(0, 4),
+              "actor.eval_greedy": alloc(0, 2), "actor.eval_sample": alloc(2, 2)}
+    plan = manual_plan("t", graph, models, CLUSTER, allocs)
+    prog = compile_program(plan)
+    names = [m.name for m in graph.mfcs]
+    assert names[-2:] == ["actor.eval_greedy", "actor.eval_sample"]
+    assert graph.mfc("actor.eval_greedy").input_keys == ("eval_prompts", "actor_stats")
+    assert prog.dataset_keys == ("eval_prompts", "prompts") and prog.evaluates
+    step_ops = prog.ops_for(evaluate=False)
+    assert all(op.every == 1 for op in step_ops)
+    assert not any(isinstance(op, Evaluate) for op in step_ops)
+    every = [op for op in prog.ops if op.every == 5]
+    # each generation on its own reallocated copy (greedy on the rollout's, freed on
+    # ordinary steps after the rollout and here after the evaluation), scored there
+    assert [type(op).__name__ for op in every] == [
+        "Realloc", "Call", "Evaluate", "Release", "Realloc", "Call", "Evaluate", "Release"]
+    assert [(op.seqs_key, op.prompts_key, op.name) for op in every if isinstance(op, Evaluate)] \
+        == [("eval_greedy_seqs", "eval_prompts", "greedy"),
+            ("eval_sample_seqs", "eval_prompts", "sample")]
+    # a call made every 5 steps costs a fifth of its time per step in the estimate, and
+    # its allocation states what one call takes
+    a = plan.allocation("actor.eval_sample")
+    greedy_and_sample = [e for e in plan.timeline if e.name == "actor.eval_sample"]
+    assert greedy_and_sample[0].end_s - greedy_and_sample[0].start_s == pytest.approx(a.time_s / 5)
