@@ -181,6 +181,19 @@ def commit(run_dir: Path, step: int, manifest: dict) -> Path:
     return final
 
 
+def check_sharding(was: bool | None, now: bool, name: str) -> None:
+    """A :class:`UserError` when checkpoint ``name``'s optimizer was sharded over the
+    data-parallel ranks (``was``; None: not recorded) otherwise than this run's (``now``)."""
+    from realign.errors import UserError
+
+    if was is not None and was != now:
+        raise UserError(f"checkpoint {name} was written with the optimizer "
+                        f"{'' if was else 'not '}sharded over data-parallel ranks; this run "
+                        f"{'shards' if now else 'does not shard'} it. Set "
+                        f"train.distributed_optimizer: {str(was).lower()} to resume",
+                        field="train.distributed_optimizer")
+
+
 def check_resumable(manifest: dict, folder: Path, distributed_optimizer: bool,
                     trained: list[str]) -> None:
     """A :class:`UserError` (before any worker starts) when the checkpoint in ``folder``
@@ -189,13 +202,7 @@ def check_resumable(manifest: dict, folder: Path, distributed_optimizer: bool,
     workers check what they load."""
     from realign.errors import UserError
 
-    was = manifest.get("distributed_optimizer")
-    if was is not None and was != distributed_optimizer:
-        raise UserError(f"checkpoint {folder.name} was written with the optimizer "
-                        f"{'' if was else 'not '}sharded over data-parallel ranks; this run "
-                        f"{'shards' if distributed_optimizer else 'does not shard'} it. Set "
-                        f"train.distributed_optimizer: {str(was).lower()} to resume",
-                        field="train.distributed_optimizer")
+    check_sharding(manifest.get("distributed_optimizer"), distributed_optimizer, folder.name)
     had = manifest.get("trained")
     if had is not None and sorted(had) != sorted(trained):
         raise UserError(f"checkpoint {folder.name} holds the trained copies {sorted(had)}; "

@@ -35,14 +35,9 @@ _RESHARDED = ("it was written by an optimizer sharded differently (train."
 
 
 def check_optimizer_layout(saved: dict, zero1: bool, name: str) -> None:
-    """A checkpoint's optimizer state only fits an optimizer sharded the same way."""
-    was = saved.get("distributed_optimizer")    # absent before it was recorded
-    if was is not None and was != zero1:
-        raise UserError(f"checkpoint {name} was written with the optimizer "
-                        f"{'' if was else 'not '}sharded over data-parallel ranks; this run "
-                        f"{'shards' if zero1 else 'does not shard'} it. Set "
-                        f"train.distributed_optimizer: {str(was).lower()} to resume",
-                        field="train.distributed_optimizer")
+    """A checkpoint's optimizer state only fits an optimizer sharded the same way (the
+    rank file's record; absent before it was recorded)."""
+    checkpoint.check_sharding(saved.get("distributed_optimizer"), zero1, name)
 
 
 def check_optimizer_shapes(optimizer, name: str) -> None:
