@@ -58,7 +58,12 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
                      const IntLists& cand_tp, const IntLists& cand_pp, const IntLists& cand_dp,
                      const FloatLists& cand_time_s, const FloatLists& cand_resident_bytes,
                      const FloatLists& cand_activation_bytes, const FloatLists& cand_weights_bytes,
-                     const std::vector<IntLists>& same_mesh) {
+                     const std::vector<IntLists>& same_mesh, double realloc_fixed_s,
+                     double copy_bytes_per_s,
+                     const std::vector<std::vector<std::array<i64, 2>>>& inputs,
+                     const IntLists& outputs, const std::vector<i64>& mfc_every,
+                     const std::vector<double>& key_send_intra_s,
+                     const std::vector<double>& key_send_inter_s) {
     check_shape(cand_n_gpus, cand_first_gpu, "cand_n_gpus");
     check_shape(cand_tp, cand_first_gpu, "cand_tp");
     check_shape(cand_pp, cand_first_gpu, "cand_pp");
@@ -72,7 +77,12 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
     p.mem_limit_bytes = mem_limit_bytes;
     p.n_iters = n_iters;
     p.links = Links{gpus_per_node, intra_bytes_per_s, inter_bytes_per_s, intra_latency_s,
-                    inter_latency_s};
+                    inter_latency_s, realloc_fixed_s, copy_bytes_per_s};
+    p.inputs = inputs;
+    p.outputs = outputs;
+    p.mfc_every = mfc_every;
+    p.key_send_intra_s = key_send_intra_s;
+    p.key_send_inter_s = key_send_inter_s;
     p.mfc_model = mfc_model;
     p.mfc_is_train = mfc_is_train;
     p.deps = deps;
@@ -156,7 +166,9 @@ PYBIND11_MODULE(_core, m) {
              py::arg("cand_first_gpu"), py::arg("cand_n_gpus"), py::arg("cand_tp"),
              py::arg("cand_pp"), py::arg("cand_dp"), py::arg("cand_time_s"),
              py::arg("cand_resident_bytes"), py::arg("cand_activation_bytes"),
-             py::arg("cand_weights_bytes"), py::arg("same_mesh"))
+             py::arg("cand_weights_bytes"), py::arg("same_mesh"), py::arg("realloc_fixed_s"),
+             py::arg("copy_bytes_per_s"), py::arg("inputs"), py::arg("outputs"),
+             py::arg("mfc_every"), py::arg("key_send_intra_s"), py::arg("key_send_inter_s"))
         .def_property_readonly("n_gpus", [](const Problem& p) { return p.n_gpus; })
         .def_property_readonly("n_mfcs", &Problem::n_mfcs)
         .def_property_readonly("n_cands", [](const Problem& p) {

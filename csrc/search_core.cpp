@@ -5,6 +5,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 
@@ -83,6 +84,23 @@ void Problem::validate() const {
                 if (k < 0 || k >= n_c) fail("same_mesh" + cat, std::to_string(k) + " is not a candidate index");
         }
     }
+    const i64 n_keys = static_cast<i64>(key_send_intra_s.size());
+    if (static_cast<i64>(key_send_inter_s.size()) != n_keys)
+        fail("key_send_inter_s", "needs one entry per key, like key_send_intra_s");
+    if (static_cast<i64>(inputs.size()) != n_mfc || static_cast<i64>(outputs.size()) != n_mfc ||
+        static_cast<i64>(mfc_every.size()) != n_mfc)
+        fail("inputs/outputs/mfc_every", "need one entry per MFC (" + std::to_string(n_mfc) + ")");
+    for (i64 i = 0; i < n_mfc; ++i) {
+        const std::string at = "[" + std::to_string(i) + "]";
+        if (mfc_every[i] < 1) fail("mfc_every" + at, "must be >= 1");
+        for (const auto& kp : inputs[i])
+            if (kp[0] < 0 || kp[0] >= n_keys || kp[1] < -1 || kp[1] >= n_mfc)
+                fail("inputs" + at, "needs (key index, MFC index or -1)");
+        for (i64 k : outputs[i])
+            if (k < 0 || k >= n_keys) fail("outputs" + at, std::to_string(k) + " is not a key index");
+    }
+    if (!(links.copy_bytes_per_s > 0.0) || !(links.fixed_s >= 0.0))
+        fail("links", "copy_bytes_per_s must be > 0 and fixed_s >= 0");
 }
 
 void check_assign(const Problem& prob, const std::vector<i64>& assign, const char* what) {
@@ -136,9 +154,10 @@ Stages embedding_stages(const ReallocModel& m, i64 pp) {
 struct Acc {
     std::vector<std::array<i64, 2>> recv;
     std::vector<std::array<double, 2>> send;
+    std::vector<i64> local;    // bytes a destination GPU copies locally
     std::vector<i64> holders;  // scratch for _holders
 
-    explicit Acc(i64 n_gpus) : recv(n_gpus, {0, 0}), send(n_gpus, {0.0, 0.0}) {}
+    explicit Acc(i64 n_gpus) : recv(n_gpus, {0, 0}), send(n_gpus, {0.0, 0.0}), local(n_gpus, 0) {}
 };
 
 // planner.realloc_cost._holders: source GPUs at tp rank k (k < 0: any) of stages.
@@ -191,7 +210,10 @@ void sharded(Acc& acc, const Place& src, const Place& dst, const DstGpu& d, i64 
     for (i64 k = 0; k < src.tp; ++k) {
         const i64 ov = tp_overlap(d.i, dst.tp, k, src.tp);
         if (ov == 0) continue;
-        if (d.local && d.k_g == k && stages.contains(d.j_g)) continue;
+        if (d.local && d.k_g == k && stages.contains(d.j_g)) {
+            acc.local[d.g] += nbytes * ov / unit;
+            continue;
+        }
         holders_of(src, stages, k, acc.holders);
         charge(acc, d.g, nbytes * ov / unit, gpn);
     }
@@ -200,7 +222,10 @@ void sharded(Acc& acc, const Place& src, const Place& dst, const DstGpu& d, i64 
 // realloc_recv_send's nested replicated(): a tensor every tp rank of `stages` holds.
 void replicated(Acc& acc, const Place& src, const DstGpu& d, i64 nbytes, const Stages& stages,
                 i64 gpn) {
-    if (d.local && stages.contains(d.j_g)) return;
+    if (d.local && stages.contains(d.j_g)) {
+        acc.local[d.g] += nbytes;
+        return;
+    }
     holders_of(src, stages, -1, acc.holders);
     charge(acc, d.g, nbytes, gpn);
 }
@@ -253,19 +278,20 @@ ReallocCost realloc_time(const ReallocModel& m, const Place& src, const Place& d
     i64 total = 0;
     bool any_inter = false;
     for (i64 g = 0; g < n; ++g) {
-        const i64 a = acc.recv[g][0], b = acc.recv[g][1];
+        const i64 a = acc.recv[g][0], b = acc.recv[g][1], c = acc.local[g];
         total += a + b;
         any_inter = any_inter || b > 0;
         worst = std::max(worst, static_cast<double>(a) / links.intra_bytes_per_s +
-                                    static_cast<double>(b) / links.inter_bytes_per_s);
+                                    static_cast<double>(b) / links.inter_bytes_per_s +
+                                    static_cast<double>(a + b + c) / links.copy_bytes_per_s);
     }
     for (i64 h = 0; h < n; ++h) {
         const double a = acc.send[h][0], b = acc.send[h][1];
         worst = std::max(worst, a / links.intra_bytes_per_s + b / links.inter_bytes_per_s);
     }
-    if (total == 0) return {0.0, 0};
-    const double lat = any_inter ? links.inter_latency_s : links.intra_latency_s;
-    return {worst + lat, total};
+    double lat = 0.0;
+    if (total > 0) lat = any_inter ? links.inter_latency_s : links.intra_latency_s;
+    return {links.fixed_s + worst + lat, total};
 }
 
 // ---- planner.simulator.ReallocCache ----------------------------------------------
@@ -351,11 +377,18 @@ void occupy_until(std::vector<double>& free, const Place& p, double t) {
 // planner.simulator.simulate (record=False; the realloc table is not kept)
 SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocCache& cache) {
     const i64 n_mfc = prob.n_mfcs();
+    const i64 n_keys = static_cast<i64>(prob.key_send_intra_s.size());
+    const i64 gpn = prob.links.gpus_per_node;
     std::vector<double> free(prob.n_gpus, 0.0);
     std::vector<double> prev_finish(n_mfc, 0.0), finish(n_mfc, 0.0);
+    std::vector<std::vector<i64>> holders(n_keys);
+    std::vector<bool> held(n_keys, false);
+    std::vector<i64> lack, occ, merged;
     double makespan = 0.0;
     for (i64 it = 0; it < prob.n_iters; ++it) {
+        std::fill(free.begin(), free.end(), makespan);  // the step barrier
         std::fill(finish.begin(), finish.end(), 0.0);
+        std::fill(held.begin(), held.end(), false);
         for (i64 i = 0; i < n_mfc; ++i) {
             const Candidate& c = prob.cands[i][assign[i]];
             const i64 model = prob.mfc_model[i];
@@ -375,10 +408,44 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
                 occupy_until(free, c.place, r_end);
                 if (r_end > ready) ready = r_end;
             }
+            const i64 lo = c.place.first_gpu, hi = c.place.first_gpu + c.place.n_gpus;
+            for (const auto& kp : prob.inputs[i]) {
+                const i64 key = kp[0];
+                if (kp[1] < 0 || !held[key]) continue;  // the dataset's (everywhere), or unscheduled
+                const std::vector<i64>& have = holders[key];
+                lack.clear();
+                for (i64 g = lo; g < hi; ++g)
+                    if (!std::binary_search(have.begin(), have.end(), g)) lack.push_back(g);
+                if (lack.empty()) continue;
+                occ.assign(have.begin(), have.begin() + std::min(lack.size(), have.size()));
+                occ.insert(occ.end(), lack.begin(), lack.end());
+                std::sort(occ.begin(), occ.end());
+                occ.erase(std::unique(occ.begin(), occ.end()), occ.end());
+                const bool inter = occ.front() / gpn != occ.back() / gpn;
+                const double dur = (inter ? prob.key_send_inter_s[key] : prob.key_send_intra_s[key]) /
+                                   static_cast<double>(prob.mfc_every[i]);
+                double s_start = 0.0;
+                for (i64 g : occ)
+                    if (free[g] > s_start) s_start = free[g];
+                const double s_end = s_start + dur;
+                for (i64 g : occ) free[g] = s_end;
+                if (s_end > ready) ready = s_end;
+                if (prob.mfc_every[i] == 1) {
+                    merged.clear();
+                    std::set_union(have.begin(), have.end(), lack.begin(), lack.end(),
+                                   std::back_inserter(merged));
+                    holders[key] = merged;
+                }
+            }
             const double start = latest_free(free, c.place, ready);
             const double end = start + c.time_s;
             occupy_until(free, c.place, end);
             finish[i] = end;
+            for (i64 key : prob.outputs[i]) {
+                holders[key].clear();
+                for (i64 g = lo; g < hi; ++g) holders[key].push_back(g);
+                held[key] = true;
+            }
             if (end > makespan) makespan = end;
         }
         std::swap(prev_finish, finish);

@@ -8,6 +8,7 @@
 // reassociation changes a rounding.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <unordered_map>
@@ -33,6 +34,8 @@ struct Links {
     double inter_bytes_per_s = 1.0;
     double intra_latency_s = 0.0;
     double inter_latency_s = 0.0;
+    double fixed_s = 0.0;
+    double copy_bytes_per_s = kInf;
 };
 
 // planner.realloc_cost.ReallocModel (bytes are exact integers, as in Python)
@@ -78,6 +81,13 @@ struct Problem {
     std::vector<ReallocModel> realloc_models;        // per model
     std::vector<std::vector<Candidate>> cands;       // per MFC: its candidates
     std::vector<std::vector<std::vector<i64>>> same_mesh;  // per MFC, per cand
+    // records (planner.problem._add_records): per MFC its (key, producer MFC or -1)
+    // inputs, its output keys and its `every`; per key one Send's seconds
+    std::vector<std::vector<std::array<i64, 2>>> inputs;
+    std::vector<std::vector<i64>> outputs;
+    std::vector<i64> mfc_every;
+    std::vector<double> key_send_intra_s;
+    std::vector<double> key_send_inter_s;
 
     i64 n_mfcs() const { return static_cast<i64>(cands.size()); }
 

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from planner.errors import PlanError
 from planner.graph import MFC, DataflowGraph, Evaluation, RuleReward
+from planner.lengths import GenLengths
 
 Algorithm = Literal["ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft", "rm"]
 DataKind = Literal["prompts", "preferences", "sft"]
@@ -44,7 +45,11 @@ class BatchShape(BaseModel):
     prompt_len: int = Field(128, gt=0, le=1 << 22,
                             description="Prompt tokens per sequence (padded bound).")
     gen_len: int = Field(256, gt=0, le=1 << 22,
-                         description="Generated / response tokens per sequence.")
+                         description="Generated / response tokens per sequence, at most.")
+    gen_len_mean: float | None = Field(
+        None, gt=0, description="Expected response length when responses stop at the end "
+        "token (gen_len is then the cap): the plan prices each wave's straggler tail. None: "
+        "every response runs to gen_len.")
     ppo_minibatches: int = Field(4, gt=0, le=1 << 20,
                                  description="Optimizer steps per epoch over the batch.")
     ppo_epochs: int = Field(1, gt=0, le=1 << 20, description="Epochs over each batch.")
@@ -227,11 +232,20 @@ def algorithm_spec(name: str) -> AlgorithmSpec:
 
 def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
                 train_micro_batches: int | None = None,
-                evaluation: EvalShape | None = None) -> DataflowGraph:
+                evaluation: EvalShape | None = None,
+                lengths: GenLengths | None = None) -> DataflowGraph:
     """The dataflow graph of ``algorithm`` for the configured model ``roles``.
     ``train_micro_batches``: every train call runs with exactly this many micro-batches
     (``train.micro_batches``); None lets the planner choose. ``evaluation``: the actor
-    generates on held-out prompts after training, every ``evaluation.every`` steps."""
+    generates on held-out prompts after training, every ``evaluation.every`` steps.
+    ``lengths``: the response-length distribution of every generate call (a recorded
+    one); default: from ``shape.gen_len_mean``, or none (every response runs to
+    ``gen_len``)."""
+    if shape.gen_len_mean is not None and shape.gen_len_mean > shape.gen_len:
+        raise PlanError(f"gen_len_mean {shape.gen_len_mean} exceeds gen_len {shape.gen_len}",
+                        field="algorithm.gen_len_mean")
+    if lengths is None and shape.gen_len_mean is not None:
+        lengths = GenLengths(max_len=shape.gen_len, mean=shape.gen_len_mean)
     spec = algorithm_spec(algorithm)
     missing = [r for r in spec.required_roles if r not in roles]
     if missing:
@@ -256,5 +270,8 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
                             "evaluate; remove the eval section", field="eval")
         calls += _evaluation(shape, evaluation, actor_train.output_keys[0])
         evaluations = EVALUATIONS
+    if lengths is not None:
+        calls = [m.model_copy(update={"lengths": lengths}) if m.kind == "generate" else m
+                 for m in calls]
     return DataflowGraph(algorithm=algorithm, mfcs=tuple(calls), rule_rewards=tuple(rules),
                          evaluations=evaluations)

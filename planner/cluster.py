@@ -42,6 +42,31 @@ class DeviceSpec(BaseModel):
     microbatch_overhead_s: float = Field(
         0.0, ge=0, description="Fixed cost per micro-batch of a pipelined pass "
         "(schedule, loss, logits bookkeeping).")
+    decode_layer_overhead_s: float = Field(
+        0.0, ge=0, description="Fixed cost of one layer in one decode step of realign's "
+        "eager decode loop (no CUDA graphs: the host launching kernels paces it).")
+    call_overhead_s: float = Field(0.0, ge=0, description="Fixed cost of one engine call.")
+    matmul_efficiency: float = Field(
+        0.5, gt=0, le=1, description="Fraction of peak FLOP/s that large GEMMs reach.")
+    mem_bw_efficiency: float = Field(
+        0.8, gt=0, le=1, description="Fraction of the memory bandwidth that streaming reaches.")
+    intra_link_efficiency: float = Field(
+        0.8, gt=0, le=1, description="Fraction of the intra-node link rate collectives reach.")
+    inter_link_efficiency: float = Field(
+        0.8, gt=0, le=1, description="Fraction of the NIC rate collectives reach.")
+    host_link_bytes_per_s: float = Field(
+        25e9, gt=0, description="Device <-> host memory bandwidth per device (PCIe), bytes/s: "
+        "what optimizer offload pays.")
+    host_mem_bytes: float = Field(
+        128 * 2 ** 30, gt=0, description="Host memory per device, bytes (a node's memory over "
+        "its devices): what offloaded optimizer state may use.")
+    host_adam_params_per_s: float | None = Field(
+        None, gt=0, description="Parameters per second one device's share of its host "
+        "steps with Adam on the CPU (optimizer offload); None: the planner offers no "
+        "optimizer offload on this device (e.g. the cpu device, whose state is on the host "
+        "already).")
+    sources: dict[str, str] = Field(
+        default_factory=dict, description="Where each number comes from (field -> citation).")
 
 
 class ClusterSpec(BaseModel):
@@ -52,6 +77,15 @@ class ClusterSpec(BaseModel):
     n_nodes: int = Field(gt=0, le=MAX_NODES, description="Number of nodes.")
     gpus_per_node: int = Field(gt=0, le=MAX_GPUS_PER_NODE, description="Devices per node.")
     device: DeviceSpec = Field(description="The device type of every node.")
+    nics_per_node: int | None = Field(
+        None, gt=0, description="Network interfaces per node (each at the device's "
+        "inter_node_bytes_per_s); None: one per device, as on DGX-class nodes.")
+
+    @property
+    def inter_node_bytes_per_gpu_s(self) -> float:
+        """One device's share of its node's network bandwidth (one direction)."""
+        nics = self.nics_per_node if self.nics_per_node is not None else self.gpus_per_node
+        return self.device.inter_node_bytes_per_s * min(1.0, nics / self.gpus_per_node)
 
     @property
     def n_gpus(self) -> int:

@@ -60,6 +60,13 @@ def to_core(prob: Problem) -> Any:
         cand_activation_bytes=[[float(c.activation_bytes) for c in cs] for cs in cands],
         cand_weights_bytes=[[float(c.weights_bytes) for c in cs] for cs in cands],
         same_mesh=prob.same_mesh,
+        realloc_fixed_s=float(links.fixed_s),
+        copy_bytes_per_s=float(links.copy_bytes_per_s),
+        inputs=[[list(kp) for kp in ins] for ins in prob.inputs],
+        outputs=[list(o) for o in prob.outputs],
+        mfc_every=list(prob.mfc_every),
+        key_send_intra_s=[float(a) for a, _ in prob.key_send_s],
+        key_send_inter_s=[float(b) for _, b in prob.key_send_s],
     )
 
 

@@ -1,12 +1,18 @@
 """Settings of the analytic cost model (every default documented, units in names)."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 #: Generation's KV cache holds whole blocks of this many positions (realign's decoder
 #: attends over whole 16-key blocks, see ``realign/runtime/engines/decoder.py``;
 #: vLLM's paged cache also defaults to 16-token blocks).
 KV_CACHE_BLOCK_TOKENS = 16
+#: A generation wave checks every this many tokens whether all its rows have stopped
+#: (the check reads a device value on the host, a CUDA synchronisation, so not every
+#: token); a wave whose rows all stopped decodes on, masked, until the next check.
+STOP_CHECK_EVERY = 8
 
 
 class CostModelConfig(BaseModel):
@@ -14,18 +20,23 @@ class CostModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    matmul_efficiency: float = Field(
-        0.5, gt=0, le=1, description="Fraction of peak FLOP/s that large GEMMs reach.")
-    gemm_half_rows: float = Field(
-        128.0, ge=0, description="GEMM rows (tokens of one micro-batch) at which a layer's "
-        "GEMMs reach half of matmul_efficiency; 0 ignores the row count.")
+    matmul_efficiency: float | None = Field(
+        None, gt=0, le=1, description="Fraction of peak FLOP/s that large GEMMs reach; "
+        "None: the device preset's (cited there).")
     gemm_half_width: float = Field(
-        128.0, ge=0, description="Mean TP-sharded GEMM width (columns per GPU) at which a "
-        "layer's GEMMs reach half of matmul_efficiency; 0 ignores the width.")
-    mem_bw_efficiency: float = Field(
-        0.8, gt=0, le=1, description="Fraction of peak memory bandwidth that streaming reads reach.")
-    link_efficiency: float = Field(
-        0.8, gt=0, le=1, description="Fraction of link bandwidth that collectives and copies reach.")
+        128.0, ge=0, description="GEMM width (sqrt of the weight's rows x columns per GPU) at "
+        "which a GEMM reaches half of matmul_efficiency (SMs left idle by few output tiles); "
+        "0 ignores the width.")
+    mem_bw_efficiency: float | None = Field(
+        None, gt=0, le=1, description="Fraction of peak memory bandwidth that streaming "
+        "reaches; None: the device preset's.")
+    link_efficiency: float | None = Field(
+        None, gt=0, le=1, description="Fraction of link bandwidth (intra- and inter-node) that "
+        "collectives and copies reach; None: the device preset's.")
+    elementwise_passes: float = Field(
+        20.0, ge=0, description="Element reads and writes per token, hidden unit and layer "
+        "of a forward besides the GEMMs (two norms, RoPE, gated activation, residuals), "
+        "priced at the memory bandwidth when no profile measured them (x3 in training).")
     param_dtype_bytes: int = Field(2, gt=0, description="Bytes per weight in compute (bf16: 2).")
     grad_dtype_bytes: int = Field(4, gt=0, description="Bytes per main gradient (megatron keeps fp32: 4).")
     optimizer_state_bytes_per_param: int = Field(
@@ -34,6 +45,13 @@ class CostModelConfig(BaseModel):
         30, gt=0, description="Memory traffic of one Adam step per parameter (reads and writes).")
     distributed_optimizer: bool = Field(
         True, description="Shard optimizer state over the data-parallel ranks (ZeRO-1).")
+    optimizer_offload: Literal["never", "auto", "always"] = Field(
+        "auto", description="Optimizer state (fp32 main weights' host copy, Adam m and v) "
+        "in host memory, stepped by the CPU: 'auto' lets the search choose it per trained "
+        "model where it pays (it frees GPU memory and costs the gradient and weight "
+        "transfers and the host's Adam step); 'never'; 'always' (where the device offers "
+        "it: its host_adam_params_per_s is set). The runtime executes it with "
+        "megatron-core's HybridDeviceOptimizer (CUDA, distributed optimizer).")
     activation_recompute: bool = Field(
         False, description="Full activation recomputation in training (one extra forward).")
     mem_usable_fraction: float = Field(

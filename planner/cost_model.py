@@ -1,62 +1,38 @@
-"""The analytic cost model: time and memory of one MFC under one allocation.
+"""The cost model: time and memory of one MFC under one allocation, as realign's
+engines execute it.
 
-Notation: P_mm = weights a token multiplies through (all layer GEMMs + the head),
-L layers, h hidden, s sequence length, b sequences per micro-batch, m micro-batches,
-n_h heads, d head size. Rates: R = peak FLOP/s x matmul efficiency, B_mem = memory
-bandwidth x efficiency, B_link = link bandwidth x efficiency (intra- or inter-node).
+Time (seconds) composes passes of one micro-batch through one pipeline stage
+(:func:`planner.engine_terms.stage_pass`: GEMMs, attention, TP collectives and the
+engine's fixed costs) with the rates of :class:`planner.rates.Rates` (a profile's
+measurements where it has them, the device preset's otherwise). Per data-parallel
+rank, with ``m`` micro-batches, ``pp`` stages and the slot of a micro-batch = the
+slowest stage's pass plus its point-to-point send:
 
-Time terms (seconds), per pipeline stage and micro-batch unless stated:
-* GEMM rate by size (FLOP/s): a pass whose layer GEMMs have ``M`` rows (tokens of one
-  micro-batch: ``b s`` in training and inference, ``b x prompt`` in prefill, ``b`` in
-  a decode step) and a mean TP-sharded width ``w = (layer TP-split params) / (4 h tp)``
-  (the mean of the QKV, proj, fc1, fc2 sharded dimensions, columns per GPU) runs at
-  ``R_M = R x M/(M + M_half) x w/(w + w_half)`` (``gemm_half_rows``,
-  ``gemm_half_width``; 128 each by default, 0 switches a factor off). Why: a GEMM
-  with few rows is memory-bound (arithmetic intensity ~M FLOP/byte against a ridge
-  of ~295 on an H100: 989 TFLOP/s over 3.35 TB/s) and leaves SMs idle (tile and wave
-  quantization, NVIDIA's "Matrix Multiplication Background" guide); DeepGEMM's
-  published Hopper table gives 206 / 352 TFLOP/s at M = 64 / 128 (N=2112, K=7168)
-  against ~1500 at M = 4096, i.e. ~0.14 / 0.23 of the large-M rate, where the curve
-  gives 0.33 / 0.5 (the bf16 ridge is half the FP8 one, so bf16 saturates earlier).
-  Large GEMMs (M in the thousands, w >= 1000) keep 0.9-0.97 of R.
-* compute: FLOPs / (tp * pp * R_M), with forward FLOPs per token
-  ``2 P_mm + 4 L n_h d c`` (c = attended context: s/2 causal, prompt + gen/2 in decode);
-  backward = 2x forward; recomputation adds one forward.
-* TP: 2 all-reduces of ``b s h`` activations per layer forward (2 more backward, 2
-  more with recomputation); ring all-reduce = ``2 (n-1)/n * bytes / B_link`` plus a
-  latency of ``2 log2(n)`` messages.
-* PP: ``(m + pp - 1)`` stage slots per pipelined pass (the bubble), plus activation
-  sends between stages.
-* generation runs its ``m`` micro-batches as *waves*, as the runtime does: ``g =
-  min(m, pp)`` waves are in flight together, pipelined over the stages, and
-  ``ceil(m / g)`` such groups run one after another. A group costs ``(g + pp - 1)``
-  prefill slots and ``pp`` decode slots per generated token (``g = pp`` keeps every
-  stage busy; fewer waves leave bubbles); with pp = 1 the waves simply run in turn.
-* decode step: ``max(compute at R_b, (stage weights + KV cache read) / B_mem)`` -
-  memory-bound.
-* DP, per optimizer step: gradients are reduced in fp32 (``grad_dtype_bytes``, as
-  Megatron's ``grad_reduce_in_fp32``): a ring all-reduce of ``4 P`` bytes, or with
-  the distributed optimizer a reduce-scatter of ``4 P`` bytes plus an all-gather of
-  the updated ``param_dtype x P`` weights (each ``(n-1)/n * bytes / B_link`` plus
-  ``log2(n)`` message latencies); P = the stage's parameters on one GPU.
-* optimizer: ``optimizer_step_bytes_per_param`` bytes of traffic per local parameter.
-* fixed costs: ``layer_overhead_s`` per layer per pass per micro-batch (kernel launches,
-  framework work: dominant for small micro-batches and in decoding) and
-  ``microbatch_overhead_s`` per micro-batch slot of a pipelined pass (device spec).
+* inference: ``call + (m + pp - 1) slots`` (the first micro-batch fills the pipeline),
+  then the results gathered over DP (all-gather) and broadcast from the last stage;
+* train, per optimizer step: ``call + (m + pp - 1) slots`` of forward + backward, the
+  DP gradient reduction in fp32 (all-reduce, or with the distributed optimizer a
+  reduce-scatter plus an all-gather of the new weights), the global grad-norm
+  all-reduces (model-parallel group), and the optimizer's ``param_s`` per local
+  parameter; times mini-batches x epochs;
+* generate, in waves (:mod:`realign.runtime.engines.waves`): ``g = min(m, pp)`` waves
+  in flight, ``ceil(m / g)`` groups one after another. A group: its waves' caches
+  zeroed, ``(g + pp - 1)`` prefill slots, then per decode step ``pp`` slots (a wave
+  passes every stage; ``g <= pp`` waves share them). Decode steps: the expected length
+  of a wave's longest sequence minus one (the prefill yields the first token), from
+  the generation-length distribution (:mod:`planner.lengths`); then the output
+  gathered over DP.
 
-Memory terms (bytes per GPU): weights ``param_dtype x params/tp`` of the heaviest
-stage; training adds fp32 main grads and optimizer state (divided by dp with the
+Memory (bytes per GPU): weights ``param_dtype x params/tp`` of the heaviest stage;
+training adds fp32 main grads and optimizer state (divided by dp with the
 distributed optimizer) and 1F1B activations for ``min(pp, m)`` micro-batches in
-flight; inference adds one micro-batch's layer activations and fp32 logits;
-generation adds the KV cache of the waves in flight (``g`` waves of ``b`` sequences;
-each wave's cache is allocated when it starts and freed when it ends, for
-``prompt_len + gen_len`` tokens rounded up to whole ``kv_cache_block_tokens`` blocks)
-and the logits of one step.
-
-A :class:`~planner.profile.ProfileTable` measured on real hardware overrides the
-device rates (a measured GEMM rate stands for R, large GEMMs; the size curve still
-scales it) and, where it has an entry, whole MFC times. The cost model never
-starts profiling by itself.
+flight (with ``activation_recompute`` only each layer's input, plus one layer's
+full activations); with optimizer offload the GPU keeps only the fp32 main-weight
+shard of the optimizer state, and the step adds the transfers and the host's Adam
+(:meth:`CostModel.offload_step_s`); inference adds one micro-batch's layer activations and fp32 logits;
+generation adds the KV cache of the waves in flight (``g`` waves of ``b`` sequences,
+each allocated for ``prompt_len + gen_len`` positions rounded up to whole
+``kv_cache_block_tokens`` blocks) and the logits of one step.
 """
 from __future__ import annotations
 
@@ -65,11 +41,14 @@ from dataclasses import dataclass
 
 from planner.cluster import ClusterSpec
 from planner.cost_config import CostModelConfig
+from planner.engine_terms import Work, stage_pass
 from planner.graph import MFC
-from planner.layout import Layout, dp_groups, group_spans_nodes
+from planner.layout import Layout, dp_groups, pp_groups, tp_groups
+from planner.lengths import expected_wave_tokens
 from planner.mesh import DeviceMesh
 from planner.model_spec import ModelSpec
 from planner.profile import ProfileTable
+from planner.rates import Rates
 
 
 @dataclass(frozen=True)
@@ -77,60 +56,31 @@ class MFCCost:
     """Time and memory of one MFC under one allocation."""
 
     time_s: float
-    terms_s: dict[str, float]          #: time by term (compute, tp_comm, bubble, ...)
+    terms_s: dict[str, float]          #: time by term (gemm, tp_comm, fixed, bubble, ...)
     weights_bytes: float               #: this layout's weights on the heaviest GPU
     resident_bytes: float              #: state that stays between calls (train: weights+grads+optimizer)
     activation_bytes: float            #: transient working memory during the call
+    host_bytes: float = 0.0            #: host memory per GPU held for it (optimizer offload)
+
+
+def group_nodes(group: list[int], mesh: DeviceMesh, gpus_per_node: int) -> int:
+    """How many nodes the mesh ranks of ``group`` live on."""
+    return len({(mesh.first_gpu + r) // gpus_per_node for r in group})
 
 
 class CostModel:
-    """Analytic time and memory of MFCs on a cluster, optionally overridden by a profile."""
+    """Time and memory of MFCs on a cluster (rates: device preset, or a profile)."""
 
     def __init__(self, cluster: ClusterSpec, config: CostModelConfig | None = None,
                  profile: ProfileTable | None = None):
         self.cluster = cluster
         self.config = config or CostModelConfig()
         self.profile = profile
-        dev, cfg = cluster.device, self.config
-        rates = profile.rates if profile is not None else None
-        self.flops_per_s = (rates.matmul_flops_per_s if rates and rates.matmul_flops_per_s
-                            else dev.peak_flops * cfg.matmul_efficiency)
-        self.mem_bytes_per_s = (rates.mem_bytes_per_s if rates and rates.mem_bytes_per_s
-                                else dev.mem_bw_bytes_per_s * cfg.mem_bw_efficiency)
-        self.intra_bytes_per_s = (rates.intra_node_bytes_per_s if rates and rates.intra_node_bytes_per_s
-                                  else dev.intra_node_bytes_per_s * cfg.link_efficiency)
-        self.inter_bytes_per_s = (rates.inter_node_bytes_per_s if rates and rates.inter_node_bytes_per_s
-                                  else dev.inter_node_bytes_per_s * cfg.link_efficiency)
-        self.layer_overhead_s = (rates.layer_overhead_s if rates and rates.layer_overhead_s is not None
-                                 else dev.layer_overhead_s)
-        self.microbatch_overhead_s = (
-            rates.microbatch_overhead_s if rates and rates.microbatch_overhead_s is not None
-            else dev.microbatch_overhead_s)
+        self.rates = Rates(cluster, self.config, profile)
 
     @property
     def mem_limit_bytes(self) -> float:
         return self.cluster.device.mem_bytes * self.config.mem_usable_fraction
-
-    # ---- collectives -------------------------------------------------------------
-    def allreduce_s(self, nbytes: float, n: int, inter_node: bool) -> float:
-        """Ring all-reduce of ``nbytes`` over ``n`` ranks: a reduce-scatter then an
-        all-gather."""
-        return 2.0 * self.reduce_scatter_s(nbytes, n, inter_node)
-
-    def reduce_scatter_s(self, nbytes: float, n: int, inter_node: bool) -> float:
-        """Ring reduce-scatter (or all-gather) of ``nbytes`` over ``n`` ranks."""
-        if n <= 1:
-            return 0.0
-        dev = self.cluster.device
-        bw = self.inter_bytes_per_s if inter_node else self.intra_bytes_per_s
-        lat = dev.inter_node_latency_s if inter_node else dev.intra_node_latency_s
-        return (n - 1) / n * nbytes / bw + math.ceil(math.log2(n)) * lat
-
-    def p2p_s(self, nbytes: float, inter_node: bool) -> float:
-        dev = self.cluster.device
-        if inter_node:
-            return nbytes / self.inter_bytes_per_s + dev.inter_node_latency_s
-        return nbytes / self.intra_bytes_per_s + dev.intra_node_latency_s
 
     # ---- sizes -------------------------------------------------------------------
     @staticmethod
@@ -150,7 +100,7 @@ class CostModel:
         return first + spec.hidden + head_p if pp == 1 else max(first, last)
 
     def _act_bytes_per_token_layer(self, spec: ModelSpec, tp: int) -> float:
-        """Stored activations of one token in one layer (bf16, flash attention)."""
+        """Stored activations of one token in one layer (flash attention)."""
         dt = self.config.param_dtype_bytes
         sharded = spec.qkv_out + spec.n_heads * spec.kv_channels + 3 * spec.ffn_hidden
         return dt * (5 * spec.hidden + sharded / tp)
@@ -166,122 +116,234 @@ class CostModel:
         x 16 positions = 262144 bytes.
         """
         tp, pp = layout.tp, layout.pp
+        in_flight = min(waves, pp) * mfc.n_seqs / layout.dp / waves
+        return in_flight * self._wave_kv_bytes_per_seq(spec, mfc, tp, pp)
+
+    def _wave_kv_bytes_per_seq(self, spec: ModelSpec, mfc: MFC, tp: int, pp: int) -> float:
         block = self.config.kv_cache_block_tokens
         positions = -(-(mfc.prompt_len + mfc.gen_len) // block) * block
         per_token_layer = 2 * (spec.n_kv_heads / tp) * spec.kv_channels * self.config.param_dtype_bytes
-        in_flight = min(waves, pp) * mfc.n_seqs / layout.dp / waves
-        return in_flight * spec.n_layers / pp * per_token_layer * positions
+        return spec.n_layers / pp * per_token_layer * positions
 
-    def gemm_rate(self, spec: ModelSpec, rows: float, tp: int) -> float:
-        """Achieved FLOP/s of one layer's GEMMs with ``rows`` tokens on one GPU:
-        ``R x rows/(rows + r_half) x w/(w + w_half)``, w the mean TP-sharded width."""
-        cfg = self.config
-        rate = self.flops_per_s
-        if cfg.gemm_half_rows > 0:
-            rate *= rows / (rows + cfg.gemm_half_rows)
-        if cfg.gemm_half_width > 0:
-            w = spec.layer_sharded_params() / (4.0 * spec.hidden * tp)
-            rate *= w / (w + cfg.gemm_half_width)
-        return rate
-
-    def _fwd_flops_per_token(self, spec: ModelSpec, head: str, context: float) -> float:
-        attn = 4.0 * spec.n_layers * spec.n_heads * spec.kv_channels * context
-        return 2.0 * spec.matmul_params_per_token(head) + attn
-
-    def _spans(self, mesh: DeviceMesh, layout: Layout) -> tuple[bool, bool]:
-        """(DP group crosses nodes, a pipeline boundary crosses nodes)."""
+    # ---- helpers -----------------------------------------------------------------
+    def _nodes(self, mesh: DeviceMesh, layout: Layout) -> tuple[int, int, int]:
+        """Nodes spanned by one TP, DP and PP group."""
         gpn = self.cluster.gpus_per_node
-        dp_inter = group_spans_nodes(dp_groups(layout)[0], mesh, gpn) if layout.dp > 1 else False
-        # A mesh spanning nodes has at least one stage boundary across nodes, and the
-        # slowest boundary paces the pipeline.
-        pp_inter = layout.pp > 1 and mesh.n_gpus > gpn
-        return dp_inter, pp_inter
+        return (group_nodes(tp_groups(layout)[0], mesh, gpn),
+                group_nodes(dp_groups(layout)[0], mesh, gpn),
+                group_nodes(pp_groups(layout)[0], mesh, gpn))
+
+    def _stages(self, spec: ModelSpec, head: str, kind: str, rows: float, ctx: float,
+                out_rows: float, layout: Layout, tp_nodes: int, msg: Work,
+                back: Work | None = None) -> list[tuple[Work, int]]:
+        """(work, how many stages do it) of one micro-batch's pass through each stage:
+        the first (embedding), the middle ones, the last (head); every stage but the
+        last also sends ``msg`` on, and with ``back`` the last sends that back (decode:
+        the chosen tokens)."""
+        tp, pp = layout.tp, layout.pp
+        layers = spec.n_layers // pp
+        r = self.rates
+
+        def stage(first: bool, last: bool) -> Work:
+            w = stage_pass(r, spec, head, kind, rows, ctx, out_rows, tp, layers, first, last,
+                           tp_nodes)
+            if kind == "train" and self.config.activation_recompute:
+                # the backward first runs each layer's forward again (no head, no
+                # embedding): its GEMMs, attention and TP collectives
+                again = stage_pass(r, spec, head, "inference", rows, ctx, 0.0, tp, layers,
+                                   False, False, tp_nodes)
+                again.counts = {k: v for k, v in again.counts.items()
+                                if k in ("layer_s", "collective_s")}
+                w.add(again)
+            if not last:
+                w.add(msg)
+            elif back is not None and pp > 1:
+                w.add(back)
+            return w
+        if pp == 1:
+            return [(stage(True, True), 1)]
+        out = [(stage(True, False), 1)]
+        if pp > 2:
+            out.append((stage(False, False), pp - 2))
+        out.append((stage(False, True), 1))
+        return out
 
     # ---- the MFC cost ------------------------------------------------------------
+    def offload_options(self, mfc: MFC) -> tuple[bool, ...]:
+        """The optimizer-offload settings to price for ``mfc``: only training has
+        optimizer state; the device must offer it (``host_adam_params_per_s``) and the
+        distributed optimizer must shard it (megatron offloads only that)."""
+        mode = self.config.optimizer_offload
+        if (mfc.kind != "train" or mode == "never" or not self.config.distributed_optimizer
+                or self.cluster.device.host_adam_params_per_s is None):
+            return (False,)
+        return (True,) if mode == "always" else (False, True)
+
     def mfc_cost(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
-                 layout: Layout, micro_batches: int) -> MFCCost:
+                 layout: Layout, micro_batches: int, offload: bool = False) -> MFCCost:
+        if offload and mfc.kind != "train":
+            raise ValueError("optimizer offload applies to train MFCs only")
+        if mfc.kind == "generate":
+            terms = self._generate_terms(mfc, spec, head, mesh, layout, micro_batches)
+        elif mfc.kind == "train":
+            terms = self._train_terms(mfc, spec, head, mesh, layout, micro_batches, offload)
+        else:
+            terms = self._inference_terms(mfc, spec, head, mesh, layout, micro_batches)
+        weights, resident, act, host = self._memory(mfc, spec, head, layout, micro_batches,
+                                                    offload)
+        return MFCCost(time_s=sum(terms.values()), terms_s=terms, weights_bytes=weights,
+                       resident_bytes=resident, activation_bytes=act, host_bytes=host)
+
+    def offload_step_s(self, shard_params: float) -> float:
+        """Seconds one optimizer step with offloaded state adds for a GPU whose
+        optimizer shard holds ``shard_params`` parameters: its fp32 gradients down and
+        its fp32 main weights back up over the host link (``host_link_bytes_per_s``),
+        and the host's Adam step (``host_adam_params_per_s``); nothing overlaps.
+
+        Example: 1e9 parameters, 25 GB/s, 5e8 params/s: 8e9 / 25e9 + 2 = 2.32 s.
+        """
+        dev = self.cluster.device
+        moved = (self.config.grad_dtype_bytes + 4) * shard_params
+        return moved / dev.host_link_bytes_per_s + shard_params / dev.host_adam_params_per_s
+
+    def _inference_terms(self, mfc, spec, head, mesh, layout, m) -> dict[str, float]:
+        r, dt = self.rates, self.config.param_dtype_bytes
+        pp, dp = layout.pp, layout.dp
+        tpn, dpn, ppn = self._nodes(mesh, layout)
+        n_local = mfc.n_seqs / dp
+        b, s = n_local / m, mfc.seq_len
+        costs = r.engine("inference")
+        # per micro-batch and stage boundary: its hidden states to the next stage
+        msg = _msg(r.collective_s("p2p", b * s * spec.hidden * dt, 2, ppn))
+        stages = self._stages(spec, head, "inference", b * s, s / 2, b * s, layout, tpn, msg)
+        out_cols = s - 1 if head == "lm" else s
+        call = Work(seconds={"dp_comm": (
+            r.collective_s("all_gather", mfc.n_seqs * out_cols * 4, dp, dpn)
+            + (r.collective_s("broadcast", n_local * out_cols * 4, pp, ppn) if pp > 1 else 0.0))},
+            counts={"call_s": 1.0, "collective_s": float((dp > 1) + (pp > 1))})
+        return pipelined(stages, m, costs).add(call).terms(costs)
+
+    def _train_terms(self, mfc, spec, head, mesh, layout, m, offload=False) -> dict[str, float]:
+        r, cfg, dt = self.rates, self.config, self.config.param_dtype_bytes
+        tp, pp, dp = layout.tp, layout.pp, layout.dp
+        tpn, dpn, ppn = self._nodes(mesh, layout)
+        steps = mfc.n_minibatches * mfc.n_epochs
+        b, s = mfc.n_seqs / mfc.n_minibatches / dp / m, mfc.seq_len
+        costs = r.engine("train")
+        # per micro-batch and stage boundary: activations forward, their gradients back
+        msg = _msg(r.collective_s("p2p", b * s * spec.hidden * dt, 2, ppn), 2)
+        stages = self._stages(spec, head, "train", b * s, s / 2, b * s, layout, tpn, msg)
+        p_gpu = self.stage_params(spec, head, layout)
+        grad_bytes = cfg.grad_dtype_bytes * p_gpu
+        if cfg.distributed_optimizer:   # reduce-scatter grads, all-gather new weights
+            sync = (r.collective_s("reduce_scatter", grad_bytes, dp, dpn)
+                    + r.collective_s("all_gather", dt * p_gpu, dp, dpn))
+            n_sync = 2 * (dp > 1)
+        else:
+            sync = r.collective_s("all_reduce", grad_bytes, dp, dpn)
+            n_sync = 1 * (dp > 1)
+        # the global grad norm: an all-reduce over the model-parallel ranks (and the
+        # DP ranks when the gradients are sharded), twice (norm, then clipping's check)
+        mp = tp * pp * (dp if cfg.distributed_optimizer else 1)
+        mp_nodes = max(tpn, ppn, dpn if cfg.distributed_optimizer else 1)
+        norm = 2 * r.collective_s("all_reduce", 8, mp, mp_nodes) if mp > 1 else 0.0
+        shard = p_gpu / (dp if cfg.distributed_optimizer else 1)
+        per_step = Work(seconds={"dp_grad_sync": sync + norm},
+                        counts={"call_s": 1.0, "collective_s": float(n_sync + 2 * (mp > 1)),
+                                "param_s": 0.0 if offload else shard})
+        if offload:     # the host steps the shard instead of the GPU
+            per_step.add(Work(seconds={"optimizer_offload": self.offload_step_s(shard)}))
+        return Work().add(pipelined(stages, m, costs).add(per_step), steps).terms(costs)
+
+    def _generate_terms(self, mfc, spec, head, mesh, layout, m) -> dict[str, float]:
+        r, dt = self.rates, self.config.param_dtype_bytes
+        tp, pp, dp = layout.tp, layout.pp, layout.dp
+        tpn, dpn, ppn = self._nodes(mesh, layout)
+        n_local = mfc.n_seqs / dp
+        b = n_local / m                    # sequences per wave
+        g = min(m, pp)                     # waves in flight together
+        groups = math.ceil(m / g)          # groups of waves, one after another
+        P, h = mfc.prompt_len, spec.hidden
+        pre_c, dec_c = r.engine("prefill"), r.engine("decode")
+        pre = self._stages(spec, head, "prefill", b * P, P / 2, b, layout, tpn,
+                           _msg(r.collective_s("p2p", b * P * h * dt, 2, ppn)))
+        tokens = expected_wave_tokens(mfc, b)
+        steps = max(0.0, tokens - 1.0)     # the prefill yields the first token
+        # per step: the hidden state to the next stage, the chosen tokens back
+        dec = self._stages(spec, head, "decode", b, P + tokens / 2, b, layout, tpn,
+                           _msg(r.collective_s("p2p", b * h * dt, 2, ppn)),
+                           back=_msg(r.collective_s("p2p", 2 * b * 8, 2, ppn)))
+        alloc = Work(seconds={"kv_alloc": g * r.mem_s(
+            b * self._wave_kv_bytes_per_seq(spec, mfc, tp, pp))})
+        n = mfc.gen_len
+        call = Work(seconds={"dp_comm": r.collective_s("all_gather", mfc.n_seqs * (2 * n + 1) * 8,
+                                                       dp, dpn)},
+                    counts={"call_s": 1.0, "collective_s": float(dp > 1)})
+        terms = {f"prefill_{k}": v for k, v in Work().add(
+            pipelined(pre, g, pre_c).add(alloc), groups).terms(pre_c).items()}
+        for k, v in Work().add(decode_iteration(dec, g, dec_c), groups * steps).terms(dec_c).items():
+            terms[f"decode_{k}"] = v
+        for k, v in call.terms(pre_c).items():
+            terms[k] = terms.get(k, 0.0) + v
+        return terms
+
+    # ---- memory --------------------------------------------------------------------
+    def _memory(self, mfc, spec, head, layout, m, offload=False
+                ) -> tuple[float, float, float, float]:
         cfg = self.config
-        tp, pp, dp, m = layout.tp, layout.pp, layout.dp, micro_batches
+        tp, pp, dp = layout.tp, layout.pp, layout.dp
         dt = cfg.param_dtype_bytes
-        h, L = spec.hidden, spec.n_layers
         p_gpu = self.stage_params(spec, head, layout)
         weights = dt * p_gpu
-        dp_inter, pp_inter = self._spans(mesh, layout)
         logit_cols = spec.padded_vocab / tp if head == "lm" else 1.0
-        terms: dict[str, float] = {}
-
         if mfc.kind == "generate":
-            seqs = mfc.n_seqs / dp
-            b = seqs / m                       # sequences per wave
-            g = min(m, pp)                     # waves in flight together
-            groups = math.ceil(m / g)          # groups of waves, one after another
-            # prefill: compute-bound forward over the prompts
-            pre_tok = b * mfc.prompt_len
-            pre_flops = pre_tok * self._fwd_flops_per_token(spec, head, mfc.prompt_len / 2)
-            pre_stage = (pre_flops / (tp * pp * self.gemm_rate(spec, pre_tok, tp))
-                         + L / pp * 2 * self.allreduce_s(pre_tok * h * dt, tp, False)
-                         + (self.p2p_s(pre_tok * h * dt, pp_inter) if pp > 1 else 0.0)
-                         + L / pp * self.layer_overhead_s + self.microbatch_overhead_s)
-            terms["prefill"] = groups * (g + pp - 1) * pre_stage
-            # decode: memory-bound; each micro-batch step reads the stage weights + KV
-            ctx = mfc.prompt_len + mfc.gen_len / 2
-            kv_tok_layer = 2 * (spec.n_kv_heads / tp) * spec.kv_channels * dt
-            kv_read = b * L / pp * kv_tok_layer * ctx
-            flops = b * self._fwd_flops_per_token(spec, head, ctx) / (tp * pp)
-            step = max(flops / self.gemm_rate(spec, b, tp), (weights + kv_read) / self.mem_bytes_per_s)
-            step += L / pp * 2 * self.allreduce_s(b * h * dt, tp, False)
-            step += L / pp * self.layer_overhead_s
-            if pp > 1:
-                step += self.p2p_s(b * h * dt, pp_inter)
-            terms["decode"] = groups * mfc.gen_len * pp * step
+            b = mfc.n_seqs / dp / m
             act = (self.kv_cache_bytes(spec, mfc, layout, m) + 4.0 * b * logit_cols * 2
                    + b * mfc.prompt_len * self._act_bytes_per_token_layer(spec, tp))
-            resident = weights
-        else:
-            train = mfc.kind == "train"
-            steps = mfc.n_minibatches * mfc.n_epochs if train else 1
-            seqs = mfc.n_seqs / (mfc.n_minibatches if train else 1) / dp
-            b = seqs / m
-            tok = b * mfc.seq_len
-            fwd = tok * self._fwd_flops_per_token(spec, head, mfc.seq_len / 2)
-            passes = (3.0 + (1.0 if cfg.activation_recompute else 0.0)) if train else 1.0
-            n_ar = (4 + (2 if cfg.activation_recompute else 0)) if train else 2
-            compute = passes * fwd / (tp * pp * self.gemm_rate(spec, tok, tp))
-            fixed = passes * L / pp * self.layer_overhead_s + self.microbatch_overhead_s
-            tp_comm = L / pp * n_ar * self.allreduce_s(tok * h * dt, tp, False)
-            p2p = (2 if train else 1) * self.p2p_s(tok * h * dt, pp_inter) if pp > 1 else 0.0
-            terms["compute"] = steps * m * compute
-            terms["tp_comm"] = steps * m * tp_comm
-            terms["pp_comm"] = steps * m * p2p
-            terms["overhead"] = steps * m * fixed
-            terms["pp_bubble"] = steps * (pp - 1) * (compute + tp_comm + p2p + fixed)
-            act_layer = tok * self._act_bytes_per_token_layer(spec, tp)
-            if train:
-                grad_bytes = cfg.grad_dtype_bytes * p_gpu
-                if cfg.distributed_optimizer:   # reduce-scatter grads, all-gather new weights
-                    sync = (self.reduce_scatter_s(grad_bytes, dp, dp_inter)
-                            + self.reduce_scatter_s(weights, dp, dp_inter))
-                else:
-                    sync = self.allreduce_s(grad_bytes, dp, dp_inter)
-                terms["dp_grad_sync"] = steps * sync
-                opt_params = p_gpu / (dp if cfg.distributed_optimizer else 1)
-                terms["optimizer"] = (steps * opt_params * cfg.optimizer_step_bytes_per_param
-                                      / self.mem_bytes_per_s)
-                in_flight = min(pp, m)
-                per_layer = (tok * h * dt) if cfg.activation_recompute else act_layer
-                act = in_flight * L / pp * per_layer + (act_layer if cfg.activation_recompute else 0)
-                act += 2 * 4.0 * tok * logit_cols
-                opt_state = cfg.optimizer_state_bytes_per_param / (
-                    dp if cfg.distributed_optimizer else 1)
-                resident = weights + p_gpu * (cfg.grad_dtype_bytes + opt_state)
-            else:
-                act = 2 * act_layer + 2 * 4.0 * tok * logit_cols
-                resident = weights
-        time_s = sum(terms.values())
-        if self.profile is not None:
-            measured = self.profile.lookup_mfc(spec.name, mfc, layout, micro_batches)
-            if measured is not None:
-                terms = {"measured": measured}
-                time_s = measured
-        return MFCCost(time_s=time_s, terms_s=terms, weights_bytes=weights,
-                       resident_bytes=resident, activation_bytes=act)
+            return weights, weights, act, 0.0
+        train = mfc.kind == "train"
+        seqs = mfc.n_seqs / (mfc.n_minibatches if train else 1) / dp
+        tok = seqs / m * mfc.seq_len
+        act_layer = tok * self._act_bytes_per_token_layer(spec, tp)
+        if not train:
+            return weights, weights, 2 * act_layer + 2 * 4.0 * tok * logit_cols, 0.0
+        in_flight = min(pp, m)
+        per_layer = (tok * spec.hidden * dt) if cfg.activation_recompute else act_layer
+        act = in_flight * spec.n_layers / pp * per_layer + (
+            act_layer if cfg.activation_recompute else 0)
+        act += 2 * 4.0 * tok * logit_cols
+        shard = p_gpu / (dp if cfg.distributed_optimizer else 1)
+        if offload:
+            # megatron's HybridDeviceOptimizer: the GPU keeps the fp32 main-weight shard
+            # (4 bytes); the host its fp32 copy, Adam's m and v and pinned fp32 grads
+            resident = weights + p_gpu * cfg.grad_dtype_bytes + 4 * shard
+            host = (cfg.optimizer_state_bytes_per_param + cfg.grad_dtype_bytes) * shard
+            return weights, resident, act, host
+        resident = weights + p_gpu * cfg.grad_dtype_bytes + cfg.optimizer_state_bytes_per_param * shard
+        return weights, resident, act, 0.0
+
+
+def _msg(seconds: float, n: int = 1) -> Work:
+    """``n`` point-to-point messages of ``seconds`` each."""
+    return Work(seconds={"pp_comm": n * seconds}, counts={"collective_s": float(n)})
+
+
+def pipelined(stages: list[tuple[Work, int]], m: float, costs) -> Work:
+    """``m`` micro-batches through the pipeline: the first crosses every stage, each
+    further one adds the slowest stage's time (it paces the pipeline)."""
+    out = Work()
+    for w, k in stages:
+        out.add(w, k)
+    slowest = max((w for w, _ in stages), key=lambda w: w.total(costs))
+    return out.add(slowest, m - 1)
+
+
+def decode_iteration(stages: list[tuple[Work, int]], g: int, costs) -> Work:
+    """One decode step of a group of ``g`` waves: a wave's token crosses every stage
+    before its next step starts, and each stage serves all ``g`` waves in turn, so the
+    step takes the longer of one crossing and ``g`` passes of the slowest stage."""
+    crossing = Work()
+    for w, k in stages:
+        crossing.add(w, k)
+    slowest = max((w for w, _ in stages), key=lambda w: w.total(costs))
+    return crossing if crossing.total(costs) >= g * slowest.total(costs) else Work().add(slowest, g)

@@ -16,6 +16,7 @@ import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.errors import PlanError
+from planner.lengths import GenLengths
 
 Kind = Literal["generate", "inference", "train"]
 
@@ -44,6 +45,9 @@ class MFC(BaseModel):
                                       "None: the planner chooses.")
     every: int = Field(1, gt=0, description="Runs every this many steps (an evaluation); "
                        "priced at 1/every of its time per step.")
+    lengths: GenLengths | None = Field(None, description="generate: the distribution of a "
+                                       "response's length (gen_len is its cap); None: every "
+                                       "response runs to gen_len.")
 
     @property
     def seq_len(self) -> int:

@@ -15,7 +15,9 @@ from planner.graph import DataflowGraph
 from planner.layout import Layout, enumerate_layouts, shard_placement
 from planner.mesh import DeviceMesh, enumerate_meshes
 from planner.model_spec import ModelSpec
+from planner.profile import ProfileTable
 from planner.realloc_cost import Links, ReallocModel
+from planner.records import record_sizes
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class Candidate:
     resident_bytes: float     #: train: weights+grads+optimizer; others: weights
     activation_bytes: float
     weights_bytes: float
+    offload: bool = False     #: train: optimizer state in host memory (optimizer offload)
+    host_bytes: float = 0.0   #: host memory per GPU it holds (optimizer offload)
 
     @property
     def place(self) -> tuple[int, int, int, int, int]:
@@ -77,6 +81,16 @@ class Problem:
     cands: list[list[Candidate]]
     n_iters: int = 3
     same_mesh: list[list[list[int]]] = field(default_factory=list)
+    #: records: per MFC the (key, producing MFC or -1 for the dataset) it reads, the keys
+    #: it writes (a rule reward's with the MFC whose sequences it scores), its
+    #: ``every``, and per key one Send's seconds (within a node, across nodes)
+    inputs: list[list[tuple[int, int]]] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+    mfc_every: list[int] = field(default_factory=list)
+    key_send_s: list[tuple[float, float]] = field(default_factory=list)
+    key_names: list[str] = field(default_factory=list)
+    profile: ProfileTable | None = None      #: the profile the candidates were priced with
+    cost_sources: dict[str, str] = field(default_factory=dict)   #: rate -> where from
 
     @property
     def n_gpus(self) -> int:
@@ -128,6 +142,10 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
     ridx = {r: i for i, r in enumerate(roles)}
     limit = cost.mem_limit_bytes
     meshes = meshes if meshes is not None else enumerate_meshes(cluster)
+    # offloaded optimizer state: each trained model may use an equal share of a GPU's
+    # part of its node's host memory, so any combination of choices fits there
+    n_trained = max(1, sum(1 for m in graph.mfcs if m.kind == "train"))
+    host_limit = (cluster.device.host_mem_bytes * cost.config.mem_usable_fraction / n_trained)
     train_mfc = [-1] * len(roles)
     for i, m in enumerate(graph.mfcs):
         if m.kind == "train":
@@ -143,6 +161,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
         trained = train_mfc[ridx[mfc.role]] >= 0
         per_step = mfc.n_seqs // (mfc.n_minibatches if mfc.kind == "train" else 1)
         per_mfc: list[Candidate] = []
+        host_bound = False      # a candidate fit on the GPU but its offload not on the host
         for size, group_meshes in by_size.items():
             if deadline is not None:
                 deadline.check(f"pricing the allocations of {mfc.name} on {cluster.describe()}")
@@ -152,21 +171,29 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                 group = []
                 for mb in _micro_batch_options(per_step // lay.dp // mfc.group_size,
                                                cost.config.max_micro_batches, mfc.micro_batches):
-                    c = cost.mfc_cost(mfc, rm.spec, rm.head, proto, lay, mb)
-                    own = c.activation_bytes + (
-                        c.resident_bytes if (mfc.kind == "train" or not trained) else 0.0)
-                    if own > limit:
-                        continue
-                    group.append(Candidate(0, size, lay.tp, lay.pp, lay.dp, mb,
-                                           c.time_s / mfc.every, c.resident_bytes,
-                                           c.activation_bytes, c.weights_bytes))
+                    for off in cost.offload_options(mfc):
+                        c = cost.mfc_cost(mfc, rm.spec, rm.head, proto, lay, mb, off)
+                        own = c.activation_bytes + (
+                            c.resident_bytes if (mfc.kind == "train" or not trained) else 0.0)
+                        if own <= limit and c.host_bytes > host_limit:
+                            host_bound = True
+                        if own > limit or c.host_bytes > host_limit:
+                            continue
+                        group.append(Candidate(0, size, lay.tp, lay.pp, lay.dp, mb,
+                                               c.time_s / mfc.every, c.resident_bytes,
+                                               c.activation_bytes, c.weights_bytes, off,
+                                               c.host_bytes))
                 priced += _pareto(group)
             for mesh in group_meshes:
                 per_mfc += [replace(c, first_gpu=mesh.first_gpu) for c in priced]
         if not per_mfc:
             raise PlanError(f"{mfc.name} ({rm.spec.name}, {mfc.n_seqs} sequences of "
                             f"{mfc.seq_len} tokens per step) fits on no mesh of the cluster "
-                            f"{cluster.describe()} within {limit / 2**30:.1f} GiB per GPU",
+                            f"{cluster.describe()} within {limit / 2**30:.1f} GiB per GPU"
+                            + (f" (with its optimizer state offloaded it would fit on the "
+                               f"GPUs, but not in the {host_limit / 2**30:.1f} GiB of host "
+                               f"memory per GPU each trained model may use: "
+                               f"cluster.device host_mem_bytes)" if host_bound else ""),
                             field="cluster")
         cands.append(per_mfc)
     return assemble(graph, models, cost, cands, n_iters)
@@ -182,9 +209,14 @@ def assemble(graph: DataflowGraph, models: dict[str, RoleModel], cost: CostModel
     for i, m in enumerate(graph.mfcs):
         if m.kind == "train":
             train_mfc[ridx[m.role]] = i
-    cluster, dev = cost.cluster, cost.cluster.device
-    links = Links(cluster.gpus_per_node, cost.intra_bytes_per_s, cost.inter_bytes_per_s,
-                  dev.intra_node_latency_s, dev.inter_node_latency_s)
+    cluster, dev, rates = cost.cluster, cost.cluster.device, cost.rates
+    measured = rates.realloc_costs()
+    links = Links(cluster.gpus_per_node,
+                  measured.bytes_per_s if measured else rates.intra_bytes_per_s,
+                  rates.inter_bytes_per_s, dev.intra_node_latency_s, dev.inter_node_latency_s,
+                  fixed_s=(measured.fixed_s if measured
+                           else dev.call_overhead_s + 2 * dev.intra_node_latency_s),
+                  copy_bytes_per_s=rates.mem_bytes_per_s)
     prob = Problem(
         cluster=cluster, graph=graph, models=[models[r] for r in roles],
         mem_limit_bytes=cost.mem_limit_bytes, links=links,
@@ -193,10 +225,42 @@ def assemble(graph: DataflowGraph, models: dict[str, RoleModel], cost: CostModel
         deps=graph.deps(), model_train_mfc=train_mfc,
         realloc_models=[ReallocModel.of(models[r].spec, models[r].head,
                                         cost.config.param_dtype_bytes) for r in roles],
-        cands=cands, n_iters=n_iters)
+        cands=cands, n_iters=n_iters, profile=cost.profile,
+        cost_sources=dict(cost.rates.sources))
+    _add_records(prob, graph, models, cost)
     for cs in cands:
         groups: dict[tuple[int, int], list[int]] = {}
         for j, c in enumerate(cs):
             groups.setdefault((c.first_gpu, c.n_gpus), []).append(j)
         prob.same_mesh.append([groups[(c.first_gpu, c.n_gpus)] for c in cs])
     return prob
+
+
+def _add_records(prob: Problem, graph: DataflowGraph, models: dict[str, RoleModel],
+                 cost: CostModel) -> None:
+    """The record bookkeeping the simulator needs to price Sends."""
+    rates, dev = cost.rates, cost.cluster.device
+
+    def send_s(size) -> tuple[float, float]:
+        intra = rates.send_s(size.nbytes, size.tensors)
+        return intra, intra + size.nbytes / rates.inter_bytes_per_s + dev.inter_node_latency_s
+    add_records(prob, graph, {r: m.head for r, m in models.items()}, send_s)
+
+
+def add_records(prob: Problem, graph: DataflowGraph, heads: dict[str, str], send_s) -> None:
+    """Fill ``prob``'s record fields: ``send_s(RecordSize) -> (within a node, across
+    nodes)`` seconds of one Send."""
+    sizes = record_sizes(graph, heads)
+    keys = sorted(set(sizes) | set(graph.dataset_keys()))
+    kid = {k: i for i, k in enumerate(keys)}
+    prod = graph.producer_of()
+    idx = {m.name: i for i, m in enumerate(graph.mfcs)}
+    prob.inputs = [[(kid[k], idx[prod[k]] if k in prod else -1) for k in m.input_keys]
+                   for m in graph.mfcs]
+    prob.outputs = [[kid[k] for k in m.output_keys]
+                    + [kid[r.out_key] for r in graph.rule_reward_after(m.name)]
+                    for m in graph.mfcs]
+    prob.mfc_every = [m.every for m in graph.mfcs]
+    prob.key_names = keys
+    # dataset keys: every rank holds them, they are never sent
+    prob.key_send_s = [send_s(sizes[k]) if k in sizes else (0.0, 0.0) for k in keys]

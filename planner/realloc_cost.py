@@ -8,10 +8,15 @@ core (``csrc/search_core.cpp``) has a line-by-line twin of :func:`realloc_time`.
 
 Time model (receiver- and sender-bound, links full duplex): a GPU receiving
 ``intra`` bytes from its own node and ``inter`` bytes from other nodes is busy
-``intra/intra_bw + inter/inter_bw``; each lacking piece is charged evenly to the
-holders the transfer plan may pick from (own-node holders when any exist), and a
-sender is busy likewise. The reallocation takes the busiest GPU's time plus one
-message latency.
+``intra/intra_bw + inter/inter_bw`` on the wire, plus ``(received + local) /
+copy_bw`` for writing its destination shard (received slices are unpacked, slices it
+already held are copied locally: both pass through memory once); each lacking piece
+is charged evenly to the holders the transfer plan may pick from (own-node holders
+when any exist), and a sender is busy likewise on the wire. The reallocation takes
+the busiest GPU's time, plus one message latency when anything crosses the wire,
+plus ``fixed_s`` (the executor's fixed work and the synchronisation of the ranks;
+process groups are made once at start-up, never per reallocation). A reallocation
+whose every slice is already local still pays ``fixed_s`` and its copies.
 """
 from __future__ import annotations
 
@@ -58,6 +63,8 @@ class Links:
     inter_bytes_per_s: float
     intra_latency_s: float
     inter_latency_s: float
+    fixed_s: float = 0.0               #: per reallocation (executor work, synchronisation)
+    copy_bytes_per_s: float = float("inf")   #: writing the destination shards (memory)
 
 
 # A placement in numbers: (first_gpu, n_gpus, tp, pp, dp).
@@ -77,6 +84,7 @@ class _Acc:
     def __init__(self) -> None:
         self.recv: dict[int, list[int]] = {}
         self.send: dict[int, list[float]] = {}
+        self.local: dict[int, int] = {}       #: bytes a destination GPU copies locally
 
 
 def _charge(acc: _Acc, g: int, holders: list[int], nbytes: int, gpn: int) -> None:
@@ -126,11 +134,13 @@ def realloc_recv_send(m: ReallocModel, src: Place, dst: Place, gpn: int) -> _Acc
                 if ov == 0:
                     continue
                 if local and k_g == k and j_g in stages:
+                    acc.local[g] = acc.local.get(g, 0) + nbytes * ov // unit
                     continue
                 _charge(acc, g, _holders(src, stages, k), nbytes * ov // unit, gpn)
 
         def replicated(nbytes: int, stages: list[int]) -> None:
             if local and j_g in stages:
+                acc.local[g] = acc.local.get(g, 0) + nbytes
                 return
             _charge(acc, g, _holders(src, stages, -1), nbytes, gpn)
 
@@ -157,15 +167,17 @@ def realloc_time(m: ReallocModel, src: Place, dst: Place, links: Links) -> tuple
     """(seconds, bytes moved) to reallocate ``m`` from ``src`` to ``dst``."""
     acc = realloc_recv_send(m, src, dst, links.gpus_per_node)
     worst, total, any_inter = 0.0, 0, False
-    for g in sorted(acc.recv):
-        a, b = acc.recv[g]
+    for g in sorted(set(acc.recv) | set(acc.local)):
+        a, b = acc.recv.get(g, [0, 0])
+        c = acc.local.get(g, 0)
         total += a + b
         any_inter = any_inter or b > 0
-        worst = max(worst, a / links.intra_bytes_per_s + b / links.inter_bytes_per_s)
+        worst = max(worst, a / links.intra_bytes_per_s + b / links.inter_bytes_per_s
+                    + (a + b + c) / links.copy_bytes_per_s)
     for h in sorted(acc.send):
         a, b = acc.send[h]
         worst = max(worst, a / links.intra_bytes_per_s + b / links.inter_bytes_per_s)
-    if total == 0:
-        return 0.0, 0
-    lat = links.inter_latency_s if any_inter else links.intra_latency_s
-    return worst + lat, total
+    lat = 0.0
+    if total > 0:
+        lat = links.inter_latency_s if any_inter else links.intra_latency_s
+    return links.fixed_s + worst + lat, total

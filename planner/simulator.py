@@ -1,14 +1,20 @@
 """The simulator: run a few iterations of the dataflow graph under one assignment
 (a candidate index per MFC) and return the iteration time and per-GPU peak memory.
 
-Rules (list scheduling in graph order, iteration by iteration):
+Rules (list scheduling in graph order, iteration by iteration, as the runtime's
+program runs: :mod:`realign.run.program`):
 * an MFC starts when the MFCs it reads from (same iteration) have finished, when
   its model's previous training call has finished (new parameters), and when every
   GPU of its mesh is free: MFCs on disjoint meshes overlap, MFCs that share a GPU
   serialise;
 * a call of a trained model whose placement differs from its training placement is
   preceded by a parameter reallocation, which occupies the GPUs of both placements;
-* iteration time = makespan of ``n_iters`` iterations / ``n_iters``.
+* then each record the call reads that some of its GPUs lack is sent to them by its
+  holders (a ``Send``: it occupies the senders and the receivers, which then hold it
+  too); records from the dataset are everywhere;
+* iterations do not overlap: the controller starts step k+1 once every worker has
+  finished step k, so each iteration starts when the previous one has ended on every
+  GPU; iteration time = makespan of ``n_iters`` iterations / ``n_iters``.
 
 Memory per GPU = resident state (trained models' weights, grads and optimizer state
 on their training mesh; frozen models' weights on each placement they use) + the
@@ -137,8 +143,13 @@ def simulate(prob: Problem, assign: list[int], cache: ReallocCache | None = None
     events: list[Event] = []
     reallocs: dict[tuple[int, int], tuple[float, int]] = {}
     makespan = 0.0
+    gpn = prob.cluster.gpus_per_node
+    everyone = tuple(range(prob.n_gpus))
     for it in range(prob.n_iters):
+        for g in range(prob.n_gpus):            # the step barrier
+            free[g] = makespan
         finish = [0.0] * n_mfc
+        holders: dict[int, tuple[int, ...]] = {}
         for i in range(n_mfc):
             c = prob.cands[i][assign[i]]
             model = prob.mfc_model[i]
@@ -174,6 +185,31 @@ def simulate(prob: Problem, assign: list[int], cache: ReallocCache | None = None
                     name = f"realloc {prob.models[model].role} -> {prob.graph.mfcs[i].name}"
                     events.append(Event(name, "realloc", it, r_start, r_end,
                                         c.first_gpu, c.n_gpus, gpus))
+            mesh = range(c.first_gpu, c.first_gpu + c.n_gpus)
+            for key, producer in prob.inputs[i]:
+                have = everyone if producer < 0 else holders.get(key)
+                if have is None:                 # its producer is not scheduled (upto)
+                    continue
+                lack = [g for g in mesh if g not in have]
+                if not lack:
+                    continue
+                occ = sorted(set(have[:len(lack)]) | set(lack))
+                intra_s, inter_s = prob.key_send_s[key]
+                dur = (inter_s if occ[0] // gpn != occ[-1] // gpn else intra_s) / prob.mfc_every[i]
+                s_start = 0.0
+                for g in occ:
+                    if free[g] > s_start:
+                        s_start = free[g]
+                s_end = s_start + dur
+                for g in occ:
+                    free[g] = s_end
+                if s_end > ready:
+                    ready = s_end
+                if prob.mfc_every[i] == 1:
+                    holders[key] = tuple(sorted(set(have) | set(lack)))
+                if record:
+                    events.append(Event(f"send {prob.key_names[key]}", "send", it, s_start, s_end, occ[0],
+                                        len(occ), tuple(occ)))
             start = ready
             for g in range(c.first_gpu, c.first_gpu + c.n_gpus):
                 if free[g] > start:
@@ -182,6 +218,8 @@ def simulate(prob: Problem, assign: list[int], cache: ReallocCache | None = None
             for g in range(c.first_gpu, c.first_gpu + c.n_gpus):
                 free[g] = end
             finish[i] = end
+            for key in prob.outputs[i]:
+                holders[key] = tuple(mesh)
             if end > makespan:
                 makespan = end
             if record:

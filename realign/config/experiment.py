@@ -61,10 +61,14 @@ class ClusterConfig(_Strict):
     gpus_per_node: int = Field(8, gt=0, le=MAX_GPUS_PER_NODE, description="Devices per node.")
     device: str | DeviceSpec = Field(
         "h100-80g", description="a100-80g | h100-80g | h200 | cpu, or a mapping of DeviceSpec fields.")
+    nics_per_node: int | None = Field(
+        None, gt=0, description="Network interfaces per node; default one per device "
+        "(DGX-class nodes).")
 
     def spec(self) -> ClusterSpec:
         dev = resolve_device(self.device) if isinstance(self.device, str) else self.device
-        return ClusterSpec(n_nodes=self.nodes, gpus_per_node=self.gpus_per_node, device=dev)
+        return ClusterSpec(n_nodes=self.nodes, gpus_per_node=self.gpus_per_node, device=dev,
+                           nics_per_node=self.nics_per_node)
 
 
 class ManualAllocation(_Strict):

@@ -1,480 +1,311 @@
-"""The analytic cost model, term by term, against hand computation.
+"""The cost model's MFC times, term by term, against hand computation.
 
-A toy device with round rates (efficiencies set to 1, so rates are the device's) and
-a toy model whose parameter counts are written out below from the architecture,
-not from ModelSpec's helpers:
+(Memory is in test_cost_memory.py; one stage's pass and the stage composition in
+test_engine_terms.py; rates in test_rates.py.)
+
+A toy device with round rates, every efficiency 1 and no GEMM width curve: 1e12 FLOP/s
+and 1e12 B/s of memory (so every GEMM of two or more rows of this model is
+compute-bound and a GEMM's time is its FLOPs / 1e12), NVLink 1e10 B/s, NIC 1e9 B/s,
+latency 1 us / 10 us; fixed costs: call 1 ms, micro-batch 100 us, layer 10 us (x3 in
+training), decode layer 20 us; per token x hidden x layer 20 bf16 passes = 40 B
+(4e-11 s, x3 in training), per output row x vocabulary column 3 fp32 passes = 12 B
+(1.2e-11 s, x2 in training), per parameter in training (30 + 4) B = 3.4e-11 s.
+
+A toy model whose parameter counts are written out from the architecture:
 
     L=4 layers, h=64, 4 heads of d=16, 2 KV heads, SwiGLU ffn=128, vocab 128 (padded 128)
-    per layer, TP-split: QKV (4+2*2)*16=128 rows x 64 = 8192, proj 64x64 = 4096,
+    per layer, TP-split: QKV (4+2*2)*16=128 x 64 = 8192, proj 64x64 = 4096,
                          fc1 256x64 = 16384, fc2 64x128 = 8192      -> 36864
     per layer, replicated: two RMSNorms of 64                         -> 128
     embedding 128x64 = 8192; final norm 64; LM head 128x64 = 8192; value head 64
-    P_mm (weights a token multiplies through, LM head) = 4*36864 + 8192 = 155648
-    attention FLOPs per token per context token: 4*L*heads*d = 1024
+    P (one GPU, TP1 PP1, LM head) = 4*(36864+128) + 8192 + 64 + 8192 = 164416
+    forward GEMM FLOPs per token: 2 x (4*36864 + 8192) = 2 x 155648
+    attention FLOPs per token per context key: 4 x L x heads x d = 1024
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from planner.cluster import ClusterSpec, DeviceSpec, resolve_device
+from planner.cluster import ClusterSpec, DeviceSpec
 from planner.cost_config import CostModelConfig
 from planner.cost_model import CostModel
 from planner.graph import MFC
 from planner.layout import Layout
+from planner.lengths import GenLengths
 from planner.mesh import DeviceMesh
-from planner.model_spec import ModelSpec, model_presets
-from planner.profile import MeasuredMFC, MeasuredRates, ProfileTable
+from planner.model_spec import ModelSpec
+from planner.profile import EngineCosts, ProfileTable
 
 pytestmark = pytest.mark.pure
 
-R = 1e12          # FLOP/s
-B_MEM = 1e11      # bytes/s
-B_INTRA = 1e10
-B_INTER = 1e9
-LAT_INTRA = 1e-6
-LAT_INTER = 1e-5
-
+R, B_MEM, B_INTRA, B_INTER = 1e12, 1e12, 1e10, 1e9
+LAT_INTRA, LAT_INTER = 1e-6, 1e-5
 DEV = DeviceSpec(name="toy", peak_flops=R, mem_bytes=1e9, mem_bw_bytes_per_s=B_MEM,
                  intra_node_bytes_per_s=B_INTRA, inter_node_bytes_per_s=B_INTER,
-                 intra_node_latency_s=LAT_INTRA, inter_node_latency_s=LAT_INTER)
+                 intra_node_latency_s=LAT_INTRA, inter_node_latency_s=LAT_INTER,
+                 call_overhead_s=1e-3, microbatch_overhead_s=1e-4, layer_overhead_s=1e-5,
+                 decode_layer_overhead_s=2e-5)
 EXACT = CostModelConfig(matmul_efficiency=1.0, mem_bw_efficiency=1.0, link_efficiency=1.0,
-                        gemm_half_rows=0, gemm_half_width=0)   # no GEMM-size curve
+                        gemm_half_width=0)
 TOY = ModelSpec(name="toy", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128,
                 vocab_size=128)
 
 L, H, DT = 4, 64, 2
-LAYER_SPLIT, LAYER_REPL, EMB, NORM, LM_HEAD = 36864, 128, 8192, 64, 8192
-P_MM = 155648
-ATTN = 1024
+SPLIT, P_TP1 = 36864, 164416
+HID_S, VOCAB_S = 4e-11, 1.2e-11               # inference, prefill, decode
+HID_S_TRAIN, VOCAB_S_TRAIN, PARAM_S = 1.2e-10, 2.4e-11, 3.4e-11
 
 
-def flops_per_token(context: float) -> float:
-    return 2 * P_MM + ATTN * context
+def ar(nbytes: float, n: int = 2) -> float:
+    """Ring all-reduce within a node, by the textbook formula."""
+    steps = {2: 1, 4: 2, 8: 3}[n]
+    return 2 * (n - 1) / n * nbytes / B_INTRA + 2 * steps * LAT_INTRA
 
 
-def rs(nbytes: float, n: int, inter: bool = False) -> float:
-    """Ring reduce-scatter (or all-gather): half the all-reduce's traffic and steps."""
-    if n == 1:
-        return 0.0
-    bw, lat = (B_INTER, LAT_INTER) if inter else (B_INTRA, LAT_INTRA)
-    return (n - 1) / n * nbytes / bw + math.ceil(math.log2(n)) * lat
+def ag2(nbytes: float) -> float:
+    """All-gather (or reduce-scatter) over 2 ranks of a node."""
+    return 0.5 * nbytes / B_INTRA + LAT_INTRA
 
 
-def ar(nbytes: float, n: int, inter: bool = False) -> float:
-    """Ring all-reduce, by the textbook formula."""
-    if n == 1:
-        return 0.0
-    bw, lat = (B_INTER, LAT_INTER) if inter else (B_INTRA, LAT_INTRA)
-    return 2 * (n - 1) / n * nbytes / bw + 2 * math.ceil(math.log2(n)) * lat
+def p2p(nbytes: float, inter: bool = False) -> float:
+    return nbytes / (B_INTER if inter else B_INTRA) + (LAT_INTER if inter else LAT_INTRA)
 
 
-def act_per_token_layer(tp: int) -> float:
-    # bf16: 5h replicated + (qkv rows 128 + attention out 64 + 3 x ffn 128) / tp
-    return DT * (5 * H + (128 + 64 + 3 * 128) / tp)
-
-
-def cost_model(n_nodes=1, gpn=4, config=EXACT, profile=None) -> CostModel:
+def cost_model(n_nodes=1, gpn=4, config=EXACT, engines=None) -> CostModel:
+    profile = ProfileTable(device="toy", engines=engines) if engines else None
     return CostModel(ClusterSpec(n_nodes=n_nodes, gpus_per_node=gpn, device=DEV), config,
                      profile)
 
 
-def mfc(kind, n_seqs=8, prompt=16, gen=32, minibatches=1, epochs=1) -> MFC:
+def mfc(kind, n_seqs=8, prompt=16, gen=32, minibatches=1, epochs=1, lengths=None) -> MFC:
     return MFC(name=f"actor.{kind}", role="actor", kind=kind, n_seqs=n_seqs, prompt_len=prompt,
                gen_len=gen, input_keys=("d",), output_keys=("o",), n_minibatches=minibatches,
-               n_epochs=epochs)
+               n_epochs=epochs, lengths=lengths)
 
 
-def mesh(n, first=0) -> DeviceMesh:
-    return DeviceMesh(first_gpu=first, n_gpus=n)
+def mesh(n) -> DeviceMesh:
+    return DeviceMesh(first_gpu=0, n_gpus=n)
 
 
 def approx(x):
-    return pytest.approx(x, rel=1e-12, abs=0)
+    return pytest.approx(x, rel=1e-9, abs=0)
 
 
-# ---- rates and collectives ------------------------------------------------------
-
-def test_rates_are_device_rates_times_efficiency():
-    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=4, device=DEV))  # default config
-    assert cm.flops_per_s == approx(0.5 * R)
-    assert cm.mem_bytes_per_s == approx(0.8 * B_MEM)
-    assert cm.intra_bytes_per_s == approx(0.8 * B_INTRA)
-    assert cm.inter_bytes_per_s == approx(0.8 * B_INTER)
-    assert cm.mem_limit_bytes == approx(0.9 * 1e9)
+def check(terms: dict[str, float], expected: dict[str, float]) -> None:
+    assert set(terms) == set(expected)
+    for k, v in expected.items():
+        assert terms[k] == approx(v), k
 
 
-@pytest.mark.parametrize("n,inter,expected", [
-    (1, False, 0.0),
-    (2, False, 2 * 1 / 2 * 1e6 / B_INTRA + 2 * 1 * LAT_INTRA),
-    (3, False, 2 * 2 / 3 * 1e6 / B_INTRA + 2 * 2 * LAT_INTRA),   # ceil(log2 3) = 2
-    (8, False, 2 * 7 / 8 * 1e6 / B_INTRA + 2 * 3 * LAT_INTRA),
-    (8, True, 2 * 7 / 8 * 1e6 / B_INTER + 2 * 3 * LAT_INTER),
-])
-def test_allreduce_s(n, inter, expected):
-    assert cost_model().allreduce_s(1e6, n, inter) == approx(expected)
+#: distinct round fixed costs, to read the counts back from the "fixed" term
+ENGINE = EngineCosts(call_s=1.0, microbatch_s=0.1, layer_s=0.01, token_s=1e-6, param_s=1e-7,
+                     collective_s=1e-3)
 
 
-def test_p2p_s():
+# ---- inference -------------------------------------------------------------------------
+
+def test_inference_one_gpu():
+    c = cost_model().mfc_cost(mfc("inference"), TOY, "lm", mesh(1), Layout(), 1)
+    rows = 8 * 48                                  # 8 sequences of 16 + 32 tokens
+    check(c.terms_s, {
+        "gemm": rows * 2 * 155648 / R,
+        "attention": rows * 1024 * 24 / R,         # causal: 24 keys on average
+        "tp_comm": 0.0, "dp_comm": 0.0,
+        "fixed": 1e-3 + 1e-4 + 4 * 1e-5 + 4 * rows * H * HID_S + rows * 128 * VOCAB_S})
+    assert c.time_s == approx(sum(c.terms_s.values()))
+
+
+def test_a_second_micro_batch_adds_its_fixed_costs_only():
     cm = cost_model()
-    assert cm.p2p_s(1e6, False) == approx(1e6 / B_INTRA + LAT_INTRA)
-    assert cm.p2p_s(1e6, True) == approx(1e6 / B_INTER + LAT_INTER)
+    one = cm.mfc_cost(mfc("inference"), TOY, "lm", mesh(1), Layout(), 1).terms_s
+    two = cm.mfc_cost(mfc("inference"), TOY, "lm", mesh(1), Layout(), 2).terms_s
+    assert two["gemm"] == approx(one["gemm"]) and two["attention"] == approx(one["attention"])
+    assert two["fixed"] - one["fixed"] == approx(1e-4 + 4 * 1e-5)
 
-
-# ---- weights ---------------------------------------------------------------------
-
-@pytest.mark.parametrize("tp,pp,head,expected", [
-    (1, 1, "lm", 4 * (LAYER_SPLIT + LAYER_REPL) + EMB + NORM + LM_HEAD),
-    (2, 1, "lm", 4 * (LAYER_SPLIT / 2 + LAYER_REPL) + EMB / 2 + NORM + LM_HEAD / 2),
-    (1, 1, "value", 4 * (LAYER_SPLIT + LAYER_REPL) + EMB + NORM + H),
-    # pp=2: first stage 2 layers + embedding, last 2 layers + norm + head; the heavier
-    (2, 2, "lm", max(2 * (LAYER_SPLIT / 2 + LAYER_REPL) + EMB / 2,
-                     2 * (LAYER_SPLIT / 2 + LAYER_REPL) + NORM + LM_HEAD / 2)),
-    (1, 4, "value", 1 * (LAYER_SPLIT + LAYER_REPL) + EMB),
-])
-def test_stage_params(tp, pp, head, expected):
-    assert CostModel.stage_params(TOY, head, Layout(tp=tp, pp=pp)) == approx(expected)
-
-
-def test_tied_embeddings_count_once_without_pipeline_and_twice_with():
-    tied = TOY.model_copy(update={"tied_embeddings": True})
-    body = 4 * (LAYER_SPLIT + LAYER_REPL)
-    assert CostModel.stage_params(tied, "lm", Layout()) == approx(body + EMB + NORM)
-    # with pp=2 the last stage keeps its own copy of the embedding as the output layer
-    half = 2 * (LAYER_SPLIT + LAYER_REPL)
-    assert CostModel.stage_params(tied, "lm", Layout(pp=2)) == approx(half + NORM + EMB)
-
-
-# ---- generate --------------------------------------------------------------------
-
-def test_generate_single_gpu_is_memory_bound():
-    c = cost_model().mfc_cost(mfc("generate"), TOY, "lm", mesh(1), Layout(), 1)
-    weights = DT * (4 * (LAYER_SPLIT + LAYER_REPL) + EMB + NORM + LM_HEAD)   # 328832
-    assert c.weights_bytes == approx(weights) and c.resident_bytes == approx(weights)
-    # prefill: 8 x 16 prompt tokens, causal context 16/2
-    assert c.terms_s["prefill"] == approx(8 * 16 * flops_per_token(8) / R)
-    # decode: 32 steps; each reads the weights + the KV cache of 8 sequences at an
-    # average context of 16 + 32/2; KV per token per layer = 2 x 2 heads x 16 x 2 bytes
-    kv_read = 8 * L * (2 * 2 * 16 * DT) * 32
-    mem_s = (weights + kv_read) / B_MEM
-    assert 8 * flops_per_token(32) / R < mem_s          # memory-bound here
-    assert c.terms_s["decode"] == approx(32 * 1 * mem_s)
-    assert set(c.terms_s) == {"prefill", "decode"}
-    assert c.time_s == approx(c.terms_s["prefill"] + c.terms_s["decode"])
-    # memory: the KV cache of all 8 sequences at full length, fp32 logits of one step
-    # (x2), and the prefill activations of one micro-batch
-    kv_cache = 8 * L * (2 * 2 * 16 * DT) * (16 + 32)
-    assert c.activation_bytes == approx(kv_cache + 4 * 8 * 128 * 2 + 8 * 16 * act_per_token_layer(1))
-
-
-def test_generate_compute_bound_when_flops_are_scarce():
-    slow = DEV.model_copy(update={"peak_flops": 1e9})
-    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=4, device=slow), EXACT)
-    c = cm.mfc_cost(mfc("generate"), TOY, "lm", mesh(1), Layout(), 1)
-    assert c.terms_s["decode"] == approx(32 * 8 * flops_per_token(32) / 1e9)
-
-
-def test_generate_tp2_pp2_two_micro_batches():
-    c = cost_model().mfc_cost(mfc("generate"), TOY, "lm", mesh(4), Layout(tp=2, pp=2), 2)
-    weights = DT * max(2 * (LAYER_SPLIT / 2 + LAYER_REPL) + EMB / 2,
-                       2 * (LAYER_SPLIT / 2 + LAYER_REPL) + NORM + LM_HEAD / 2)
-    assert c.weights_bytes == approx(weights)
-    b = 8 / 2                                   # sequences per micro-batch
-    # prefill: per stage slot compute / (tp*pp), 2 TP all-reduces per layer of the
-    # stage, one activation send to the next stage (intra-node); (m + pp - 1) slots
-    tok = b * 16
-    slot = (tok * flops_per_token(8) / (4 * R) + (L / 2) * 2 * ar(tok * H * DT, 2)
-            + tok * H * DT / B_INTRA + LAT_INTRA)
-    assert c.terms_s["prefill"] == approx((2 + 2 - 1) * slot)
-    # decode: max(m, pp) = 2 slots per generated token
-    kv_read = b * (L / 2) * (2 * 1 * 16 * DT) * 32
-    mem_s = (weights + kv_read) / B_MEM
-    assert b * flops_per_token(32) / (4 * R) < mem_s
-    step = mem_s + (L / 2) * 2 * ar(b * H * DT, 2) + b * H * DT / B_INTRA + LAT_INTRA
-    assert c.terms_s["decode"] == approx(32 * 2 * step)
-    # both waves are in flight (one per stage): the KV cache of all 8 sequences, for
-    # the stage's 2 layers and its 1 KV head, 48 positions
-    assert c.activation_bytes == approx(2 * b * (L / 2) * (2 * 1 * 16 * DT) * 48
-                                        + 4 * b * 64 * 2 + b * 16 * act_per_token_layer(2))
-
-
-@pytest.mark.parametrize("pp,m,in_flight,groups", [
-    (1, 1, 1, 1), (1, 4, 1, 4),        # pp 1: one wave at a time
-    (2, 2, 2, 1), (2, 4, 2, 2),        # pp 2: two waves pipelined, groups in turn
-    (4, 2, 2, 1)])                     # fewer waves than stages: bubbles
-def test_generation_waves_trade_kv_memory_for_time(pp, m, in_flight, groups):
-    """Generation runs its micro-batches as waves (the runtime's schedule):
-    ``min(m, pp)`` waves in flight, ``ceil(m / min(m, pp))`` groups one after another;
-    the KV cache holds the waves in flight; a group costs (in flight + pp - 1) prefill
-    slots and pp decode slots per token."""
-    c = cost_model().mfc_cost(mfc("generate"), TOY, "lm", mesh(pp), Layout(pp=pp), m)
-    b = 8 / m
-    kv_tok_layer = 2 * 2 * 16 * DT
-    assert CostModel.kv_cache_bytes(cost_model(), TOY, mfc("generate"), Layout(pp=pp), m) == \
-        approx(in_flight * b * (L / pp) * kv_tok_layer * 48)
-    weights = c.weights_bytes
-    tok = b * 16
-    link = (tok * H * DT / B_INTRA + LAT_INTRA) if pp > 1 else 0.0
-    prefill_slot = tok * flops_per_token(8) / (pp * R) + link
-    assert c.terms_s["prefill"] == approx(groups * (in_flight + pp - 1) * prefill_slot)
-    step = ((weights + b * (L / pp) * kv_tok_layer * 32) / B_MEM
-            + ((b * H * DT / B_INTRA + LAT_INTRA) if pp > 1 else 0.0))
-    assert c.terms_s["decode"] == approx(groups * 32 * pp * step)
-
-
-def test_kv_cache_is_allocated_in_whole_blocks():
-    """12 positions take one 16-position block; a 1-position block size counts exactly."""
-    short = mfc("generate", prompt=8, gen=4)
-    per_seq = L * (2 * 2 * 16 * DT)
-    assert cost_model().kv_cache_bytes(TOY, short, Layout(), 1) == approx(8 * per_seq * 16)
-    exact = cost_model(config=EXACT.model_copy(update={"kv_cache_block_tokens": 1}))
-    assert exact.kv_cache_bytes(TOY, short, Layout(), 1) == approx(8 * per_seq * 12)
-
-
-def test_decode_slots_follow_max_of_micro_batches_and_stages():
-    cm = cost_model()
-    one = cm.mfc_cost(mfc("generate"), TOY, "lm", mesh(4), Layout(pp=4), 1)
-    four = cm.mfc_cost(mfc("generate"), TOY, "lm", mesh(4), Layout(pp=4), 4)
-    # with pp=4, m=1 still pays 4 slots per token of a full-batch step; m=4 pays 4
-    # slots of quarter-batch steps, so it is faster
-    assert four.terms_s["decode"] < one.terms_s["decode"]
-
-
-# ---- inference -------------------------------------------------------------------
 
 def test_inference_tp2_pp2_across_nodes():
-    cm = cost_model(n_nodes=2, gpn=2)          # the 4-GPU mesh spans 2 nodes
+    # 2 nodes of 2 GPUs: TP groups {0,1} {2,3} inside a node, PP groups {0,2} {1,3} across
+    cm = cost_model(n_nodes=2, gpn=2, engines={"inference": ENGINE})
     c = cm.mfc_cost(mfc("inference"), TOY, "lm", mesh(4), Layout(tp=2, pp=2), 2)
-    b, seq = 4, 48
-    tok = b * seq
-    compute = tok * flops_per_token(seq / 2) / (4 * R)
-    tp_comm = (L / 2) * 2 * ar(tok * H * DT, 2)
-    p2p = tok * H * DT / B_INTER + LAT_INTER           # a stage boundary crosses nodes
-    assert c.terms_s["compute"] == approx(2 * compute)
-    assert c.terms_s["tp_comm"] == approx(2 * tp_comm)
-    assert c.terms_s["pp_comm"] == approx(2 * p2p)
-    assert c.terms_s["pp_bubble"] == approx((2 - 1) * (compute + tp_comm + p2p))
-    assert "dp_grad_sync" not in c.terms_s and "optimizer" not in c.terms_s
-    assert c.time_s == approx(sum(c.terms_s.values()))
-    # two layers' activations of one micro-batch and fp32 logits (x2) of its tokens
-    assert c.activation_bytes == approx(2 * tok * act_per_token_layer(2) + 2 * 4 * tok * 64)
-    assert c.resident_bytes == approx(c.weights_bytes)
+    rows = 4 * 48                                  # 4 sequences per micro-batch
+    act = rows * H * DT                            # 24576 bytes
+    att = 2 * 2 * 2 * (2 * rows * 16 * 24) / R     # 2 layers x 2 heads x 2 GEMMs
+    gemm_first = 2 * rows * 2 * 18432 / R
+    gemm_last = gemm_first + 2 * rows * 64 * 64 / R
+    tp_first = 4 * ar(act) + ar(act)               # 2 per layer + the embedding's
+    tp_last = 4 * ar(act) + 3 * ar(rows * 4)       # + the vocab-parallel log-probs'
+    send = p2p(act, inter=True)
+    # fixed: micro-batch, 2 layers, 192 tokens, collectives (first: 5 + its send; last: 7)
+    fixed_first = 0.1 + 2 * 0.01 + rows * 1e-6 + 6 * 1e-3
+    fixed_last = 0.1 + 2 * 0.01 + rows * 1e-6 + 7 * 1e-3
+    first = gemm_first + att + tp_first + send + fixed_first
+    last = gemm_last + att + tp_last + fixed_last
+    assert last > first                            # its extra collective's 1 ms paces it
+    # the first micro-batch crosses both stages, the second adds the last stage's pass;
+    # then the last stage broadcasts the 8 x 47 fp32 log-probs over PP (across nodes)
+    check(c.terms_s, {
+        "gemm": gemm_first + 2 * gemm_last, "attention": 3 * att,
+        "tp_comm": tp_first + 2 * tp_last, "pp_comm": send,
+        "dp_comm": 8 * 47 * 4 / B_INTER + LAT_INTER,
+        "fixed": fixed_first + 2 * fixed_last + 1.0 + 1e-3})
 
 
-def test_inference_data_parallel_splits_the_batch():
-    cm = cost_model()
-    one = cm.mfc_cost(mfc("inference"), TOY, "value", mesh(1), Layout(), 1)
-    four = cm.mfc_cost(mfc("inference"), TOY, "value", mesh(4), Layout(dp=4), 1)
-    assert one.terms_s["compute"] == approx(8 * 48 * (2 * (4 * LAYER_SPLIT + H) + ATTN * 24) / R)
-    assert four.terms_s["compute"] == approx(one.terms_s["compute"] / 4)
-    assert four.weights_bytes == approx(one.weights_bytes)
+def test_inference_dp2_gathers_the_values():
+    cm = cost_model(engines={"inference": ENGINE})
+    c = cm.mfc_cost(mfc("inference"), TOY, "value", mesh(2), Layout(dp=2), 1)
+    rows = 4 * 48
+    head = (64 + rows * 65) * DT / B_MEM           # [192, 64] x [64, 1]: memory-bound
+    check(c.terms_s, {
+        "gemm": 2 * rows * 4 * SPLIT / R + head, "attention": rows * 1024 * 24 / R,
+        "tp_comm": 0.0,
+        "dp_comm": ag2(8 * 48 * 4),                # one fp32 value per position
+        "fixed": 1.0 + 0.1 + 4 * 0.01 + rows * 1e-6 + 1e-3})
 
 
-# ---- train -----------------------------------------------------------------------
+# ---- train -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("recompute", [False, True])
-@pytest.mark.parametrize("distributed", [True, False])
-def test_train_tp2_dp2_across_nodes(recompute, distributed):
-    cfg = EXACT.model_copy(update={"activation_recompute": recompute,
-                                   "distributed_optimizer": distributed})
-    cm = cost_model(n_nodes=2, gpn=2, config=cfg)
-    m = mfc("train", n_seqs=16, minibatches=2, epochs=2)
+def test_train_one_gpu_steps_and_optimizer():
+    m = mfc("train", minibatches=2, epochs=2)      # 4 optimizer steps of 4 sequences
+    c = cost_model().mfc_cost(m, TOY, "lm", mesh(1), Layout(), 1)
+    rows = 4 * 48
+    step = {"gemm": rows * 6 * 155648 / R,
+            "attention": 3 * rows * 1024 * 24 / R,
+            "tp_comm": 0.0, "dp_grad_sync": 0.0,
+            "fixed": (1e-3 + 1e-4 + 4 * 3e-5 + 4 * rows * H * HID_S_TRAIN
+                      + rows * 128 * VOCAB_S_TRAIN + P_TP1 * PARAM_S)}
+    check(c.terms_s, {k: 4 * v for k, v in step.items()})
+
+
+def test_train_tp2_dp2_distributed_optimizer_in_one_node():
+    cm = cost_model(engines={"train": ENGINE})
+    m = mfc("train", n_seqs=16, minibatches=2)     # 2 steps x 2 replicas x 2 micro-batches
     c = cm.mfc_cost(m, TOY, "lm", mesh(4), Layout(tp=2, dp=2), 2)
-    steps = 2 * 2                              # mini-batches x epochs
-    b = 16 / 2 / 2 / 2                         # per step, per replica, per micro-batch
-    tok = b * 48
-    passes = 4 if recompute else 3             # forward + 2x backward (+ recomputation)
-    compute = passes * tok * flops_per_token(24) / (2 * R)
-    n_ar = 6 if recompute else 4
-    tp_comm = L * n_ar * ar(tok * H * DT, 2)
-    p_gpu = 4 * (LAYER_SPLIT / 2 + LAYER_REPL) + EMB / 2 + NORM + LM_HEAD / 2
-    assert c.terms_s["compute"] == approx(steps * 2 * compute)
-    assert c.terms_s["tp_comm"] == approx(steps * 2 * tp_comm)
-    assert c.terms_s["pp_comm"] == 0 and c.terms_s["pp_bubble"] == 0
-    # DP groups are {0,2} and {1,3}: across the two nodes, so the NIC rate applies.
-    # Gradients are reduced in fp32 (4 bytes); the distributed optimizer reduce-scatters
-    # them and all-gathers the updated bf16 weights, the plain one all-reduces them.
-    if distributed:
-        sync = rs(4 * p_gpu, 2, inter=True) + rs(DT * p_gpu, 2, inter=True)
-    else:
-        sync = ar(4 * p_gpu, 2, inter=True)
-    assert c.terms_s["dp_grad_sync"] == approx(steps * sync)
-    shard = 2 if distributed else 1
-    assert c.terms_s["optimizer"] == approx(steps * p_gpu / shard * 30 / B_MEM)
-    assert c.weights_bytes == approx(DT * p_gpu)
-    assert c.resident_bytes == approx(DT * p_gpu + p_gpu * (4 + 12 / shard))
-    if recompute:   # each layer keeps its input; one layer's full activations at a time
-        act = 1 * L * tok * H * DT + tok * act_per_token_layer(2)
-    else:
-        act = 1 * L * tok * act_per_token_layer(2)
-    assert c.activation_bytes == approx(act + 2 * 4 * tok * 64)
+    rows = 2 * 48
+    p = 4 * (18432 + 128) + 4096 + 64 + 4096       # 82496 parameters on one GPU
+    act = rows * H * DT
+    micro = {"gemm": rows * 6 * (4 * 18432 + 4096) / R,
+             "attention": 3 * rows * 1024 * 24 / 2 / R,
+             "tp_comm": 17 * ar(act) + 3 * ar(rows * 4)}
+    # fp32 gradients reduce-scattered, bf16 weights all-gathered over DP; the grad norm:
+    # 2 all-reduces of 8 bytes over the 4 ranks (TP x DP)
+    sync = ag2(4 * p) + ag2(DT * p) + 2 * ar(8, 4)
+    fixed = 1.0 + 2 * (0.1 + 4 * 0.01 + rows * 1e-6 + 20 * 1e-3) + 4 * 1e-3 + p / 2 * 1e-7
+    check(c.terms_s, {**{k: 2 * 2 * v for k, v in micro.items()},
+                      "dp_grad_sync": 2 * sync, "fixed": 2 * fixed})
 
 
-def test_train_compute_is_three_forwards_and_four_with_recomputation():
-    base = cost_model().mfc_cost(mfc("train"), TOY, "lm", mesh(1), Layout(), 1)
-    rc = cost_model(config=EXACT.model_copy(update={"activation_recompute": True})).mfc_cost(
-        mfc("train"), TOY, "lm", mesh(1), Layout(), 1)
-    inf = cost_model().mfc_cost(mfc("inference"), TOY, "lm", mesh(1), Layout(), 1)
-    assert base.terms_s["compute"] == approx(3 * inf.terms_s["compute"])
-    assert rc.terms_s["compute"] == approx(4 * inf.terms_s["compute"])
-    assert base.terms_s["dp_grad_sync"] == 0.0
+def test_train_tp2_dp2_plain_optimizer_across_nodes():
+    cfg = EXACT.model_copy(update={"distributed_optimizer": False})
+    cm = cost_model(n_nodes=2, gpn=2, config=cfg, engines={"train": ENGINE})
+    m = mfc("train", n_seqs=16, minibatches=2)
+    c = cm.mfc_cost(m, TOY, "lm", mesh(4), Layout(tp=2, dp=2), 2)
+    p = 82496
+    # DP groups {0,2} {1,3} cross the nodes: one rank per node, 2 x 1/2 x 4p / 1e9 + 2 x 10 us;
+    # the grad norm over the TP pair stays in the node
+    sync = 4 * p / B_INTER + 2 * LAT_INTER + 2 * ar(8)
+    assert c.terms_s["dp_grad_sync"] == approx(2 * sync)
+    rows = 2 * 48
+    fixed = 1.0 + 2 * (0.1 + 4 * 0.01 + rows * 1e-6 + 20 * 1e-3) + 3 * 1e-3 + p * 1e-7
+    assert c.terms_s["fixed"] == approx(2 * fixed)
 
 
-def test_train_pipeline_bubble_and_activation_sends():
-    cm = cost_model()
-    c = cm.mfc_cost(mfc("train", n_seqs=8), TOY, "lm", mesh(4), Layout(pp=4), 4)
-    tok = 2 * 48
-    compute = 3 * tok * flops_per_token(24) / (4 * R)
-    p2p = 2 * (tok * H * DT / B_INTRA + LAT_INTRA)       # forward and backward sends
-    assert c.terms_s["compute"] == approx(4 * compute)
-    assert c.terms_s["pp_comm"] == approx(4 * p2p)
-    assert c.terms_s["pp_bubble"] == approx(3 * (compute + p2p))
-    # 1F1B: min(pp, m) = 4 micro-batches in flight, one layer per stage
-    assert c.activation_bytes == approx(4 * 1 * tok * act_per_token_layer(1) + 2 * 4 * tok * 128)
+def test_grad_norm_over_dp_across_nodes_pays_the_nic():
+    cm = cost_model(n_nodes=2, gpn=2)
+    m = mfc("train", n_seqs=16, minibatches=2)
+    c = cm.mfc_cost(m, TOY, "lm", mesh(4), Layout(tp=2, dp=2), 2)
+    p = 82496
+    rs_x = 0.5 * 4 * p / B_INTER + LAT_INTER      # one rank per node
+    ag_x = 0.5 * DT * p / B_INTER + LAT_INTER
+    # 8 bytes over 4 ranks on 2 nodes (2 per node): max(2 x 1/2 x 8 / 1e10,
+    # 2 x 1/2 x 4 / 1e9) + 2 x 1 us + 2 x 10 us
+    norm = 2 * (4 / B_INTER + 2 * LAT_INTRA + 2 * LAT_INTER)
+    assert c.terms_s["dp_grad_sync"] == approx(2 * (rs_x + ag_x + norm))
 
 
-# ---- GEMM efficiency by size --------------------------------------------------------
-
-CURVE = EXACT.model_copy(update={"matmul_efficiency": 0.5, "gemm_half_rows": 128.0,
-                                 "gemm_half_width": 64.0})
-
-
-@pytest.mark.parametrize("rows,tp", [(96, 1), (96, 2), (4096, 4), (1, 1)])
-def test_gemm_rate_by_rows_and_sharded_width(rows, tp):
-    # mean TP-sharded width of the four layer GEMMs: (128 + 64 + 256 + 128) / 4 / tp
-    width = LAYER_SPLIT / (4 * H) / tp
-    assert width == 144 / tp
-    want = 0.5 * R * rows / (rows + 128) * width / (width + 64)
-    assert cost_model(config=CURVE).gemm_rate(TOY, rows, tp) == approx(want)
-    # either half-point at 0 switches its factor off
-    rows_only = CURVE.model_copy(update={"gemm_half_width": 0.0})
-    assert cost_model(config=rows_only).gemm_rate(TOY, rows, tp) == approx(0.5 * R * rows / (rows + 128))
-    assert cost_model().gemm_rate(TOY, rows, tp) == approx(R)     # EXACT: no curve
+def test_train_pp2_four_micro_batches():
+    c = cost_model().mfc_cost(mfc("train"), TOY, "lm", mesh(2), Layout(pp=2), 4)
+    rows = 2 * 48
+    att = 3 * rows * 1024 / 2 * 24 / R             # half the layers
+    sends = 2 * p2p(rows * H * DT)                 # activations forward, gradients back
+    first = (rows * 6 * 2 * SPLIT / R + att + sends
+             + 1e-4 + 2 * 3e-5 + 2 * rows * H * HID_S_TRAIN)
+    last = (rows * 6 * (2 * SPLIT + 8192) / R + att
+            + 1e-4 + 2 * 3e-5 + 2 * rows * H * HID_S_TRAIN + rows * 128 * VOCAB_S_TRAIN)
+    assert last > first                            # the head outweighs the sends
+    p = 2 * (SPLIT + 128) + 64 + 8192              # the last stage is the heavier
+    per_step = 1e-3 + p * PARAM_S + 2 * ar(8)      # call, optimizer, grad norm over PP
+    assert c.time_s == approx(first + last + 3 * last + per_step)
+    assert c.terms_s["pp_comm"] == approx(sends)
+    assert c.terms_s["dp_grad_sync"] == approx(2 * ar(8))
 
 
-def test_gemm_curve_prices_train_inference_prefill_and_decode():
-    cm = cost_model(config=CURVE)
-    lay = Layout(tp=2, dp=2)
-    w = 144 / 2
-    eff = lambda rows: 0.5 * R * rows / (rows + 128) * w / (w + 64)   # noqa: E731
-    # train: 16 seqs / 2 mini-batches / dp 2 / 2 micro-batches = 2 seqs x 48 tokens
-    tr = cm.mfc_cost(mfc("train", n_seqs=16, minibatches=2), TOY, "lm", mesh(4), lay, 2)
-    tok = 2 * 48
-    assert tr.terms_s["compute"] == approx(2 * 2 * 3 * tok * flops_per_token(24) / (2 * eff(tok)))
-    inf = cm.mfc_cost(mfc("inference"), TOY, "lm", mesh(4), lay, 1)
-    tok = 4 * 48
-    assert inf.terms_s["compute"] == approx(tok * flops_per_token(24) / (2 * eff(tok)))
-    # generate on one GPU with a scarce FLOP rate: prefill rows are the prompt tokens of
-    # the micro-batch, decode rows the sequences of one step (compute-bound here)
-    slow = DEV.model_copy(update={"peak_flops": 1e9})
-    gm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=4, device=slow), CURVE)
-    g = gm.mfc_cost(mfc("generate"), TOY, "lm", mesh(1), Layout(), 1)
-    e1 = lambda rows: 0.5 * 1e9 * rows / (rows + 128) * 144 / (144 + 64)   # noqa: E731
-    assert g.terms_s["prefill"] == approx(8 * 16 * flops_per_token(8) / e1(8 * 16))
-    assert g.terms_s["decode"] == approx(32 * 8 * flops_per_token(32) / e1(8))
+# ---- generate --------------------------------------------------------------------------
+
+def _gen_one_gpu(steps: int, ctx: float) -> dict[str, float]:
+    """8 prompts of 16 tokens, one wave, on one GPU; ``steps`` decode steps at an
+    average context of ``ctx`` keys."""
+    return {
+        # prefill: 128 prompt tokens through the layers, the head on the 8 newest
+        "prefill_gemm": (128 * 2 * 4 * SPLIT + 8 * 2 * 8192) / R,
+        "prefill_attention": 128 * 1024 * 8 / R,
+        "prefill_tp_comm": 0.0,
+        # zeroing the wave's cache: 8 x 4 layers x (K, V) x 2 heads x 16 x 2 B x 48
+        "prefill_kv_alloc": 8 * 4 * 2 * 2 * 16 * 2 * 48 / B_MEM,
+        "prefill_fixed": 1e-4 + 4 * 1e-5 + 4 * 128 * H * HID_S + 8 * 128 * VOCAB_S,
+        "decode_gemm": steps * 8 * 2 * 155648 / R,
+        "decode_attention": steps * 8 * 1024 * ctx / R,
+        "decode_tp_comm": 0.0,
+        "decode_fixed": steps * (1e-4 + 4 * 2e-5 + 4 * 8 * H * HID_S + 8 * 128 * VOCAB_S),
+        "dp_comm": 0.0, "fixed": 1e-3}
 
 
-def test_gemm_curve_makes_small_micro_batches_cost_more():
-    spec = model_presets()["llama2-7b"]
-    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=8, device=resolve_device("h100-80g")))
-    m = mfc("train", n_seqs=64)
-    t = [cm.mfc_cost(m, spec, "lm", mesh(8), Layout(pp=8), mb).terms_s["compute"]
-         for mb in (1, 4, 16, 64)]
-    assert t == sorted(t) and t[-1] / t[0] > 1.2
+def test_generate_one_gpu():
+    c = cost_model().mfc_cost(mfc("generate"), TOY, "lm", mesh(1), Layout(), 1)
+    # 32 tokens: the prefill yields the first, 31 decode steps at 16 + 32/2 keys
+    check(c.terms_s, _gen_one_gpu(31, 32))
 
 
-# ---- monotonic sanity ------------------------------------------------------------
-
-def test_more_tp_lowers_weights_per_gpu():
-    spec = model_presets()["llama2-7b"]
-    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=8, device=resolve_device("h100-80g")))
-    m = mfc("inference", n_seqs=64)
-    w = [cm.mfc_cost(m, spec, "lm", mesh(8), Layout(tp=tp, dp=8 // tp), 1).weights_bytes
-         for tp in (1, 2, 4, 8)]
-    assert w == sorted(w, reverse=True) and len(set(w)) == 4
-    assert w[0] / w[3] > 7  # nearly everything is TP-split
+def test_generate_stops_at_the_first_check_after_the_longest_response():
+    # every response 3 tokens: the wave decodes 8 (one stop check), 7 steps at 16 + 4 keys
+    c = cost_model().mfc_cost(mfc("generate", lengths=GenLengths(max_len=32, histogram=(
+        (3, 1.0),))), TOY, "lm", mesh(1), Layout(), 1)
+    check(c.terms_s, _gen_one_gpu(7, 20))
 
 
-def test_more_micro_batches_lowers_activation_memory():
-    spec = model_presets()["llama2-7b"]
-    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=8, device=resolve_device("h100-80g")))
-    for kind in ("train", "inference", "generate"):
-        m = mfc(kind, n_seqs=64)
-        acts = [cm.mfc_cost(m, spec, "lm", mesh(8), Layout(tp=8), mb).activation_bytes
-                for mb in (1, 2, 4, 8)]
-        assert acts == sorted(acts, reverse=True) and len(set(acts)) == 4, kind
+def test_generate_pp2_four_waves_in_two_groups():
+    c = cost_model().mfc_cost(mfc("generate"), TOY, "lm", mesh(2), Layout(pp=2), 4)
+    # 2 sequences a wave; 2 waves in flight (one per stage), 2 groups one after another
+    pre_att = 2 * 4 * 2 * (2 * 32 * 16 * 8) / R
+    pre_fixed = 1e-4 + 2 * 1e-5 + 2 * 32 * H * HID_S
+    pre_first = 32 * 2 * 2 * SPLIT / R + pre_att + p2p(32 * H * DT) + pre_fixed
+    pre_last = (32 * 2 * 2 * SPLIT + 2 * 2 * 8192) / R + pre_att + pre_fixed + 2 * 128 * VOCAB_S
+    assert pre_first > pre_last
+    alloc = 2 * 2 * 2 * 2 * 2 * 16 * 2 * 48 / B_MEM     # 2 waves x 2 seqs x 2 layers ...
+    dec_att = 2 * 4 * 2 * (2 * 2 * 16 * 32) / R
+    dec_fixed = 1e-4 + 2 * 2e-5 + 2 * 2 * H * HID_S
+    dec_first = 2 * 2 * 2 * SPLIT / R + dec_att + p2p(2 * H * DT) + dec_fixed
+    # the last stage sends the 2 chosen tokens (and log-probs, 2 x 2 x 8 B) back
+    dec_last = ((2 * 2 * 2 * SPLIT + 2 * 2 * 8192) / R + dec_att + p2p(32) + dec_fixed
+                + 2 * 128 * VOCAB_S)
+    assert dec_last > dec_first
+    prefill = 2 * (pre_first + pre_last + pre_first + alloc)      # (g + pp - 1) slots
+    decode = 2 * 31 * 2 * dec_last                                # pp slots per step
+    assert c.time_s == approx(prefill + decode + 1e-3)
+    assert c.terms_s["prefill_pp_comm"] == approx(2 * 2 * p2p(32 * H * DT))
+    assert c.terms_s["decode_pp_comm"] == approx(2 * 31 * 2 * p2p(32))
 
 
-# ---- profile table overrides ------------------------------------------------------
-
-def test_profile_rates_override_device_rates():
-    rates = MeasuredRates(matmul_flops_per_s=2e12, mem_bytes_per_s=4e11,
-                          intra_node_bytes_per_s=3e10, inter_node_bytes_per_s=5e9)
-    cm = cost_model(config=CostModelConfig(gemm_half_rows=0, gemm_half_width=0),
-                    profile=ProfileTable(device="toy", rates=rates))
-    assert (cm.flops_per_s, cm.mem_bytes_per_s, cm.intra_bytes_per_s, cm.inter_bytes_per_s) == (
-        2e12, 4e11, 3e10, 5e9)   # measured rates are used as they are, no efficiency
-    c = cm.mfc_cost(mfc("inference"), TOY, "lm", mesh(1), Layout(), 1)
-    assert c.terms_s["compute"] == approx(8 * 48 * flops_per_token(24) / 2e12)
-    assert cm.allreduce_s(1e6, 2, False) == approx(1e6 / 3e10 + 2 * LAT_INTRA)
-
-
-def test_profile_partial_rates_keep_the_rest_analytic():
-    cm = cost_model(config=CostModelConfig(),
-                    profile=ProfileTable(device="toy", rates=MeasuredRates(mem_bytes_per_s=4e11)))
-    assert cm.mem_bytes_per_s == 4e11
-    assert cm.flops_per_s == approx(0.5 * R)
-    assert cm.intra_bytes_per_s == approx(0.8 * B_INTRA)
-
-
-def test_profile_exact_mfc_time_overrides_only_its_match():
-    entry = MeasuredMFC(model="toy", kind="inference", tp=2, pp=1, dp=2, micro_batches=2,
-                        n_seqs=8, prompt_len=16, gen_len=32, time_s=0.125)
-    cm = cost_model(profile=ProfileTable(device="toy", mfcs=(entry,)))
-    plain = cost_model()
-    lay = Layout(tp=2, dp=2)
-    hit = cm.mfc_cost(mfc("inference"), TOY, "lm", mesh(4), lay, 2)
-    assert hit.time_s == 0.125 and hit.terms_s == {"measured": 0.125}
-    ref = plain.mfc_cost(mfc("inference"), TOY, "lm", mesh(4), lay, 2)
-    assert hit.activation_bytes == ref.activation_bytes  # memory stays analytic
-    # other micro-batches, layouts, kinds or shapes fall back to the analytic model
-    for args in ((mfc("inference"), lay, 1), (mfc("inference"), Layout(tp=4), 2),
-                 (mfc("train"), lay, 2), (mfc("inference", n_seqs=16), lay, 2)):
-        got = cm.mfc_cost(args[0], TOY, "lm", mesh(4), args[1], args[2])
-        want = plain.mfc_cost(args[0], TOY, "lm", mesh(4), args[1], args[2])
-        assert got.time_s == want.time_s and "measured" not in got.terms_s
-
-
-def test_fixed_overheads_per_layer_call_and_micro_batch():
-    """Each micro-batch slot pays passes x layers/pp x layer_overhead_s + microbatch_overhead_s,
-    and decoding pays layers/pp x layer_overhead_s per slot and token."""
-    from planner.algorithms import BatchShape, build_graph
-    from planner.cluster import ClusterSpec, DeviceSpec
-    from planner.cost_model import CostModel
-    from planner.layout import Layout
-    from planner.mesh import DeviceMesh
-    from planner.model_spec import model_presets
-
-    base = dict(name="d", peak_flops=1e14, mem_bytes=8e10, mem_bw_bytes_per_s=1e12,
-                intra_node_bytes_per_s=1e11, inter_node_bytes_per_s=1e10)
-    plain = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=4, device=DeviceSpec(**base)))
-    slow = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=4, device=DeviceSpec(
-        **base, layer_overhead_s=0.01, microbatch_overhead_s=0.1)))
-    spec = model_presets()["tiny-llama-8l"]
-    g = build_graph("grpo", BatchShape(prompts_per_step=8, samples_per_prompt=2, prompt_len=8,
-                                       gen_len=5, ppo_minibatches=2), {"actor", "ref"})
-    gen, ref, train = g.mfcs
-    mesh, lay = DeviceMesh(first_gpu=0, n_gpus=4), Layout(tp=1, pp=2, dp=2)
-    m = 2
-    d_train = (slow.mfc_cost(train, spec, "lm", mesh, lay, m).time_s
-               - plain.mfc_cost(train, spec, "lm", mesh, lay, m).time_s)
-    # 2 optimizer steps x (m + pp - 1) slots x (3 passes x 8/2 layers x 0.01 + 0.1)
-    assert abs(d_train - 2 * (m + 1) * (3 * 4 * 0.01 + 0.1)) < 1e-9
-    d_ref = (slow.mfc_cost(ref, spec, "lm", mesh, lay, m).time_s
-             - plain.mfc_cost(ref, spec, "lm", mesh, lay, m).time_s)
-    assert abs(d_ref - (m + 1) * (1 * 4 * 0.01 + 0.1)) < 1e-9
-    d_gen = (slow.mfc_cost(gen, spec, "lm", mesh, lay, m).time_s
-             - plain.mfc_cost(gen, spec, "lm", mesh, lay, m).time_s)
-    # prefill: (m + pp - 1) slots x (4 x 0.01 + 0.1); decode: 5 tokens x max(m, pp) x 4 x 0.01
-    assert abs(d_gen - ((m + 1) * (4 * 0.01 + 0.1) + 5 * 2 * 4 * 0.01)) < 1e-9
+def test_generate_tp2_dp2_collectives():
+    engines = {"prefill": EngineCosts(call_s=1.0, collective_s=1e-3),
+               "decode": EngineCosts(microbatch_s=0.1, layer_s=0.01, collective_s=1e-3)}
+    c = cost_model(engines=engines).mfc_cost(mfc("generate"), TOY, "lm", mesh(4),
+                                             Layout(tp=2, dp=2), 1)
+    # 4 sequences per replica. Prefill: 2 all-reduces per layer and the embedding's on
+    # 64 x 64 bf16 activations, then the 4 newest rows' logits all-gathered (4 x 128 bf16)
+    assert c.terms_s["prefill_tp_comm"] == approx(9 * ar(64 * H * DT) + ag2(4 * 128 * DT))
+    assert c.terms_s["prefill_fixed"] == approx(10 * 1e-3)
+    assert c.terms_s["decode_tp_comm"] == approx(31 * (9 * ar(4 * H * DT) + ag2(4 * 128 * DT)))
+    assert c.terms_s["decode_fixed"] == approx(31 * (0.1 + 4 * 0.01 + 10 * 1e-3))
+    # the outputs gathered over DP: 8 sequences x (2 x 32 + 1) int64/fp64 values
+    assert c.terms_s["dp_comm"] == approx(ag2(8 * 65 * 8))
+    assert c.terms_s["fixed"] == approx(1.0 + 1e-3)

@@ -13,7 +13,14 @@ from planner.cluster import ClusterSpec, DeviceSpec, resolve_device
 from planner.cost_model import CostModel
 from planner.graph import MFC, DataflowGraph
 from planner.model_spec import model_presets
-from planner.problem import Candidate, Problem, RoleModel, build_problem, head_of
+from planner.problem import (
+    Candidate,
+    Problem,
+    RoleModel,
+    add_records,
+    build_problem,
+    head_of,
+)
 from planner.realloc_cost import Links, ReallocModel, realloc_time
 from planner.simulator import OVERFLOW_PENALTY, energy, needs_realloc, simulate
 
@@ -40,7 +47,7 @@ def cand(first, n, time_s, tp=1, pp=1, dp=None, mb=1, resident=0.0, act=0.0, wei
 
 
 def problem(mfcs: list[MFC], cands: list[list[Candidate]], n_gpus=4, limit=1e9,
-            n_iters=1) -> Problem:
+            n_iters=1, send_s=0.0) -> Problem:
     graph = DataflowGraph(algorithm="custom", mfcs=tuple(mfcs))
     roles = graph.roles()
     ridx = {r: k for k, r in enumerate(roles)}
@@ -58,6 +65,7 @@ def problem(mfcs: list[MFC], cands: list[list[Candidate]], n_gpus=4, limit=1e9,
         cands=cands, n_iters=n_iters)
     prob.same_mesh = [[[j for j, d in enumerate(cs) if (d.first_gpu, d.n_gpus)
                         == (c.first_gpu, c.n_gpus)] for c in cs] for cs in cands]
+    add_records(prob, graph, {r: head_of(r) for r in roles}, lambda size: (send_s, send_s))
     return prob
 
 
@@ -91,15 +99,40 @@ def test_dependencies_are_respected_across_disjoint_meshes():
     assert r.makespan_s == 8.0 and starts(r)["b.inference"] == 3.0
 
 
-def test_iteration_time_is_makespan_over_iterations_with_pipelining():
-    """a(3 s) feeds b(5 s) on disjoint GPUs: iteration k+1's a overlaps iteration k's b."""
+def test_iterations_do_not_overlap():
+    """a(3 s) feeds b(5 s) on disjoint GPUs: iteration k+1's a waits for iteration k's b,
+    as the runtime's step barrier makes it (the controller starts step k+1 when every
+    worker is done with step k)."""
     p = problem([call("a.inference", outs=("k",)), call("b.inference", ins=("k",))],
                 [[cand(0, 2, 3.0)], [cand(2, 2, 5.0)]], n_iters=3)
     r = simulate(p, [0, 0], record=True)
-    # a: 0-3, 3-6, 6-9; b: 3-8, 8-13, 13-18
-    assert [starts(r, it)["a.inference"] for it in range(3)] == [0.0, 3.0, 6.0]
-    assert [starts(r, it)["b.inference"] for it in range(3)] == [3.0, 8.0, 13.0]
-    assert r.makespan_s == 18.0 and r.iter_time_s == 6.0
+    # a: 0-3, 8-11, 16-19; b: 3-8, 11-16, 19-24
+    assert [starts(r, it)["a.inference"] for it in range(3)] == [0.0, 8.0, 16.0]
+    assert [starts(r, it)["b.inference"] for it in range(3)] == [3.0, 11.0, 19.0]
+    assert r.makespan_s == 24.0 and r.iter_time_s == 8.0
+
+
+def test_a_record_is_sent_to_the_gpus_that_lack_it():
+    """b on GPUs 2-3 reads what a wrote on GPUs 0-1: a Send (2 s) from GPUs 0-1 to 2-3
+    occupies all four, then b runs; c on GPUs 0-3 finds the record everywhere by then."""
+    p = problem([call("a.inference", outs=("k",)), call("b.inference", ins=("k",)),
+                 call("c.inference", ins=("k",))],
+                [[cand(0, 2, 3.0)], [cand(2, 2, 5.0)], [cand(0, 4, 1.0)]], send_s=2.0)
+    r = simulate(p, [0, 0, 0], record=True)
+    sends = [e for e in r.events if e.kind == "send"]
+    assert [(e.name, e.start_s, e.end_s, e.gpus) for e in sends] == [
+        ("send k", 3.0, 5.0, (0, 1, 2, 3))]
+    assert starts(r)["b.inference"] == 5.0 and starts(r)["c.inference"] == 10.0
+    assert r.iter_time_s == 11.0
+
+
+def test_a_send_waits_for_its_sender():
+    """The holder of k is busy with x until 10 s: the Send to b's GPU waits for it."""
+    p = problem([call("a.inference", outs=("k",)), call("x.inference"),
+                 call("b.inference", ins=("k",))],
+                [[cand(0, 1, 1.0)], [cand(0, 1, 9.0)], [cand(1, 1, 1.0)]], send_s=0.5)
+    r = simulate(p, [0, 0, 0], record=True)
+    assert starts(r)["b.inference"] == 10.5 and r.iter_time_s == 11.5
 
 
 def test_serial_iterations_add_up():

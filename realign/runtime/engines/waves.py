@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from planner.cost_config import STOP_CHECK_EVERY
 from realign.data.collate import pad_right
 from realign.runtime.engines.decoder import StageDecoder
 from realign.runtime.model import ModelShard
@@ -30,10 +31,6 @@ from realign.runtime.sampling import SamplingParams, choose_tokens, gumbel_noise
 
 #: float64 noise values drawn per computation (positions x rows x vocabulary): 32 MB
 NOISE_BLOCK = 1 << 22
-#: A wave's rows are checked for having all stopped every this many tokens: the check
-#: reads a device value on the host (a CUDA synchronisation), so it is not made after
-#: every token; an ended wave decodes on (its rows masked) until the next check.
-STOP_CHECK_EVERY = 8
 
 
 def wave_bounds(n: int, waves: int) -> list[tuple[int, int]]:

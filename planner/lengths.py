@@ -1,0 +1,108 @@
+"""Generation lengths: ``gen_len`` is a cap; responses that stop at an end token are
+shorter, and a wave decodes until its longest row has stopped.
+
+A :class:`GenLengths` is the distribution of one response's length on ``1..max_len``:
+either recorded by a previous run (a histogram), or given by its mean, taken as the
+maximum-entropy distribution on ``1..max_len`` with that mean (a truncated geometric:
+``p(x) ~ exp(-lam x)``; the least-committal choice when only the mean and the bounds are
+known). :func:`expected_wave_tokens` prices a wave's straggler tail: the expected
+number of tokens a wave of ``b`` rows decodes, i.e. its longest row's length rounded up
+to the next stop check (the runtime checks every ``STOP_CHECK_EVERY`` tokens whether all
+rows have stopped), at most ``max_len``.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from planner.cost_config import STOP_CHECK_EVERY
+
+if TYPE_CHECKING:
+    from planner.graph import MFC
+
+
+class GenLengths(BaseModel):
+    """Distribution of one response's generated length (tokens, stop token included)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_len: int = Field(gt=0, description="The cap (gen_len).")
+    mean: float | None = Field(None, gt=0, description="Mean length (max-entropy "
+                               "distribution on 1..max_len).")
+    histogram: tuple[tuple[int, float], ...] = Field(
+        (), description="(length, weight) pairs recorded by a run; used instead of mean.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "GenLengths":
+        if self.mean is None and not self.histogram:
+            raise ValueError("give a mean or a histogram of lengths")
+        if self.mean is not None and self.mean > self.max_len:
+            raise ValueError(f"mean {self.mean} exceeds max_len {self.max_len}")
+        if any(not 1 <= x <= self.max_len or w < 0 for x, w in self.histogram):
+            raise ValueError(f"histogram lengths must be in 1..{self.max_len}, weights >= 0")
+        if self.histogram and sum(w for _, w in self.histogram) <= 0:
+            raise ValueError("the histogram holds no weight")
+        return self
+
+    def pmf(self) -> list[float]:
+        """``p[x - 1]`` = probability that a response has ``x`` tokens."""
+        n = self.max_len
+        if self.histogram:
+            p = [0.0] * n
+            for x, w in self.histogram:
+                p[x - 1] += w
+            total = sum(p)
+            return [v / total for v in p]
+        lam = _max_entropy_rate(self.mean, n)
+        xs = range(1, n + 1)
+        top = max(-lam * x for x in xs)
+        ws = [math.exp(-lam * x - top) for x in xs]
+        total = sum(ws)
+        return [w / total for w in ws]
+
+
+def _max_entropy_rate(mean: float, n: int) -> float:
+    """``lam`` with ``sum x e^{-lam x} / sum e^{-lam x} = mean`` on ``1..n`` (bisection;
+    the mean falls as ``lam`` grows)."""
+    if n == 1:
+        return 0.0
+
+    def m(lam: float) -> float:
+        top = max(-lam, -lam * n)
+        ws = [math.exp(-lam * x - top) for x in range(1, n + 1)]
+        return sum(x * w for x, w in zip(range(1, n + 1), ws)) / sum(ws)
+
+    lo, hi = -60.0, 60.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if m(mid) > mean:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def expected_wave_tokens(mfc: "MFC", rows: float) -> float:
+    """Expected tokens a wave of ``rows`` sequences of ``mfc`` decodes: ``gen_len``
+    without a length distribution; else ``E[min(gen_len, c ceil(L_max / c))]`` with
+    ``L_max`` the longest of ``rows`` independent lengths and ``c = STOP_CHECK_EVERY``.
+
+    Example: lengths always 3 of a cap of 20 -> the wave stops at the first check, 8.
+    """
+    lengths = mfc.lengths
+    n = mfc.gen_len
+    if lengths is None:
+        return float(n)
+    p = lengths.pmf()            # on 1..max_len; a length past gen_len stops at gen_len
+    b = max(1.0, rows)
+    c = STOP_CHECK_EVERY
+    total, cdf, prev = 0.0, 0.0, 0.0
+    for x in range(1, len(p) + 1):
+        cdf = min(1.0, cdf + p[x - 1]) if x < len(p) else 1.0
+        now = cdf ** b
+        tokens = n if x >= n else min(n, c * math.ceil(x / c))
+        total += (now - prev) * tokens
+        prev = now
+    return total

@@ -1,0 +1,119 @@
+"""planner.lengths against hand computation: a wave of ``b`` rows decodes until its
+longest row stops, rounded up to the next stop check (every STOP_CHECK_EVERY = 8
+tokens), at most ``gen_len``.
+
+With a cap of 16 every wave stops after 8 or 16 tokens, so
+``E = 8 P(L_max <= 8) + 16 (1 - P(L_max <= 8))`` and ``P(L_max <= 8) = F(8)^b``. For the
+truncated geometric ``p(x) ~ r^x`` on 1..16, ``F(8) = (r + .. + r^8) / (r + .. + r^16)
+= 1 / (1 + r^8)``; with ``r^8 = 1/2`` that is 2/3.
+"""
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from planner.cost_config import STOP_CHECK_EVERY
+from planner.graph import MFC
+from planner.lengths import GenLengths, expected_wave_tokens
+
+pytestmark = pytest.mark.pure
+
+
+def gen(cap: int, lengths: GenLengths | None = None) -> MFC:
+    return MFC(name="actor.generate", role="actor", kind="generate", n_seqs=8, prompt_len=4,
+               gen_len=cap, input_keys=("prompts",), output_keys=("seqs",), lengths=lengths)
+
+
+def fixed(cap: int, length: int) -> GenLengths:
+    return GenLengths(max_len=cap, histogram=((length, 1.0),))
+
+
+def test_stop_check_matches_the_runtime():
+    assert STOP_CHECK_EVERY == 8
+
+
+def test_without_a_distribution_every_wave_runs_to_the_cap():
+    assert expected_wave_tokens(gen(20), 1) == 20.0
+    assert expected_wave_tokens(gen(20), 64) == 20.0
+
+
+@pytest.mark.parametrize("length,tokens", [
+    (1, 8), (3, 8), (8, 8),       # stops at the first check
+    (9, 16), (16, 16),            # the second
+    (17, 20), (20, 20),           # the third check (24) is past the cap: the cap
+])
+def test_fixed_length_rounds_up_to_the_next_stop_check(length, tokens):
+    for rows in (1, 16):
+        assert expected_wave_tokens(gen(20, fixed(20, length)), rows) == pytest.approx(tokens)
+
+
+def test_truncated_geometric_mean_below_the_cap():
+    r = 0.5 ** (1 / 8)                                     # r^8 = 1/2
+    weights = [r ** x for x in range(1, 17)]
+    mean = sum(x * w for x, w in zip(range(1, 17), weights)) / sum(weights)
+    assert mean == pytest.approx(6.7154, abs=1e-4)          # well below the cap of 16
+    lengths = GenLengths(max_len=16, mean=mean)
+    p = lengths.pmf()
+    assert len(p) == 16 and sum(p) == pytest.approx(1.0)
+    assert p[0] == pytest.approx(weights[0] / sum(weights), rel=1e-9)
+    for a, b in zip(p, p[1:]):                            # geometric: constant ratio r
+        assert b / a == pytest.approx(r, rel=1e-9)
+    m = gen(16, lengths)
+    f8 = 2 / 3
+    assert expected_wave_tokens(m, 1) == pytest.approx(16 - 8 * f8, rel=1e-9)       # 10.67
+    assert expected_wave_tokens(m, 4) == pytest.approx(16 - 8 * f8 ** 4, rel=1e-9)  # 14.42
+    # fewer than one row counts as one
+    assert expected_wave_tokens(m, 0.5) == pytest.approx(16 - 8 * f8, rel=1e-9)
+
+
+def test_mean_at_the_midpoint_is_uniform():
+    p = GenLengths(max_len=5, mean=3.0).pmf()
+    assert p == pytest.approx([0.2] * 5, rel=1e-9)
+
+
+def test_mean_above_the_midpoint_leans_to_the_cap():
+    p = GenLengths(max_len=5, mean=4.5).pmf()
+    assert p == sorted(p) and sum(x * v for x, v in zip(range(1, 6), p)) == pytest.approx(4.5)
+
+
+def test_histogram():
+    # lengths 3, 12, 20 with weights 1, 1, 2 (normalised: 1/4, 1/4, 1/2), cap 20.
+    # Two rows: P(L_max <= 3) = 1/16 -> 8 tokens, P(L_max <= 12) = 1/4 -> 16 tokens
+    # (12 rounds up to 16), the rest 3/4 -> the cap, 20.
+    lengths = GenLengths(max_len=20, histogram=((3, 1.0), (12, 0.5), (20, 2.0), (12, 0.5)))
+    p = lengths.pmf()
+    assert (p[2], p[11], p[19]) == (0.25, 0.25, 0.5) and sum(p) == 1.0
+    assert expected_wave_tokens(gen(20, lengths), 2) == pytest.approx(
+        8 / 16 + 16 * 3 / 16 + 20 * 3 / 4)                     # 18.5
+    assert expected_wave_tokens(gen(20, lengths), 1) == pytest.approx(
+        8 / 4 + 16 / 4 + 20 / 2)                               # 16
+
+
+def test_more_rows_wait_for_a_longer_straggler():
+    lengths = GenLengths(max_len=64, mean=10.0)
+    t = [expected_wave_tokens(gen(64, lengths), b) for b in (1, 4, 16, 64)]
+    assert t == sorted(t) and t[0] > 10.0 and t[-1] < 64.0
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    ({"max_len": 8}, "mean or a histogram"),
+    ({"max_len": 8, "mean": 9.0}, "exceeds max_len"),
+    ({"max_len": 8, "histogram": ((9, 1.0),)}, "1..8"),
+    ({"max_len": 8, "histogram": ((2, -1.0),)}, "1..8"),
+    ({"max_len": 8, "histogram": ((2, 0.0),)}, "no weight"),
+])
+def test_invalid_distributions_are_rejected(kwargs, msg):
+    with pytest.raises(ValidationError, match=msg):
+        GenLengths(**kwargs)
+
+
+@pytest.mark.parametrize("cap,max_len,tokens", [
+    (8, 16, 8.0),               # every wave stops at the first check
+    (8, 4, 8.0),
+    (12, 16, 0.5 * 8 + 0.5 * 12),   # half stop at 8; lengths 9..16 run to the cap, 12
+])
+def test_lengths_recorded_under_another_cap(cap, max_len, tokens):
+    """A distribution recorded under another cap (uniform on 1..max_len): a length past
+    gen_len stops at gen_len."""
+    lengths = GenLengths(max_len=max_len, histogram=tuple((x, 1.0) for x in range(1, max_len + 1)))
+    assert expected_wave_tokens(gen(cap, lengths), 1) == pytest.approx(tokens)
