@@ -11,6 +11,7 @@ from planner.layout import Allocation, check_allocation
 from planner.plan import ExecutionPlan, SearchInfo
 from planner.plan_build import build_plan
 from planner.problem import Candidate, RoleModel, assemble
+from planner.profile import ProfileTable
 from planner.simulator import simulate
 
 GIB = 2 ** 30
@@ -18,8 +19,8 @@ GIB = 2 ** 30
 
 def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
                 cluster: ClusterSpec, allocations: dict[str, Allocation],
-                cost_config: CostModelConfig | None = None, field: str = "plan.manual"
-                ) -> ExecutionPlan:
+                cost_config: CostModelConfig | None = None, field: str = "plan.manual",
+                profile: ProfileTable | None = None) -> ExecutionPlan:
     """The plan that runs each MFC where ``allocations`` says; errors name the MFC."""
     cost_config = cost_config or CostModelConfig()
     names = [m.name for m in graph.mfcs]
@@ -29,7 +30,7 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
         raise PlanError(f"needs exactly the MFCs {', '.join(names)}"
                         + (f"; missing {', '.join(missing)}" if missing else "")
                         + (f"; unknown {', '.join(extra)}" if extra else ""), field=field)
-    cost = CostModel(cluster, cost_config)
+    cost = CostModel(cluster, cost_config, profile)
     for m in graph.mfcs:
         check_allocation(allocations[m.name], models[m.role].spec, m, cluster,
                          f"{field}.{m.name}")

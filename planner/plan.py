@@ -23,7 +23,8 @@ from planner.mesh import DeviceMesh
 from planner.model_spec import ModelSpec
 
 #: 2: rule rewards in the graph, exact train inputs, fixed micro-batches, waves.
-PLAN_SCHEMA_VERSION = 2
+#: 3: optimizer offload per train call, the profile planned with, cost sources.
+PLAN_SCHEMA_VERSION = 3
 
 
 class _Frozen(BaseModel):
@@ -49,6 +50,10 @@ class MFCAllocation(_Frozen):
     micro_batches: int = Field(gt=0, description="Micro-batches per step and replica.")
     time_s: float = Field(description="Estimated duration of one call.")
     mem_bytes: float = Field(description="Peak memory per GPU of its mesh while it runs.")
+    optimizer_offload: bool = Field(
+        False, description="Train calls: the optimizer state lives in host memory and the "
+        "CPU steps it (megatron's HybridDeviceOptimizer, CUDA only).")
+    host_bytes: float = Field(0.0, ge=0, description="Host memory per GPU it holds.")
 
     @property
     def shards(self) -> tuple[int, int, int, int]:
@@ -99,6 +104,17 @@ class SearchInfo(_Frozen):
     complete: bool = Field(description="exact: the whole space was searched.")
 
 
+class ProfileRef(_Frozen):
+    """The profile table a plan was priced with (``realign profile``'s output)."""
+
+    path: str = Field(description="Where it was read from.")
+    device: str
+    dtype: str = Field(description="The dtype it measured in (the run's must match).")
+    host: str
+    date: str
+    schema_version: int
+
+
 class ExecutionPlan(_Frozen):
     schema_version: int = PLAN_SCHEMA_VERSION
     name: str
@@ -115,6 +131,11 @@ class ExecutionPlan(_Frozen):
     peak_mem_bytes: tuple[float, ...] = Field(description="Peak memory of each GPU.")
     search: SearchInfo
     heuristics: tuple[HeuristicResult, ...]
+    profile: ProfileRef | None = Field(
+        None, description="The profile table its estimates read, None: device preset only.")
+    cost_sources: dict[str, str] = Field(
+        default_factory=dict, description="Each rate the cost model used -> 'profile' or "
+        "the device preset it came from.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "ExecutionPlan":
@@ -205,6 +226,8 @@ def plan_problems(plan: ExecutionPlan) -> list[str]:
                        f"{a.mesh.name(gpn)!r}")
         out += [f"{where}: {p}" for p in layout_problems(a.layout, a.mesh, specs[a.role], m,
                                                          a.micro_batches, plan.cluster)]
+        if a.optimizer_offload and a.kind != "train":
+            out.append(f"{where}: optimizer_offload is for train calls, this is a {a.kind} call")
     if out:
         return out
     train = {a.role: a for a in plan.allocations if a.kind == "train"}

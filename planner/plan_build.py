@@ -7,6 +7,7 @@ from planner.plan import (
     HeuristicResult,
     MFCAllocation,
     PlannedModel,
+    ProfileRef,
     Reallocation,
     SearchInfo,
     TimelineEvent,
@@ -31,7 +32,8 @@ def build_plan(name: str, prob: Problem, assign: list[int], cost_config: CostMod
         allocs.append(MFCAllocation(
             mfc=m.name, role=m.role, kind=m.kind, mesh=mesh, mesh_name=mesh.name(gpn),
             layout=c.layout(), micro_batches=c.micro_batches, time_s=c.time_s * m.every,
-            mem_bytes=max(res.peak_bytes[g] for g in mesh.gpus)))
+            mem_bytes=max(res.peak_bytes[g] for g in mesh.gpus), optimizer_offload=c.offload,
+            host_bytes=c.host_bytes))
     reallocs = []
     for (model, i), (t, nbytes) in sorted(res.realloc.items()):
         src = prob.cands[prob.model_train_mfc[model]][assign[prob.model_train_mfc[model]]]
@@ -51,4 +53,14 @@ def build_plan(name: str, prob: Problem, assign: list[int], cost_config: CostMod
         cost_config=cost_config, allocations=tuple(allocs), reallocations=tuple(reallocs),
         timeline=events, n_iters=prob.n_iters, iteration_time_s=res.iter_time_s,
         mem_limit_bytes=prob.mem_limit_bytes, peak_mem_bytes=tuple(res.peak_bytes),
-        search=info, heuristics=heuristics)
+        search=info, heuristics=heuristics, profile=profile_ref(prob),
+        cost_sources=dict(prob.cost_sources))
+
+
+def profile_ref(prob: Problem) -> ProfileRef | None:
+    t = prob.profile
+    if t is None:
+        return None
+    return ProfileRef(path=t.source, device=t.device, dtype=t.measured.dtype,
+                      host=t.measured.host, date=t.measured.date,
+                      schema_version=t.schema_version)

@@ -21,19 +21,37 @@ def summary(plan: ExecutionPlan) -> dict:
         "mfcs": [
             {"name": a.mfc, "mesh": a.mesh_name, "first_gpu": a.mesh.first_gpu,
              "n_gpus": a.mesh.n_gpus, "tp": a.layout.tp, "pp": a.layout.pp, "dp": a.layout.dp,
-             "micro_batches": a.micro_batches, "time_s": a.time_s, "mem_bytes": a.mem_bytes}
+             "micro_batches": a.micro_batches, "time_s": a.time_s, "mem_bytes": a.mem_bytes,
+             "optimizer_offload": a.optimizer_offload, "host_bytes": a.host_bytes}
             for a in plan.allocations],
+        "profile": plan.profile.model_dump() if plan.profile else None,
+        "cost_sources": plan.cost_sources,
         "reallocations": [
             {"role": r.role, "to": r.to_mfc, "bytes": r.bytes, "time_s": r.time_s}
             for r in plan.reallocations],
     }
 
 
+def sources_line(plan: ExecutionPlan) -> str:
+    """Which rates were read from a profile (marked *) and which from a device preset."""
+    if plan.profile is None:
+        return f"rates: device preset {plan.cluster.device.name} (no profile)"
+    prof = sorted(k for k, v in plan.cost_sources.items() if v == "profile")
+    rest = sorted(k for k, v in plan.cost_sources.items() if v != "profile")
+    return (f"rates: * from profile {plan.profile.path or '(unnamed)'} ({plan.profile.device}, "
+            f"{plan.profile.dtype}, {plan.profile.date}): {', '.join(prof) or 'none'}"
+            + (f"; device preset: {', '.join(rest)}" if rest else ""))
+
+
 def table(plan: ExecutionPlan) -> str:
+    """The plan as text. ``*`` marks estimates priced with a profile's rates, ``+off``
+    a train call whose optimizer state is offloaded to host memory."""
+    mark = "*" if plan.profile is not None else ""
     rows = [("MFC", "mesh", "GPUs", "TP", "PP", "DP", "micro", "time s", "mem GiB/GPU")]
     for a in plan.allocations:
-        rows.append((a.mfc, a.mesh_name, str(a.mesh.n_gpus), str(a.layout.tp), str(a.layout.pp),
-                     str(a.layout.dp), str(a.micro_batches), f"{a.time_s:.3f}",
+        rows.append((a.mfc + (" +off" if a.optimizer_offload else ""), a.mesh_name,
+                     str(a.mesh.n_gpus), str(a.layout.tp), str(a.layout.pp),
+                     str(a.layout.dp), str(a.micro_batches), f"{a.time_s:.3f}{mark}",
                      f"{a.mem_bytes / GIB:.1f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
@@ -44,6 +62,11 @@ def table(plan: ExecutionPlan) -> str:
     for r in plan.reallocations:
         out.append(f"realloc {r.role} -> {r.to_mfc}: {r.bytes / GIB:.2f} GiB in {r.time_s:.3f} s "
                    f"({r.src_layout} -> {r.dst_layout})")
+    for a in plan.allocations:
+        if a.optimizer_offload:
+            out.append(f"{a.mfc}: optimizer state offloaded, {a.host_bytes / GIB:.1f} GiB of "
+                       "host memory per GPU")
+    out.append(sources_line(plan))
     out.append("")
     out.append(f"estimated iteration time: {plan.iteration_time_s:.3f} s   "
                f"(search: {plan.search.method}, {plan.search.search_time_s:.1f} s, "

@@ -170,6 +170,10 @@ def _what_does_not_fit(prob: Problem) -> str:
             f"{', '.join(users)}")
 
 
+#: The annealing run that looks for any plan that fits when sizing a cluster.
+FITS_ANNEAL_STEPS, FITS_ANNEAL_S = 20_000, 5.0
+
+
 def _fits_on(graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
              cost_config: CostModelConfig, profile: ProfileTable | None,
              deadline: Deadline | None) -> bool:
@@ -180,8 +184,17 @@ def _fits_on(graph: DataflowGraph, models: dict[str, RoleModel], cluster: Cluste
         if e.field == "plan.time_limit_s":
             raise
         return False
-    return simulate(prob, _min_memory_start(prob)).feasible or any(
-        a is not None for a in _heuristics(prob, deadline)[0].values())
+    start = _min_memory_start(prob)
+    if simulate(prob, start).feasible or any(
+            a is not None for a in _heuristics(prob, deadline)[0].values()):
+        return True
+    # the leanest candidate of each MFC need not make the leanest plan (e.g. an
+    # offloaded optimizer on part of the GPUs): a short annealing run looks further
+    if deadline is None:
+        deadline = Deadline(time.perf_counter() + FITS_ANNEAL_S, FITS_ANNEAL_S)
+    best, _e, _n = _anneal(prob, [start], SearchSettings(anneal_steps=FITS_ANNEAL_STEPS),
+                           deadline)
+    return best is not None
 
 
 _SMALLER = ("use smaller models (models.*) or a smaller batch (algorithm.prompts_per_step, "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from html import escape
 
 from planner.plan import ExecutionPlan
+from planner.report import sources_line
 
 COLORS = {"generate": "#4e79a7", "inference": "#59a14f", "train": "#e15759",
           "realloc": "#f2a93b", "send": "#9d9d9d", "reward": "#b07aa1", "eval": "#76b7b2"}
@@ -86,7 +87,7 @@ def render(plan: ExecutionPlan) -> str:
                         [(a.mesh.first_gpu, a.mesh.n_gpus) for a in plan.allocations])
     end = max((e.end_s for e in plan.timeline), default=1.0) or 1.0
     left, lane_h, gap, width, mem_w = 150, 34, 8, 900, 170
-    top = 72
+    top = 84
     height = top + len(groups) * (lane_h + gap) + 70
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + mem_w + 40}" '
            f'height="{height}" font-family="sans-serif" font-size="11">',
@@ -95,7 +96,8 @@ def render(plan: ExecutionPlan) -> str:
            f'{seconds(plan.iteration_time_s, plan.iteration_time_s)} per iteration on '
            f'{escape(plan.cluster.describe())}</text>',
            f'<text x="10" y="38" fill="#555">{plan.n_iters} simulated iterations; bars: '
-           'MFC calls and parameter reallocations; right: peak memory per GPU</text>']
+           'MFC calls and parameter reallocations; right: peak memory per GPU</text>',
+           f'<text x="10" y="54" fill="#555">{escape(sources_line(plan))}</text>']
     # iteration boundaries: the end of each iteration's last call
     for it in range(plan.n_iters):
         t = max((e.end_s for e in plan.timeline if e.iteration == it), default=0.0)

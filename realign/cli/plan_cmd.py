@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=["auto", "exact", "anneal"], help="override plan.method")
     p.add_argument("--time-limit", type=float, dest="time_limit_s", help="override plan.time_limit_s")
     p.add_argument("--seed", type=int, help="override plan.seed")
+    p.add_argument("--profile", help="price with this profile table (realign profile's "
+                   "output); overrides plan.profile")
 
 
 def _write(path: str, text: str) -> None:
@@ -47,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     if args.seed is not None and args.seed < 0:
         raise UserError(f"must be >= 0 (got {args.seed})", field="--seed")
     cfg, base = load_experiment(args.experiment)
+    if args.profile:
+        profile = str(Path(args.profile).resolve())
+        cfg = cfg.model_copy(update={"plan": cfg.plan.model_copy(update={"profile": profile})})
     plan = plan_experiment(cfg, base, {"method": args.method, "time_limit_s": args.time_limit_s,
                                        "seed": args.seed})
     if args.out:

@@ -89,15 +89,31 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
                        evaluation=eval_shape(cfg, base))
 
 
+def load_profile(cfg: ExperimentConfig, base: Path) -> ProfileTable | None:
+    """The profile table ``plan.profile`` names (relative to the experiment), or None.
+    It must have been measured in the run's dtype on the cluster's device: its rates
+    are only true for those."""
+    if not cfg.plan.profile:
+        return None
+    pp = Path(cfg.plan.profile)
+    table = ProfileTable.load(pp if pp.is_absolute() else base / pp)
+    if table.measured.dtype != cfg.run_dtype():
+        raise PlanError(f"{table.source} was measured in {table.measured.dtype}; this run "
+                        f"computes in {cfg.run_dtype()} (measure with realign profile "
+                        f"--dtype {cfg.run_dtype()})", field="plan.profile")
+    dev = cfg.cluster.device if isinstance(cfg.cluster.device, str) else cfg.cluster.device.name
+    if table.device != dev:
+        raise PlanError(f"{table.source} was measured on device {table.device!r}; the "
+                        f"cluster's is {dev!r}", field="plan.profile")
+    return table
+
+
 def plan_experiment(cfg: ExperimentConfig, base: Path,
                     overrides: dict | None = None) -> ExecutionPlan:
     """Search the execution plan of an experiment (``overrides``: search settings)."""
     models = resolve_models(cfg, base)
     graph = experiment_graph(cfg, models, base)
-    profile = None
-    if cfg.plan.profile:
-        pp = Path(cfg.plan.profile)
-        profile = ProfileTable.load(pp if pp.is_absolute() else base / pp)
+    profile = load_profile(cfg, base)
     fields = cfg.plan.model_dump(exclude={"cost", "profile", "file", "manual"})
     fields.update({k: v for k, v in (overrides or {}).items() if v is not None})
     settings = SearchSettings(**fields)
@@ -124,5 +140,6 @@ def resolve_plan(cfg: ExperimentConfig, base: Path, models: dict[str, RoleModel]
     if cfg.plan.manual:
         allocs = {k: Allocation(mesh=v.mesh, layout=v.layout, micro_batches=v.micro_batches)
                   for k, v in cfg.plan.manual.items()}
-        return manual_plan(cfg.name, graph, models, cluster, allocs, cost_config(cfg))
+        return manual_plan(cfg.name, graph, models, cluster, allocs, cost_config(cfg),
+                           profile=load_profile(cfg, base))
     return plan_experiment(cfg, base)

@@ -18,8 +18,12 @@ from realign.run.checkpoint import save_file
 from realign.run.spec import RunSpec
 
 
-def _with_overrides(cfg, steps: int | None, launcher: str | None):
-    """The config with ``--steps`` and ``--launcher`` applied (validated alike)."""
+def _with_overrides(cfg, steps: int | None, launcher: str | None, plan_file: Path | None = None):
+    """The config with ``--steps``, ``--launcher`` and a saved plan to run applied
+    (validated alike)."""
+    if plan_file is not None:
+        cfg = cfg.model_copy(update={"plan": cfg.plan.model_copy(
+            update={"file": str(Path(plan_file).resolve()), "manual": None})})
     if steps is not None:           # bounded exactly as run.steps is in the YAML
         from pydantic import ValidationError
 
@@ -101,11 +105,11 @@ def _run_folder(cfg, run_dir: str | None) -> Path:
 
 
 def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | None = None,
-            launcher: str | None = None) -> RunSpec:
+            launcher: str | None = None, plan_file: Path | None = None) -> RunSpec:
     """Check the experiment, plan it and write the run folder; the prepared run.
 
     ``run_dir``, ``steps``, ``launcher``: the command line's overrides of ``run.dir``,
-    ``run.steps`` and ``launcher.type``."""
+    ``run.steps`` and ``launcher.type``; ``plan_file``: run this saved plan (``plan.file``)."""
     from planner.timeline_svg import render
     from realign.algorithms import registry
     from realign.config.loading import load_experiment
@@ -114,7 +118,7 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     from realign.data.tokenizer import load_tokenizer
 
     cfg, base = load_experiment(experiment)
-    cfg = _with_overrides(cfg, steps, launcher)
+    cfg = _with_overrides(cfg, steps, launcher, plan_file)
     cfg.cluster.spec()                           # a known device (cluster.device)
     if cfg.data is None:
         raise UserError("realign run needs a data section with a train dataset", field="data")

@@ -97,6 +97,9 @@ class Call:
     mesh_name: str
     estimate_s: float
     estimate_mem_bytes: float    #: planned peak memory per GPU of the mesh
+    optimizer_offload: bool = False     #: train: Adam state on the host (the plan's)
+    estimate_host_bytes: float = 0.0    #: planned host memory per GPU (optimizer offload)
+    activation_recompute: bool = False  #: train: recompute layer activations in backward
 
     @property
     def name(self) -> str:
@@ -234,7 +237,8 @@ def compile_program(plan: ExecutionPlan) -> Program:
                 if m.every == 1:            # an evaluation's sends do not always run
                     holders[k] = tuple(sorted(set(have) | set(lack)))
         ops.append(Call(m.every, m, key, a.micro_batches, ranks, a.mesh_name, a.time_s,
-                        a.mem_bytes))
+                        a.mem_bytes, a.optimizer_offload, a.host_bytes,
+                        m.kind == "train" and plan.cost_config.activation_recompute))
         for k in m.output_keys:
             holders[k] = ranks
         for rule in graph.rule_reward_after(m.name):

@@ -187,8 +187,9 @@ class Calls:
 
     def train_engine(self, op: Call, h: Hosted) -> TrainEngine:
         if op.replica not in self.train_engines:
-            self.train_engines[op.replica] = TrainEngine(h.shard, self.train_cfg,
-                                                         micro_batches=op.micro_batches)
+            self.train_engines[op.replica] = TrainEngine(
+                h.shard, self.train_cfg, micro_batches=op.micro_batches,
+                optimizer_offload=op.optimizer_offload, recompute=op.activation_recompute)
         return self.train_engines[op.replica]
 
 

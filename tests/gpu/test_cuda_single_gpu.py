@@ -84,12 +84,16 @@ def test_greedy_generation_matches_transformers_bf16(replica):
     assert gen.tokens[0, :3].tolist() == out[0, len(prompt):len(prompt) + 3].tolist()
 
 
-def test_train_step_updates_weights(replica):
+@pytest.mark.parametrize("offload", [False, True])
+def test_train_step_updates_weights(replica, offload):
+    """A train step changes the weights, with the optimizer on the GPU and with the
+    plan's optimizer offload (megatron's HybridDeviceOptimizer, Adam state on the host)."""
     from realign.runtime.engines.train import TrainEngine
     from realign.runtime.settings import TrainConfig
     _path, shard = replica
     before = [p.detach().float().clone() for p in shard.module.parameters()]
-    engine = TrainEngine(shard, TrainConfig(lr=1e-3), micro_batches=2)
+    engine = TrainEngine(shard, TrainConfig(lr=1e-3, distributed_optimizer=True),
+                         micro_batches=2, optimizer_offload=offload)
     tokens = torch.randint(0, 200, (4, 12)).cuda()
     batch = {"tokens": tokens, "lengths": torch.tensor([12, 10, 8, 6]).cuda()}
 

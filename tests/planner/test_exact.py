@@ -19,6 +19,7 @@ import pytest
 from planner.algorithms import ALGORITHMS as SPECS
 from planner.algorithms import BatchShape, build_graph
 from planner.cluster import ClusterSpec, resolve_device
+from planner.cost_config import CostModelConfig
 from planner.cost_model import CostModel
 from planner.errors import PlanError
 from planner.exact import branch_and_bound
@@ -141,11 +142,12 @@ def test_search_exact_reaches_the_brute_force_optimum():
         "grpo", ("actor", "ref"), 1, 2, "tiny-llama",
         BatchShape(prompts_per_step=4, prompt_len=16, gen_len=16, ppo_minibatches=1))
     settings = SearchSettings(method="exact", n_iters=3)
-    prob = build_problem(graph, models, CostModel(cluster), n_iters=settings.n_iters)
+    cfg = CostModelConfig(optimizer_offload="never")     # a space brute force can walk
+    prob = build_problem(graph, models, CostModel(cluster, cfg), n_iters=settings.n_iters)
     assert 100 <= prob.space_size() <= MAX_SPACE     # search sees the whole mesh space
     best, n_feasible = brute_force(prob)
     assert n_feasible > 0
-    plan = search("exact-check", graph, models, cluster, settings=settings)
+    plan = search("exact-check", graph, models, cluster, cfg, settings=settings)
     assert plan.search.method == "exact" and plan.search.complete
     assert plan.iteration_time_s == best
     # the optimum here is strictly better than the best hand-written plan

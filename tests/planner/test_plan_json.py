@@ -45,7 +45,7 @@ def test_round_trip_is_lossless(plan):
     assert back == plan
     assert back.to_json() == text
     assert back.allocation("actor.train") == plan.allocation("actor.train")
-    calls = [e for e in plan.timeline if e.kind != "realloc"]
+    calls = [e for e in plan.timeline if e.kind not in ("realloc", "send")]
     assert len(calls) == len(plan.graph.mfcs) * plan.n_iters
 
 
@@ -72,13 +72,13 @@ def test_round_trip_with_reallocations():
 
 def test_schema_version_is_in_the_file(plan):
     raw = json.loads(plan.to_json())
-    assert raw["schema_version"] == PLAN_SCHEMA_VERSION == 2
+    assert raw["schema_version"] == PLAN_SCHEMA_VERSION == 3
 
 
 def test_a_wrong_version_is_rejected(plan):
     raw = json.loads(plan.to_json())
     raw["schema_version"] = 1
-    with pytest.raises(PlanError, match="has schema_version 1; this realign reads 2") as e:
+    with pytest.raises(PlanError, match="has schema_version 1; this realign reads 3") as e:
         ExecutionPlan.from_json(json.dumps(raw), source="old.json")
     assert e.value.field == "plan" and "old.json" in str(e.value)
 
@@ -149,8 +149,9 @@ def test_not_json_and_no_file(tmp_path):
 # ---- clusters that are too small ------------------------------------------------------
 
 @pytest.mark.parametrize("alg,roles,model,gpn,says,n_fit", [
-    ("sft", ("actor",), "llama2-7b", 1, "actor.train (llama2-7b, ", 2),
-    ("grpo", ("actor", "ref"), "llama2-13b", 1, "actor.train (llama2-13b, ", 4),
+    # (llama2-7b SFT fits on one A100 with its optimizer state offloaded; 13B does not)
+    ("sft", ("actor",), "llama2-13b", 1, "actor.train (llama2-13b, ", 2),
+    ("grpo", ("actor", "ref"), "llama2-13b", 1, "actor.train (llama2-13b, ", 3),
     ("ppo", ("actor", "critic", "ref", "reward"), "llama2-7b", 2,
      "GPU 0 needs", 2),
 ])

@@ -87,6 +87,10 @@ def _variants(name: str) -> dict[str, object]:
         "micro_batches": plan_of(with_alloc(name, mb=2)),
         "time_s": edited(base, lambda r: _alloc(r, name).update(time_s=7.0)),
         "mem_bytes": edited(base, lambda r: _alloc(r, name).update(mem_bytes=1234.0)),
+        # a train call runs with its optimizer state on the host; another kind is refused
+        "optimizer_offload": edited(base, lambda r: _alloc(r, name).update(
+            optimizer_offload=True)),
+        "host_bytes": edited(base, lambda r: _alloc(r, name).update(host_bytes=4096.0)),
     }
 
 

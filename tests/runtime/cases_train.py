@@ -31,7 +31,7 @@ def value_loss(outputs, mb):
 
 
 def train(ctx, path, head, tp, pp, dp, micro, steps, distributed_optimizer=True,
-          forward="auto"):
+          forward="auto", recompute=False):
     """Train a fresh replica; returns per-step metrics and the final outputs."""
     shard = replica(ctx, path, head, tp, pp, dp, fresh=True)
     if shard is None:
@@ -40,12 +40,25 @@ def train(ctx, path, head, tp, pp, dp, micro, steps, distributed_optimizer=True,
     batch["target"] = torch.linspace(-1, 1, 8)
     engine = TrainEngine(shard, TrainConfig(lr=LR, clip_grad=CLIP, adam_eps=EPS,
                                             distributed_optimizer=distributed_optimizer,
-                                            forward=forward), micro_batches=micro)
+                                            forward=forward), micro_batches=micro,
+                         recompute=recompute)
     assert engine.optimizer.optimizer.param_groups[0]["fused"], "CPU Adam runs fused"
     loss = sft_loss if head == "lm" else value_loss
     history = [engine.train_step(batch, loss) for _ in range(steps)]
     out = InferenceEngine(shard).inference(batch)
     return history, out["logprobs" if head == "lm" else "values"]
+
+
+def offload_on_cpu(ctx, path):
+    """The plan's optimizer offload on a cpu device: the error it stops with."""
+    from realign.errors import UserError
+    shard = replica(ctx, path, "lm", 1, 1, 2, fresh=True)
+    try:
+        TrainEngine(shard, TrainConfig(lr=LR, distributed_optimizer=True),
+                    optimizer_offload=True)
+    except UserError as e:
+        return e.field, str(e)
+    return None, "no error"
 
 
 def train_local_metrics(ctx, path, tp, pp, dp):

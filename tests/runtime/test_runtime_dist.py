@@ -202,6 +202,28 @@ def test_train_step_matches_pytorch_reference(world2, tiny_models, model, head, 
         assert float((out - ref_out).abs().max()) < 2e-3
 
 
+@pytest.mark.parametrize("tp,pp,dp,forward", [(2, 1, 1, "plain"), (1, 2, 1, "plain"),
+                                              (1, 1, 2, "megatron")])
+def test_activation_recompute_trains_like_the_reference(world2, tiny_models, tp, pp, dp,
+                                                        forward):
+    """The plan's activation_recompute (each layer recomputed in the backward) gives the
+    PyTorch reference's losses, grad norms and weights, like training without it."""
+    path, steps = tiny_models["llama"], 2
+    ref_hist, ref_out = world2.run("cases_train:reference", path, "lm", dp, steps)[0]
+    for hist, out in world2.run("cases_train:train", path, "lm", tp, pp, dp, 1, steps, True,
+                                forward, True):
+        for step, (got, want) in enumerate(zip(hist, ref_hist)):
+            rel = 1e-5 if step == 0 else 1e-3
+            assert got["loss"] == pytest.approx(want["loss"], rel=rel)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=rel)
+        assert float((out - ref_out).abs().max()) < 2e-3
+
+
+def test_optimizer_offload_on_cpu_names_the_setting(world2, tiny_models):
+    for field, msg in world2.run("cases_train:offload_on_cpu", tiny_models["llama"]):
+        assert field == "plan.cost.optimizer_offload" and "device cpu" in msg
+
+
 @pytest.mark.parametrize("forward", ["plain", "megatron"])
 def test_generation_and_scoring_outputs_feed_training(world2, tiny_models, forward):
     for ordinary, update_ok in world2.run("cases_generate:outputs_feed_training",

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from planner.cost_config import KV_CACHE_BLOCK_TOKENS
 from realign.runtime.model import TE_NAMES, ModelShard
@@ -120,9 +121,13 @@ class StageDecoder:
     than the last return hidden states [b, s, h].
     """
 
-    def __init__(self, shard: ModelShard, max_len: int, cache_rows: int = 0):
+    def __init__(self, shard: ModelShard, max_len: int, cache_rows: int = 0,
+                 recompute: bool = False):
         m, spec, g = shard.module, shard.spec, shard.groups
         self.shard, self.spec, self.groups = shard, spec, g
+        #: score() under autograd keeps only each layer's input and recomputes the
+        #: layer in the backward (the plan's activation_recompute)
+        self.recompute = recompute
         tp = g.layout.tp
         self.tp_group = g.pgs.tp if tp > 1 else None
         self.n_groups = spec.n_kv_heads // tp
@@ -182,7 +187,7 @@ class StageDecoder:
     def score(self, x: torch.Tensor) -> torch.Tensor:
         b, s = x.shape[:2]
         positions = torch.arange(s, device=x.device).unsqueeze(0).expand(b, s)
-        return self._forward(x, positions, None, lambda i, k, v: (k, v), "all")
+        return self._forward(x, positions, None, _no_cache, "all")
 
     # ---- the math ---------------------------------------------------------------------
     def _forward(self, x, positions, mask, attend, out):
@@ -191,8 +196,13 @@ class StageDecoder:
         if self.emb is not None:
             x = self._embed(x)
         cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+        checkpoint = self.recompute and attend is _no_cache and torch.is_grad_enabled()
         for i, w in enumerate(self.layers):
-            x = self._layer(i, w, x, cos, sin, mask, attend)
+            if checkpoint:      # no cache writes in the layer: recomputing it is exact
+                x = torch.utils.checkpoint.checkpoint(
+                    self._layer, i, w, x, cos, sin, mask, attend, use_reentrant=False)
+            else:
+                x = self._layer(i, w, x, cos, sin, mask, attend)
         if not self.groups.is_last_stage:
             return x
         every = isinstance(out, str) and out == "all"
@@ -248,6 +258,11 @@ class StageDecoder:
             copy_to_tensor_model_parallel_region,
         )
         return copy_to_tensor_model_parallel_region(t, self.tp_group)
+
+
+def _no_cache(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the given keys and values only (scoring: no KV cache)."""
+    return k, v
 
 
 def gather_vocab(logits: torch.Tensor, tp_group) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from realign.errors import NonFiniteError
+from realign.errors import NonFiniteError, UserError
 from realign.runtime.device import cuda_tensor_type_names
 from realign.runtime.engines.base import (
     Batch,
@@ -44,7 +44,8 @@ class TrainEngine:
     micro-batches per DP rank (the plan's). Every rank of the replica calls it with the
     same whole batch; the returned metrics are the same on every rank."""
 
-    def __init__(self, shard: ModelShard, cfg: TrainConfig, micro_batches: int = 1):
+    def __init__(self, shard: ModelShard, cfg: TrainConfig, micro_batches: int = 1,
+                 optimizer_offload: bool = False, recompute: bool = False):
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -53,7 +54,20 @@ class TrainEngine:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.shard, self.cfg, self.micro_batches = shard, cfg, micro_batches
+        self.optimizer_offload, self.recompute = optimizer_offload, recompute
         pgs, dev, config = shard.groups.pgs, shard.device, shard.config
+        if optimizer_offload and (dev.kind != "cuda" or not cfg.uses_distributed_optimizer(
+                dev.kind)):
+            raise UserError(
+                "optimizer offload moves the distributed optimizer's state from the GPU to "
+                "host memory: it needs device cuda and train.distributed_optimizer on (this "
+                f"run: device {dev.kind}, distributed optimizer "
+                f"{cfg.uses_distributed_optimizer(dev.kind)}); plan with "
+                "plan.cost.optimizer_offload: never", field="plan.cost.optimizer_offload")
+        if recompute and cfg.forward == "megatron":
+            # megatron's layers: full recomputation of every layer in the backward
+            config.recompute_granularity, config.recompute_method = "full", "uniform"
+            config.recompute_num_layers = 1
         self.zero1 = zero1 = cfg.uses_distributed_optimizer(dev.kind)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -64,7 +78,12 @@ class TrainEngine:
             optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
             clip_grad=cfg.clip_grad, bf16=dev.dtype == torch.bfloat16,
-            params_dtype=dev.dtype, use_distributed_optimizer=zero1)
+            params_dtype=dev.dtype, use_distributed_optimizer=zero1,
+            # the plan's optimizer offload: megatron's HybridDeviceOptimizer keeps the
+            # fp32 main weights and Adam moments in host memory and steps them there
+            # (offload fraction 1: all of them); gradients go down, new weights up
+            **({"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0}
+               if optimizer_offload else {}))
         with cuda_tensor_type_names(dev), _world_is_replica(shard.groups.model_group):
             self.optimizer = get_megatron_optimizer(
                 opt_config, [self.model], use_gloo_process_groups=False, pg_collection=pgs)
@@ -125,7 +144,7 @@ class TrainEngine:
         stage's input is what the schedule set with ``set_input_tensor``."""
         shard = self.shard
         g, decoder = shard.groups, shard.module.decoder
-        dec = StageDecoder(shard, max_len=seq_len)
+        dec = StageDecoder(shard, max_len=seq_len, recompute=self.recompute)
 
         def forward(tokens: torch.Tensor) -> torch.Tensor:
             x = tokens if g.is_first_stage else decoder.input_tensor.transpose(0, 1)

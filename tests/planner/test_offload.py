@@ -1,0 +1,119 @@
+"""Optimizer offload and activation recompute as plan options: their cost terms by hand,
+the search choosing offload where the GPUs are too small, and the plan carrying both
+to the run."""
+from __future__ import annotations
+
+import pytest
+
+from planner.algorithms import BatchShape, build_graph
+from planner.cluster import ClusterSpec, resolve_device
+from planner.cost_config import CostModelConfig
+from planner.cost_model import CostModel
+from planner.errors import InfeasibleError
+from planner.layout import Layout
+from planner.mesh import DeviceMesh
+from planner.model_spec import model_presets
+from planner.plan import ExecutionPlan
+from planner.problem import RoleModel, head_of
+from planner.search import SearchSettings, search
+
+pytestmark = pytest.mark.pure
+
+A100 = resolve_device("a100-80g")
+FAST = SearchSettings(time_limit_s=5.0, anneal_steps=5000)
+
+
+def sft(model: str, gpus: int, device=A100):
+    cluster = ClusterSpec(n_nodes=1, gpus_per_node=gpus, device=device)
+    models = {"actor": RoleModel("actor", model_presets()[model], head_of("actor"))}
+    graph = build_graph("sft", BatchShape(prompts_per_step=8, prompt_len=64, gen_len=64,
+                                          ppo_minibatches=1), {"actor"})
+    return graph, models, cluster
+
+
+def test_offload_step_is_the_transfers_and_the_host_adam():
+    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=1, device=A100))
+    # fp32 grads down, fp32 main weights up (8 bytes/param) at 25 GB/s, Adam at 5e8/s
+    assert cm.offload_step_s(1e9) == pytest.approx(8e9 / 25e9 + 1e9 / 5e8)
+
+
+def test_offload_moves_optimizer_state_to_the_host_and_costs_its_step():
+    graph, models, cluster = sft("llama2-7b", 8)
+    cm = CostModel(cluster)
+    train = graph.mfcs[-1]
+    spec = models["actor"].spec
+    lay = Layout(tp=2, pp=1, dp=4)
+    on = cm.mfc_cost(train, spec, "lm", DeviceMesh(first_gpu=0, n_gpus=8), lay, 1, True)
+    off = cm.mfc_cost(train, spec, "lm", DeviceMesh(first_gpu=0, n_gpus=8), lay, 1, False)
+    shard = cm.stage_params(spec, "lm", lay) / 4          # the distributed optimizer's shard
+    # the GPU keeps a 4-byte fp32 main weight instead of 12 bytes of optimizer state
+    assert off.resident_bytes - on.resident_bytes == pytest.approx(8 * shard)
+    assert on.host_bytes == pytest.approx(16 * shard) and off.host_bytes == 0
+    # the host step replaces the GPU's: it adds the transfers and the CPU Adam
+    assert on.terms_s["optimizer_offload"] == pytest.approx(cm.offload_step_s(shard))
+    assert on.time_s > off.time_s
+    assert on.activation_bytes == off.activation_bytes
+
+
+def test_only_train_calls_on_devices_that_offer_it_are_offloaded():
+    graph, _models, cluster = sft("llama2-7b", 1)
+    train = graph.mfcs[-1]
+    assert CostModel(cluster).offload_options(train) == (False, True)
+    assert CostModel(cluster, CostModelConfig(optimizer_offload="always")).offload_options(
+        train) == (True,)
+    assert CostModel(cluster, CostModelConfig(optimizer_offload="never")).offload_options(
+        train) == (False,)
+    assert CostModel(cluster, CostModelConfig(distributed_optimizer=False)).offload_options(
+        train) == (False,)
+    cpu = cluster.model_copy(update={"device": resolve_device("cpu")})
+    assert CostModel(cpu).offload_options(train) == (False,)
+
+
+def test_a_7b_sft_fits_one_a100_only_with_offload_and_the_plan_says_so():
+    graph, models, cluster = sft("llama2-7b", 1)
+    with pytest.raises(InfeasibleError, match="actor.train"):
+        search("no-offload", graph, models, cluster,
+               CostModelConfig(optimizer_offload="never"), settings=FAST)
+    plan = search("offload", graph, models, cluster, settings=FAST)
+    a = plan.allocation("actor.train")
+    assert a.optimizer_offload and a.host_bytes > 0
+    assert max(plan.peak_mem_bytes) <= plan.mem_limit_bytes
+    back = ExecutionPlan.from_json(plan.to_json())
+    assert back.allocation("actor.train").optimizer_offload
+
+
+def test_offload_is_not_chosen_where_it_only_costs_time():
+    graph, models, cluster = sft("llama2-7b", 8)
+    plan = search("roomy", graph, models, cluster, settings=FAST)
+    assert not plan.allocation("actor.train").optimizer_offload
+
+
+def test_host_memory_bounds_offload_and_the_error_says_so():
+    small_host = A100.model_copy(update={"host_mem_bytes": 8 * 2 ** 30})
+    graph, models, cluster = sft("llama2-7b", 1, small_host)
+    with pytest.raises(InfeasibleError, match="host_mem_bytes"):
+        search("small-host", graph, models, cluster, settings=FAST)
+
+
+def test_activation_recompute_adds_one_forward_of_the_layers_and_saves_memory():
+    graph, models, cluster = sft("llama2-7b", 8)
+    train, spec = graph.mfcs[-1], models["actor"].spec
+    mesh, lay = DeviceMesh(first_gpu=0, n_gpus=8), Layout(tp=8, pp=1, dp=1)
+    plain = CostModel(cluster).mfc_cost(train, spec, "lm", mesh, lay, 2)
+    rc = CostModel(cluster, CostModelConfig(activation_recompute=True)).mfc_cost(
+        train, spec, "lm", mesh, lay, 2)
+    # forward + backward GEMMs are 6 units of work, the recomputed forward 2 more, for
+    # the layers (the head is not recomputed): between 1 and 4/3 of the GEMM time
+    assert plain.terms_s["gemm"] < rc.terms_s["gemm"] < 4 / 3 * plain.terms_s["gemm"] * 1.0001
+    assert rc.terms_s["tp_comm"] > plain.terms_s["tp_comm"]
+    assert rc.activation_bytes < plain.activation_bytes
+
+
+def test_the_run_program_carries_offload_and_recompute_to_the_train_call():
+    from realign.run.program import Call, compile_program
+    graph, models, cluster = sft("llama2-7b", 1)
+    plan = search("offload", graph, models, cluster,
+                  CostModelConfig(activation_recompute=True), settings=FAST)
+    calls = [op for op in compile_program(plan).ops if isinstance(op, Call)]
+    (train,) = [c for c in calls if c.kind == "train"]
+    assert train.optimizer_offload and train.activation_recompute
