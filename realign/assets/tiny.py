@@ -7,6 +7,9 @@ Layout written into ``out_dir``::
     reward/       LlamaForSequenceClassification, num_labels=1 (reward model and
                   critic initialisation) + tokenizer
     qwen2_actor/  Qwen2ForCausalLM (the same task with a Qwen2 policy) + tokenizer
+    small_actor/, small_reward/  the same two at ~3.2M parameters each (width 256, 4
+                  layers): big enough that arithmetic, not Python, dominates a step on
+                  one CPU core (``experiments/bench-ppo-cpu.yaml``)
     math_train.jsonl, math_eval.jsonl   {"prompt": "3+4=", "answer": "7"}
     prefs.jsonl                         {"prompt", "chosen", "rejected"}
     sft.jsonl                           {"prompt", "response"}
@@ -56,6 +59,10 @@ TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   max_position_embeddings=256, rms_norm_eps=1e-6,
                   tie_word_embeddings=False, initializer_range=0.02)
 
+#: The "small" models: ~3.2M parameters (``realign bench plans`` on CPU).
+SMALL_LLAMA = dict(TINY_LLAMA, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=4)
+
 EVAL_FRACTION = 0.2
 
 
@@ -88,10 +95,10 @@ def build_tokenizer():
 
 # ---- models ------------------------------------------------------------------------
 
-def _model_config(kind: str, vocab_size: int, head: str):
+def _model_config(kind: str, vocab_size: int, head: str, arch: dict | None = None):
     import transformers as tf
 
-    fields = dict(TINY_LLAMA, vocab_size=vocab_size, pad_token_id=PAD_ID,
+    fields = dict(arch or TINY_LLAMA, vocab_size=vocab_size, pad_token_id=PAD_ID,
                   bos_token_id=BOS_ID, eos_token_id=EOS_ID)
     if kind == "qwen2":
         cfg = tf.Qwen2Config(**fields, rope_parameters={"rope_type": "default",
@@ -104,15 +111,16 @@ def _model_config(kind: str, vocab_size: int, head: str):
 
 
 def make_model(folder: str | Path, kind: str = "llama", head: str = "lm", seed: int = 0,
-               tokenizer=None) -> Path:
+               tokenizer=None, arch: dict | None = None) -> Path:
     """Save a tiny random ``kind`` (llama | qwen2) model with an LM head (``lm``) or a
     one-label sequence-classification head (``value``), and the tiny tokenizer, into
-    ``folder``; returns the folder."""
+    ``folder``; returns the folder. ``arch``: architecture numbers (default
+    :data:`TINY_LLAMA`)."""
     import torch
     import transformers as tf
 
     tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
-    cfg = _model_config(kind, len(tokenizer), head)
+    cfg = _model_config(kind, len(tokenizer), head, arch)
     cls = {("llama", "lm"): tf.LlamaForCausalLM, ("qwen2", "lm"): tf.Qwen2ForCausalLM,
            ("llama", "value"): tf.LlamaForSequenceClassification,
            ("qwen2", "value"): tf.Qwen2ForSequenceClassification}[(kind, head)]
@@ -166,11 +174,12 @@ def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
 # ---- everything --------------------------------------------------------------------
 
 def make_tiny_assets(out_dir: str | Path, seed: int = 0, qwen2: bool = True,
-                     max_operand: int = 9) -> dict[str, Path]:
+                     max_operand: int = 9, small: bool = True) -> dict[str, Path]:
     """Write the tiny tokenizer, models and datasets into ``out_dir`` (created if
     needed; existing files of the same names are overwritten). Returns the paths by
     name: ``actor``, ``ref`` (= actor), ``reward``, ``critic`` (= reward),
-    ``qwen2_actor`` (when ``qwen2``), ``math_train``, ``math_eval``, ``prefs``, ``sft``.
+    ``qwen2_actor`` (when ``qwen2``), ``small_actor`` and ``small_reward`` (when
+    ``small``), ``math_train``, ``math_eval``, ``prefs``, ``sft``.
     ``max_operand`` (1..9) bounds the operands of the arithmetic task."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -183,6 +192,11 @@ def make_tiny_assets(out_dir: str | Path, seed: int = 0, qwen2: bool = True,
     if qwen2:
         paths["qwen2_actor"] = make_model(out / "qwen2_actor", "qwen2", "lm", seed=seed + 2,
                                           tokenizer=tok)
+    if small:
+        paths["small_actor"] = make_model(out / "small_actor", "llama", "lm", seed=seed + 3,
+                                          tokenizer=tok, arch=SMALL_LLAMA)
+        paths["small_reward"] = make_model(out / "small_reward", "llama", "value",
+                                           seed=seed + 4, tokenizer=tok, arch=SMALL_LLAMA)
     train, evals = math_problems(seed, max_operand)
     paths["math_train"] = write_jsonl(out / "math_train.jsonl", train)
     paths["math_eval"] = write_jsonl(out / "math_eval.jsonl", evals)

@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("realign.cli.plan_cmd", "search an execution plan for an experiment YAML"),
     "run": ("realign.cli.run_cmd", "train an experiment on this machine (plans first)"),
     "make-tiny": ("realign.assets.tiny_cmd", "write tiny models, tokenizer and datasets (offline)"),
+    "profile": ("realign.cli.profile_cmd", "measure this machine for the cost model "
+                "(writes a profile table)"),
     "bench": ("realign.cli.bench_cmd", "throughput studies (plan-sweep, realloc, ...)"),
     "submit": ("realign.cli.submit_cmd", "submit an experiment as a batch job (Slurm, Ray, local)"),
     "status": ("realign.cli.status_cmd", "state, step and last metrics of a submitted job"),

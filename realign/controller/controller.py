@@ -187,7 +187,7 @@ class Controller:
                     self.broadcast(("step", step + 1))
                 reports = [m[2] for m in replies.values()]
                 row = merge_metrics(step, reports, wall)
-                log.write(row, [e for rep in reports for e in rep.get("events", [])])
+                log.write(row, op_events(reports))
                 progress.update(step, row)
                 if save:
                     self.save_checkpoint(step + 1)
@@ -229,13 +229,44 @@ class Controller:
             "trained": self.trained})
 
 
+def op_events(reports: list[dict]) -> list[list]:
+    """The step's ops as ``[label, kind, start, end, gpus]``: named by their lead rank,
+    timed from their last rank's start to their last rank's end (every rank reports its
+    own ``spans``; before its peers arrive a rank only waits for them)."""
+    starts: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    for rep in reports:
+        for i, t0, t1 in rep.get("spans", []):
+            starts[i] = max(starts.get(i, t0), t0)
+            ends[i] = max(ends.get(i, t1), t1)
+    out = []
+    for rep in reports:
+        for i, label, kind, gpus, _metric in rep.get("ops", []):
+            out.append([label, kind, starts[i], max(ends[i], starts[i]), gpus])
+    return sorted(out, key=lambda e: e[2])
+
+
+def op_times(reports: list[dict]) -> dict[str, float]:
+    """``time.<mfc>`` and ``time.realloc.<mfc>``: each timed op's last rank's end minus
+    its last rank's start."""
+    starts: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    for rep in reports:
+        for i, t0, t1 in rep.get("spans", []):
+            starts[i] = max(starts.get(i, t0), t0)
+            ends[i] = max(ends.get(i, t1), t1)
+    return {metric: max(0.0, ends[i] - starts[i]) for rep in reports
+            for i, _label, _kind, _gpus, metric in rep.get("ops", []) if metric}
+
+
 def merge_metrics(step: int, reports: list[dict], wall_s: float) -> dict:
     """One row per step from every worker's report: the union of what the ops' lead
-    ranks reported (``metrics``), the bytes each reallocation's ranks received summed
-    (``realloc_bytes.<mfc>``, and ``realloc_bytes`` in all), and the mean of each
-    ``dp_parts`` metric over the workers that reported it (one per data-parallel rank,
-    equal shares of the batch)."""
+    ranks reported (``metrics``), each timed op's duration (:func:`op_times`), the bytes
+    each reallocation's ranks received summed (``realloc_bytes.<mfc>``, and
+    ``realloc_bytes`` in all), and the mean of each ``dp_parts`` metric over the
+    workers that reported it (one per data-parallel rank, equal shares of the batch)."""
     row: dict = {"step": step, "step_time_s": wall_s}
+    row.update(op_times(reports))
     received: dict[str, float] = {}
     shares: dict[str, list[float]] = {}
     for rep in reports:

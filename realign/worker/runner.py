@@ -9,11 +9,14 @@ What an op does on a member rank:
 * ``Call``: generate / inference / train on the replica, reading and writing records;
 * ``RuleReward``: score generated text with the reward function;
 * ``Release``: free a reallocated copy's storage after its last use.
-The first rank of each op reports its wall time and metrics to the controller; metrics
-that differ between data-parallel ranks (a train call's loss) come from every DP rank
-as ``dp_parts`` and the controller averages them (no collective in the step for it).
-The first rank also records when the op started and ended (wall clock), for the run
-report's measured timeline.
+The first rank of each op reports its metrics to the controller; metrics that differ
+between data-parallel ranks (a train call's loss) come from every DP rank as
+``dp_parts`` and the controller averages them (no collective in the step for it).
+Every rank records when it started and ended each of its ops (wall clock, ``spans``),
+and the first rank names the op (``ops``): the controller takes an op's duration from
+its last rank's start to its last rank's end (:func:`realign.controller.controller.
+merge_metrics`), so a rank that arrives early and waits for its peers does not count
+the wait as the op's time.
 """
 from __future__ import annotations
 
@@ -44,9 +47,10 @@ class StepRunner:
         store: dict[str, Record] = dict(dataset)
         metrics: dict[str, float] = {}
         dp_parts: dict[str, float] = {}
-        events: list[list] = []
+        ops: list[list] = []
+        spans: list[list] = []
         me = self.rank
-        for op in self.program.ops_for(evaluate):
+        for i, op in enumerate(self.program.ops_for(evaluate)):
             if me not in op.ranks:
                 continue
             lead = me == op.ranks[0]
@@ -54,8 +58,6 @@ class StepRunner:
             t0 = time.perf_counter()
             if isinstance(op, Realloc):
                 stats = self._realloc(op)
-                if lead:
-                    metrics[f"time.realloc.{op.to_mfc}"] = time.perf_counter() - t0
                 metrics[f"realloc_bytes.{op.to_mfc}.r{me}"] = float(stats.bytes_received)
             elif isinstance(op, Send):
                 self._send(op, store)
@@ -64,7 +66,6 @@ class StepRunner:
                 store.update(out)
                 dp_parts.update(parts)
                 if lead:
-                    metrics[f"time.{op.name}"] = time.perf_counter() - t0
                     metrics.update(m)
             elif isinstance(op, RuleReward):
                 out, m = self.calls.rule_reward(op, store, step)
@@ -78,10 +79,11 @@ class StepRunner:
             elif isinstance(op, Release):
                 h = self.hosted[op.replica]
                 h.released = release_copy(h.shard)
-            if lead and not isinstance(op, Release):
-                events.append([*describe(op), wall0, wall0 + time.perf_counter() - t0,
-                               list(op.ranks)])
-        return {"metrics": metrics, "dp_parts": dp_parts, "events": events}
+            if not isinstance(op, Release):
+                spans.append([i, wall0, wall0 + time.perf_counter() - t0])
+                if lead:
+                    ops.append([i, *describe(op), list(op.ranks), timed_metric(op)])
+        return {"metrics": metrics, "dp_parts": dp_parts, "ops": ops, "spans": spans}
 
     def _realloc(self, op: Realloc):
         src, dst = self.hosted[op.src], self.hosted[op.dst]
@@ -101,6 +103,16 @@ class StepRunner:
             for d in op.dst_ranks:
                 if op.sender_of(d) == me:
                     send_record(store[op.key], d)
+
+
+def timed_metric(op) -> str | None:
+    """The metric an op's duration is reported under: ``time.<mfc>`` for a call,
+    ``time.realloc.<mfc>`` for the reallocation before it."""
+    if isinstance(op, Call):
+        return f"time.{op.name}"
+    if isinstance(op, Realloc):
+        return f"time.realloc.{op.to_mfc}"
+    return None
 
 
 def describe(op) -> tuple[str, str]:

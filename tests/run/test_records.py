@@ -26,12 +26,15 @@ def test_sequences_join_each_prompt_with_its_own_continuation():
 def test_step_row_averages_the_data_parallel_shares_and_keeps_the_rest():
     from realign.controller.controller import merge_metrics
     reports = [
-        {"metrics": {"time.actor.train": 0.5, "actor.grad_norm": 2.0, "gen_tokens": 40.0,
+        {"metrics": {"actor.grad_norm": 2.0, "gen_tokens": 40.0,
                      "realloc_bytes.actor.generate.r0": 10.0,
                      "realloc_bytes.actor.greedy_generate.r0": 1.0},
-         "dp_parts": {"loss": 1.0, "actor.loss": 1.0}},
+         "dp_parts": {"loss": 1.0, "actor.loss": 1.0},
+         "ops": [[3, "actor.train", "train", [0, 1], "time.actor.train"]],
+         "spans": [[3, 100.0, 100.75]]},
         {"metrics": {"realloc_bytes.actor.generate.r1": 6.0},
-         "dp_parts": {"loss": 3.0, "actor.loss": 3.0}},
+         "dp_parts": {"loss": 3.0, "actor.loss": 3.0},
+         "spans": [[3, 100.25, 100.70]]},       # arrived 0.25 s later: the op starts then
         {"metrics": {}, "dp_parts": {}},       # a rank that reports no share (not last stage)
     ]
     row = merge_metrics(7, reports, wall_s=2.0)

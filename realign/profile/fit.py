@@ -1,0 +1,70 @@
+"""Fitting measured points to the cost model's terms (pure, numpy only).
+
+* :func:`fit_relative`: non-negative least squares on relative errors: the fixed
+  costs of an engine, given a design matrix built from the cost model itself (the
+  cost model is linear in each fixed cost, so ``time = base + A c``).
+* :func:`fit_collective`: ``latency + factor x bytes / bandwidth`` of one collective.
+* :func:`fit_transfer`: ``fixed + per_tensor x tensors + bytes / bandwidth``.
+
+Why not scipy's ``nnls``: scipy is not a dependency, and the problems here have at
+most a dozen unknowns, for which an active-set loop over numpy's ``lstsq`` is exact.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from planner.profile import CollectiveCurve, TransferCosts
+from planner.rates import alg_factor
+
+
+def fit_relative(A: list[list[float]], y: list[float], base: list[float] | None = None
+                 ) -> tuple[list[float], float]:
+    """``c >= 0`` minimising ``sum_i ((base_i + A_i c - y_i) / y_i)^2``; returns ``c``
+    and the RMS relative error of the fit. Columns that are all zero get 0."""
+    a = np.asarray(A, dtype=float)
+    t = np.asarray(y, dtype=float)
+    b = np.zeros_like(t) if base is None else np.asarray(base, dtype=float)
+    w = 1.0 / t
+    active = [j for j in range(a.shape[1]) if np.any(a[:, j] != 0)]
+    coef = np.zeros(a.shape[1])
+    while active:
+        # scale the columns so the solve is well conditioned (units differ by 1e6)
+        cols = a[:, active] * w[:, None]
+        scale = np.linalg.norm(cols, axis=0)
+        scale[scale == 0] = 1.0
+        sol, *_ = np.linalg.lstsq(cols / scale, (t - b) * w, rcond=None)
+        sol = sol / scale
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        active = [j for j, v in zip(active, sol) if v > 0]    # drop the negative ones
+    pred = b + a @ coef
+    rms = float(np.sqrt(np.mean(((pred - t) / t) ** 2))) if len(t) else 0.0
+    return [float(x) for x in coef], rms
+
+
+def fit_collective(op: str, group_size: int, points: list[tuple[float, float]],
+                   inter_node: bool = False) -> CollectiveCurve:
+    """``latency_s + alg_factor x bytes / bytes_per_s`` through the measured
+    (bytes, seconds) points (relative least squares, both terms >= 0)."""
+    f = alg_factor(op, group_size)
+    A = [[1.0, f * nbytes] for nbytes, _ in points]
+    (lat, inv_bw), _rms = fit_relative(A, [s for _, s in points])
+    if inv_bw <= 0:          # no size dependence measured: bound by the largest point
+        nbytes, s = max(points)
+        inv_bw = max(s - lat, 1e-12) / max(f * nbytes, 1.0)
+    return CollectiveCurve(op=op, group_size=group_size, inter_node=inter_node,
+                           latency_s=lat, bytes_per_s=1.0 / inv_bw,
+                           points=tuple((float(b), float(s)) for b, s in points))
+
+
+def fit_transfer(points: list[tuple[float, float, float, float]]) -> TransferCosts:
+    """From (seconds already explained, tensors, bytes, measured seconds) points."""
+    A = [[1.0, tensors, nbytes] for _, tensors, nbytes, _ in points]
+    (fixed, per_tensor, inv_bw), _ = fit_relative(A, [s for *_, s in points],
+                                                  [e for e, *_ in points])
+    if inv_bw <= 0:
+        _, _, nbytes, s = max(points, key=lambda p: p[2])
+        inv_bw = max(s - fixed, 1e-12) / max(nbytes, 1.0)
+    return TransferCosts(fixed_s=fixed, per_tensor_s=per_tensor, bytes_per_s=1.0 / inv_bw)

@@ -1,0 +1,275 @@
+"""``realign profile``: measure this machine and write its profile table.
+
+One worker process per device (the runs' thread count each) measures at once, so
+every rate includes what the devices' sharing of the machine costs (memory
+bandwidth, caches). Steps, with a progress bar:
+
+1. GEMM rates over a grid of rows x width, forward and forward + backward;
+2. streaming memory bandwidth;
+3. collectives (all-reduce, all-gather, reduce-scatter, broadcast over each power of
+   two of workers, and point to point) by message size, fitted to latency +
+   bytes / bandwidth;
+4. realign's engines on probe models (:mod:`realign.profile.engines`): scoring,
+   training, generation; their fixed costs (:class:`planner.profile.EngineCosts`) are
+   fitted through the cost model itself: the cost model is linear in each fixed cost,
+   so pricing each probe with each cost set to 1 (the rest 0) gives the design matrix
+   of a non-negative least-squares fit on relative errors;
+5. a parameter reallocation and a record send between two workers, fitted to a
+   fixed cost and a throughput.
+
+Collectives across nodes need workers on several nodes (a launcher); this command
+measures one node, and the table says so (its curves are all ``inter_node: false``).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+from planner.cluster import ClusterSpec, resolve_device
+from planner.cost_config import CostModelConfig
+from planner.cost_model import CostModel
+from planner.graph import MFC
+from planner.layout import Layout
+from planner.mesh import DeviceMesh
+from planner.profile import EngineCosts, GemmGrid, ProbePoint, ProfileTable, Provenance
+from planner.realloc_cost import ReallocModel, realloc_recv_send
+from realign.profile import engines as E
+from realign.profile.fit import fit_collective, fit_relative, fit_transfer
+
+GRIDS = {   # (rows, widths) of the GEMM grid per device kind
+    "cpu": ((1, 4, 16, 64, 256, 1024, 4096), (16, 32, 64, 128, 256, 512, 1024)),
+    "cuda": ((1, 8, 64, 256, 1024, 4096, 16384), (64, 256, 1024, 2048, 4096, 8192)),
+}
+COLLECTIVE_BYTES = (4, 256, 4096, 65536, 1 << 20, 8 << 20, 32 << 20)
+MEM_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}
+FIELDS = ("call_s", "microbatch_s", "layer_s", "token_hidden_s", "token_vocab_s", "token_s",
+          "param_s", "collective_s")
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    device: str = "cpu"            #: cpu | cuda
+    preset: str = "cpu"            #: the device preset the table is for
+    workers: int = 2               #: one per device, measured at once
+    threads: int = 1               #: CPU threads per worker (the runs' launcher setting)
+    dtype: str = "fp32"
+
+
+class Progress:
+    """A progress bar on ``out``: one line rewritten on a terminal, else a line per step."""
+
+    def __init__(self, out, total: float):
+        self.out, self.total, self.done = out, total, 0.0
+        self.tty = hasattr(out, "isatty") and out.isatty()
+        self.t0 = time.perf_counter()
+
+    def step(self, what: str, weight: float = 0.0) -> None:
+        self.done += weight
+        frac = min(1.0, self.done / self.total)
+        bar = "#" * int(frac * 24) + "." * (24 - int(frac * 24))
+        line = (f"realign profile [{bar}] {frac:4.0%}  {time.perf_counter() - self.t0:5.0f} s  "
+                f"{what}")
+        if self.tty:
+            print(f"\r{line:<100}", end="" if frac < 1 else "\n", file=self.out, flush=True)
+        else:
+            print(line, file=self.out, flush=True)
+
+
+def _mean_grid(grids: list[list[list[float]]]) -> tuple[tuple[float, ...], ...]:
+    return tuple(tuple(sum(g[i][j] for g in grids) / len(grids) for j in range(len(grids[0][0])))
+                 for i in range(len(grids[0])))
+
+
+def profile_machine(settings: ProfileSettings, out=sys.stderr) -> ProfileTable:
+    """Measure and fit; the finished table."""
+    from realign.runtime.local_world import LocalWorld
+    s = settings
+    t_start = time.time()
+    prog = Progress(out, 100.0)
+    prog.step(f"starting {s.workers} workers ({s.threads} thread(s) each, {s.device}, {s.dtype})")
+    with LocalWorld(s.workers, threads=s.threads, timeout_s=600.0) as world:
+        rows, widths = GRIDS[s.device]
+        prog.step("GEMM grid", 2)
+        grids = world.run("realign.profile.micro:gemm_grid", s.device, s.dtype, list(rows),
+                          list(widths))
+        gemm = GemmGrid(rows=rows, widths=widths,
+                        forward_flops_per_s=_mean_grid([g[0] for g in grids]),
+                        train_flops_per_s=_mean_grid([g[1] for g in grids]))
+        prog.step("memory bandwidth", 18)
+        bws = world.run("realign.profile.micro:mem_bandwidth", s.device, MEM_BYTES[s.device])
+        mem = sum(bws) / len(bws)
+        prog.step("collectives", 5)
+        coll = world.run("realign.profile.micro:collectives", s.device, list(COLLECTIVE_BYTES))[0]
+        curves = []
+        for key, pts in coll.items():
+            op, n = key.split()
+            if pts:
+                curves.append(fit_collective(op, int(n), pts))
+        base = ProfileTable(device=s.preset, gemm=gemm, mem_bytes_per_s=mem,
+                            collectives=tuple(curves))
+        prog.step("probe models", 10)
+        world.run("realign.profile.engines:build_probes", s.device, s.dtype)
+        fitted, rms, points = {}, {}, []
+        probes = _probes(s.workers)
+        n_probes = sum(len(v) for v in probes.values())
+        for kind, cases in probes.items():
+            measured = []
+            for k, (fn, args, _mfc) in enumerate(cases):
+                prog.step(f"engine {kind} {k + 1}/{len(cases)}", 45 / n_probes)
+                times = [t for t in world.run(fn, *args) if t is not None]
+                # one worker alone: the mean over the workers (each measured its own
+                # replica at once); over several: the first rank's, as a run reports it
+                measured.append(sum(times) / len(times) if args[1] == (1, 1, 1) else times[0])
+            costs, err, pred = fit_engines(base, s, kind, cases, measured)
+            fitted.update(costs)
+            rms[kind] = err
+            points += [ProbePoint(engine=kind, model=a[0], layout=a[1], args=a[2:],
+                                  measured_s=t, fitted_s=f)
+                       for (_fn, a, _c), t, f in zip(cases, measured, pred)]
+        prog.step("reallocation", 2)
+        realloc = _realloc(world, s, mem)
+        prog.step("record send", 6)
+        send = _send(world)
+    import torch
+
+    import realign
+    table = base.model_copy(update={
+        "engines": fitted, "realloc": realloc, "send": send,
+        "measured": Provenance(
+            host=platform.node(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"), workers=s.workers, threads_per_worker=s.threads,
+            dtype=s.dtype, torch=torch.__version__, realign=realign.__version__,
+            duration_s=time.time() - t_start, fit_rms_relative_error=rms,
+            probes=tuple(points))})
+    prog.step("done", 12)
+    return ProfileTable.model_validate(table.model_dump())
+
+
+# ---- engine probes and their fit ---------------------------------------------------
+
+def _probes(workers: int) -> dict[str, list[tuple[str, tuple, tuple]]]:
+    """kind -> [(function, its args, (probe model, layout, MFC, micro-batches))]: every
+    probe model on each worker alone, and the multi-rank probe model over two workers at
+    TP2, PP2 and DP2."""
+    out: dict[str, list] = {"inference": [], "train": [], "generate": []}
+    setups = [(dims, (1, 1, 1)) for dims in E.PROBE_MODELS]
+    if workers >= 2:
+        setups += [(E.MULTI_MODEL, lay) for lay in E.MULTI_LAYOUTS]
+    for dims, lay in setups:
+        for b, n in E.SCORE_BATCHES:
+            for m in E.MICRO_BATCHES:
+                inf = MFC(name="probe.inference", role="ref", kind="inference", n_seqs=b,
+                          prompt_len=n, gen_len=0, input_keys=("x",), output_keys=("y",))
+                out["inference"].append(("realign.profile.engines:time_inference",
+                                         (dims, lay, b, n, m), (dims, lay, inf, m)))
+                tr = MFC(name="probe.train", role="actor", kind="train", n_seqs=b,
+                         prompt_len=n, gen_len=0, input_keys=("x",), output_keys=("y",))
+                out["train"].append(("realign.profile.engines:time_train",
+                                     (dims, lay, b, n, m), (dims, lay, tr, m)))
+        for b, p in E.GEN_BATCHES:
+            for n in E.GEN_TOKENS:
+                for w in E.WAVES:
+                    gen = MFC(name="probe.generate", role="actor", kind="generate", n_seqs=b,
+                              prompt_len=p, gen_len=n, input_keys=("x",), output_keys=("y",))
+                    out["generate"].append(("realign.profile.engines:time_generate",
+                                            (dims, lay, b, p, n, w), (dims, lay, gen, w)))
+    return out
+
+
+def _fit_cluster(s: ProfileSettings) -> tuple[ClusterSpec, CostModelConfig]:
+    cluster = ClusterSpec(n_nodes=1, gpus_per_node=s.workers, device=resolve_device(s.preset))
+    cfg = CostModelConfig(param_dtype_bytes=2 if s.dtype == "bf16" else 4,
+                          distributed_optimizer=False)
+    return cluster, cfg
+
+
+def fit_engines(base: ProfileTable, s: ProfileSettings, kind: str, cases: list,
+                measured: list[float]) -> tuple[dict[str, EngineCosts], float, list[float]]:
+    """The fixed costs of ``kind``'s engine(s) (generate: prefill and decode) that best
+    explain ``measured`` through the cost model; the fit's RMS relative error; and the
+    fitted time of each probe."""
+    cluster, cfg = _fit_cluster(s)
+    kinds = ("prefill", "decode") if kind == "generate" else (kind,)
+    zero = {k: EngineCosts() for k in ("train", "inference", "prefill", "decode")}
+    unknowns = [(k, f) for k in kinds for f in FIELDS]
+
+    def price(engines) -> list[float]:
+        cm = CostModel(cluster, cfg, base.model_copy(update={"engines": engines}))
+        out = []
+        for _fn, _args, (dims, (tp, pp, dp), mfc, m) in cases:
+            spec = E.probe_spec(*dims)
+            out.append(cm.mfc_cost(mfc, spec, "lm", DeviceMesh(first_gpu=0, n_gpus=tp * pp * dp),
+                                   Layout(tp=tp, pp=pp, dp=dp), m).time_s)
+        return out
+    t0 = price(zero)
+    cols = []
+    for k, f in unknowns:
+        unit = price({**zero, k: EngineCosts(**{f: 1.0})})
+        cols.append([u - z for u, z in zip(unit, t0)])
+    A = [[c[i] for c in cols] for i in range(len(cases))]
+    coef, rms = fit_relative(A, measured, t0)
+    costs = {k: EngineCosts(**{f: c for (kk, f), c in zip(unknowns, coef) if kk == k})
+             for k in kinds}
+    pred = [z + sum(a * c for a, c in zip(row, coef)) for z, row in zip(t0, A)]
+    return costs, rms, pred
+
+
+# ---- transfers ---------------------------------------------------------------------
+
+#: reallocations measured (probe model, source, destination): all bytes over the wire,
+#: all local, and half and half
+REALLOCS = ((E.PROBE_MODELS[3], (0, 1, 1, 1, 1), (1, 1, 1, 1, 1)),
+            (E.PROBE_MODELS[4], (0, 1, 1, 1, 1), (1, 1, 1, 1, 1)),
+            (E.PROBE_MODELS[3], (0, 2, 1, 1, 2), (0, 2, 2, 1, 1)),
+            (E.PROBE_MODELS[3], (0, 2, 2, 1, 1), (0, 1, 1, 1, 1)),
+            (E.PROBE_MODELS[4], (0, 2, 2, 1, 1), (0, 1, 1, 1, 1)))
+#: records sent: (rows, columns, tensors)
+SENDS = ((4, 8, 1), (4, 8, 3), (64, 64, 1), (64, 64, 3), (256, 512, 1), (256, 512, 3))
+
+
+def _realloc(world, s: ProfileSettings, mem: float):
+    if s.workers < 2:
+        return None
+    dt = 2 if s.dtype == "bf16" else 4
+    pts = []
+    for model, src, dst in REALLOCS:
+        times = [t for t in world.run("realign.profile.engines:time_realloc", model, src, dst)
+                 if t is not None]
+        rm = ReallocModel.of(E.probe_spec(*model), "lm", dt)
+        acc = realloc_recv_send(rm, src, dst, s.workers)
+        gpus = set(acc.recv) | set(acc.local)
+        g = max(gpus, key=lambda x: (sum(acc.recv.get(x, [0, 0])), acc.local.get(x, 0)))
+        wire = sum(acc.recv.get(g, [0, 0]))
+        copy = (wire + acc.local.get(g, 0)) / mem
+        pts.append((copy, 0.0, float(wire), max(times)))
+    return fit_transfer(pts)
+
+
+def _send(world):
+    if world.n < 2:
+        return None
+    pts = []
+    for rows, cols, tensors in SENDS:
+        times = [t for t in world.run("realign.profile.engines:time_send", rows, cols, tensors)
+                 if t is not None]
+        pts.append((0.0, float(tensors), float(rows * cols * 8 * tensors), max(times)))
+    return fit_transfer(pts)
+
+
+def default_settings(device: str, workers: int | None, threads: int, dtype: str | None,
+                     preset: str | None) -> ProfileSettings:
+    """Settings from the command line's choices (defaults: this machine)."""
+    if device == "cuda":
+        import torch
+        n = workers or torch.cuda.device_count()
+        name = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else ""
+        guess = next((p for k, p in (("h200", "h200"), ("h100", "h100-80g"),
+                                     ("a100", "a100-80g")) if k in name), None)
+        return ProfileSettings("cuda", preset or guess or "h100-80g", n, threads,
+                               dtype or "bf16")
+    n = workers or max(1, (os.cpu_count() or 1) // threads)
+    return ProfileSettings("cpu", preset or "cpu", n, threads, dtype or "fp32")
