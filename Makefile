@@ -8,7 +8,7 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 EXP       ?= experiments/ppo-llama2-70b-128gpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install services lint test test-gpu test-all demo plan bench-plan bench-env bench-step core clean
+.PHONY: install services lint test test-gpu test-all demo plan bench-plan bench-env bench-step bench-plans core clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -71,6 +71,14 @@ bench-env:
 	$(BENCH_VENV)/bin/pip install --quiet torch==2.13.0+cpu transformers tokenizers safetensors
 	$(BENCH_VENV)/bin/pip install --quiet "trl==1.16.*"
 	$(BENCH_VENV)/bin/python -c "import torch, trl, transformers; print('bench env: torch', torch.__version__, 'trl', trl.__version__, 'transformers', transformers.__version__)"
+
+# How true are the estimates: measure this machine once (realign profile), then run
+# 10 distinct plans of the tiny GRPO and of a small four-model PPO, every MFC's estimate
+# against its measurement (about 15 minutes on the 2-core machine; nothing else running).
+bench-plans:
+	$(BIN)/realign profile --out benchmarks/results/profile_cpu.json
+	$(BIN)/realign bench plans experiments/tiny-grpo-cpu.yaml --profile benchmarks/results/profile_cpu.json --plans 10 --rounds 3 --steps 6 --warmup 2 --out benchmarks/results/plans_tiny_grpo.json --svg benchmarks/results/plans_tiny_grpo.svg
+	$(BIN)/realign bench plans experiments/bench-ppo-cpu.yaml --profile benchmarks/results/profile_cpu.json --plans 10 --rounds 2 --steps 4 --warmup 1 --out benchmarks/results/plans_ppo.json --svg benchmarks/results/plans_ppo.svg
 
 bench-step:
 	$(BIN)/realign bench step experiments/tiny-grpo-cpu.yaml --steps 10 --rounds 8 --out benchmarks/results/step_tiny_grpo.json

@@ -11,6 +11,8 @@ import importlib
 STUDIES: dict[str, tuple[str, str]] = {
     "plan-sweep": ("realign.bench.plan_sweep", "searched vs heuristic plans over the PPO sweep"),
     "realloc": ("realign.bench.realloc", "parameter reallocation: bytes, lower bound, time vs naive"),
+    "plans": ("realign.bench.plans", "several plans of one experiment run: estimated vs "
+              "measured per MFC and iteration, Kendall tau"),
     "step": ("realign.bench.step", "one RL step: per-MFC measured vs estimated, tokens/s vs TRL GRPO"),
 }
 
