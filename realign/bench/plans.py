@@ -184,7 +184,12 @@ def run(args: argparse.Namespace) -> int:
     from planner.search import SearchSettings
     from planner.variants import bench_plans
     from realign.config.loading import load_experiment
-    from realign.config.planning import cost_config, experiment_graph, resolve_models
+    from realign.config.planning import (
+        NOT_SEARCH_SETTINGS,
+        cost_config,
+        experiment_graph,
+        resolve_models,
+    )
 
     cfg, base = load_experiment(args.experiment)
     if cfg.device != "cpu" or cfg.launcher.type != "local":
@@ -195,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     profile, profile_src = _profile(args, keep)
     models = resolve_models(cfg, base)
     graph = experiment_graph(cfg, models, base)
-    fields = cfg.plan.model_dump(exclude={"cost", "profile", "file", "manual"})
+    fields = cfg.plan.model_dump(exclude=NOT_SEARCH_SETTINGS)
     plans = bench_plans(cfg.name, graph, models, cfg.cluster.spec(), cost_config(cfg),
                         profile, SearchSettings(**fields), n=args.plans)
     entries = []

@@ -86,6 +86,10 @@ class PlanConfig(SearchSettings):
     cost: CostModelConfig = Field(default_factory=CostModelConfig,
                                   description="Analytic cost model settings.")
     profile: str | None = Field(None, description="Path to a measured profile table (JSON).")
+    lengths_from: str | None = Field(
+        None, description="A previous run's folder (or its metrics.jsonl): price generation "
+        "with the response lengths it recorded (the mean of its response_len, as the "
+        "maximum-entropy distribution on 1..gen_len) instead of algorithm.gen_len_mean.")
     file: str | None = Field(None, description="realign run: execute this saved plan.json "
                                                "instead of searching.")
     manual: dict[str, ManualAllocation] | None = Field(

@@ -1,12 +1,14 @@
 """From an experiment config to the planner's inputs, and to a searched plan."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from planner.algorithms import EvalShape, build_graph
 from planner.cost_config import CostModelConfig
 from planner.errors import PlanError
 from planner.graph import DataflowGraph
+from planner.lengths import GenLengths
 from planner.model_spec import model_presets, model_spec_from_hf_config
 from planner.plan import ExecutionPlan
 from planner.problem import RoleModel, head_of
@@ -80,13 +82,49 @@ def eval_shape(cfg: ExperimentConfig, base: Path) -> EvalShape | None:
     return EvalShape(n_prompts=n, samples=cfg.eval.samples, every=cfg.eval.interval)
 
 
+#: plan section fields that are not search settings
+NOT_SEARCH_SETTINGS = {"cost", "profile", "lengths_from", "file", "manual"}
+
+
 def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
                      base: Path) -> DataflowGraph:
     """The dataflow graph of the experiment: its algorithm, batch shape, model roles,
-    fixed train micro-batch count (``train.micro_batches``) and evaluation."""
+    fixed train micro-batch count (``train.micro_batches``), evaluation and the
+    generation lengths (``plan.lengths_from``, else ``algorithm.gen_len_mean``)."""
     return build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models),
                        train_micro_batches=cfg.train.micro_batches,
-                       evaluation=eval_shape(cfg, base))
+                       evaluation=eval_shape(cfg, base), lengths=recorded_lengths(cfg, base))
+
+
+def recorded_lengths(cfg: ExperimentConfig, base: Path) -> GenLengths | None:
+    """The response-length distribution ``plan.lengths_from`` names: the mean of the
+    ``response_len`` (sampled generation, every step) a previous run wrote to its
+    metrics.jsonl, capped at this experiment's ``gen_len``; None when unset."""
+    if not cfg.plan.lengths_from:
+        return None
+    p = Path(cfg.plan.lengths_from)
+    p = p if p.is_absolute() else base / p
+    f = p / "metrics.jsonl" if p.is_dir() else p
+    field = "plan.lengths_from"
+    if not f.is_file():
+        raise PlanError(f"no metrics.jsonl at {str(f)!r} (give a run folder or its "
+                        "metrics.jsonl)", field=field)
+    values = []
+    for n, line in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise PlanError(f"{f} line {n} is not JSON", field=field) from None
+        v = row.get("response_len") if isinstance(row, dict) else None
+        if isinstance(v, (int, float)) and v > 0:
+            values.append(float(v))
+    if not values:
+        raise PlanError(f"{f} records no response_len (a run with a generate call writes "
+                        "one per step)", field=field)
+    gen_len = cfg.algorithm.gen_len
+    return GenLengths(max_len=gen_len, mean=min(float(gen_len), sum(values) / len(values)))
 
 
 def load_profile(cfg: ExperimentConfig, base: Path) -> ProfileTable | None:
@@ -114,7 +152,7 @@ def plan_experiment(cfg: ExperimentConfig, base: Path,
     models = resolve_models(cfg, base)
     graph = experiment_graph(cfg, models, base)
     profile = load_profile(cfg, base)
-    fields = cfg.plan.model_dump(exclude={"cost", "profile", "file", "manual"})
+    fields = cfg.plan.model_dump(exclude=NOT_SEARCH_SETTINGS)
     fields.update({k: v for k, v in (overrides or {}).items() if v is not None})
     settings = SearchSettings(**fields)
     return search(cfg.name, graph, models, cfg.cluster.spec(), cost_config(cfg), profile, settings)
