@@ -1,0 +1,44 @@
+"""`realign bench plans` end to end on the tiny GRPO: at least 8 distinct plans run,
+each MFC's estimate beside its measurement, the record and picture written."""
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from realign.cli.main import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.cpu_dist
+@pytest.mark.slow
+def test_bench_plans_runs_eight_distinct_plans(tmp_path, capsys):
+    out, svg = tmp_path / "plans.json", tmp_path / "plans.svg"
+    assert main(["bench", "plans", str(REPO / "experiments" / "tiny-grpo-cpu.yaml"),
+                 "--analytic", "--plans", "8", "--rounds", "1", "--steps", "1",
+                 "--warmup", "1", "--out", str(out), "--svg", str(svg)]) == 0
+    assert "Kendall tau" in capsys.readouterr().out
+    rec = json.loads(out.read_text())
+    plans = rec["plans"]
+    assert len(plans) == 8 and plans[0]["origin"] == "searched"
+    assert len({json.dumps(p["allocations"], sort_keys=True) for p in plans}) == 8
+    for p in plans:
+        s = p["summary"]
+        assert not s["errors"] and s["measured_step"]["n"] == 1
+        for m in s["mfcs"]:
+            assert m["estimated_s"] > 0 and m["measured"]["median"] > 0
+    assert rec["summary"]["mfc_relative_error"]["n"] == sum(len(p["summary"]["mfcs"])
+                                                            for p in plans)
+    assert rec["summary"]["kendall_tau_iteration"] is not None
+    assert rec["config"]["profile"].startswith("none")
+    ET.fromstring(svg.read_text())
+
+
+@pytest.mark.pure
+def test_bench_plans_refuses_a_gpu_experiment(capsys):
+    assert main(["bench", "plans", str(REPO / "experiments" / "ppo-llama2-7b-8gpu.yaml"),
+                 "--analytic"]) == 2
+    assert "device" in capsys.readouterr().err

@@ -1,0 +1,68 @@
+"""`realign profile` end to end on this machine, its table read back by `realign plan
+--profile` (every rate marked as the profile's), and its bad arguments."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.profile import PROFILE_SCHEMA_VERSION, ProfileTable
+from realign.cli.main import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.cpu_dist
+@pytest.mark.slow
+def test_profile_measures_every_term_and_plan_prices_with_it(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--out", str(out), "--workers", "2"]) == 0
+    assert f"written to {out}" in capsys.readouterr().out
+    t = ProfileTable.load(out)
+    assert t.schema_version == PROFILE_SCHEMA_VERSION and t.device == "cpu"
+    assert t.measured.workers == 2 and t.measured.dtype == "fp32"
+    assert set(t.engines) == {"train", "inference", "prefill", "decode"}
+    assert t.gemm is not None and min(min(r) for r in t.gemm.forward_flops_per_s) > 0
+    assert t.mem_bytes_per_s > 0 and t.realloc is not None and t.send is not None
+    ops = {(c.op, c.group_size) for c in t.collectives}
+    assert {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2), ("broadcast", 2),
+            ("p2p", 2)} <= ops
+    # the fixed costs explain the probe runs they were fitted to
+    assert all(0 <= e < 0.5 for e in t.measured.fit_rms_relative_error.values())
+    assert len(t.measured.probes) > 100
+    plan_out = tmp_path / "plan.json"
+    assert main(["plan", str(REPO / "experiments" / "tiny-grpo-cpu.yaml"), "--profile",
+                 str(out), "--out", str(plan_out)]) == 0
+    text = capsys.readouterr().out
+    assert "rates: * from profile" in text
+    plan = json.loads(plan_out.read_text())
+    assert plan["profile"]["path"] == str(out) and plan["profile"]["dtype"] == "fp32"
+    src = plan["cost_sources"]
+    # one node measured: everything but collectives across nodes is the profile's
+    assert {k for k, v in src.items() if v != "profile"} == {
+        k for k in src if k.endswith("across nodes")}
+    assert src["gemm"] == src["engine decode"] == src["all_reduce within a node"] == "profile"
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("args,field", [
+    (["--workers", "0"], "--workers"),
+    (["--threads", "0"], "--threads"),
+    (["--preset", "tpu-v9"], "--preset"),
+])
+def test_bad_arguments_name_the_option(capsys, args, field):
+    assert main(["profile", *args]) == 2
+    assert field in capsys.readouterr().err
+
+
+@pytest.mark.pure
+def test_plan_refuses_a_profile_of_another_dtype(tmp_path, capsys):
+    t = ProfileTable(device="cpu").model_copy(update={"measured": ProfileTable(
+        device="cpu").measured.model_copy(update={"dtype": "bf16"})})
+    p = tmp_path / "bf16.json"
+    p.write_text(t.model_dump_json())
+    assert main(["plan", str(REPO / "experiments" / "tiny-grpo-cpu.yaml"), "--profile",
+                 str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "plan.profile" in err and "bf16" in err and "fp32" in err
