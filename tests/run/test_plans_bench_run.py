@@ -9,15 +9,17 @@ from pathlib import Path
 import pytest
 
 from realign.cli.main import main
+from tests.run.conftest import experiment
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.cpu_dist
 @pytest.mark.slow
-def test_bench_plans_runs_eight_distinct_plans(tmp_path, capsys):
+def test_bench_plans_runs_eight_distinct_plans(tmp_path, capsys, tiny_assets):
     out, svg = tmp_path / "plans.json", tmp_path / "plans.svg"
-    assert main(["bench", "plans", str(REPO / "experiments" / "tiny-grpo-cpu.yaml"),
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path)
+    assert main(["bench", "plans", str(exp),
                  "--analytic", "--plans", "8", "--rounds", "1", "--steps", "1",
                  "--warmup", "1", "--out", str(out), "--svg", str(svg)]) == 0
     assert "Kendall tau" in capsys.readouterr().out

@@ -9,13 +9,14 @@ import pytest
 
 from planner.profile import PROFILE_SCHEMA_VERSION, ProfileTable
 from realign.cli.main import main
+from tests.run.conftest import experiment
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.cpu_dist
 @pytest.mark.slow
-def test_profile_measures_every_term_and_plan_prices_with_it(tmp_path, capsys):
+def test_profile_measures_every_term_and_plan_prices_with_it(tmp_path, capsys, tiny_assets):
     out = tmp_path / "profile.json"
     assert main(["profile", "--out", str(out), "--workers", "2"]) == 0
     assert f"written to {out}" in capsys.readouterr().out
@@ -32,8 +33,8 @@ def test_profile_measures_every_term_and_plan_prices_with_it(tmp_path, capsys):
     assert all(0 <= e < 0.5 for e in t.measured.fit_rms_relative_error.values())
     assert len(t.measured.probes) > 100
     plan_out = tmp_path / "plan.json"
-    assert main(["plan", str(REPO / "experiments" / "tiny-grpo-cpu.yaml"), "--profile",
-                 str(out), "--out", str(plan_out)]) == 0
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path)
+    assert main(["plan", str(exp), "--profile", str(out), "--out", str(plan_out)]) == 0
     text = capsys.readouterr().out
     assert "rates: * from profile" in text
     plan = json.loads(plan_out.read_text())
@@ -58,11 +59,14 @@ def test_bad_arguments_name_the_option(capsys, args, field):
 
 @pytest.mark.pure
 def test_plan_refuses_a_profile_of_another_dtype(tmp_path, capsys):
+    """(A preset model: the check comes before any model is read.)"""
     t = ProfileTable(device="cpu").model_copy(update={"measured": ProfileTable(
         device="cpu").measured.model_copy(update={"dtype": "bf16"})})
     p = tmp_path / "bf16.json"
     p.write_text(t.model_dump_json())
-    assert main(["plan", str(REPO / "experiments" / "tiny-grpo-cpu.yaml"), "--profile",
-                 str(p)]) == 2
+    exp = tmp_path / "exp.yaml"
+    exp.write_text((REPO / "experiments" / "tiny-grpo-cpu.yaml").read_text().replace(
+        "tiny/actor", "tiny-llama"))
+    assert main(["plan", str(exp), "--profile", str(p)]) == 2
     err = capsys.readouterr().err
     assert "plan.profile" in err and "bf16" in err and "fp32" in err
