@@ -229,16 +229,22 @@ class Controller:
             "trained": self.trained})
 
 
-def op_events(reports: list[dict]) -> list[list]:
-    """The step's ops as ``[label, kind, start, end, gpus]``: named by their lead rank,
-    timed from their last rank's start to their last rank's end (every rank reports its
-    own ``spans``; before its peers arrive a rank only waits for them)."""
+def _last_spans(reports: list[dict]) -> tuple[dict[int, float], dict[int, float]]:
+    """Per op index: its last rank's start and its last rank's end (every rank reports
+    its own ``spans``; before its peers arrive a rank only waits for them)."""
     starts: dict[int, float] = {}
     ends: dict[int, float] = {}
     for rep in reports:
         for i, t0, t1 in rep.get("spans", []):
             starts[i] = max(starts.get(i, t0), t0)
             ends[i] = max(ends.get(i, t1), t1)
+    return starts, ends
+
+
+def op_events(reports: list[dict]) -> list[list]:
+    """The step's ops as ``[label, kind, start, end, gpus]``: named by their lead rank,
+    timed from their last rank's start to their last rank's end."""
+    starts, ends = _last_spans(reports)
     out = []
     for rep in reports:
         for i, label, kind, gpus, _metric in rep.get("ops", []):
@@ -249,12 +255,7 @@ def op_events(reports: list[dict]) -> list[list]:
 def op_times(reports: list[dict]) -> dict[str, float]:
     """``time.<mfc>`` and ``time.realloc.<mfc>``: each timed op's last rank's end minus
     its last rank's start."""
-    starts: dict[int, float] = {}
-    ends: dict[int, float] = {}
-    for rep in reports:
-        for i, t0, t1 in rep.get("spans", []):
-            starts[i] = max(starts.get(i, t0), t0)
-            ends[i] = max(ends.get(i, t1), t1)
+    starts, ends = _last_spans(reports)
     return {metric: max(0.0, ends[i] - starts[i]) for rep in reports
             for i, _label, _kind, _gpus, metric in rep.get("ops", []) if metric}
 

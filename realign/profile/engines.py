@@ -89,13 +89,13 @@ def _replica(ctx, dims: tuple[int, int, int], lay: tuple[int, int, int]):
     return ctx.store["replicas"][key]
 
 
-def _median_time(fn, dev, ranks: list[int] | None = None) -> float:
-    """Median seconds of ``fn``; with ``ranks``, each sample starts once they have all
-    lined up (a multi-rank call)."""
+def _median_time(fn, dev, ranks: list[int] | None = None, reps: int = REPS) -> float:
+    """Median seconds of ``reps`` runs of ``fn`` (after one untimed); with ``ranks``,
+    each sample starts once they have all lined up (a multi-rank call)."""
     fn()
     out = []
     token = torch.zeros(1)
-    for _ in range(REPS):
+    for _ in range(reps):
         sync(dev)
         if ranks:
             _line_up(ranks, token)
@@ -189,7 +189,7 @@ def time_realloc(ctx, model: tuple[int, int, int], src: tuple[int, int, int, int
         reallocate_replica(spec, "lm", sg, dg, ss, ds, dtype=dev.dtype,
                            gpus_per_node=dist.get_world_size())
     group = sorted(set(range(src[0], src[0] + src[1])) | set(range(dst[0], dst[0] + dst[1])))
-    return _paired_time(go, dev.device, group)
+    return _median_time(go, dev.device, group, REPS + 2)
 
 
 def time_send(ctx, rows: int, cols: int, tensors: int) -> float | None:
@@ -206,22 +206,7 @@ def time_send(ctx, rows: int, cols: int, tensors: int) -> float | None:
             send_record(rec, 1)
         else:
             recv_record(0)
-    return _paired_time(go, dev.device, [0, 1])
-
-
-def _paired_time(fn, dev, ranks: list[int]) -> float:
-    """Median seconds of ``fn`` run by ``ranks`` together (each sample starts once all of
-    them have lined up)."""
-    fn()
-    out = []
-    token = torch.zeros(1)
-    for _ in range(REPS + 2):
-        _line_up(ranks, token)
-        t0 = time.perf_counter()
-        fn()
-        sync(dev)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return _median_time(go, dev.device, [0, 1], REPS + 2)
 
 
 def _line_up(ranks: list[int], token: torch.Tensor) -> None:
