@@ -294,7 +294,7 @@ def table(rec: dict) -> str:
     lines.append(f"\nper-MFC |est - meas| / meas over {e['n']} MFCs: median "
                  f"{_f(e['median'], '.1%')}, worst {_f(e['worst'], '.1%')}")
     lines.append(f"Kendall tau (estimated vs measured iteration): "
-                 f"{'n/a' if tau is None else f'{tau:.2f}'}")
+                 f"{'n/a' if tau is None else f'{tau:.3f}'}")
     lines.append(f"fastest measured: {s['fastest_measured']}; searched plan fastest or within "
                  f"its spread: {s['searched_is_fastest_or_within_spread']}")
     return "\n".join(lines)
