@@ -57,7 +57,7 @@ def _title(rec: dict) -> str:
     tau = _num(s.get("kendall_tau_iteration"))
     return (f"bench plans: {rec.get('experiment', '?')} | per-MFC |est - meas| / meas: median "
             f"{_pct(e.get('median'))}, worst {_pct(e.get('worst'))} over {e.get('n', 0)} MFCs"
-            f" | Kendall tau (iteration) {'n/a' if tau is None else f'{tau:.2f}'}")
+            f" | Kendall tau (iteration) {'n/a' if tau is None else f'{tau:.3f}'}")
 
 
 def _points(rec: dict) -> list[dict]:
