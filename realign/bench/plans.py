@@ -160,14 +160,16 @@ def run_plan(experiment: Path, plan_path: Path, run_dir: Path, steps: int) -> di
     return {"rows": rows}
 
 
-def _profile(args, folder: Path):
-    from planner.profile import ProfileTable
+def _profile(args, cfg, base: Path, folder: Path):
+    """The profile every plan is priced with: ``--profile`` (checked against the
+    experiment like ``plan.profile``), none with ``--analytic``, else a fresh one."""
+    from realign.config.planning import load_profile, with_profile
     if args.analytic:
         if args.profile is not None:
             raise UserError("give --profile or --analytic, not both", field="--analytic")
         return None, "none (analytic device preset)"
     if args.profile is not None:
-        return ProfileTable.load(args.profile), str(args.profile)
+        return load_profile(with_profile(cfg, args.profile), base), str(args.profile)
     from realign.profile.run import default_settings, profile_machine
     out = folder / "profile.json"
     table = profile_machine(default_settings("cpu", None, 1, None, None), out=sys.stderr)
@@ -181,14 +183,13 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"must be >= 1, got {getattr(args, name)}", field=f"--{name}")
     if args.warmup < 0:
         raise UserError(f"must be >= 0, got {args.warmup}", field="--warmup")
-    from planner.search import SearchSettings
     from planner.variants import bench_plans
     from realign.config.loading import load_experiment
     from realign.config.planning import (
-        NOT_SEARCH_SETTINGS,
         cost_config,
         experiment_graph,
         resolve_models,
+        search_settings,
     )
 
     cfg, base = load_experiment(args.experiment)
@@ -197,12 +198,11 @@ def run(args: argparse.Namespace) -> int:
                         "local", field="device")
     t0 = time.time()
     keep = Path(tempfile.mkdtemp(prefix="realign-bench-plans-"))
-    profile, profile_src = _profile(args, keep)
+    profile, profile_src = _profile(args, cfg, base, keep)
     models = resolve_models(cfg, base)
     graph = experiment_graph(cfg, models, base)
-    fields = cfg.plan.model_dump(exclude=NOT_SEARCH_SETTINGS)
     plans = bench_plans(cfg.name, graph, models, cfg.cluster.spec(), cost_config(cfg),
-                        profile, SearchSettings(**fields), n=args.plans)
+                        profile, search_settings(cfg), n=args.plans)
     entries = []
     for k, lp in enumerate(plans):
         path = keep / f"plan{k}.json"

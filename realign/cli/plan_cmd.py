@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.report import summary, table
     from planner.timeline_svg import render
     from realign.config.loading import load_experiment
-    from realign.config.planning import plan_experiment
+    from realign.config.planning import plan_experiment, with_profile
 
     if args.time_limit_s is not None and args.time_limit_s <= 0:
         raise UserError(f"must be > 0 (got {args.time_limit_s})", field="--time-limit")
@@ -50,8 +50,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"must be >= 0 (got {args.seed})", field="--seed")
     cfg, base = load_experiment(args.experiment)
     if args.profile:
-        profile = str(Path(args.profile).resolve())
-        cfg = cfg.model_copy(update={"plan": cfg.plan.model_copy(update={"profile": profile})})
+        cfg = with_profile(cfg, args.profile)
     plan = plan_experiment(cfg, base, {"method": args.method, "time_limit_s": args.time_limit_s,
                                        "seed": args.seed})
     if args.out:

@@ -83,7 +83,7 @@ def eval_shape(cfg: ExperimentConfig, base: Path) -> EvalShape | None:
 
 
 #: plan section fields that are not search settings
-NOT_SEARCH_SETTINGS = {"cost", "profile", "lengths_from", "file", "manual"}
+_NOT_SEARCH_SETTINGS = {"cost", "profile", "lengths_from", "file", "manual"}
 
 
 def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
@@ -151,11 +151,22 @@ def plan_experiment(cfg: ExperimentConfig, base: Path,
     """Search the execution plan of an experiment (``overrides``: search settings)."""
     models = resolve_models(cfg, base)
     graph = experiment_graph(cfg, models, base)
-    profile = load_profile(cfg, base)
-    fields = cfg.plan.model_dump(exclude=NOT_SEARCH_SETTINGS)
+    return search(cfg.name, graph, models, cfg.cluster.spec(), cost_config(cfg),
+                  load_profile(cfg, base), search_settings(cfg, overrides))
+
+
+def search_settings(cfg: ExperimentConfig, overrides: dict | None = None) -> SearchSettings:
+    """The plan section's search settings, with ``overrides`` (None values ignored)."""
+    fields = cfg.plan.model_dump(exclude=_NOT_SEARCH_SETTINGS)
     fields.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    settings = SearchSettings(**fields)
-    return search(cfg.name, graph, models, cfg.cluster.spec(), cost_config(cfg), profile, settings)
+    return SearchSettings(**fields)
+
+
+def with_profile(cfg: ExperimentConfig, path: str | Path) -> ExperimentConfig:
+    """``cfg`` priced with the profile table at ``path`` (a command line's
+    ``--profile``, over ``plan.profile``); :func:`load_profile` checks it."""
+    plan = cfg.plan.model_copy(update={"profile": str(Path(path).resolve())})
+    return cfg.model_copy(update={"plan": plan})
 
 
 def resolve_plan(cfg: ExperimentConfig, base: Path, models: dict[str, RoleModel]) -> ExecutionPlan:

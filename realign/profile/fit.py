@@ -6,8 +6,10 @@
 * :func:`fit_collective`: ``latency + factor x bytes / bandwidth`` of one collective.
 * :func:`fit_transfer`: ``fixed + per_tensor x tensors + bytes / bandwidth``.
 
-Why not scipy's ``nnls``: scipy is not a dependency, and the problems here have at
-most a dozen unknowns, for which an active-set loop over numpy's ``lstsq`` is exact.
+Why not scipy's ``nnls``: scipy is not a dependency. The problems here have at most a
+dozen unknowns, and a simple active-set loop over numpy's ``lstsq`` (drop the negative
+coefficients, solve again) suffices; unlike Lawson-Hanson it never lets a dropped
+coefficient back in, so it can stop short of the exact non-negative optimum.
 """
 from __future__ import annotations
 
