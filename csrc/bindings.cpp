@@ -62,6 +62,7 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
                      double copy_bytes_per_s,
                      const std::vector<std::vector<std::array<i64, 2>>>& inputs,
                      const IntLists& outputs, const std::vector<i64>& mfc_every,
+                     const std::vector<bool>& ahead,
                      const std::vector<double>& key_send_intra_s,
                      const std::vector<double>& key_send_inter_s) {
     check_shape(cand_n_gpus, cand_first_gpu, "cand_n_gpus");
@@ -81,6 +82,7 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
     p.inputs = inputs;
     p.outputs = outputs;
     p.mfc_every = mfc_every;
+    p.ahead = ahead;
     p.key_send_intra_s = key_send_intra_s;
     p.key_send_inter_s = key_send_inter_s;
     p.mfc_model = mfc_model;
@@ -168,7 +170,7 @@ PYBIND11_MODULE(_core, m) {
              py::arg("cand_resident_bytes"), py::arg("cand_activation_bytes"),
              py::arg("cand_weights_bytes"), py::arg("same_mesh"), py::arg("realloc_fixed_s"),
              py::arg("copy_bytes_per_s"), py::arg("inputs"), py::arg("outputs"),
-             py::arg("mfc_every"), py::arg("key_send_intra_s"), py::arg("key_send_inter_s"))
+             py::arg("mfc_every"), py::arg("ahead"), py::arg("key_send_intra_s"), py::arg("key_send_inter_s"))
         .def_property_readonly("n_gpus", [](const Problem& p) { return p.n_gpus; })
         .def_property_readonly("n_mfcs", &Problem::n_mfcs)
         .def_property_readonly("n_cands", [](const Problem& p) {

@@ -88,8 +88,8 @@ void Problem::validate() const {
     if (static_cast<i64>(key_send_inter_s.size()) != n_keys)
         fail("key_send_inter_s", "needs one entry per key, like key_send_intra_s");
     if (static_cast<i64>(inputs.size()) != n_mfc || static_cast<i64>(outputs.size()) != n_mfc ||
-        static_cast<i64>(mfc_every.size()) != n_mfc)
-        fail("inputs/outputs/mfc_every", "need one entry per MFC (" + std::to_string(n_mfc) + ")");
+        static_cast<i64>(mfc_every.size()) != n_mfc || static_cast<i64>(ahead.size()) != n_mfc)
+        fail("inputs/outputs/mfc_every/ahead", "need one entry per MFC (" + std::to_string(n_mfc) + ")");
     for (i64 i = 0; i < n_mfc; ++i) {
         const std::string at = "[" + std::to_string(i) + "]";
         if (mfc_every[i] < 1) fail("mfc_every" + at, "must be >= 1");
@@ -344,8 +344,12 @@ double memory(const Problem& prob, const std::vector<i64>& assign,
             }
         }
         double tr = c.activation_bytes;
-        if (trained && !prob.mfc_is_train[i] && needs_realloc(prob, assign, i))
-            tr = tr + c.weights_bytes;
+        if (trained && !prob.mfc_is_train[i] && needs_realloc(prob, assign, i)) {
+            if (prob.ahead[i])  // its copy is made at the step's start, kept to its end
+                add_res += c.weights_bytes;
+            else
+                tr = tr + c.weights_bytes;
+        }
         for (i64 g = c.place.first_gpu; g < c.place.first_gpu + c.place.n_gpus; ++g) {
             resident[g] += add_res;
             if (tr > transient[g]) transient[g] = tr;
@@ -384,28 +388,53 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
     std::vector<std::vector<i64>> holders(n_keys);
     std::vector<bool> held(n_keys, false);
     std::vector<i64> lack, occ, merged;
+    std::vector<i64> order, ahead;
+    for (i64 i = 0; i < n_mfc; ++i)
+        if (!prob.ahead[i]) order.push_back(i); else ahead.push_back(i);
+    order.insert(order.end(), ahead.begin(), ahead.end());
+    std::vector<double> ahead_ready(n_mfc, 0.0);
     double makespan = 0.0;
+    // the reallocation before MFC i on both placements (step `it`); its end
+    auto realloc = [&](i64 it, i64 i) {
+        const Candidate& c = prob.cands[i][assign[i]];
+        const i64 model = prob.mfc_model[i];
+        const i64 t = prob.model_train_mfc[model];
+        const Place& src = prob.cands[t][assign[t]].place;
+        const ReallocCost r = cache.get(model, t, assign[t], i, assign[i]);
+        const double r_ready = it > 0 ? prev_finish[t] : 0.0;
+        double r_start = latest_free(free, src, r_ready);
+        r_start = latest_free(free, c.place, r_start);
+        const double r_end = r_start + r.time_s;
+        occupy_until(free, src, r_end);
+        occupy_until(free, c.place, r_end);
+        return r_end;
+    };
     for (i64 it = 0; it < prob.n_iters; ++it) {
         std::fill(free.begin(), free.end(), makespan);  // the step barrier
         std::fill(finish.begin(), finish.end(), 0.0);
         std::fill(held.begin(), held.end(), false);
-        for (i64 i = 0; i < n_mfc; ++i) {
+        std::fill(ahead_ready.begin(), ahead_ready.end(), 0.0);
+        for (i64 i : ahead) {
+            // the previous step's rollout is on the generating mesh; the weights it
+            // generates with next are reallocated first
+            const Place& p = prob.cands[i][assign[i]].place;
+            for (i64 key : prob.outputs[i]) {
+                holders[key].clear();
+                for (i64 g = p.first_gpu; g < p.first_gpu + p.n_gpus; ++g) holders[key].push_back(g);
+                held[key] = true;
+            }
+            if (needs_realloc(prob, assign, i)) ahead_ready[i] = realloc(it, i);
+        }
+        for (i64 i : order) {
             const Candidate& c = prob.cands[i][assign[i]];
             const i64 model = prob.mfc_model[i];
             const i64 t = prob.model_train_mfc[model];
-            double ready = 0.0;
+            double ready = ahead_ready[i];
             for (i64 d : prob.deps[i])
                 if (finish[d] > ready) ready = finish[d];
             if (t >= 0 && it > 0 && prev_finish[t] > ready) ready = prev_finish[t];
-            if (t >= 0 && t != i && needs_realloc(prob, assign, i)) {
-                const Place& src = prob.cands[t][assign[t]].place;
-                const ReallocCost r = cache.get(model, t, assign[t], i, assign[i]);
-                const double r_ready = it > 0 ? prev_finish[t] : 0.0;
-                double r_start = latest_free(free, src, r_ready);
-                r_start = latest_free(free, c.place, r_start);
-                const double r_end = r_start + r.time_s;
-                occupy_until(free, src, r_end);
-                occupy_until(free, c.place, r_end);
+            if (t >= 0 && t != i && !prob.ahead[i] && needs_realloc(prob, assign, i)) {
+                const double r_end = realloc(it, i);
                 if (r_end > ready) ready = r_end;
             }
             const i64 lo = c.place.first_gpu, hi = c.place.first_gpu + c.place.n_gpus;

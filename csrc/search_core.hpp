@@ -86,6 +86,7 @@ struct Problem {
     std::vector<std::vector<std::array<i64, 2>>> inputs;
     std::vector<std::vector<i64>> outputs;
     std::vector<i64> mfc_every;
+    std::vector<bool> ahead;                         // per MFC: runs ahead of training
     std::vector<double> key_send_intra_s;
     std::vector<double> key_send_inter_s;
 

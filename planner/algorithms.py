@@ -233,14 +233,21 @@ def algorithm_spec(name: str) -> AlgorithmSpec:
 def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
                 train_micro_batches: int | None = None,
                 evaluation: EvalShape | None = None,
-                lengths: GenLengths | None = None) -> DataflowGraph:
+                lengths: GenLengths | None = None, max_staleness: int = 0,
+                asynchronous: bool = False) -> DataflowGraph:
     """The dataflow graph of ``algorithm`` for the configured model ``roles``.
     ``train_micro_batches``: every train call runs with exactly this many micro-batches
     (``train.micro_batches``); None lets the planner choose. ``evaluation``: the actor
     generates on held-out prompts after training, every ``evaluation.every`` steps.
     ``lengths``: the response-length distribution of every generate call (a recorded
     one); default: from ``shape.gen_len_mean``, or none (every response runs to
-    ``gen_len``)."""
+    ``gen_len``). ``max_staleness``: the staleness bound the run enforces;
+    ``asynchronous`` (needs a bound of at least 1): rollout generation runs one step
+    ahead of training, and the actor's current policy scores the rollout before it
+    trains (:func:`_proximal`)."""
+    if asynchronous and max_staleness < 1:
+        raise PlanError("asynchronous execution needs max_staleness >= 1",
+                        field="algorithm.max_staleness")
     if shape.gen_len_mean is not None and shape.gen_len_mean > shape.gen_len:
         raise PlanError(f"gen_len_mean {shape.gen_len_mean} exceeds gen_len {shape.gen_len}",
                         field="algorithm.gen_len_mean")
@@ -273,5 +280,28 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
     if lengths is not None:
         calls = [m.model_copy(update={"lengths": lengths}) if m.kind == "generate" else m
                  for m in calls]
+    if asynchronous:
+        if not spec.generates:
+            raise PlanError(f"{algorithm} generates nothing, so it has nothing to run "
+                            "ahead; set algorithm.max_staleness to 0", field="algorithm.max_staleness")
+        calls = _proximal(calls)
     return DataflowGraph(algorithm=algorithm, mfcs=tuple(calls), rule_rewards=tuple(rules),
-                         evaluations=evaluations)
+                         evaluations=evaluations, max_staleness=max_staleness,
+                         ahead_steps=1 if asynchronous else 0)
+
+
+#: The call that scores an asynchronous rollout with the actor's current policy.
+PROXIMAL_MFC = "actor.prox_inference"
+
+
+def _proximal(calls: list[MFC]) -> list[MFC]:
+    """An asynchronous graph: before the actor trains, its current policy (the
+    proximal policy of the decoupled PPO loss) scores the rollout that an older policy
+    generated (``prox_logprobs``), and the actor's train call reads them."""
+    i = next(i for i, m in enumerate(calls) if m.kind == "train" and m.role == "actor")
+    t = calls[i]
+    prox = MFC(name=PROXIMAL_MFC, role="actor", kind="inference", n_seqs=t.n_seqs,
+               prompt_len=t.prompt_len, gen_len=t.gen_len, input_keys=("seqs",),
+               output_keys=("prox_logprobs",))
+    trained = t.model_copy(update={"input_keys": t.input_keys + ("prox_logprobs",)})
+    return calls[:i] + [prox, trained] + calls[i + 1:]

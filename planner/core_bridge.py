@@ -65,6 +65,7 @@ def to_core(prob: Problem) -> Any:
         inputs=[[list(kp) for kp in ins] for ins in prob.inputs],
         outputs=[list(o) for o in prob.outputs],
         mfc_every=list(prob.mfc_every),
+        ahead=[bool(a) for a in (prob.ahead or [False] * len(cands))],
         key_send_intra_s=[float(a) for a, _ in prob.key_send_s],
         key_send_inter_s=[float(b) for _, b in prob.key_send_s],
     )

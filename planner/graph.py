@@ -21,6 +21,10 @@ from planner.lengths import GenLengths
 Kind = Literal["generate", "inference", "train"]
 
 
+#: The largest staleness bound a graph takes (algorithm.max_staleness).
+MAX_STALENESS = 64
+
+
 class MFC(BaseModel):
     """One model function call and the shape of the data it processes."""
 
@@ -99,6 +103,10 @@ class DataflowGraph(BaseModel):
         (), description="Reward functions on generated text (no reward model).")
     evaluations: tuple[Evaluation, ...] = Field(
         (), description="Scorings of generations on held-out prompts (the eval section).")
+    max_staleness: int = Field(0, ge=0, le=MAX_STALENESS, description="The most policy "
+                               "versions a trained sample may lag (algorithm.max_staleness).")
+    ahead_steps: int = Field(0, ge=0, le=1, description="Steps the rollout generation runs "
+                             "ahead of training (asynchronous: 1, synchronous: 0).")
 
     @model_validator(mode="after")
     def _check(self) -> "DataflowGraph":
@@ -125,6 +133,14 @@ class DataflowGraph(BaseModel):
             if kinds.get(producers.get(e.seqs_key, "")) != "generate":
                 raise PlanError(f"an evaluation scores {e.seqs_key!r}, which no generate "
                                 "call writes", field="graph")
+        if self.ahead_steps > self.max_staleness:
+            raise PlanError(f"generation runs {self.ahead_steps} step(s) ahead, more than "
+                            f"max_staleness {self.max_staleness} allows", field="graph")
+        ahead = {m.name for m in self.mfcs if self.is_ahead(m)}
+        for m in self.mfcs:
+            if m.name in ahead and any(producers.get(k) for k in m.input_keys):
+                raise PlanError(f"{m.name} runs ahead of training, so it may read only the "
+                                "dataset", field="graph")
         g = self.to_networkx()
         if not nx.is_directed_acyclic_graph(g):
             raise PlanError("the dataflow graph has a cycle", field="graph")
@@ -156,6 +172,12 @@ class DataflowGraph(BaseModel):
         """The evaluations that score what ``mfc`` generated."""
         prod = self.producer_of()
         return tuple(e for e in self.evaluations if prod[e.seqs_key] == mfc)
+
+    def is_ahead(self, m: MFC) -> bool:
+        """Whether ``m`` runs ahead of training: in an asynchronous graph, every rollout
+        generation (a generate call of every step) makes the next step's samples while
+        this step trains."""
+        return self.ahead_steps > 0 and m.kind == "generate" and m.every == 1
 
     def mfc(self, name: str) -> MFC:
         return next(m for m in self.mfcs if m.name == name)

@@ -24,7 +24,8 @@ from planner.model_spec import ModelSpec
 
 #: 2: rule rewards in the graph, exact train inputs, fixed micro-batches, waves.
 #: 3: optimizer offload per train call, the profile planned with, cost sources.
-PLAN_SCHEMA_VERSION = 3
+#: 4: asynchronous graphs (generation ahead of training), the sync/async comparison.
+PLAN_SCHEMA_VERSION = 4
 
 
 class _Frozen(BaseModel):
@@ -104,6 +105,17 @@ class SearchInfo(_Frozen):
     complete: bool = Field(description="exact: the whole space was searched.")
 
 
+class ModeResult(_Frozen):
+    """The best plan of one execution mode, when the experiment allows both
+    (``algorithm.max_staleness`` >= 1): planning compares them and keeps the faster."""
+
+    mode: str = Field(description="synchronous | asynchronous")
+    iteration_time_s: float | None = Field(description="None: no plan of this mode fits.")
+    chosen: bool
+    allocations: dict[str, str] = Field(default_factory=dict,
+                                        description="MFC -> 'mesh layout xMB' summary.")
+
+
 class ProfileRef(_Frozen):
     """The profile table a plan was priced with (``realign profile``'s output)."""
 
@@ -136,6 +148,14 @@ class ExecutionPlan(_Frozen):
     cost_sources: dict[str, str] = Field(
         default_factory=dict, description="Each rate the cost model used -> 'profile' or "
         "the device preset it came from.")
+    modes: tuple[ModeResult, ...] = Field(
+        (), description="The best synchronous and asynchronous plans side by side (empty "
+        "unless algorithm.max_staleness >= 1).")
+
+    @property
+    def asynchronous(self) -> bool:
+        """Rollout generation runs ahead of training (its graph says so)."""
+        return self.graph.ahead_steps > 0
 
     @model_validator(mode="after")
     def _consistent(self) -> "ExecutionPlan":

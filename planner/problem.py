@@ -87,6 +87,8 @@ class Problem:
     inputs: list[list[tuple[int, int]]] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     mfc_every: list[int] = field(default_factory=list)
+    #: per MFC: it runs ahead of training (an asynchronous graph's rollout generation)
+    ahead: list[bool] = field(default_factory=list)
     key_send_s: list[tuple[float, float]] = field(default_factory=list)
     key_names: list[str] = field(default_factory=list)
     profile: ProfileTable | None = None      #: the profile the candidates were priced with
@@ -261,6 +263,7 @@ def add_records(prob: Problem, graph: DataflowGraph, heads: dict[str, str], send
                     + [kid[r.out_key] for r in graph.rule_reward_after(m.name)]
                     for m in graph.mfcs]
     prob.mfc_every = [m.every for m in graph.mfcs]
+    prob.ahead = [graph.is_ahead(m) for m in graph.mfcs]
     prob.key_names = keys
     # dataset keys: every rank holds them, they are never sent
     prob.key_send_s = [send_s(sizes[k]) if k in sizes else (0.0, 0.0) for k in keys]

@@ -29,7 +29,42 @@ def summary(plan: ExecutionPlan) -> dict:
         "reallocations": [
             {"role": r.role, "to": r.to_mfc, "bytes": r.bytes, "time_s": r.time_s}
             for r in plan.reallocations],
+        "asynchronous": plan.asynchronous,
+        "max_staleness": plan.graph.max_staleness,
+        "modes": [m.model_dump() for m in plan.modes],
+        "async_speedup": async_speedup(plan),
     }
+
+
+def async_speedup(plan: ExecutionPlan) -> float | None:
+    """Best synchronous over best asynchronous estimated iteration time (None unless
+    both were planned and fit)."""
+    t = {m.mode: m.iteration_time_s for m in plan.modes}
+    if t.get("synchronous") and t.get("asynchronous"):
+        return t["synchronous"] / t["asynchronous"]
+    return None
+
+
+def modes_lines(plan: ExecutionPlan) -> list[str]:
+    """The best synchronous and asynchronous plans side by side, with the speed-up."""
+    if not plan.modes:
+        return []
+    names = list(plan.modes[0].allocations or plan.modes[1].allocations)
+    names += [n for m in plan.modes for n in m.allocations if n not in names]
+    rows = [("", *(f"{m.mode}{' (chosen)' if m.chosen else ''}" for m in plan.modes))]
+    rows.append(("iteration s", *(f"{m.iteration_time_s:.3f}" if m.iteration_time_s is not None
+                                   else "does not fit" for m in plan.modes)))
+    for n in names:
+        rows.append((n, *(m.allocations.get(n, "-") for m in plan.modes)))
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    out = ["", f"synchronous vs asynchronous (algorithm.max_staleness "
+               f"{plan.graph.max_staleness}: generation one step ahead, on its own GPUs):"]
+    out += ["  " + "  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
+    sp = async_speedup(plan)
+    if sp is not None:
+        out.append(f"  asynchronous speed-up: {sp:.2f}x (estimated); running the "
+                   f"{'asynchronous' if plan.asynchronous else 'synchronous'} plan")
+    return out
 
 
 def sources_line(plan: ExecutionPlan) -> str:
@@ -79,4 +114,5 @@ def table(plan: ExecutionPlan) -> str:
         else:
             out.append(f"  {h.name:15s} {h.iteration_time_s:9.3f} s   searched plan is "
                        f"{h.iteration_time_s / plan.iteration_time_s:.2f}x faster")
+    out += modes_lines(plan)
     return "\n".join(out)

@@ -12,6 +12,14 @@ program runs: :mod:`realign.run.program`):
 * then each record the call reads that some of its GPUs lack is sent to them by its
   holders (a ``Send``: it occupies the senders and the receivers, which then hold it
   too); records from the dataset are everywhere;
+* asynchronous graphs (:attr:`~planner.graph.DataflowGraph.ahead_steps`): a rollout
+  generation makes the *next* step's samples. Each step first reallocates the
+  weights it generates with (the policy the previous step trained), then runs the
+  other MFCs in graph order, reading the rollout the previous step generated from the
+  generating mesh (steady state: it is there from the first simulated step), then the
+  generation; on a disjoint mesh it overlaps the training side, so a step costs the
+  slower side plus the weight transfer. Its weight copy lives from the step's start
+  to its end, so it counts as resident memory;
 * iterations do not overlap: the controller starts step k+1 once every worker has
   finished step k, so each iteration starts when the previous one has ended on every
   GPU; iteration time = makespan of ``n_iters`` iterations / ``n_iters``.
@@ -117,7 +125,10 @@ def memory(prob: Problem, assign: list[int], upto: int | None = None) -> tuple[l
                 add_res = c.resident_bytes
         tr = c.activation_bytes
         if trained and not prob.mfc_is_train[i] and needs_realloc(prob, assign, i, upto):
-            tr = tr + c.weights_bytes
+            if prob.ahead[i]:       # its copy is made at the step's start, kept to its end
+                add_res += c.weights_bytes
+            else:
+                tr = tr + c.weights_bytes
         for g in range(c.first_gpu, c.first_gpu + c.n_gpus):
             resident[g] += add_res
             if tr > transient[g]:
@@ -145,46 +156,65 @@ def simulate(prob: Problem, assign: list[int], cache: ReallocCache | None = None
     makespan = 0.0
     gpn = prob.cluster.gpus_per_node
     everyone = tuple(range(prob.n_gpus))
+    ahead = [i for i in range(n_mfc) if prob.ahead[i]]
+    order = [i for i in range(n_mfc) if not prob.ahead[i]] + ahead
+
+    def realloc(it: int, i: int) -> float:
+        """Schedule the reallocation before MFC i on both placements; its end."""
+        c = prob.cands[i][assign[i]]
+        model = prob.mfc_model[i]
+        t = prob.model_train_mfc[model]
+        src = prob.cands[t][assign[t]]
+        r_time, r_bytes = cache.get(model, t, assign[t], i, assign[i])
+        r_start = prev_finish[t] if it > 0 else 0.0
+        for g in range(src.first_gpu, src.first_gpu + src.n_gpus):
+            if free[g] > r_start:
+                r_start = free[g]
+        for g in range(c.first_gpu, c.first_gpu + c.n_gpus):
+            if free[g] > r_start:
+                r_start = free[g]
+        r_end = r_start + r_time
+        for g in range(src.first_gpu, src.first_gpu + src.n_gpus):
+            free[g] = r_end
+        for g in range(c.first_gpu, c.first_gpu + c.n_gpus):
+            free[g] = r_end
+        reallocs[(model, i)] = (r_time, r_bytes)
+        if record:
+            gpus = tuple(sorted(set(range(src.first_gpu, src.first_gpu + src.n_gpus))
+                                | set(range(c.first_gpu, c.first_gpu + c.n_gpus))))
+            name = f"realloc {prob.models[model].role} -> {prob.graph.mfcs[i].name}"
+            events.append(Event(name, "realloc", it, r_start, r_end, c.first_gpu, c.n_gpus,
+                                gpus))
+        return r_end
+
     for it in range(prob.n_iters):
         for g in range(prob.n_gpus):            # the step barrier
             free[g] = makespan
         finish = [0.0] * n_mfc
         holders: dict[int, tuple[int, ...]] = {}
-        for i in range(n_mfc):
+        ahead_ready: dict[int, float] = {}
+        for i in ahead:
+            # what the previous step generated ahead is on the generating mesh; the
+            # weights it generates with next are reallocated first
+            c = prob.cands[i][assign[i]]
+            for key in prob.outputs[i]:
+                holders[key] = tuple(range(c.first_gpu, c.first_gpu + c.n_gpus))
+            if needs_realloc(prob, assign, i, upto):
+                ahead_ready[i] = realloc(it, i)
+        for i in order:
             c = prob.cands[i][assign[i]]
             model = prob.mfc_model[i]
             t = prob.model_train_mfc[model]
-            ready = 0.0
+            ready = ahead_ready.get(i, 0.0)
             for d in prob.deps[i]:
                 if finish[d] > ready:
                     ready = finish[d]
             if t >= 0 and t < n_mfc and it > 0 and prev_finish[t] > ready:
                 ready = prev_finish[t]
-            if t >= 0 and t != i and needs_realloc(prob, assign, i, upto):
-                src = prob.cands[t][assign[t]]
-                r_time, r_bytes = cache.get(model, t, assign[t], i, assign[i])
-                r_ready = prev_finish[t] if it > 0 else 0.0
-                r_start = r_ready
-                for g in range(src.first_gpu, src.first_gpu + src.n_gpus):
-                    if free[g] > r_start:
-                        r_start = free[g]
-                for g in range(c.first_gpu, c.first_gpu + c.n_gpus):
-                    if free[g] > r_start:
-                        r_start = free[g]
-                r_end = r_start + r_time
-                for g in range(src.first_gpu, src.first_gpu + src.n_gpus):
-                    free[g] = r_end
-                for g in range(c.first_gpu, c.first_gpu + c.n_gpus):
-                    free[g] = r_end
+            if t >= 0 and t != i and not prob.ahead[i] and needs_realloc(prob, assign, i, upto):
+                r_end = realloc(it, i)
                 if r_end > ready:
                     ready = r_end
-                reallocs[(model, i)] = (r_time, r_bytes)
-                if record:
-                    gpus = tuple(sorted(set(range(src.first_gpu, src.first_gpu + src.n_gpus))
-                                        | set(range(c.first_gpu, c.first_gpu + c.n_gpus))))
-                    name = f"realloc {prob.models[model].role} -> {prob.graph.mfcs[i].name}"
-                    events.append(Event(name, "realloc", it, r_start, r_end,
-                                        c.first_gpu, c.n_gpus, gpus))
             mesh = range(c.first_gpu, c.first_gpu + c.n_gpus)
             for key, producer in prob.inputs[i]:
                 have = everyone if producer < 0 else holders.get(key)
@@ -224,7 +254,8 @@ def simulate(prob: Problem, assign: list[int], cache: ReallocCache | None = None
                 makespan = end
             if record:
                 m = prob.graph.mfcs[i]
-                events.append(Event(m.name, m.kind, it, start, end, c.first_gpu, c.n_gpus,
+                name = f"{m.name} (next step)" if prob.ahead[i] else m.name
+                events.append(Event(name, m.kind, it, start, end, c.first_gpu, c.n_gpus,
                                     tuple(range(c.first_gpu, c.first_gpu + c.n_gpus))))
         prev_finish = finish
     peak, over = memory(prob, assign, upto)

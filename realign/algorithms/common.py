@@ -1,6 +1,6 @@
 """Pieces every algorithm shares: the response mask, masked statistics, KL estimators,
-discounted returns, sequence-level advantages spread over tokens and the clipped
-surrogate objective.
+discounted returns, sequence-level advantages spread over tokens, the clipped
+surrogate objective and its decoupled form for asynchronous (off-policy) rollouts.
 
 Shapes: ``b`` sequences of ``s`` tokens; per-token log-probs, advantages and masks are
 [b, s-1] (position ``t`` scores token ``t+1``).
@@ -171,6 +171,59 @@ def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
     return loss, metrics
 
 
+def decoupled_surrogate(logprobs: torch.Tensor, prox_logprobs: torch.Tensor,
+                        behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, clip_ratio: float, weight_cap: float,
+                        agg: LossAgg = "token_mean"
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy
+    optimization"; AReaL's loss) for a rollout that an older policy generated:
+    r = exp(log pi - log pi_prox), w = min(pi_prox / pi_behaviour, weight_cap) (no
+    gradient), L = w * max(-r * A, -clip(r, 1-eps, 1+eps) * A), aggregated over ``mask``.
+
+    Chosen over plain PPO with truncated importance sampling: the trust region stays
+    around the current policy (``prox_logprobs``) instead of the stale behaviour policy,
+    so staleness does not shrink the step (clipping against the behaviour log-probs
+    would clip more tokens the staler the rollout: clip_frac grows), while the
+    truncated weight ``w`` corrects for sampling from the behaviour policy. The price
+    is one forward pass of the current policy over the batch, which the planner
+    prices as its own call (``actor.prox_inference``).
+
+    Metrics: those of :func:`clipped_surrogate` against the proximal policy
+    (``clip_frac``, ``approx_kl``, ``ratio``), ``behave_weight`` (mean of the truncated
+    ``w``) and ``behave_weight_capped_frac`` (tokens where the cap bit)."""
+    with torch.no_grad():
+        raw_weight = torch.exp(prox_logprobs - behaviour_logprobs)
+        weight = torch.clamp(raw_weight, max=weight_cap)
+    ratio = torch.exp(logprobs - prox_logprobs)
+    unclipped = -ratio * advantages
+    clipped = -torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio) * advantages
+    loss = aggregate(weight * torch.max(unclipped, clipped), mask, agg)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": masked_mean((clipped > unclipped).float(), mask),
+            "approx_kl": masked_mean(prox_logprobs - logprobs, mask),
+            "ratio": masked_mean(ratio, mask),
+            "behave_weight": masked_mean(weight, mask),
+            "behave_weight_capped_frac": masked_mean((raw_weight > weight_cap).float(), mask),
+        }
+    return loss, metrics
+
+
+def policy_surrogate(logprobs_new: torch.Tensor, batch: Batch, clip_ratio: float,
+                     agg: LossAgg, weight_cap: float
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss of a batch: :func:`decoupled_surrogate` when an asynchronous
+    rollout brings ``prox_logprobs`` (the current policy's, scored before this step's
+    update), else :func:`clipped_surrogate` against the rollout's ``logprobs``."""
+    mask = batch_mask(batch)
+    if "prox_logprobs" in batch:
+        return decoupled_surrogate(logprobs_new, batch["prox_logprobs"], batch["logprobs"],
+                                   batch["advantages"], mask, clip_ratio, weight_cap, agg)
+    return clipped_surrogate(logprobs_new, batch["logprobs"], batch["advantages"], mask,
+                             clip_ratio, agg)
+
+
 def sequence_logprob(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log pi(response | prompt) = sum of the response tokens' log-probs, [b]."""
     return (logprobs * mask).sum(1)
@@ -186,8 +239,9 @@ def pairs(x: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def surrogate_actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg
                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped surrogate over the response tokens with ``cfg.clip_ratio`` (ReMax, RLOO,
-    REINFORCE++ put their KL in the reward, so this is their whole loss).
-    Metrics: clip_frac, approx_kl, ratio."""
-    return clipped_surrogate(logprobs_new, batch["logprobs"], batch["advantages"],
-                             batch_mask(batch), cfg.clip_ratio)
+    """:func:`policy_surrogate` over the response tokens (token mean) with
+    ``cfg.clip_ratio`` and ``cfg.behave_weight_cap`` (ReMax, RLOO, REINFORCE++ put their
+    KL in the reward, so this is their whole loss). Metrics: clip_frac, approx_kl,
+    ratio (+ behave_weight, behave_weight_capped_frac with ``prox_logprobs``)."""
+    return policy_surrogate(logprobs_new, batch, cfg.clip_ratio, "token_mean",
+                            cfg.behave_weight_cap)

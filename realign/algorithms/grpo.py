@@ -23,9 +23,9 @@ from realign.algorithms.common import (
     aggregate,
     batch_mask,
     broadcast_to_tokens,
-    clipped_surrogate,
     group_view,
     kl_penalty,
+    policy_surrogate,
     require,
 )
 
@@ -36,6 +36,9 @@ class GRPOConfig(AlgorithmParams):
     samples_per_prompt: int = Field(8, ge=2, description="G: responses per prompt, on "
                                     "consecutive rows (must equal the batch's).")
     clip_ratio: float = Field(0.2, gt=0, description="epsilon of the clipped surrogate.")
+    behave_weight_cap: float = Field(5.0, gt=0, description="Asynchronous runs: cap of the "
+                                     "behaviour importance weight pi_prox/pi_behaviour "
+                                     "of the decoupled PPO loss.")
     kl_coef: float = Field(0.04, ge=0, description="beta: weight of the KL loss to the "
                            "reference (the paper's 0.04).")
     kl_estimator: KLEstimator = Field("k3", description="KL estimator of the KL loss.")
@@ -64,11 +67,12 @@ def prepare(batch: Batch, cfg: GRPOConfig) -> Batch:
 
 def actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg: GRPOConfig
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate + kl_coef * KL(pi || ref). Metrics: clip_frac, approx_kl,
-    ratio, kl."""
+    """Clipped surrogate (decoupled with ``prox_logprobs``: see
+    :func:`~realign.algorithms.common.policy_surrogate`) + kl_coef * KL(pi || ref).
+    Metrics: clip_frac, approx_kl, ratio, kl (+ behave_weight*, asynchronous)."""
     mask = batch_mask(batch)
-    loss, metrics = clipped_surrogate(logprobs_new, batch["logprobs"], batch["advantages"],
-                                      mask, cfg.clip_ratio, cfg.loss_agg)
+    loss, metrics = policy_surrogate(logprobs_new, batch, cfg.clip_ratio, cfg.loss_agg,
+                                     cfg.behave_weight_cap)
     if "ref_logprobs" not in batch:          # no reference model (kl_coef is 0)
         return loss, metrics
     kl = aggregate(kl_penalty(logprobs_new, batch["ref_logprobs"], cfg.kl_estimator), mask,

@@ -27,11 +27,11 @@ from realign.algorithms.common import (
     Batch,
     KLEstimator,
     batch_mask,
-    clipped_surrogate,
     kl_penalty,
     last_token_scores,
     masked_mean,
     masked_whiten,
+    policy_surrogate,
     require,
     rollout_ref_logprobs,
     token_kl,
@@ -49,6 +49,9 @@ class PPOConfig(AlgorithmParams):
     kl_estimator: KLEstimator = Field("k1", description="KL estimator (k1 in the reward; "
                                       "k3 is the usual choice as a loss).")
     clip_ratio: float = Field(0.2, gt=0, description="epsilon of the clipped surrogate.")
+    behave_weight_cap: float = Field(5.0, gt=0, description="Asynchronous runs: cap of the "
+                                     "behaviour importance weight pi_prox/pi_behaviour "
+                                     "of the decoupled PPO loss.")
     value_clip: float = Field(0.2, gt=0, description="Clip range of the critic's values "
                               "around the old values.")
     normalize_advantages: bool = Field(True, description="Whiten advantages over the "
@@ -104,11 +107,13 @@ def prepare(batch: Batch, cfg: PPOConfig) -> Batch:
 
 def actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg: PPOConfig
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate over the response tokens, plus ``kl_coef * KL(pi || ref)`` when
-    the KL is not in the reward. Metrics: clip_frac, approx_kl, ratio, kl (k1 to ref)."""
+    """Clipped surrogate over the response tokens (decoupled with ``prox_logprobs``: see
+    :func:`~realign.algorithms.common.policy_surrogate`), plus ``kl_coef * KL(pi || ref)``
+    when the KL is not in the reward. Metrics: clip_frac, approx_kl, ratio, kl (k1 to
+    ref) (+ behave_weight*, asynchronous)."""
     mask = batch_mask(batch)
-    loss, metrics = clipped_surrogate(logprobs_new, batch["logprobs"], batch["advantages"],
-                                      mask, cfg.clip_ratio)
+    loss, metrics = policy_surrogate(logprobs_new, batch, cfg.clip_ratio, "token_mean",
+                                     cfg.behave_weight_cap)
     if not cfg.kl_in_reward and cfg.kl_coef > 0:
         kl = masked_mean(kl_penalty(logprobs_new, batch["ref_logprobs"], cfg.kl_estimator), mask)
         loss = loss + cfg.kl_coef * kl

@@ -36,6 +36,9 @@ class RLOOConfig(AlgorithmParams):
     kl_coef: float = Field(0.05, ge=0, description="beta: KL(pi || pi_ref) penalty "
                            "subtracted from each response's reward.")
     clip_ratio: float = Field(0.2, gt=0, description="epsilon of the clipped surrogate.")
+    behave_weight_cap: float = Field(5.0, gt=0, description="Asynchronous runs: cap of the "
+                                     "behaviour importance weight pi_prox/pi_behaviour "
+                                     "of the decoupled PPO loss.")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
     minibatches: int = Field(1, gt=0, description="Optimizer steps per pass.")
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from planner.algorithms import Algorithm, BatchShape
 from planner.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, DeviceSpec, resolve_device
 from planner.cost_config import CostModelConfig
+from planner.graph import MAX_STALENESS
 from planner.layout import Layout
 from planner.mesh import DeviceMesh
 from planner.search import SearchSettings
@@ -48,9 +49,14 @@ class AlgorithmSection(BatchShape):
         default_factory=dict,
         description="Hyper-parameters of the algorithm (e.g. kl_coef, clip_ratio; see "
                     "realign/algorithms/<name>.py). Batch-shape fields are set above.")
+    max_staleness: int = Field(
+        0, ge=0, le=MAX_STALENESS, description="Asynchronous (off-policy) execution: the "
+        "most policy versions a trained sample may lag. 0: synchronous. With 1 or more the "
+        "planner also prices generation one step ahead of training on its own GPUs, and "
+        "runs whichever plan is faster.")
 
     def shape(self) -> BatchShape:
-        return BatchShape(**self.model_dump(exclude={"name", "params"}))
+        return BatchShape(**self.model_dump(exclude={"name", "params", "max_staleness"}))
 
 
 class ClusterConfig(_Strict):

@@ -4,13 +4,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from planner.algorithms import EvalShape, build_graph
+from planner.algorithms import PROXIMAL_MFC, EvalShape, algorithm_spec, build_graph
 from planner.cost_config import CostModelConfig
-from planner.errors import PlanError
+from planner.errors import InfeasibleError, PlanError
 from planner.graph import DataflowGraph
 from planner.lengths import GenLengths
 from planner.model_spec import model_presets, model_spec_from_hf_config
-from planner.plan import ExecutionPlan
+from planner.plan import ExecutionPlan, ModeResult
 from planner.problem import RoleModel, head_of
 from planner.profile import ProfileTable
 from planner.search import SearchSettings, search
@@ -87,13 +87,21 @@ _NOT_SEARCH_SETTINGS = {"cost", "profile", "lengths_from", "file", "manual"}
 
 
 def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
-                     base: Path) -> DataflowGraph:
+                     base: Path, asynchronous: bool = False) -> DataflowGraph:
     """The dataflow graph of the experiment: its algorithm, batch shape, model roles,
-    fixed train micro-batch count (``train.micro_batches``), evaluation and the
-    generation lengths (``plan.lengths_from``, else ``algorithm.gen_len_mean``)."""
+    fixed train micro-batch count (``train.micro_batches``), evaluation, the
+    generation lengths (``plan.lengths_from``, else ``algorithm.gen_len_mean``) and
+    its staleness bound; ``asynchronous``: generation one step ahead of training."""
     return build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models),
                        train_micro_batches=cfg.train.micro_batches,
-                       evaluation=eval_shape(cfg, base), lengths=recorded_lengths(cfg, base))
+                       evaluation=eval_shape(cfg, base), lengths=recorded_lengths(cfg, base),
+                       max_staleness=cfg.algorithm.max_staleness, asynchronous=asynchronous)
+
+
+def allows_async(cfg: ExperimentConfig) -> bool:
+    """The experiment lets generation run ahead (a staleness bound, and an algorithm
+    that generates)."""
+    return cfg.algorithm.max_staleness >= 1 and algorithm_spec(cfg.algorithm.name).generates
 
 
 def recorded_lengths(cfg: ExperimentConfig, base: Path) -> GenLengths | None:
@@ -148,11 +156,54 @@ def load_profile(cfg: ExperimentConfig, base: Path) -> ProfileTable | None:
 
 def plan_experiment(cfg: ExperimentConfig, base: Path,
                     overrides: dict | None = None) -> ExecutionPlan:
-    """Search the execution plan of an experiment (``overrides``: search settings)."""
+    """Search the execution plan of an experiment (``overrides``: search settings).
+    With ``algorithm.max_staleness`` >= 1 both modes are searched (each with half of
+    ``plan.time_limit_s``) and the faster estimate wins (the synchronous on a tie);
+    the plan lists both (:attr:`~planner.plan.ExecutionPlan.modes`)."""
+    if not allows_async(cfg):
+        return plan_mode(cfg, base, False, overrides)
+    return compare_modes(*both_modes(cfg, base, overrides))
+
+
+def plan_mode(cfg: ExperimentConfig, base: Path, asynchronous: bool,
+              overrides: dict | None = None) -> ExecutionPlan:
+    """The searched plan of one execution mode."""
     models = resolve_models(cfg, base)
-    graph = experiment_graph(cfg, models, base)
+    graph = experiment_graph(cfg, models, base, asynchronous)
     return search(cfg.name, graph, models, cfg.cluster.spec(), cost_config(cfg),
                   load_profile(cfg, base), search_settings(cfg, overrides))
+
+
+def both_modes(cfg: ExperimentConfig, base: Path, overrides: dict | None = None
+               ) -> tuple[ExecutionPlan | None, ExecutionPlan | None, str]:
+    """(best synchronous plan, best asynchronous plan, why one is missing): each is
+    None when no plan of that mode fits."""
+    settings = search_settings(cfg, overrides)
+    half = {**(overrides or {}), "time_limit_s": settings.time_limit_s / 2}
+    plans: list[ExecutionPlan | None] = []
+    why = ""
+    for asynchronous in (False, True):
+        try:
+            plans.append(plan_mode(cfg, base, asynchronous, half))
+        except InfeasibleError as e:
+            plans.append(None)
+            why = e.message
+    if plans[0] is None and plans[1] is None:
+        raise InfeasibleError(why, field="cluster")
+    return plans[0], plans[1], why
+
+
+def compare_modes(sync: ExecutionPlan | None, asyn: ExecutionPlan | None, _why: str = ""
+                  ) -> ExecutionPlan:
+    """The faster of the two (the synchronous on a tie), listing both."""
+    chosen = asyn if sync is None or (
+        asyn is not None and asyn.iteration_time_s < sync.iteration_time_s) else sync
+    modes = tuple(ModeResult(mode=name, iteration_time_s=p.iteration_time_s if p else None,
+                             chosen=p is chosen,
+                             allocations={a.mfc: f"{a.mesh_name} {a.layout} x{a.micro_batches}mb"
+                                          for a in p.allocations} if p else {})
+                  for name, p in (("synchronous", sync), ("asynchronous", asyn)))
+    return chosen.model_copy(update={"modes": modes})
 
 
 def search_settings(cfg: ExperimentConfig, overrides: dict | None = None) -> SearchSettings:
@@ -174,7 +225,6 @@ def resolve_plan(cfg: ExperimentConfig, base: Path, models: dict[str, RoleModel]
     from planner.layout import Allocation
     from planner.manual import check_plan_matches, manual_plan
 
-    graph = experiment_graph(cfg, models, base)
     cluster = cfg.cluster.spec()
     if cfg.plan.file and cfg.plan.manual:
         raise UserError("give plan.file or plan.manual, not both", field="plan")
@@ -184,9 +234,21 @@ def resolve_plan(cfg: ExperimentConfig, base: Path, models: dict[str, RoleModel]
             plan = ExecutionPlan.load(p if p.is_absolute() else base / p)
         except PlanError as e:
             raise PlanError(e.message, field="plan.file") from None
-        check_plan_matches(plan, graph, models, cluster)
+        if plan.asynchronous and not allows_async(cfg):
+            raise UserError(f"{p} runs generation ahead of training (asynchronous), but "
+                            f"algorithm.max_staleness is {cfg.algorithm.max_staleness}; set it "
+                            "to 1 or more, or plan again", field="plan.file")
+        check_plan_matches(plan, experiment_graph(cfg, models, base, plan.asynchronous),
+                           models, cluster)
         return plan
     if cfg.plan.manual:
+        # manual allocations for the proximal call ask for the asynchronous graph
+        asynchronous = PROXIMAL_MFC in cfg.plan.manual
+        if asynchronous and not allows_async(cfg):
+            raise UserError(f"plan.manual places {PROXIMAL_MFC}, which only an asynchronous "
+                            "run has; set algorithm.max_staleness to 1 or more",
+                            field="plan.manual")
+        graph = experiment_graph(cfg, models, base, asynchronous)
         allocs = {k: Allocation(mesh=v.mesh, layout=v.layout, micro_batches=v.micro_batches)
                   for k, v in cfg.plan.manual.items()}
         return manual_plan(cfg.name, graph, models, cluster, allocs, cost_config(cfg),

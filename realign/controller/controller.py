@@ -45,6 +45,7 @@ class Controller:
         self.spec, self.launcher = spec, launcher
         self.out = out or sys.stdout
         self.conns: dict[int, Connection] = {}
+        self._program = None
 
     # ---- messaging ---------------------------------------------------------------
     def _log_tail(self, rank: int, n: int = 40) -> str:
@@ -146,9 +147,15 @@ class Controller:
         return resume
 
     @property
+    def program(self):
+        if self._program is None:
+            self._program = self.spec.program()
+        return self._program
+
+    @property
     def trained(self) -> list[str]:
         """Keys of the trained copies (what a checkpoint holds)."""
-        return sorted(r.key for r in self.spec.program().replicas if r.trained)
+        return sorted(r.key for r in self.program.replicas if r.trained)
 
     def run(self) -> int:
         s = self.spec
@@ -226,7 +233,9 @@ class Controller:
         checkpoint.commit(s.run_dir, done_steps, {
             "steps": done_steps, "workers": s.n_workers, "time": time.time(), "files": files,
             "distributed_optimizer": s.config.train.uses_distributed_optimizer(s.config.device),
-            "trained": self.trained})
+            "trained": self.trained,
+            # the ranks holding the rollout generated ahead (asynchronous plans)
+            "in_flight_ranks": list(self.program.ahead_ranks) if done_steps < s.steps else []})
 
 
 def _last_spans(reports: list[dict]) -> tuple[dict[int, float], dict[int, float]]:

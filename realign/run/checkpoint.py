@@ -194,6 +194,14 @@ def check_sharding(was: bool | None, now: bool, name: str) -> None:
                         field="train.distributed_optimizer")
 
 
+def in_flight_usable(manifest: dict, ahead_ranks: tuple[int, ...]) -> bool:
+    """Whether a checkpoint's samples in flight (a rollout generated ahead, saved by the
+    ranks that made it) can feed the resumed run: its plan generated on the same ranks.
+    Otherwise the first resumed step generates its rollout again, with the current
+    policy (still within the staleness bound, but not the uninterrupted run's)."""
+    return bool(ahead_ranks) and manifest.get("in_flight_ranks") == list(ahead_ranks)
+
+
 def check_resumable(manifest: dict, folder: Path, distributed_optimizer: bool,
                     trained: list[str]) -> None:
     """A :class:`UserError` (before any worker starts) when the checkpoint in ``folder``

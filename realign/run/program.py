@@ -27,7 +27,7 @@ must move (checked at run time), its ``time_s`` enters the timeout like a call's
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.graph import MFC
 from planner.plan import ExecutionPlan, MFCAllocation
@@ -100,6 +100,7 @@ class Call:
     optimizer_offload: bool = False     #: train: Adam state on the host (the plan's)
     estimate_host_bytes: float = 0.0    #: planned host memory per GPU (optimizer offload)
     activation_recompute: bool = False  #: train: recompute layer activations in backward
+    ahead: bool = False                 #: generates the next step's rollout (asynchronous)
 
     @property
     def name(self) -> str:
@@ -129,6 +130,7 @@ class RuleReward:
     prompts_key: str        #: the prompts they answer (texts and reference answers)
     out_key: str            #: where the rewards go
     ranks: tuple[int, ...]
+    ahead: bool = False     #: scores the next step's rollout (asynchronous)
 
 
 @dataclass(frozen=True)
@@ -156,16 +158,39 @@ class Program:
     ops: tuple[Op, ...]
     dataset_keys: tuple[str, ...]   #: graph keys the dataset fills (training batch, eval set)
     n_ranks: int
+    #: asynchronous: the first ``head`` ops reallocate the weights generation runs
+    #: with; ``prologue`` generates the step's own rollout when none was made ahead
+    #: (the run's first step), inserted right after them
+    head: int = 0
+    prologue: tuple[Op, ...] = ()
+    max_staleness: int = 0
+
+    @property
+    def asynchronous(self) -> bool:
+        return any(getattr(op, "ahead", False) for op in self.ops)
+
+    @property
+    def ahead_ranks(self) -> tuple[int, ...]:
+        """The ranks that hold a rollout made ahead between steps."""
+        return tuple(sorted({g for op in self.ops if getattr(op, "ahead", False)
+                             for g in op.ranks}))
 
     @property
     def evaluates(self) -> bool:
         """Some ops run only on evaluation steps."""
         return any(op.every > 1 for op in self.ops)
 
-    def ops_for(self, evaluate: bool) -> tuple[Op, ...]:
+    def ops_for(self, evaluate: bool, prologue: bool = False, last: bool = False
+                ) -> tuple[Op, ...]:
         """The ops of a step: all of them on an evaluation step, else those that run
-        every step."""
-        return self.ops if evaluate else tuple(op for op in self.ops if op.every == 1)
+        every step. Asynchronous programs: ``prologue`` (no rollout was made ahead for
+        this step) generates it first; on the ``last`` step nothing is made ahead."""
+        ops = list(self.ops)
+        if prologue:
+            ops[self.head:self.head] = self.prologue
+        if last:
+            ops = [op for op in ops if not getattr(op, "ahead", False)]
+        return tuple(op for op in ops if evaluate or op.every == 1)
 
     def collective_timeout_s(self) -> float:
         """How long a rank may wait on a peer: a step's estimated duration if every call
@@ -199,7 +224,12 @@ def _key(a: MFCAllocation) -> str:
 
 def compile_program(plan: ExecutionPlan) -> Program:
     """The replicas to build and the ops of one step, from ``plan`` (consistent by
-    construction: :func:`planner.plan.plan_problems`)."""
+    construction: :func:`planner.plan.plan_problems`).
+
+    An asynchronous plan's step (the simulator's order, :mod:`planner.simulator`):
+    first the reallocations of the weights its rollout generation runs with, then the
+    other MFCs in graph order, reading the rollout the previous step made (held by the
+    generating mesh), then the generation of the next step's rollout (``ahead``)."""
     graph = plan.graph
     datasets = tuple(graph.dataset_keys())
     heads = {pm.role: pm.head for pm in plan.models}
@@ -216,18 +246,27 @@ def compile_program(plan: ExecutionPlan) -> Program:
                 reallocated=a.mfc in realloc_to)
     everyone = tuple(range(plan.cluster.n_gpus))
     holders: dict[str, tuple[int, ...]] = {k: everyone for k in datasets}
-    last_use: dict[tuple[str, int], int] = {}     #: (replica, every) -> op index
-    ops: list[Op] = []
-    for m in graph.mfcs:
+    ahead = [m for m in graph.mfcs if graph.is_ahead(m)]
+    order = [m for m in graph.mfcs if not graph.is_ahead(m)] + ahead
+    head: list[Op] = []
+    groups: list[tuple[str, list[Op]]] = []      #: (replica, its MFC's ops) in order
+    for m in ahead:
+        ranks = tuple(plan.allocation(m.name).mesh.gpus)
+        for k in m.output_keys + tuple(r.out_key for r in graph.rule_reward_after(m.name)):
+            holders[k] = ranks
+    for m in order:
         a = plan.allocation(m.name)
         key = _key(a)
         ranks = tuple(a.mesh.gpus)
+        is_ahead = graph.is_ahead(m)
+        ops: list[Op] = []
         r = realloc_to.get(m.name)
         if r is not None:
             src = _key(train[m.role])
-            ops.append(Realloc(m.every, m.role, m.name, src, key,
-                               tuple(sorted(set(replicas[src].ranks) | set(ranks))),
-                               r.bytes, plan.cost_config.param_dtype_bytes, r.time_s))
+            (head if is_ahead else ops).append(
+                Realloc(m.every, m.role, m.name, src, key,
+                        tuple(sorted(set(replicas[src].ranks) | set(ranks))),
+                        r.bytes, plan.cost_config.param_dtype_bytes, r.time_s))
         for k in m.input_keys:
             have = holders[k]
             lack = tuple(g for g in ranks if g not in have)
@@ -238,22 +277,32 @@ def compile_program(plan: ExecutionPlan) -> Program:
                     holders[k] = tuple(sorted(set(have) | set(lack)))
         ops.append(Call(m.every, m, key, a.micro_batches, ranks, a.mesh_name, a.time_s,
                         a.mem_bytes, a.optimizer_offload, a.host_bytes,
-                        m.kind == "train" and plan.cost_config.activation_recompute))
+                        m.kind == "train" and plan.cost_config.activation_recompute,
+                        ahead=is_ahead))
         for k in m.output_keys:
             holders[k] = ranks
         for rule in graph.rule_reward_after(m.name):
-            ops.append(RuleReward(m.every, rule.seqs_key, m.input_keys[0], rule.out_key, ranks))
+            ops.append(RuleReward(m.every, rule.seqs_key, m.input_keys[0], rule.out_key, ranks,
+                                  ahead=is_ahead))
             holders[rule.out_key] = ranks
         for ev in graph.evaluations_after(m.name):
             ops.append(Evaluate(m.every, ev.seqs_key, m.input_keys[0], ev.name, ranks))
-        if replicas[key].reallocated:
-            last_use[(key, m.every)] = len(ops) - 1
+        groups.append((key, ops))
     # free reallocated copies right after their last call of the step, and after their
     # last call of an evaluation step (a copy an evaluation uses is reallocated again)
-    out: list[Op] = []
+    flat: list[Op] = list(head)
+    last_use: dict[tuple[str, int], int] = {}     #: (replica, every) -> op index
+    for key, ops in groups:
+        flat += ops
+        if replicas[key].reallocated:
+            last_use[(key, ops[-1].every)] = len(flat) - 1
     last = {i: key for (key, _), i in last_use.items()}
-    for i, op in enumerate(ops):
+    out: list[Op] = []
+    for i, op in enumerate(flat):
         out.append(op)
         if i in last:
             out.append(Release(op.every, last[i], replicas[last[i]].ranks))
-    return Program(tuple(replicas.values()), tuple(out), datasets, plan.cluster.n_gpus)
+    prologue = tuple(replace(op, ahead=False) for op in out
+                     if isinstance(op, (Call, RuleReward)) and op.ahead)
+    return Program(tuple(replicas.values()), tuple(out), datasets, plan.cluster.n_gpus,
+                   head=len(head), prologue=prologue, max_staleness=graph.max_staleness)

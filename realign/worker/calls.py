@@ -38,9 +38,11 @@ GLOBAL_TRAIN_METRICS = ("grad_norm", "update_ok")
 class Calls:
     def __init__(self, *, specs, algorithm, algo_params, train_cfg: TrainConfig,
                  sampling: Sampling, tokenizer, pad_id: int, eos_id: int | None, reward_fn,
-                 verifier, seed: int):
+                 verifier, seed: int, max_staleness: int = 0):
         """``reward_fn``: the rule reward (None with a reward model); ``verifier``: what
-        counts as correct in evaluations (None without an eval section)."""
+        counts as correct in evaluations (None without an eval section);
+        ``max_staleness``: the most policy versions a trained sample may lag."""
+        self.max_staleness = max_staleness
         self.specs = specs
         self.algorithm, self.algo_params, self.train_cfg = algorithm, algo_params, train_cfg
         self.sampling, self.tokenizer = sampling, tokenizer
@@ -69,11 +71,15 @@ class Calls:
         params = SamplingParams(
             **self.sampling.model_dump(), max_new_tokens=op.mfc.gen_len, greedy=op.mfc.greedy,
             stop_token_ids=(self.eos_id,) if self.eos_id is not None else (),
-            seed=self.seed * 1_000_003 + step * len(prompts))
+            # sampling seeds follow the batch (an ahead call makes the next step's)
+            seed=self.seed * 1_000_003 + (step + op.ahead) * len(prompts))
         gen = GenerateEngine(h.shard, pad_id=self.pad_id).generate(prompts, params,
                                                                     waves=op.micro_batches)
         seqs, logprobs = sequences_from_generation(prompts, gen.tokens, gen.logprobs,
                                                    gen.lengths, self.pad_id)
+        # the policy version that sampled them: the weights of a step are those after
+        # ``step`` updates (an ahead call samples with them too, for the next step)
+        seqs["policy_version"] = torch.full((len(prompts),), step, dtype=torch.long)
         out = {op.outputs[0]: seqs}
         if len(op.outputs) > 1:
             out[op.outputs[1]] = logprobs
@@ -146,7 +152,9 @@ class Calls:
     def train(self, op: Call, h: Hosted, store, step):
         records = [{k: v for k, v in store[key].items() if isinstance(v, torch.Tensor)}
                    for key in op.inputs]
-        batch = self.algorithm.prepare(merge(records), self.algo_params)
+        merged = merge(records)
+        staleness = check_staleness(merged, step, self.max_staleness, op.name)
+        batch = self.algorithm.prepare(merged, self.algo_params)
         engine = self.train_engine(op, h)
         loss_fn = self.algorithm.loss_fn(op.role, self.algo_params)
         rows = batch["tokens"].shape[0]
@@ -175,6 +183,8 @@ class Calls:
             flat = (batch["advantages"].abs().sum(dim=-1) == 0) if batch["advantages"].dim() > 1 \
                 else batch["advantages"] == 0
             shared["zero_advantage_frac"] = float(flat.float().mean())
+        if staleness is not None:
+            shared["staleness"] = staleness
         g = h.shard.groups
         parts = {}
         if g.is_last_stage and g.tp_rank == 0:
@@ -191,6 +201,22 @@ class Calls:
                 h.shard, self.train_cfg, micro_batches=op.micro_batches,
                 optimizer_offload=op.optimizer_offload, recompute=op.activation_recompute)
         return self.train_engines[op.replica]
+
+
+def check_staleness(batch, step: int, bound: int, call: str) -> float | None:
+    """The mean staleness (policy versions between the samples' policy and the one
+    trained at ``step``) of a batch that records its samples' versions; a sample more
+    than ``bound`` versions stale, or from a future version, stops the run before it
+    is trained on (None: the batch has no sampled sequences)."""
+    v = batch.get("policy_version")
+    if not isinstance(v, torch.Tensor):
+        return None
+    lag = step - v
+    if int(lag.max()) > bound or int(lag.min()) < 0:
+        raise UserError(f"step {step}, {call}: a sample of policy version {int(v.min())} "
+                        f"is {int(lag.max())} versions stale (allowed: 0 .. {bound}); it is "
+                        "not trained on", field="algorithm.max_staleness")
+    return float(lag.float().mean())
 
 
 def reward_value(value, where: str) -> float:

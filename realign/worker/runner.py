@@ -9,6 +9,11 @@ What an op does on a member rank:
 * ``Call``: generate / inference / train on the replica, reading and writing records;
 * ``RuleReward``: score generated text with the reward function;
 * ``Release``: free a reallocated copy's storage after its last use.
+Asynchronous programs: a ``Call`` or ``RuleReward`` marked ``ahead`` works on the
+next step's batch (its own store); what it makes stays on its ranks as the *carried*
+rollout, which the next step reads (and a checkpoint saves: the samples in flight).
+Its metrics describe that rollout, so they are reported with the step that trains on
+it.
 The first rank of each op reports its metrics to the controller; metrics that differ
 between data-parallel ranks (a train call's loss) come from every DP rank as
 ``dp_parts`` and the controller averages them (no collective in the step for it).
@@ -38,19 +43,30 @@ class StepRunner:
                  device: torch.device, dtype: torch.dtype, gpus_per_node: int):
         self.program, self.hosted, self.calls = program, hosted, calls
         self.rank, self.device, self.dtype, self.gpn = rank, device, dtype, gpus_per_node
+        #: the rollout made ahead for the next step (records, and its metrics)
+        self.carried: dict[str, Record] = {}
+        self.carried_metrics: dict[str, float] = {}
 
-    def run(self, step: int, dataset: dict[str, Record], evaluate: bool = False
+    def run(self, step: int, dataset: dict[str, Record], evaluate: bool = False,
+            next_dataset: dict[str, Record] | None = None, prologue: bool = False
             ) -> dict[str, dict[str, float]]:
         """``{"metrics": ..., "dp_parts": ...}``: this rank's report of the step (see
         :func:`realign.controller.controller.merge_metrics`); ``evaluate``: the step ends
-        with the evaluation's ops."""
+        with the evaluation's ops. Asynchronous programs: ``next_dataset`` is the next
+        step's batch (None on the last step: nothing is made ahead); ``prologue``: no
+        rollout was made ahead for this step, so it is generated first."""
         store: dict[str, Record] = dict(dataset)
-        metrics: dict[str, float] = {}
+        store.update(self.carried)
+        metrics: dict[str, float] = dict(self.carried_metrics)
+        ahead: dict[str, Record] = dict(next_dataset or {})
+        ahead_metrics: dict[str, float] = {}
+        self.carried, self.carried_metrics = {}, {}
         dp_parts: dict[str, float] = {}
         ops: list[list] = []
         spans: list[list] = []
         me = self.rank
-        for i, op in enumerate(self.program.ops_for(evaluate)):
+        plan_ops = self.program.ops_for(evaluate, prologue=prologue, last=next_dataset is None)
+        for i, op in enumerate(plan_ops):
             if me not in op.ranks:
                 continue
             lead = me == op.ranks[0]
@@ -62,16 +78,18 @@ class StepRunner:
             elif isinstance(op, Send):
                 self._send(op, store)
             elif isinstance(op, Call):
-                out, m, parts = self.calls.call(op, self.hosted[op.replica], store, step)
-                store.update(out)
+                where, mine = (ahead, ahead_metrics) if op.ahead else (store, metrics)
+                out, m, parts = self.calls.call(op, self.hosted[op.replica], where, step)
+                where.update(out)
                 dp_parts.update(parts)
                 if lead:
-                    metrics.update(m)
+                    mine.update(m)
             elif isinstance(op, RuleReward):
-                out, m = self.calls.rule_reward(op, store, step)
-                store.update(out)
+                where, mine = (ahead, ahead_metrics) if op.ahead else (store, metrics)
+                out, m = self.calls.rule_reward(op, where, step + op.ahead)
+                where.update(out)
                 if lead:
-                    metrics.update(m)
+                    mine.update(m)
             elif isinstance(op, Evaluate):
                 m = self.calls.evaluate(op, store, step)
                 if lead:
@@ -83,6 +101,8 @@ class StepRunner:
                 spans.append([i, wall0, wall0 + time.perf_counter() - t0])
                 if lead:
                     ops.append([i, *describe(op), list(op.ranks), timed_metric(op)])
+        self.carried = {k: v for k, v in ahead.items() if k not in (next_dataset or {})}
+        self.carried_metrics = ahead_metrics
         return {"metrics": metrics, "dp_parts": dp_parts, "ops": ops, "spans": spans}
 
     def _realloc(self, op: Realloc):
@@ -109,7 +129,7 @@ def timed_metric(op) -> str | None:
     """The metric an op's duration is reported under: ``time.<mfc>`` for a call,
     ``time.realloc.<mfc>`` for the reallocation before it."""
     if isinstance(op, Call):
-        return f"time.{op.name}"
+        return f"time.{op.name}"   # an ahead call's time: the step it runs in
     if isinstance(op, Realloc):
         return f"time.realloc.{op.to_mfc}"
     return None
@@ -118,7 +138,7 @@ def timed_metric(op) -> str | None:
 def describe(op) -> tuple[str, str]:
     """(label, kind) of an op on a timeline."""
     if isinstance(op, Call):
-        return op.name, op.kind
+        return (f"{op.name} (next step)" if op.ahead else op.name), op.kind
     if isinstance(op, Realloc):
         return f"realloc {op.role} -> {op.to_mfc}", "realloc"
     if isinstance(op, Send):

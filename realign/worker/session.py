@@ -30,6 +30,9 @@ from realign.worker.calls import Calls
 from realign.worker.replicas import build_replicas
 from realign.worker.runner import StepRunner
 
+#: a rank file's entry of the rollout generated ahead and not yet trained on
+IN_FLIGHT = "in_flight"
+
 _RESHARDED = ("it was written by an optimizer sharded differently (train."
               "distributed_optimizer, or the plan's data-parallel layout)")
 
@@ -98,13 +101,17 @@ class Session:
                            train_cfg=cfg.train, sampling=cfg.sampling,
                            tokenizer=self.tokenizer, pad_id=self.pad,
                            eos_id=self.tokenizer.eos_token_id, reward_fn=reward_fn,
-                           verifier=verifier, seed=cfg.run.seed)
+                           verifier=verifier, seed=cfg.run.seed,
+                           max_staleness=self.program.max_staleness)
         self.runner = StepRunner(self.program, self.hosted, self.calls, rank,
                                  self.dev.device, self.dev.dtype, spec.plan.cluster.gpus_per_node)
         # train engines exist before a checkpoint is loaded into them
         for op in self.program.ops:
             if getattr(op, "kind", None) == "train" and rank in op.ranks:
                 self.calls.train_engine(op, self.hosted[op.replica])
+        #: asynchronous programs: the next step run still has to generate its own
+        #: rollout (none was made ahead, or the checkpoint's cannot be used)
+        self.needs_prologue = self.program.asynchronous
         if resume_dir:
             self.load(Path(resume_dir))
 
@@ -144,7 +151,12 @@ class Session:
                 and (step == 0 or (step + 1) % ev.interval == 0 or step + 1 == self.spec.steps))
 
     def step(self, step: int) -> dict:
-        return self.runner.run(step, self.dataset_record(step), self.evaluates_at(step))
+        ahead = self.program.asynchronous and step + 1 < self.spec.steps
+        report = self.runner.run(step, self.dataset_record(step), self.evaluates_at(step),
+                                 next_dataset=self.dataset_record(step + 1) if ahead else None,
+                                 prologue=self.needs_prologue)
+        self.needs_prologue = False
+        return report
 
     # ---- checkpoints -----------------------------------------------------------------
     def _trained_here(self):
@@ -160,6 +172,9 @@ class Session:
             state[key] = {"module": h.shard.module.state_dict(),
                           "optimizer": optimizer_state(eng.optimizer),
                           "distributed_optimizer": eng.zero1}
+        if self.runner.carried:         # the samples in flight: generated, not yet trained
+            state[IN_FLIGHT] = {"records": self.runner.carried,
+                                "metrics": self.runner.carried_metrics}
         buf = io.BytesIO()
         torch.save(state, buf)
         data, name = buf.getvalue(), f"rank{self.rank}.pt"
@@ -169,6 +184,12 @@ class Session:
     def load(self, folder: Path) -> None:
         state = torch.load(folder / f"rank{self.rank}.pt", map_location=self.dev.device,
                            weights_only=False)
+        if self.program.asynchronous and checkpoint.in_flight_usable(
+                checkpoint.read_manifest(folder), self.program.ahead_ranks):
+            self.needs_prologue = False
+            flight = state.get(IN_FLIGHT, {"records": {}, "metrics": {}})
+            self.runner.carried = flight["records"]
+            self.runner.carried_metrics = flight["metrics"]
         for key, h in self._trained_here():
             eng = self.calls.train_engines[key]
             check_optimizer_layout(state[key], eng.zero1, folder.name)

@@ -54,7 +54,9 @@ def random_problem(rng: random.Random) -> Problem:
                               device=resolve_device(rng.choice(DEVICES)))
         models = {r: RoleModel(r, presets[rng.choice(MODELS)], head_of(r)) for r in roles}
         try:
-            graph = build_graph(alg, shape, roles)
+            asynchronous = SPECS[alg].generates and rng.random() < 0.5
+            graph = build_graph(alg, shape, roles, max_staleness=int(asynchronous),
+                                asynchronous=asynchronous)
             return build_problem(graph, models, CostModel(cluster), n_iters=rng.randint(1, 3))
         except PlanError:
             continue
