@@ -131,13 +131,15 @@ def _pareto(cands: list[Candidate]) -> list[Candidate]:
 
 def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: CostModel,
                   n_iters: int = 3, meshes: list[DeviceMesh] | None = None,
-                  deadline: Deadline | None = None) -> Problem:
+                  deadline: Deadline | None = None, split: int | None = None) -> Problem:
     """Enumerate and price every allocation of every MFC of ``graph``.
 
     Candidates whose own memory already exceeds the limit are dropped (they can be
     in no feasible plan), and for one placement only micro-batch counts on the
     time/memory Pareto front are kept (a dominated one is never better). ``deadline``:
-    a :class:`PlanError` once it has passed.
+    a :class:`PlanError` once it has passed. ``split`` (asynchronous graphs): the
+    MFCs that run ahead use GPUs below it, the other MFCs of every step the rest, so
+    generation overlaps training (:func:`async_splits`).
     """
     cluster = cost.cluster
     roles = [r for r in graph.roles()]
@@ -159,6 +161,9 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
         by_size.setdefault(mesh.n_gpus, []).append(mesh)
     cands: list[list[Candidate]] = []
     for mfc in graph.mfcs:
+        allowed = (None if split is None or mfc.every > 1 else
+                   (lambda m: m.first_gpu + m.n_gpus <= split) if graph.is_ahead(mfc) else
+                   (lambda m: m.first_gpu >= split))
         rm = models[mfc.role]
         trained = train_mfc[ridx[mfc.role]] >= 0
         per_step = mfc.n_seqs // (mfc.n_minibatches if mfc.kind == "train" else 1)
@@ -187,7 +192,8 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                                                c.host_bytes))
                 priced += _pareto(group)
             for mesh in group_meshes:
-                per_mfc += [replace(c, first_gpu=mesh.first_gpu) for c in priced]
+                if allowed is None or allowed(mesh):
+                    per_mfc += [replace(c, first_gpu=mesh.first_gpu) for c in priced]
         if not per_mfc:
             raise PlanError(f"{mfc.name} ({rm.spec.name}, {mfc.n_seqs} sequences of "
                             f"{mfc.seq_len} tokens per step) fits on no mesh of the cluster "
@@ -199,6 +205,13 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                             field="cluster")
         cands.append(per_mfc)
     return assemble(graph, models, cost, cands, n_iters)
+
+
+def async_splits(cluster: ClusterSpec) -> list[int]:
+    """Where an asynchronous plan may divide the cluster: generation on the GPUs below
+    the split (a mesh from GPU 0), the training side on the rest."""
+    return sorted({m.n_gpus for m in enumerate_meshes(cluster)
+                   if m.first_gpu == 0 and m.n_gpus < cluster.n_gpus})
 
 
 def assemble(graph: DataflowGraph, models: dict[str, RoleModel], cost: CostModel,

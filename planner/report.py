@@ -49,8 +49,7 @@ def modes_lines(plan: ExecutionPlan) -> list[str]:
     """The best synchronous and asynchronous plans side by side, with the speed-up."""
     if not plan.modes:
         return []
-    names = list(plan.modes[0].allocations or plan.modes[1].allocations)
-    names += [n for m in plan.modes for n in m.allocations if n not in names]
+    names = list(max((m.allocations for m in plan.modes), key=len))
     rows = [("", *(f"{m.mode}{' (chosen)' if m.chosen else ''}" for m in plan.modes))]
     rows.append(("iteration s", *(f"{m.iteration_time_s:.3f}" if m.iteration_time_s is not None
                                    else "does not fit" for m in plan.modes)))

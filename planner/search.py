@@ -31,7 +31,7 @@ from planner.graph import DataflowGraph
 from planner.heuristics import HEURISTICS
 from planner.plan import ExecutionPlan, HeuristicResult, SearchInfo
 from planner.plan_build import build_plan, describe_candidate
-from planner.problem import Problem, RoleModel, build_problem
+from planner.problem import Problem, RoleModel, async_splits, build_problem
 from planner.profile import ProfileTable
 from planner.simulator import ReallocCache, energy, simulate
 
@@ -96,6 +96,34 @@ def _anneal(prob: Problem, seeds: list[list[int]], s: SearchSettings, deadline: 
 def search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
            cost_config: CostModelConfig | None = None, profile: ProfileTable | None = None,
            settings: SearchSettings | None = None) -> ExecutionPlan:
+    """The best plan of ``graph``. An asynchronous graph is searched once per way of
+    dividing the cluster between generation and training (:func:`~planner.problem.
+    async_splits`, each with an equal share of the time limit); the fastest wins."""
+    if graph.ahead_steps == 0:
+        return _search(name, graph, models, cluster, cost_config, profile, settings)
+    s = settings or SearchSettings()
+    splits = async_splits(cluster)
+    if not splits:
+        raise InfeasibleError(f"an asynchronous plan generates and trains on separate GPUs; "
+                              f"{cluster.describe()} has one", field="cluster")
+    share = s.model_copy(update={"time_limit_s": s.time_limit_s / len(splits)})
+    best, why = None, ""
+    for split in splits:
+        try:
+            plan = _search(name, graph, models, cluster, cost_config, profile, share, split)
+        except InfeasibleError as e:
+            why = e.message
+            continue
+        if best is None or plan.iteration_time_s < best.iteration_time_s:
+            best = plan
+    if best is None:
+        raise InfeasibleError(f"no asynchronous plan fits: {why}", field="cluster")
+    return best
+
+
+def _search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
+            cost_config: CostModelConfig | None = None, profile: ProfileTable | None = None,
+            settings: SearchSettings | None = None, split: int | None = None) -> ExecutionPlan:
     s = settings or SearchSettings()
     cost_config = cost_config or CostModelConfig()
     t0 = time.perf_counter()
@@ -103,10 +131,14 @@ def search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluste
     deadline = Deadline(t0 + 0.9 * s.time_limit_s, s.time_limit_s)
     cost = CostModel(cluster, cost_config, profile)
     try:
-        prob = build_problem(graph, models, cost, n_iters=s.n_iters, deadline=deadline)
+        prob = build_problem(graph, models, cost, n_iters=s.n_iters, deadline=deadline,
+                             split=split)
     except PlanError as e:
         if e.field == "plan.time_limit_s":
             raise
+        if split is not None:
+            raise InfeasibleError(f"{e.message} (generation on GPUs below {split})",
+                                  field="cluster") from None
         raise InfeasibleError(f"{e.message}. "
                               f"{_suggest(graph, models, cluster, cost_config, profile, deadline)}",
                               field="cluster") from None
@@ -136,6 +168,9 @@ def search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluste
         fits = [a for a in unique if simulate(prob, a, cache).feasible]
         best = min(fits, key=lambda a: energy(prob, simulate(prob, a, cache))) if fits else None
     if best is None:
+        if split is not None:
+            raise InfeasibleError(f"{_what_does_not_fit(prob)} (generation on GPUs below "
+                                  f"{split})", field="cluster")
         raise InfeasibleError(f"{_what_does_not_fit(prob)}. "
                               f"{_suggest(graph, models, cluster, cost_config, profile, deadline)}",
                               field="cluster")

@@ -144,13 +144,16 @@ def summarize(plans: list[dict]) -> dict:
 
 # ---- running -------------------------------------------------------------------------
 
-def run_plan(experiment: Path, plan_path: Path, run_dir: Path, steps: int) -> dict:
-    """``realign run`` of a saved plan; ``{"rows": metrics rows}`` or ``{"error": ...}``."""
+def run_plan(experiment: Path, plan_path: Path, run_dir: Path, steps: int,
+             transform=None) -> dict:
+    """``realign run`` of a saved plan; ``{"rows": metrics rows}`` or ``{"error": ...}``
+    (``transform``: :func:`realign.run.prepare.prepare`'s)."""
     from realign.controller.controller import Controller
     from realign.launch.local_launcher import LocalLauncher
     from realign.run.prepare import prepare
 
-    spec = prepare(experiment, run_dir=str(run_dir), steps=steps, plan_file=plan_path)
+    spec = prepare(experiment, run_dir=str(run_dir), steps=steps, plan_file=plan_path,
+                   transform=transform)
     with open(os.devnull, "w") as quiet:
         code = Controller(spec, LocalLauncher.for_run(spec), out=quiet).run()
     if code != 0:

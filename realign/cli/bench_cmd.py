@@ -9,6 +9,8 @@ import argparse
 import importlib
 
 STUDIES: dict[str, tuple[str, str]] = {
+    "async": ("realign.bench.async_bench", "the best synchronous and asynchronous plans run: "
+              "measured vs predicted speed-up, learning curves over seeds"),
     "plan-sweep": ("realign.bench.plan_sweep", "searched vs heuristic plans over the PPO sweep"),
     "realloc": ("realign.bench.realloc", "parameter reallocation: bytes, lower bound, time vs naive"),
     "plans": ("realign.bench.plans", "several plans of one experiment run: estimated vs "

@@ -99,9 +99,12 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
 
 
 def allows_async(cfg: ExperimentConfig) -> bool:
-    """The experiment lets generation run ahead (a staleness bound, and an algorithm
-    that generates)."""
-    return cfg.algorithm.max_staleness >= 1 and algorithm_spec(cfg.algorithm.name).generates
+    """The experiment lets generation run ahead (a staleness bound); a bound on an
+    algorithm that generates nothing is a :class:`UserError`."""
+    if cfg.algorithm.max_staleness >= 1 and not algorithm_spec(cfg.algorithm.name).generates:
+        raise UserError(f"{cfg.algorithm.name} generates nothing, so nothing can run ahead "
+                        "of training; leave max_staleness at 0", field="algorithm.max_staleness")
+    return cfg.algorithm.max_staleness >= 1
 
 
 def recorded_lengths(cfg: ExperimentConfig, base: Path) -> GenLengths | None:

@@ -105,11 +105,13 @@ def _run_folder(cfg, run_dir: str | None) -> Path:
 
 
 def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | None = None,
-            launcher: str | None = None, plan_file: Path | None = None) -> RunSpec:
+            launcher: str | None = None, plan_file: Path | None = None,
+            transform=None) -> RunSpec:
     """Check the experiment, plan it and write the run folder; the prepared run.
 
     ``run_dir``, ``steps``, ``launcher``: the command line's overrides of ``run.dir``,
-    ``run.steps`` and ``launcher.type``; ``plan_file``: run this saved plan (``plan.file``)."""
+    ``run.steps`` and ``launcher.type``; ``plan_file``: run this saved plan (``plan.file``);
+    ``transform``: a benchmark's change to the config (``cfg -> cfg``: a seed, a cluster)."""
     from planner.timeline_svg import render
     from realign.algorithms import registry
     from realign.config.loading import load_experiment
@@ -119,6 +121,8 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
 
     cfg, base = load_experiment(experiment)
     cfg = _with_overrides(cfg, steps, launcher, plan_file)
+    if transform is not None:
+        cfg = transform(cfg)
     cfg.cluster.spec()                           # a known device (cluster.device)
     if cfg.data is None:
         raise UserError("realign run needs a data section with a train dataset", field="data")

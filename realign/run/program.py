@@ -101,6 +101,9 @@ class Call:
     estimate_host_bytes: float = 0.0    #: planned host memory per GPU (optimizer offload)
     activation_recompute: bool = False  #: train: recompute layer activations in backward
     ahead: bool = False                 #: generates the next step's rollout (asynchronous)
+    #: it runs on the trained copy after this step's update (an ahead call without a
+    #: reallocation of its own), so it samples with the next policy version
+    sees_update: bool = False
 
     @property
     def name(self) -> str:
@@ -278,7 +281,7 @@ def compile_program(plan: ExecutionPlan) -> Program:
         ops.append(Call(m.every, m, key, a.micro_batches, ranks, a.mesh_name, a.time_s,
                         a.mem_bytes, a.optimizer_offload, a.host_bytes,
                         m.kind == "train" and plan.cost_config.activation_recompute,
-                        ahead=is_ahead))
+                        ahead=is_ahead, sees_update=is_ahead and r is None))
         for k in m.output_keys:
             holders[k] = ranks
         for rule in graph.rule_reward_after(m.name):
@@ -302,7 +305,9 @@ def compile_program(plan: ExecutionPlan) -> Program:
         out.append(op)
         if i in last:
             out.append(Release(op.every, last[i], replicas[last[i]].ranks))
-    prologue = tuple(replace(op, ahead=False) for op in out
+    prologue = tuple(replace(op, ahead=False, **({"sees_update": False}
+                                                 if isinstance(op, Call) else {}))
+                     for op in out
                      if isinstance(op, (Call, RuleReward)) and op.ahead)
     return Program(tuple(replicas.values()), tuple(out), datasets, plan.cluster.n_gpus,
                    head=len(head), prologue=prologue, max_staleness=graph.max_staleness)

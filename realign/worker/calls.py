@@ -77,9 +77,11 @@ class Calls:
                                                                     waves=op.micro_batches)
         seqs, logprobs = sequences_from_generation(prompts, gen.tokens, gen.logprobs,
                                                    gen.lengths, self.pad_id)
-        # the policy version that sampled them: the weights of a step are those after
-        # ``step`` updates (an ahead call samples with them too, for the next step)
-        seqs["policy_version"] = torch.full((len(prompts),), step, dtype=torch.long)
+        # the policy version that sampled them: a step reallocates the weights after
+        # ``step`` updates; an ahead call on the trained copy itself runs after the
+        # step's update
+        seqs["policy_version"] = torch.full((len(prompts),), step + op.sees_update,
+                                            dtype=torch.long)
         out = {op.outputs[0]: seqs}
         if len(op.outputs) > 1:
             out[op.outputs[1]] = logprobs

@@ -1,0 +1,236 @@
+"""``realign bench async EXPERIMENT.yaml``: the best synchronous and the best
+asynchronous plan of one experiment (``algorithm.max_staleness`` >= 1), run on this
+machine for the same steps, against the planner's estimates.
+
+1. Pricing: ``--profile FILE``, ``--analytic``, or a fresh ``realign profile`` (as
+   ``realign bench plans``). Both modes are searched (:func:`realign.config.planning.
+   both_modes`), and the synchronous plan again on one device of the cluster: the
+   data-parallel scaling the asynchronous plan competes with.
+2. Each round is one seed (``run.seed``): every plan runs ``--steps`` steps with it.
+   Step times leave out the first ``--warmup`` steps and the last step (an
+   asynchronous run's last step generates nothing ahead), so both modes are timed in
+   their steady state, which is what the planner estimates.
+3. The record: per plan the estimate and the median step time over every kept step of
+   every round, with the spread of the per-round medians; the predicted speed-up
+   (synchronous estimate / asynchronous estimate) against the measured one; and per
+   seed the reward curve of each mode, with the final reward (the mean over the last
+   ``--final-window`` steps). ``--svg`` draws the curves (:mod:`realign.bench.async_svg`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from realign.bench.plans import run_plan, spread
+from realign.errors import UserError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("experiment", type=Path, help="experiment YAML (algorithm.max_staleness >= 1)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps per run (default: the experiment's run.steps)")
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the times "
+                   "(default 2)")
+    p.add_argument("--seeds", type=int, default=3, help="rounds, one seed each (default 3)")
+    p.add_argument("--final-window", type=int, default=5,
+                   help="steps averaged for the final reward (default 5)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="profile table to price with (default: run realign profile first)")
+    p.add_argument("--analytic", action="store_true",
+                   help="price with the analytic device preset only, no profile")
+    p.add_argument("--no-dp-scaling", action="store_true",
+                   help="skip the synchronous plan on one device")
+    p.add_argument("--out", type=Path, default=None, help="write the JSON here")
+    p.add_argument("--svg", type=Path, default=None, help="write the learning curves here")
+    p.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+
+
+# ---- statistics (pure) ---------------------------------------------------------------
+
+def kept_times(rows: list[dict], warmup: int) -> list[float]:
+    """The steady-state step times of one run: without the first ``warmup`` steps and
+    the last step."""
+    return [r["step_time_s"] for r in rows[warmup:-1]]
+
+
+def final_reward(rows: list[dict], window: int) -> float | None:
+    vals = [r["reward_mean"] for r in rows[-window:] if "reward_mean" in r]
+    return statistics.fmean(vals) if vals else None
+
+
+def summarize_mode(estimate_s: float, runs: list[dict], warmup: int, window: int) -> dict:
+    """One plan's estimate against its runs (``{"rows": ...}`` or ``{"error": ...}``)."""
+    good = [r["rows"] for r in runs if "rows" in r]
+    times = [t for rows in good for t in kept_times(rows, warmup)]
+    per_round = [statistics.median(kept_times(rows, warmup)) for rows in good
+                 if kept_times(rows, warmup)]
+    finals = [f for f in (final_reward(rows, window) for rows in good) if f is not None]
+    return {
+        "estimate_s": estimate_s,
+        "measured_s": statistics.median(times) if times else None,
+        "spread_s": spread(per_round) if per_round else None,
+        "rounds_failed": len(runs) - len(good),
+        "final_reward": {"per_seed": finals,
+                         "mean": statistics.fmean(finals) if finals else None,
+                         "stdev": statistics.stdev(finals) if len(finals) > 1 else None},
+        "staleness": [statistics.fmean(r.get("actor.staleness", 0.0) for r in rows)
+                      for rows in good],
+    }
+
+
+def compare(sync: dict, asyn: dict, one_device: dict | None) -> dict:
+    """Predicted against measured speed-up of the asynchronous plan, and the measured
+    data-parallel scaling of the synchronous one (one device's step time over the
+    cluster's)."""
+    pred = sync["estimate_s"] / asyn["estimate_s"]
+    meas = (sync["measured_s"] / asyn["measured_s"]
+            if sync["measured_s"] and asyn["measured_s"] else None)
+    out = {"predicted_speedup": pred, "measured_speedup": meas,
+           "speedup_error": (meas / pred - 1.0) if meas is not None else None}
+    if one_device is not None and one_device["measured_s"] and sync["measured_s"]:
+        out["sync_dp_scaling"] = one_device["measured_s"] / sync["measured_s"]
+        out["sync_dp_scaling_estimated"] = one_device["estimate_s"] / sync["estimate_s"]
+    fs, fa = sync["final_reward"], asyn["final_reward"]
+    if fs["mean"] is not None and fa["mean"] is not None:
+        out["final_reward_gap"] = fa["mean"] - fs["mean"]
+        noise = [s for s in (fs["stdev"], fa["stdev"]) if s is not None]
+        out["final_reward_noise"] = max(noise) if noise else None
+    return out
+
+
+# ---- running -------------------------------------------------------------------------
+
+def _seeded(seed: int, gpus: int | None = None):
+    def transform(cfg):
+        upd = {"run": cfg.run.model_copy(update={"seed": seed})}
+        if gpus is not None:
+            upd["cluster"] = cfg.cluster.model_copy(update={"gpus_per_node": gpus})
+        return cfg.model_copy(update=upd)
+    return transform
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("seeds", "final_window"):
+        if getattr(args, name) < 1:
+            raise UserError(f"must be >= 1, got {getattr(args, name)}",
+                            field=f"--{name.replace('_', '-')}")
+    if args.warmup < 0:
+        raise UserError(f"must be >= 0, got {args.warmup}", field="--warmup")
+    from realign.bench.plans import _profile
+    from realign.config.loading import load_experiment
+    from realign.config.planning import allows_async, both_modes, plan_mode, with_profile
+
+    cfg, base = load_experiment(args.experiment)
+    if cfg.device != "cpu" or cfg.launcher.type != "local":
+        raise UserError("realign bench async runs on this machine: device cpu, launcher "
+                        "local", field="device")
+    if not allows_async(cfg):
+        raise UserError(f"{cfg.algorithm.name} with max_staleness "
+                        f"{cfg.algorithm.max_staleness} has no asynchronous plan; set "
+                        "algorithm.max_staleness to 1 or more (an algorithm that generates)",
+                        field="algorithm.max_staleness")
+    steps = args.steps or cfg.run.steps
+    if steps < args.warmup + 2:
+        raise UserError(f"{steps} steps leave none to time after {args.warmup} warm-up "
+                        "steps and the last", field="--steps")
+    t0 = time.time()
+    keep = Path(tempfile.mkdtemp(prefix="realign-bench-async-"))
+    profile, profile_src = _profile(args, cfg, base, keep)
+    priced = with_profile(cfg, profile_src) if profile is not None else cfg.model_copy(
+        update={"plan": cfg.plan.model_copy(update={"profile": None})})
+    sync, asyn, why = both_modes(priced, base)
+    if sync is None or asyn is None:
+        raise UserError(f"no {'synchronous' if sync is None else 'asynchronous'} plan fits: "
+                        f"{why}", field="cluster")
+    plans = {"synchronous": sync, "asynchronous": asyn}
+    gpus = cfg.cluster.gpus_per_node * cfg.cluster.nodes
+    one = None
+    if not args.no_dp_scaling and gpus > 1:
+        single = _seeded(cfg.run.seed, 1)(priced).model_copy(
+            update={"cluster": priced.cluster.model_copy(update={"nodes": 1, "gpus_per_node": 1})})
+        one = plan_mode(single, base, False)
+        plans["synchronous, 1 device"] = one
+    paths = {}
+    for k, (name, p) in enumerate(plans.items()):
+        paths[name] = keep / f"plan{k}.json"
+        paths[name].write_text(p.to_json())
+    runs: dict[str, list[dict]] = {name: [] for name in plans}
+    print(f"bench async: {len(plans)} plans x {args.seeds} seeds x {steps} steps; profile "
+          f"{profile_src}", file=sys.stderr)
+    for seed in range(args.seeds):
+        for name in plans:
+            print(f"  seed {seed}: {name}", file=sys.stderr, flush=True)
+            one_dev = name.endswith("1 device")
+            with tempfile.TemporaryDirectory(prefix="realign-bench-async-") as tmp:
+                runs[name].append(run_plan(
+                    args.experiment, paths[name], Path(tmp) / "run", steps,
+                    transform=_seeded(seed, 1 if one_dev else None) if one_dev else
+                    _seeded(seed)))
+    modes = {name: summarize_mode(plans[name].iteration_time_s, runs[name], args.warmup,
+                                  args.final_window) for name in plans}
+    record = {
+        "study": "async", "experiment": str(args.experiment),
+        "config": {"steps": steps, "warmup": args.warmup, "seeds": args.seeds,
+                   "final_window": args.final_window, "profile": profile_src,
+                   "experiment": cfg.model_dump(mode="json")},
+        "modes": modes,
+        "summary": compare(modes["synchronous"], modes["asynchronous"],
+                           modes.get("synchronous, 1 device")),
+        "allocations": {name: {a.mfc: f"{a.mesh_name} {a.layout} x{a.micro_batches}mb"
+                               for a in p.allocations} for name, p in plans.items()},
+        "curves": {name: [[r.get("reward_mean") for r in run["rows"]] if "rows" in run else None
+                          for run in runs[name]] for name in plans},
+        "raw": {name: [[{k: v for k, v in r.items() if k.startswith(("step", "time", "reward",
+                                                                        "response", "actor."))}
+                        for r in run.get("rows", [])] for run in runs[name]] for name in plans},
+        "errors": {name: [r["error"] for r in runs[name] if "error" in r] for name in plans},
+        "wall_s": time.time() - t0,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+    if args.svg:
+        from realign.bench.async_svg import render
+        args.svg.parent.mkdir(parents=True, exist_ok=True)
+        args.svg.write_text(render(record))
+    print(json.dumps(record, indent=1) if args.json else table(record))
+    return 1 if any(record["errors"].values()) else 0
+
+
+def _f(v, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def table(rec: dict) -> str:
+    c = rec["config"]
+    out = [f"bench async {rec['experiment']}: {c['seeds']} seeds x {c['steps']} steps "
+           f"(times leave out {c['warmup']} warm-up steps and the last)", ""]
+    out.append(f"{'plan':24s} {'estimate s':>10s} {'measured s':>10s} {'spread':>17s} "
+               f"{'final reward':>18s}")
+    for name, m in rec["modes"].items():
+        sp = m["spread_s"]
+        fr = m["final_reward"]
+        out.append(f"{name:24s} {_f(m['estimate_s'], '.4f'):>10s} "
+                   f"{_f(m['measured_s'], '.4f'):>10s} "
+                   f"{(_f(sp['min'], '.4f') + '..' + _f(sp['max'], '.4f')) if sp else '-':>17s} "
+                   f"{_f(fr['mean'], '.3f') + ' ± ' + _f(fr['stdev'], '.3f'):>18s}")
+    s = rec["summary"]
+    out.append("")
+    out.append(f"asynchronous speed-up: predicted {_f(s['predicted_speedup'], '.2f')}x, "
+               f"measured {_f(s['measured_speedup'], '.2f')}x "
+               f"(error {_f(s['speedup_error'] and 100 * s['speedup_error'], '+.1f')} %)")
+    if "sync_dp_scaling" in s:
+        out.append(f"synchronous plan's data-parallel scaling (1 device / cluster): measured "
+                   f"{s['sync_dp_scaling']:.2f}x, estimated {s['sync_dp_scaling_estimated']:.2f}x")
+    if s.get("final_reward_gap") is not None:
+        out.append(f"final reward, asynchronous - synchronous: {s['final_reward_gap']:+.3f} "
+                   f"(seed spread {_f(s.get('final_reward_noise'), '.3f')})")
+    for name, errs in rec["errors"].items():
+        for e in errs:
+            out.append(f"{name}: a round failed: {e}")
+    return "\n".join(out)

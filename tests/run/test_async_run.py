@@ -1,0 +1,110 @@
+"""Asynchronous runs end to end on CPU (1x2: the actor generates the next step's
+rollout on GPU 0 while GPU 1 trains on this one): one-step-stale samples with their
+policy versions and the decoupled loss, exact resume with the samples in flight, and
+a dead worker on either side failing fast."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from tests.run.conftest import experiment
+from tests.run.test_run_controller import REALIGN, _workers_of, final_weights, metrics, run
+
+pytestmark = pytest.mark.cpu_dist
+
+#: the asynchronous plan of tiny-grpo-async-cpu, placed by hand (the search may prefer
+#: the synchronous plan on this machine)
+ASYNC_MANUAL = {
+    "actor.generate": {"mesh": {"first_gpu": 0, "n_gpus": 1}, "layout": {"tp": 1, "pp": 1, "dp": 1}},
+    "actor.prox_inference": {"mesh": {"first_gpu": 1, "n_gpus": 1},
+                             "layout": {"tp": 1, "pp": 1, "dp": 1}},
+    "actor.train": {"mesh": {"first_gpu": 1, "n_gpus": 1}, "layout": {"tp": 1, "pp": 1, "dp": 1}},
+}
+
+
+def async_experiment(assets, tmp, **changes):
+    return experiment(assets, "tiny-grpo-async-cpu", tmp, plan__manual=ASYNC_MANUAL, **changes)
+
+
+def test_async_run_trains_on_stale_samples_and_resumes_bit_identically(tiny_assets, tmp_path):
+    exp = async_experiment(tiny_assets, tmp_path, run__steps=6, run__checkpoint_interval=2)
+    whole = tmp_path / "whole"
+    r = run(exp, whole)
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = json.loads((whole / "plan.json").read_text())
+    assert plan["graph"]["ahead_steps"] == 1
+    rows = metrics(whole)
+    assert [row["step"] for row in rows] == list(range(6))
+    # step 0 trains on its own rollout (made first), every later step on the one the
+    # previous step generated while it trained: one version stale, never more
+    assert rows[0]["actor.staleness"] == 0.0
+    assert all(row["actor.staleness"] == 1.0 for row in rows[1:])
+    assert all("actor.behave_weight" in row and "time.actor.prox_inference" in row
+               for row in rows)
+    assert any(row["actor.behave_weight"] != 1.0 for row in rows[1:])
+    # the last step generates nothing ahead
+    assert "time.actor.generate" in rows[-2] and "time.actor.generate" not in rows[-1]
+    cut = tmp_path / "cut"
+    p = subprocess.Popen([*REALIGN, "run", str(exp), "--run-dir", str(cut)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        m = cut / "metrics.jsonl"
+        if m.exists() and len(m.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    manifest = json.loads((cut / "checkpoints" / "step_000002" / "manifest.json").read_text())
+    assert manifest["in_flight_ranks"] == [0]          # GPU 0 holds step 2's rollout
+    state = torch.load(cut / "checkpoints" / "step_000002" / "rank0.pt", weights_only=False)
+    assert int(state["in_flight"]["records"]["seqs"]["policy_version"][0]) == 1
+    r = run(exp, cut)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from" in r.stdout
+    a, b = final_weights(whole), final_weights(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for key in ("reward_mean", "actor.staleness", "actor.behave_weight", "response_len"):
+        assert [row[key] for row in metrics(whole)] == [row[key] for row in metrics(cut)], key
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["generating-worker", "training-worker"])
+def test_a_dead_worker_on_either_side_fails_fast(tiny_assets, tmp_path, victim):
+    exp = async_experiment(tiny_assets, tmp_path, run__steps=400)
+    rd = tmp_path / "run"
+    p = subprocess.Popen([*REALIGN, "run", str(exp), "--run-dir", str(rd)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        m = rd / "metrics.jsonl"
+        if m.exists() and m.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.05)
+    workers = _workers_of(rd)
+    assert len(workers) == 2
+    os.kill(workers[victim], signal.SIGKILL)
+    t0 = time.monotonic()
+    out, err = p.communicate(timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert p.returncode == 1
+    assert "failed" in err and "worker" in err
+
+
+def test_a_sample_beyond_the_staleness_bound_stops_the_run():
+    from realign.errors import UserError
+    from realign.worker.calls import check_staleness
+    batch = {"policy_version": torch.tensor([3, 3, 2])}
+    assert check_staleness(batch, 3, 1, "actor.train") == pytest.approx(1 / 3)
+    with pytest.raises(UserError, match="2 versions stale") as e:
+        check_staleness(batch, 4, 1, "actor.train")
+    assert e.value.field == "algorithm.max_staleness"
+    with pytest.raises(UserError, match="stale"):          # a version from the future
+        check_staleness({"policy_version": torch.tensor([5])}, 4, 1, "actor.train")
+    assert check_staleness({"tokens": torch.zeros(2, 3)}, 4, 1, "actor.train") is None
