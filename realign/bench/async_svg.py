@@ -46,12 +46,14 @@ def render(rec: dict) -> str:
     pred, meas = _num(s.get("predicted_speedup")), _num(s.get("measured_speedup"))
     modes = rec.get("modes") or {}
     finals = {m: (modes.get(m) or {}).get("final_reward") or {} for m in COLORS}
+    bound = rec.get("config", {}).get("experiment", {}).get("algorithm", {}).get(
+        "max_staleness", "?")
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
            f'font-family="sans-serif" font-size="12">',
            f'<rect width="{W}" height="{H}" fill="white"/>',
            f'<text x="{LEFT}" y="20" font-size="14" font-weight="bold">'
            f'{escape(str(rec.get("experiment", "?")))}: synchronous vs asynchronous '
-           f'(max_staleness {escape(str(rec.get("config", {}).get("experiment", {}).get("algorithm", {}).get("max_staleness", "?")))})</text>',
+           f'(max_staleness {escape(str(bound))})</text>',
            f'<text x="{LEFT}" y="38">speed-up: predicted '
            f'{"n/a" if pred is None else f"{pred:.2f}x"}, measured '
            f'{"n/a" if meas is None else f"{meas:.2f}x"}; final reward (mean of the last '
