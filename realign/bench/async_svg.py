@@ -13,7 +13,7 @@ from html import escape
 from realign.bench.plans_svg import _num
 
 COLORS = {"synchronous": "#4e79a7", "asynchronous": "#e15759"}
-W, H, LEFT, RIGHT, TOP, BOTTOM = 760, 420, 60, 20, 70, 50
+W, H, LEFT, RIGHT, TOP, BOTTOM = 760, 440, 60, 20, 86, 50
 
 
 def _mean_curve(curves: list[list]) -> list[float | None]:
@@ -52,13 +52,14 @@ def render(rec: dict) -> str:
            f'font-family="sans-serif" font-size="12">',
            f'<rect width="{W}" height="{H}" fill="white"/>',
            f'<text x="{LEFT}" y="20" font-size="14" font-weight="bold">'
-           f'{escape(str(rec.get("experiment", "?")))}: synchronous vs asynchronous '
+           f'{escape(str(rec.get("experiment", "?")).rsplit("/", 1)[-1])}: synchronous vs asynchronous '
            f'(max_staleness {escape(str(bound))})</text>',
            f'<text x="{LEFT}" y="38">speed-up: predicted '
            f'{"n/a" if pred is None else f"{pred:.2f}x"}, measured '
-           f'{"n/a" if meas is None else f"{meas:.2f}x"}; final reward (mean of the last '
-           f'{escape(str(rec.get("config", {}).get("final_window", "?")))} steps, over '
-           f'{escape(str(rec.get("config", {}).get("seeds", "?")))} seeds): '
+           f'{"n/a" if meas is None else f"{meas:.2f}x"}</text>',
+           '<text x="{}" y="56">final reward (mean of the last {} steps, over {} seeds): '.format(
+               LEFT, escape(str(rec.get("config", {}).get("final_window", "?"))),
+               escape(str(rec.get("config", {}).get("seeds", "?"))))
            + "; ".join(f"{m} {_fmt(finals[m].get('mean'))} ± {_fmt(finals[m].get('stdev'))}"
                        for m in COLORS) + '</text>']
     for k in range(5):                      # y grid
