@@ -19,14 +19,13 @@ machine for the same steps, against the planner's estimates.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from realign.bench.plans import run_plan, spread
+from realign.bench.plans import emit, run_plan, spread
 from realign.errors import UserError
 
 
@@ -105,11 +104,12 @@ def compare(sync: dict, asyn: dict, one_device: dict | None) -> dict:
 
 # ---- running -------------------------------------------------------------------------
 
-def _seeded(seed: int, gpus: int | None = None):
+def _seeded(seed: int, one_device: bool = False):
+    """The config with ``run.seed`` set (and its cluster cut to one device)."""
     def transform(cfg):
         upd = {"run": cfg.run.model_copy(update={"seed": seed})}
-        if gpus is not None:
-            upd["cluster"] = cfg.cluster.model_copy(update={"gpus_per_node": gpus})
+        if one_device:
+            upd["cluster"] = cfg.cluster.model_copy(update={"nodes": 1, "gpus_per_node": 1})
         return cfg.model_copy(update=upd)
     return transform
 
@@ -151,9 +151,7 @@ def run(args: argparse.Namespace) -> int:
     gpus = cfg.cluster.gpus_per_node * cfg.cluster.nodes
     one = None
     if not args.no_dp_scaling and gpus > 1:
-        single = _seeded(cfg.run.seed, 1)(priced).model_copy(
-            update={"cluster": priced.cluster.model_copy(update={"nodes": 1, "gpus_per_node": 1})})
-        one = plan_mode(single, base, False)
+        one = plan_mode(_seeded(cfg.run.seed, one_device=True)(priced), base, False)
         plans["synchronous, 1 device"] = one
     paths = {}
     for k, (name, p) in enumerate(plans.items()):
@@ -165,12 +163,10 @@ def run(args: argparse.Namespace) -> int:
     for seed in range(args.seeds):
         for name in plans:
             print(f"  seed {seed}: {name}", file=sys.stderr, flush=True)
-            one_dev = name.endswith("1 device")
             with tempfile.TemporaryDirectory(prefix="realign-bench-async-") as tmp:
                 runs[name].append(run_plan(
                     args.experiment, paths[name], Path(tmp) / "run", steps,
-                    transform=_seeded(seed, 1 if one_dev else None) if one_dev else
-                    _seeded(seed)))
+                    transform=_seeded(seed, one_device=plans[name] is one)))
     modes = {name: summarize_mode(plans[name].iteration_time_s, runs[name], args.warmup,
                                   args.final_window) for name in plans}
     record = {
@@ -191,14 +187,8 @@ def run(args: argparse.Namespace) -> int:
         "errors": {name: [r["error"] for r in runs[name] if "error" in r] for name in plans},
         "wall_s": time.time() - t0,
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
-    if args.svg:
-        from realign.bench.async_svg import render
-        args.svg.parent.mkdir(parents=True, exist_ok=True)
-        args.svg.write_text(render(record))
-    print(json.dumps(record, indent=1) if args.json else table(record))
+    from realign.bench.async_svg import render
+    emit(args, record, render, table)
     return 1 if any(record["errors"].values()) else 0
 
 

@@ -239,15 +239,21 @@ def run(args: argparse.Namespace) -> int:
         "environment": _environment(), "plans": results, "summary": summarize(results),
         "wall_s": time.time() - t0,
     }
+    from realign.bench.plans_svg import render
+    emit(args, record, render, table)
+    return 0
+
+
+def emit(args: argparse.Namespace, record: dict, render, table) -> None:
+    """A study's record: the JSON to ``--out``, ``render(record)`` to ``--svg``, and
+    ``table(record)`` (or the JSON with ``--json``) to stdout."""
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     if args.svg:
-        from realign.bench.plans_svg import render
         args.svg.parent.mkdir(parents=True, exist_ok=True)
         args.svg.write_text(render(record))
     print(json.dumps(record, indent=1) if args.json else table(record))
-    return 0
 
 
 def _environment() -> dict:

@@ -165,7 +165,8 @@ def plan_experiment(cfg: ExperimentConfig, base: Path,
     the plan lists both (:attr:`~planner.plan.ExecutionPlan.modes`)."""
     if not allows_async(cfg):
         return plan_mode(cfg, base, False, overrides)
-    return compare_modes(*both_modes(cfg, base, overrides))
+    sync, asyn, _why = both_modes(cfg, base, overrides)
+    return compare_modes(sync, asyn)
 
 
 def plan_mode(cfg: ExperimentConfig, base: Path, asynchronous: bool,
@@ -196,8 +197,7 @@ def both_modes(cfg: ExperimentConfig, base: Path, overrides: dict | None = None
     return plans[0], plans[1], why
 
 
-def compare_modes(sync: ExecutionPlan | None, asyn: ExecutionPlan | None, _why: str = ""
-                  ) -> ExecutionPlan:
+def compare_modes(sync: ExecutionPlan | None, asyn: ExecutionPlan | None) -> ExecutionPlan:
     """The faster of the two (the synchronous on a tie), listing both."""
     chosen = asyn if sync is None or (
         asyn is not None and asyn.iteration_time_s < sync.iteration_time_s) else sync

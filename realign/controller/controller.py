@@ -13,12 +13,14 @@ import shutil
 import socket
 import sys
 import time
+from functools import cached_property
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 
 from realign.controller.metrics import MetricsLog, Progress
 from realign.launch.base import Launcher, worker_env
 from realign.run import checkpoint
+from realign.run.program import Program
 from realign.run.spec import RunSpec
 
 ACCEPT_TIMEOUT_S = 300.0
@@ -45,7 +47,6 @@ class Controller:
         self.spec, self.launcher = spec, launcher
         self.out = out or sys.stdout
         self.conns: dict[int, Connection] = {}
-        self._program = None
 
     # ---- messaging ---------------------------------------------------------------
     def _log_tail(self, rank: int, n: int = 40) -> str:
@@ -146,11 +147,10 @@ class Controller:
                 s.config.train.uses_distributed_optimizer(s.config.device), self.trained)
         return resume
 
-    @property
-    def program(self):
-        if self._program is None:
-            self._program = self.spec.program()
-        return self._program
+    @cached_property
+    def program(self) -> Program:
+        """The compiled program of the run's plan."""
+        return self.spec.program()
 
     @property
     def trained(self) -> list[str]:

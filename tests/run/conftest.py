@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,14 @@ def experiment(assets: Path, name: str, tmp: Path, **changes) -> Path:
     path = assets / f"{tmp.name}-{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def wait_for_rows(run_dir: Path, n: int, timeout_s: float = 240) -> None:
+    """Wait until a run has written ``n`` whole rows of metrics (or the timeout passed;
+    the caller's assertions then say what is missing)."""
+    m = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if m.exists() and m.read_text().count("\n") >= n:
+            return
+        time.sleep(0.05)

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.run.conftest import experiment
+from tests.run.conftest import experiment, wait_for_rows
 from tests.run.test_run_controller import REALIGN, _workers_of, final_weights, metrics, run
 
 pytestmark = pytest.mark.cpu_dist
@@ -54,12 +54,7 @@ def test_async_run_trains_on_stale_samples_and_resumes_bit_identically(tiny_asse
     p = subprocess.Popen([*REALIGN, "run", str(exp), "--run-dir", str(cut)],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        m = cut / "metrics.jsonl"
-        if m.exists() and len(m.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.05)
+    wait_for_rows(cut, 3)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     manifest = json.loads((cut / "checkpoints" / "step_000002" / "manifest.json").read_text())
@@ -81,12 +76,7 @@ def test_a_dead_worker_on_either_side_fails_fast(tiny_assets, tmp_path, victim):
     rd = tmp_path / "run"
     p = subprocess.Popen([*REALIGN, "run", str(exp), "--run-dir", str(rd)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        m = rd / "metrics.jsonl"
-        if m.exists() and m.read_text().count("\n") >= 2:
-            break
-        time.sleep(0.05)
+    wait_for_rows(rd, 2)
     workers = _workers_of(rd)
     assert len(workers) == 2
     os.kill(workers[victim], signal.SIGKILL)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.run.conftest import experiment
+from tests.run.conftest import experiment, wait_for_rows
 
 pytestmark = pytest.mark.cpu_dist
 
@@ -86,12 +86,7 @@ def test_resume_after_sigkill_is_bit_identical(tiny_assets, tmp_path):
     p = subprocess.Popen([*REALIGN, "run", str(exp), "--run-dir", str(cut)],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        m = cut / "metrics.jsonl"
-        if m.exists() and len(m.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.05)
+    wait_for_rows(cut, 3)
     os.killpg(p.pid, signal.SIGKILL)          # the controller; its workers see EOF and exit
     p.wait()
     assert (cut / "checkpoints" / "step_000002" / "manifest.json").is_file()
@@ -194,12 +189,7 @@ def test_killed_worker_is_reported_within_30s(tiny_assets, tmp_path):
     rd = tmp_path / "run"
     p = subprocess.Popen([*REALIGN, "run", str(exp), "--run-dir", str(rd)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        m = rd / "metrics.jsonl"
-        if m.exists() and m.read_text().count("\n") >= 2:
-            break
-        time.sleep(0.05)
+    wait_for_rows(rd, 2)
     victims = _workers_of(rd)
     assert len(victims) == 2
     os.kill(victims[1], signal.SIGKILL)
