@@ -46,6 +46,10 @@ class DeviceSpec(BaseModel):
         0.0, ge=0, description="Fixed cost of one layer in one decode step of realign's "
         "eager decode loop (no CUDA graphs: the host launching kernels paces it).")
     call_overhead_s: float = Field(0.0, ge=0, description="Fixed cost of one engine call.")
+    async_kernels: bool = Field(
+        False, description="The host queues kernels on the device and runs ahead of it "
+        "(CUDA streams): a pass costs the longer of the host's fixed costs and the "
+        "device's work, not their sum. False (the cpu device): the same cores do both.")
     matmul_efficiency: float = Field(
         0.5, gt=0, le=1, description="Fraction of peak FLOP/s that large GEMMs reach.")
     mem_bw_efficiency: float = Field(

@@ -23,6 +23,11 @@ slowest stage's pass plus its point-to-point send:
   the generation-length distribution (:mod:`planner.lengths`); then the output
   gathered over DP.
 
+On a device that runs kernels asynchronously (``DeviceSpec.async_kernels``: GPUs) the
+host's fixed costs and the device's work of one stage pass overlap: the pass costs the
+longer of the two (:func:`planner.engine_terms.overlapped`); the per-call and per-step
+costs still add.
+
 Memory (bytes per GPU): weights ``param_dtype x params/tp`` of the heaviest stage;
 training adds fp32 main grads and optimizer state (divided by dp with the
 distributed optimizer) and 1F1B activations for ``min(pp, m)`` micro-batches in
@@ -41,7 +46,7 @@ from dataclasses import dataclass
 
 from planner.cluster import ClusterSpec
 from planner.cost_config import CostModelConfig
-from planner.engine_terms import Work, stage_pass
+from planner.engine_terms import Work, overlapped, stage_pass
 from planner.graph import MFC
 from planner.layout import Layout, dp_groups, pp_groups, tp_groups
 from planner.lengths import expected_wave_tokens
@@ -159,6 +164,8 @@ class CostModel:
                 w.add(msg)
             elif back is not None and pp > 1:
                 w.add(back)
+            if self.cluster.device.async_kernels:
+                w = overlapped(w, r.engine(kind))
             return w
         if pp == 1:
             return [(stage(True, True), 1)]

@@ -58,10 +58,11 @@ def _layouts(mesh: DeviceMesh, models: dict[str, RoleModel], mfc: MFC,
     return enumerate_layouts(mesh, models[mfc.role].spec, mfc, cluster)
 
 
-def _uniform(graph: DataflowGraph, models, cluster, where, layout_of, many: bool
-             ) -> dict[str, Allocation] | None:
+def _uniform(graph: DataflowGraph, models, cluster, where, layout_of, many: bool,
+             upto: int | None = None) -> dict[str, Allocation] | None:
     """One allocation per MFC: mesh ``where(mfc)``, layout ``layout_of(mfc, layouts)``,
-    the fewest (or, with ``many``, the most) micro-batches; None when one has none."""
+    the fewest (or, with ``many``, the most; with ``upto``, the most up to that many)
+    micro-batches; None when one has none."""
     out = {}
     for m in graph.mfcs:
         mesh = where(m)
@@ -69,6 +70,8 @@ def _uniform(graph: DataflowGraph, models, cluster, where, layout_of, many: bool
         if lay is None:
             return None
         mbs = _micro_batch_options(m, lay.dp)
+        if upto is not None:
+            mbs = [k for k in mbs if k <= upto]
         if not mbs:
             return None
         out[m.name] = Allocation(mesh=mesh, layout=lay, micro_batches=mbs[-1] if many else mbs[0])
@@ -90,7 +93,8 @@ def hand_variants(graph: DataflowGraph, models: dict[str, RoleModel], cluster: C
     """(label, allocations) of the hand-made variants, in a fixed order that alternates
     the families: one layout for every call on the whole cluster (each TP/PP/DP),
     fewest and most micro-batches; generation and training on separate halves; every
-    call on one half (the other idle); each model on its own half."""
+    call on one half (the other idle); each model on its own half. Then the whole-
+    cluster layouts at up to 2 and up to 4 micro-batches."""
     n = cluster.n_gpus
     full = DeviceMesh(first_gpu=0, n_gpus=n)
     half = n // 2 if n >= 2 and (n // 2 < cluster.gpus_per_node or
@@ -125,6 +129,14 @@ def hand_variants(graph: DataflowGraph, models: dict[str, RoleModel], cluster: C
         for fam in families:
             if k < len(fam) and fam[k][1] is not None:
                 yield fam[k]
+    # then the micro-batch counts in between, for clusters too small for the above to
+    # give enough distinct plans (one GPU: no layouts, no splits)
+    for upto in (2, 4):
+        for tp, pp in degrees:
+            lay = Layout(tp=tp, pp=pp, dp=n // (tp * pp))
+            allocs = _uniform(graph, models, cluster, lambda m: full, _pick(tp, pp), True, upto)
+            if allocs is not None:
+                yield f"all {lay} up to {upto} micro-batches", allocs
 
 
 def bench_plans(name: str, graph: DataflowGraph, models: dict[str, RoleModel],

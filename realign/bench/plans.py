@@ -175,7 +175,10 @@ def _profile(args, cfg, base: Path, folder: Path):
         return load_profile(with_profile(cfg, args.profile), base), str(args.profile)
     from realign.profile.run import default_settings, profile_machine
     out = folder / "profile.json"
-    table = profile_machine(default_settings("cpu", None, 1, None, None), out=sys.stderr)
+    dev = cfg.cluster.device if isinstance(cfg.cluster.device, str) else cfg.cluster.device.name
+    table = profile_machine(default_settings(cfg.device, None, 1, cfg.run_dtype(),
+                                             dev if cfg.device == "cuda" else None),
+                            out=sys.stderr)
     out.write_text(table.model_dump_json(indent=1))
     return table, str(out)
 
@@ -196,9 +199,16 @@ def run(args: argparse.Namespace) -> int:
     )
 
     cfg, base = load_experiment(args.experiment)
-    if cfg.device != "cpu" or cfg.launcher.type != "local":
-        raise UserError("realign bench plans runs on this machine: device cpu, launcher "
-                        "local", field="device")
+    if cfg.launcher.type != "local":
+        raise UserError("realign bench plans runs on this machine: launcher local, not "
+                        f"{cfg.launcher.type!r}", field="launcher.type")
+    if cfg.device == "cuda":
+        import torch
+        have, need = torch.cuda.device_count(), cfg.cluster.nodes * cfg.cluster.gpus_per_node
+        if have < need:
+            raise UserError(f"realign bench plans runs on this machine: the experiment's "
+                            f"cluster has {need} GPU(s), this machine {have} CUDA device(s); "
+                            "shrink the cluster or run it where the GPUs are", field="cluster")
     t0 = time.time()
     keep = Path(tempfile.mkdtemp(prefix="realign-bench-plans-"))
     profile, profile_src = _profile(args, cfg, base, keep)

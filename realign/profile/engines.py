@@ -34,6 +34,11 @@ MICRO_BATCHES = (1, 2)
 #: (prompts, prompt tokens), generated tokens (1: the prefill alone), waves
 GEN_BATCHES = ((4, 8), (16, 16), (64, 8))
 GEN_TOKENS = (1, 6)
+#: on a GPU the host paces every probe (it launches kernels faster than tiny models
+#: run): a deeper probe model and longer decodes separate the per-layer, per-pass and
+#: per-step costs (cheap there; on CPU they would cost minutes)
+GPU_PROBE_MODELS = ((8, 128, 128),)
+GPU_GEN_TOKENS = (24,)
 WAVES = (1, 2)
 REPS = 9
 

@@ -23,6 +23,7 @@ measures one node, and the table says so (its curves are all ``inter_node: false
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import sys
@@ -32,10 +33,12 @@ from dataclasses import dataclass
 from planner.cluster import ClusterSpec, resolve_device
 from planner.cost_config import CostModelConfig
 from planner.cost_model import CostModel
+from planner.engine_terms import FIXED, HOST_FIXED
 from planner.graph import MFC
 from planner.layout import Layout
 from planner.mesh import DeviceMesh
 from planner.profile import EngineCosts, GemmGrid, ProbePoint, ProfileTable, Provenance
+from planner.rates import Rates
 from planner.realloc_cost import ReallocModel, realloc_recv_send
 from realign.profile import engines as E
 from realign.profile.fit import fit_collective, fit_relative, fit_transfer
@@ -46,8 +49,6 @@ GRIDS = {   # (rows, widths) of the GEMM grid per device kind
 }
 COLLECTIVE_BYTES = (4, 256, 4096, 65536, 1 << 20, 8 << 20, 32 << 20)
 MEM_BYTES = {"cpu": 256 << 20, "cuda": 2 << 30}
-FIELDS = ("call_s", "microbatch_s", "layer_s", "token_hidden_s", "token_vocab_s", "token_s",
-          "param_s", "collective_s")
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def profile_machine(settings: ProfileSettings, out=sys.stderr) -> ProfileTable:
     t_start = time.time()
     prog = Progress(out, 100.0)
     prog.step(f"starting {s.workers} workers ({s.threads} thread(s) each, {s.device}, {s.dtype})")
-    with LocalWorld(s.workers, threads=s.threads, timeout_s=600.0) as world:
+    with LocalWorld(s.workers, threads=s.threads, timeout_s=600.0, device=s.device) as world:
         rows, widths = GRIDS[s.device]
         prog.step("GEMM grid", 2)
         grids = world.run("realign.profile.micro:gemm_grid", s.device, s.dtype, list(rows),
@@ -114,7 +115,7 @@ def profile_machine(settings: ProfileSettings, out=sys.stderr) -> ProfileTable:
         prog.step("probe models", 10)
         world.run("realign.profile.engines:build_probes", s.device, s.dtype)
         fitted, rms, points = {}, {}, []
-        probes = _probes(s.workers)
+        probes = _probes(s.workers, s.device)
         n_probes = sum(len(v) for v in probes.values())
         for kind, cases in probes.items():
             measured = []
@@ -151,12 +152,14 @@ def profile_machine(settings: ProfileSettings, out=sys.stderr) -> ProfileTable:
 
 # ---- engine probes and their fit ---------------------------------------------------
 
-def _probes(workers: int) -> dict[str, list[tuple[str, tuple, tuple]]]:
+def _probes(workers: int, device: str = "cpu") -> dict[str, list[tuple[str, tuple, tuple]]]:
     """kind -> [(function, its args, (probe model, layout, MFC, micro-batches))]: every
-    probe model on each worker alone, and the multi-rank probe model over two workers at
-    TP2, PP2 and DP2."""
+    probe model on each worker alone (on cuda also :data:`~realign.profile.engines.
+    GPU_PROBE_MODELS`), and the multi-rank probe model over two workers at TP2, PP2 and
+    DP2."""
     out: dict[str, list] = {"inference": [], "train": [], "generate": []}
-    setups = [(dims, (1, 1, 1)) for dims in E.PROBE_MODELS]
+    gpu = device == "cuda"
+    setups = [(dims, (1, 1, 1)) for dims in E.PROBE_MODELS + (E.GPU_PROBE_MODELS if gpu else ())]
     if workers >= 2:
         setups += [(E.MULTI_MODEL, lay) for lay in E.MULTI_LAYOUTS]
     for dims, lay in setups:
@@ -171,7 +174,7 @@ def _probes(workers: int) -> dict[str, list[tuple[str, tuple, tuple]]]:
                 out["train"].append(("realign.profile.engines:time_train",
                                      (dims, lay, b, n, m), (dims, lay, tr, m)))
         for b, p in E.GEN_BATCHES:
-            for n in E.GEN_TOKENS:
+            for n in E.GEN_TOKENS + (E.GPU_GEN_TOKENS if gpu else ()):
                 for w in E.WAVES:
                     gen = MFC(name="probe.generate", role="actor", kind="generate", n_seqs=b,
                               prompt_len=p, gen_len=n, input_keys=("x",), output_keys=("y",))
@@ -191,30 +194,52 @@ def fit_engines(base: ProfileTable, s: ProfileSettings, kind: str, cases: list,
                 measured: list[float]) -> tuple[dict[str, EngineCosts], float, list[float]]:
     """The fixed costs of ``kind``'s engine(s) (generate: prefill and decode) that best
     explain ``measured`` through the cost model; the fit's RMS relative error; and the
-    fitted time of each probe."""
+    fitted time of each probe (priced as plans are, overlap included).
+
+    On a device that runs kernels asynchronously (a GPU) the probe models are so small
+    that the host paces every probe: the fit explains each measured time by the host's
+    fixed costs (:data:`~planner.engine_terms.HOST_FIXED`) alone, and the costs that
+    price device memory traffic keep their analytic values (the measured bandwidth);
+    fitted to these probes they would take up host time and then charge it per token
+    and per parameter of far larger models."""
     cluster, cfg = _fit_cluster(s)
     kinds = ("prefill", "decode") if kind == "generate" else (kind,)
-    zero = {k: EngineCosts() for k in ("train", "inference", "prefill", "decode")}
-    unknowns = [(k, f) for k in kinds for f in FIELDS]
+    overlap = cluster.device.async_kernels
+    # the fit solves the linear model: fixed costs summed with the device's work
+    linear = cluster.model_copy(update={"device": cluster.device.model_copy(
+        update={"async_kernels": False})})
+    if overlap:
+        analytic = Rates(cluster, cfg, base.model_copy(update={"engines": {}}))
+        zero = {k: analytic.engine(k).model_copy(update={f: 0.0 for f in HOST_FIXED})
+                for k in ("train", "inference", "prefill", "decode")}
+        fields = HOST_FIXED
+    else:
+        zero = {k: EngineCosts() for k in ("train", "inference", "prefill", "decode")}
+        fields = FIXED
+    unknowns = [(k, f) for k in kinds for f in fields]
 
-    def price(engines) -> list[float]:
-        cm = CostModel(cluster, cfg, base.model_copy(update={"engines": engines}))
+    def price(engines, where: ClusterSpec) -> list[float]:
+        cm = CostModel(where, cfg, base.model_copy(update={"engines": engines}))
         out = []
         for _fn, _args, (dims, (tp, pp, dp), mfc, m) in cases:
             spec = E.probe_spec(*dims)
             out.append(cm.mfc_cost(mfc, spec, "lm", DeviceMesh(first_gpu=0, n_gpus=tp * pp * dp),
                                    Layout(tp=tp, pp=pp, dp=dp), m).time_s)
         return out
-    t0 = price(zero)
+    t0 = price(zero, linear)
     cols = []
     for k, f in unknowns:
-        unit = price({**zero, k: EngineCosts(**{f: 1.0})})
+        unit = price({**zero, k: zero[k].model_copy(update={f: 1.0})}, linear)
         cols.append([u - z for u, z in zip(unit, t0)])
     A = [[c[i] for c in cols] for i in range(len(cases))]
-    coef, rms = fit_relative(A, measured, t0)
-    costs = {k: EngineCosts(**{f: c for (kk, f), c in zip(unknowns, coef) if kk == k})
+    coef, rms = fit_relative(A, measured, [0.0] * len(cases) if overlap else t0)
+    costs = {k: zero[k].model_copy(update={f: c for (kk, f), c in zip(unknowns, coef) if kk == k})
              for k in kinds}
-    pred = [z + sum(a * c for a, c in zip(row, coef)) for z, row in zip(t0, A)]
+    if not overlap:
+        pred = [z + sum(a * c for a, c in zip(row, coef)) for z, row in zip(t0, A)]
+        return costs, rms, pred
+    pred = price({**zero, **costs}, cluster)
+    rms = math.sqrt(sum(((p - m) / m) ** 2 for p, m in zip(pred, measured)) / len(pred))
     return costs, rms, pred
 
 

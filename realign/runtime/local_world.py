@@ -1,4 +1,4 @@
-"""A world of N gloo ranks on this machine that runs many calls: for tests and
+"""A world of N ranks (gloo; gloo + NCCL on GPUs) on this machine that runs many calls: for tests and
 benchmarks (importing torch and megatron-core costs seconds per process, so spawn the
 world once and run every case in it).
 
@@ -67,7 +67,7 @@ def _resolve(fn: Callable | str) -> Callable:
     return fn
 
 
-def _worker(rank: int, world: int, port: int, threads: int, timeout_s: float,
+def _worker(rank: int, world: int, port: int, threads: int, timeout_s: float, device: str,
             inbox: mp.Queue, outbox: mp.Queue) -> None:
     os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                       TOKENIZERS_PARALLELISM="false")
@@ -75,8 +75,16 @@ def _worker(rank: int, world: int, port: int, threads: int, timeout_s: float,
     import torch
     import torch.distributed as dist
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    # the runs' own world (realign.worker.session): on CUDA, gloo for CPU tensors and
+    # NCCL for CUDA ones, each rank on its GPU; a gloo-only world would hand megatron's
+    # CUDA gradient buffers to gloo
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=torch.device("cuda", rank) if cuda else None)
     ctx = RankContext(rank, world)
     outbox.put((rank, "ready", pickle.dumps(None)))
     while True:
@@ -95,16 +103,20 @@ def _worker(rank: int, world: int, port: int, threads: int, timeout_s: float,
 
 
 class LocalWorld:
-    """``n`` spawned gloo ranks on 127.0.0.1, each with ``threads`` intra-op threads."""
+    """``n`` spawned ranks on 127.0.0.1, each with ``threads`` intra-op threads; on
+    ``device`` "cpu" a gloo world, on "cuda" rank r drives GPU r (gloo + NCCL)."""
 
-    def __init__(self, n: int, threads: int = 1, timeout_s: float = 120.0):
+    def __init__(self, n: int, threads: int = 1, timeout_s: float = 120.0, device: str = "cpu"):
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"LocalWorld device must be 'cpu' or 'cuda', not {device!r}")
         self.n, self.threads, self.timeout_s = n, threads, timeout_s
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._out = ctx.Queue()
         self._ins = [ctx.Queue() for _ in range(n)]
         self._procs = [ctx.Process(target=_worker, daemon=True,
-                                   args=(r, n, port, threads, timeout_s, self._ins[r], self._out))
+                                   args=(r, n, port, threads, timeout_s, device, self._ins[r],
+                                         self._out))
                        for r in range(n)]
         for p in self._procs:
             p.start()

@@ -99,12 +99,19 @@ def test_a_malformed_plan_names_the_problem(plan, mutate, snippet):
 
 
 def _realloc_plan():
+    """Generation on GPUs 0-1 at TP2, the reference on GPU 2, training on GPUs 2-3 at
+    DP2 (fixed by hand: what the cases below break must not move with the costs)."""
+    from planner.layout import Allocation, Layout
+    from planner.manual import manual_plan
+    from planner.mesh import DeviceMesh
     graph, models, cluster = experiment("grpo", ("actor", "ref"), "tiny-llama-8l", 1, 4)
-    cfg = CostModelConfig()
-    prob = build_problem(graph, models, CostModel(cluster, cfg))
-    info = SearchInfo(method="manual", seed=0, search_time_s=0.0, space_size=1.0,
-                      candidates={}, steps=0, complete=False)
-    return build_plan("ds", prob, openrlhf(prob), cfg, info, ())
+    allocs = {"actor.generate": Allocation(mesh=DeviceMesh(first_gpu=0, n_gpus=2),
+                                           layout=Layout(tp=2), micro_batches=1),
+              "ref.inference": Allocation(mesh=DeviceMesh(first_gpu=2, n_gpus=1),
+                                          layout=Layout(), micro_batches=1),
+              "actor.train": Allocation(mesh=DeviceMesh(first_gpu=2, n_gpus=2),
+                                        layout=Layout(dp=2), micro_batches=1)}
+    return manual_plan("ds", graph, models, cluster, allocs, CostModelConfig())
 
 
 def _alloc(raw, name):

@@ -39,8 +39,11 @@ def test_bench_plans_runs_eight_distinct_plans(tmp_path, capsys, tiny_assets):
     ET.fromstring(svg.read_text())
 
 
-@pytest.mark.pure
-def test_bench_plans_refuses_a_gpu_experiment(capsys):
+def test_bench_plans_refuses_a_gpu_experiment_this_machine_cannot_run(capsys):
+    import torch
+    if torch.cuda.device_count() >= 8:
+        pytest.skip("this machine has the 8 GPUs the experiment asks for")
     assert main(["bench", "plans", str(REPO / "experiments" / "ppo-llama2-7b-8gpu.yaml"),
                  "--analytic"]) == 2
-    assert "device" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cluster" in err and "has 8 GPU(s)" in err
