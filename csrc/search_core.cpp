@@ -409,6 +409,36 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
         occupy_until(free, c.place, r_end);
         return r_end;
     };
+    // record `key` sent to the GPUs of MFC i's mesh that lack it (occupying them and
+    // as many holders); its end (0: nothing to send)
+    auto send = [&](i64 i, i64 key) {
+        const Candidate& c = prob.cands[i][assign[i]];
+        const i64 lo = c.place.first_gpu, hi = c.place.first_gpu + c.place.n_gpus;
+        const std::vector<i64>& have = holders[key];
+        lack.clear();
+        for (i64 g = lo; g < hi; ++g)
+            if (!std::binary_search(have.begin(), have.end(), g)) lack.push_back(g);
+        if (lack.empty()) return 0.0;
+        occ.assign(have.begin(), have.begin() + std::min(lack.size(), have.size()));
+        occ.insert(occ.end(), lack.begin(), lack.end());
+        std::sort(occ.begin(), occ.end());
+        occ.erase(std::unique(occ.begin(), occ.end()), occ.end());
+        const bool inter = occ.front() / gpn != occ.back() / gpn;
+        const double dur = (inter ? prob.key_send_inter_s[key] : prob.key_send_intra_s[key]) /
+                           static_cast<double>(prob.mfc_every[i]);
+        double s_start = 0.0;
+        for (i64 g : occ)
+            if (free[g] > s_start) s_start = free[g];
+        const double s_end = s_start + dur;
+        for (i64 g : occ) free[g] = s_end;
+        if (prob.mfc_every[i] == 1) {
+            merged.clear();
+            std::set_union(have.begin(), have.end(), lack.begin(), lack.end(),
+                           std::back_inserter(merged));
+            holders[key] = merged;
+        }
+        return s_end;
+    };
     for (i64 it = 0; it < prob.n_iters; ++it) {
         std::fill(free.begin(), free.end(), makespan);  // the step barrier
         std::fill(finish.begin(), finish.end(), 0.0);
@@ -425,6 +455,13 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
             }
             if (needs_realloc(prob, assign, i)) ahead_ready[i] = realloc(it, i);
         }
+        // then that rollout goes to every mesh of this step that reads it, so the
+        // generating mesh is free for the next one
+        for (i64 i : order) {
+            if (prob.ahead[i] || prob.mfc_every[i] != 1) continue;
+            for (const auto& kp : prob.inputs[i])
+                if (kp[1] >= 0 && prob.ahead[kp[1]] && held[kp[0]]) send(i, kp[0]);
+        }
         for (i64 i : order) {
             const Candidate& c = prob.cands[i][assign[i]];
             const i64 model = prob.mfc_model[i];
@@ -439,32 +476,9 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
             }
             const i64 lo = c.place.first_gpu, hi = c.place.first_gpu + c.place.n_gpus;
             for (const auto& kp : prob.inputs[i]) {
-                const i64 key = kp[0];
-                if (kp[1] < 0 || !held[key]) continue;  // the dataset's (everywhere), or unscheduled
-                const std::vector<i64>& have = holders[key];
-                lack.clear();
-                for (i64 g = lo; g < hi; ++g)
-                    if (!std::binary_search(have.begin(), have.end(), g)) lack.push_back(g);
-                if (lack.empty()) continue;
-                occ.assign(have.begin(), have.begin() + std::min(lack.size(), have.size()));
-                occ.insert(occ.end(), lack.begin(), lack.end());
-                std::sort(occ.begin(), occ.end());
-                occ.erase(std::unique(occ.begin(), occ.end()), occ.end());
-                const bool inter = occ.front() / gpn != occ.back() / gpn;
-                const double dur = (inter ? prob.key_send_inter_s[key] : prob.key_send_intra_s[key]) /
-                                   static_cast<double>(prob.mfc_every[i]);
-                double s_start = 0.0;
-                for (i64 g : occ)
-                    if (free[g] > s_start) s_start = free[g];
-                const double s_end = s_start + dur;
-                for (i64 g : occ) free[g] = s_end;
+                if (kp[1] < 0 || !held[kp[0]]) continue;  // the dataset's (everywhere), or unscheduled
+                const double s_end = send(i, kp[0]);
                 if (s_end > ready) ready = s_end;
-                if (prob.mfc_every[i] == 1) {
-                    merged.clear();
-                    std::set_union(have.begin(), have.end(), lack.begin(), lack.end(),
-                                   std::back_inserter(merged));
-                    holders[key] = merged;
-                }
             }
             const double start = latest_free(free, c.place, ready);
             const double end = start + c.time_s;

@@ -16,9 +16,11 @@ program runs: :mod:`realign.run.program`):
   generation makes the *next* step's samples. Each step first reallocates the
   weights it generates with (the policy the previous step trained), then runs the
   other MFCs in graph order, reading the rollout the previous step generated from the
-  generating mesh (steady state: it is there from the first simulated step), then the
-  generation; on a disjoint mesh it overlaps the training side, so a step costs the
-  slower side plus the weight transfer. Its weight copy lives from the step's start
+  generating mesh (steady state: it is there from the first simulated step; it is
+  sent at the step's start, after those reallocations, to every mesh that reads it,
+  so the generating mesh is free again at once), then the generation; on a disjoint
+  mesh it overlaps the training side, so a step costs the slower side plus the
+  weight transfer and the rollout's sends. Its weight copy lives from the step's start
   to its end, so it counts as resident memory;
 * iterations do not overlap: the controller starts step k+1 once every worker has
   finished step k, so each iteration starts when the previous one has ended on every
@@ -187,11 +189,36 @@ def simulate(prob: Problem, assign: list[int], cache: ReallocCache | None = None
                                 gpus))
         return r_end
 
+    def send(it: int, i: int, key: int, have: tuple[int, ...]) -> float:
+        """Send record ``key`` to the GPUs of MFC i's mesh that lack it (occupying them
+        and as many holders); its end (0: nothing to send)."""
+        c = prob.cands[i][assign[i]]
+        lack = [g for g in range(c.first_gpu, c.first_gpu + c.n_gpus) if g not in have]
+        if not lack:
+            return 0.0
+        occ = sorted(set(have[:len(lack)]) | set(lack))
+        intra_s, inter_s = prob.key_send_s[key]
+        dur = (inter_s if occ[0] // gpn != occ[-1] // gpn else intra_s) / prob.mfc_every[i]
+        s_start = 0.0
+        for g in occ:
+            if free[g] > s_start:
+                s_start = free[g]
+        s_end = s_start + dur
+        for g in occ:
+            free[g] = s_end
+        if prob.mfc_every[i] == 1:
+            holders[key] = tuple(sorted(set(have) | set(lack)))
+        if record:
+            events.append(Event(f"send {prob.key_names[key]}", "send", it, s_start, s_end,
+                                occ[0], len(occ), tuple(occ)))
+        return s_end
+
+    holders: dict[int, tuple[int, ...]] = {}
     for it in range(prob.n_iters):
         for g in range(prob.n_gpus):            # the step barrier
             free[g] = makespan
         finish = [0.0] * n_mfc
-        holders: dict[int, tuple[int, ...]] = {}
+        holders.clear()
         ahead_ready: dict[int, float] = {}
         for i in ahead:
             # what the previous step generated ahead is on the generating mesh; the
@@ -201,6 +228,14 @@ def simulate(prob: Problem, assign: list[int], cache: ReallocCache | None = None
                 holders[key] = tuple(range(c.first_gpu, c.first_gpu + c.n_gpus))
             if needs_realloc(prob, assign, i, upto):
                 ahead_ready[i] = realloc(it, i)
+        for i in order:
+            # then that rollout goes to every mesh of this step that reads it, so the
+            # generating mesh is free for the next one
+            if prob.ahead[i] or prob.mfc_every[i] != 1:
+                continue
+            for key, producer in prob.inputs[i]:
+                if producer >= 0 and prob.ahead[producer] and key in holders:
+                    send(it, i, key, holders[key])
         for i in order:
             c = prob.cands[i][assign[i]]
             model = prob.mfc_model[i]
@@ -220,26 +255,9 @@ def simulate(prob: Problem, assign: list[int], cache: ReallocCache | None = None
                 have = everyone if producer < 0 else holders.get(key)
                 if have is None:                 # its producer is not scheduled (upto)
                     continue
-                lack = [g for g in mesh if g not in have]
-                if not lack:
-                    continue
-                occ = sorted(set(have[:len(lack)]) | set(lack))
-                intra_s, inter_s = prob.key_send_s[key]
-                dur = (inter_s if occ[0] // gpn != occ[-1] // gpn else intra_s) / prob.mfc_every[i]
-                s_start = 0.0
-                for g in occ:
-                    if free[g] > s_start:
-                        s_start = free[g]
-                s_end = s_start + dur
-                for g in occ:
-                    free[g] = s_end
+                s_end = send(it, i, key, have)
                 if s_end > ready:
                     ready = s_end
-                if prob.mfc_every[i] == 1:
-                    holders[key] = tuple(sorted(set(have) | set(lack)))
-                if record:
-                    events.append(Event(f"send {prob.key_names[key]}", "send", it, s_start, s_end, occ[0],
-                                        len(occ), tuple(occ)))
             start = ready
             for g in range(c.first_gpu, c.first_gpu + c.n_gpus):
                 if free[g] > start:

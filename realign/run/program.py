@@ -163,7 +163,7 @@ class Program:
     n_ranks: int
     #: asynchronous: the first ``head`` ops reallocate the weights generation runs
     #: with; ``prologue`` generates the step's own rollout when none was made ahead
-    #: (the run's first step), inserted right after them
+    #: (the run's first step), inserted right after them (before the rollout's sends)
     head: int = 0
     prologue: tuple[Op, ...] = ()
     max_staleness: int = 0
@@ -231,8 +231,9 @@ def compile_program(plan: ExecutionPlan) -> Program:
 
     An asynchronous plan's step (the simulator's order, :mod:`planner.simulator`):
     first the reallocations of the weights its rollout generation runs with, then the
-    other MFCs in graph order, reading the rollout the previous step made (held by the
-    generating mesh), then the generation of the next step's rollout (``ahead``)."""
+    sends of the rollout the previous step made (held by the generating mesh) to every
+    mesh that reads it, then the other MFCs in graph order, then the generation of the
+    next step's rollout (``ahead``), which so waits for no call of the other side."""
     graph = plan.graph
     datasets = tuple(graph.dataset_keys())
     heads = {pm.role: pm.head for pm in plan.models}
@@ -252,11 +253,14 @@ def compile_program(plan: ExecutionPlan) -> Program:
     ahead = [m for m in graph.mfcs if graph.is_ahead(m)]
     order = [m for m in graph.mfcs if not graph.is_ahead(m)] + ahead
     head: list[Op] = []
+    hoisted: list[Op] = []      #: the rollout made ahead, sent on at the step's start
     groups: list[tuple[str, list[Op]]] = []      #: (replica, its MFC's ops) in order
+    made_ahead: set[str] = set()
     for m in ahead:
         ranks = tuple(plan.allocation(m.name).mesh.gpus)
         for k in m.output_keys + tuple(r.out_key for r in graph.rule_reward_after(m.name)):
             holders[k] = ranks
+            made_ahead.add(k)
     for m in order:
         a = plan.allocation(m.name)
         key = _key(a)
@@ -274,8 +278,9 @@ def compile_program(plan: ExecutionPlan) -> Program:
             have = holders[k]
             lack = tuple(g for g in ranks if g not in have)
             if lack:
-                ops.append(Send(m.every, k, have, lack,
-                                tuple(sorted(set(have[:len(lack)]) | set(lack)))))
+                early = k in made_ahead and not is_ahead and m.every == 1
+                (hoisted if early else ops).append(
+                    Send(m.every, k, have, lack, tuple(sorted(set(have[:len(lack)]) | set(lack)))))
                 if m.every == 1:            # an evaluation's sends do not always run
                     holders[k] = tuple(sorted(set(have) | set(lack)))
         ops.append(Call(m.every, m, key, a.micro_batches, ranks, a.mesh_name, a.time_s,
@@ -293,7 +298,7 @@ def compile_program(plan: ExecutionPlan) -> Program:
         groups.append((key, ops))
     # free reallocated copies right after their last call of the step, and after their
     # last call of an evaluation step (a copy an evaluation uses is reallocated again)
-    flat: list[Op] = list(head)
+    flat: list[Op] = list(head) + hoisted
     last_use: dict[tuple[str, int], int] = {}     #: (replica, every) -> op index
     for key, ops in groups:
         flat += ops

@@ -43,10 +43,13 @@ def describe(op):
 def test_step_order_of_an_asynchronous_program():
     p = program()
     assert p.asynchronous and p.ahead_ranks == (0,) and p.max_staleness == 1 and p.head == 1
+    # the previous step's rollout leaves the generating rank at once, so its next
+    # generation waits for no call of the training rank
     assert [describe(op) for op in p.ops] == [
-        ("Realloc", "", False), ("Send", "seqs", False), ("Call", "actor.prox_inference", False),
-        ("Send", "logprobs", False), ("Send", "rewards", False), ("Call", "actor.train", False),
-        ("Call", "actor.generate", True), ("RuleReward", "", True), ("Release", "", False)]
+        ("Realloc", "", False), ("Send", "seqs", False), ("Send", "logprobs", False),
+        ("Send", "rewards", False), ("Call", "actor.prox_inference", False),
+        ("Call", "actor.train", False), ("Call", "actor.generate", True),
+        ("RuleReward", "", True), ("Release", "", False)]
     head = p.ops[0]
     assert isinstance(head, Realloc) and head.to_mfc == "actor.generate"
     sends = [op for op in p.ops if isinstance(op, Send)]
@@ -58,8 +61,9 @@ def test_step_order_of_an_asynchronous_program():
 def test_prologue_and_last_step():
     p = program()
     first = p.ops_for(False, prologue=True)
-    assert [describe(op) for op in first[:3]] == [
-        ("Realloc", "", False), ("Call", "actor.generate", False), ("RuleReward", "", False)]
+    assert [describe(op) for op in first[:4]] == [        # then the rollout's sends
+        ("Realloc", "", False), ("Call", "actor.generate", False), ("RuleReward", "", False),
+        ("Send", "seqs", False)]
     assert len(first) == len(p.ops) + 2
     last = p.ops_for(False, last=True)
     assert not any(getattr(op, "ahead", False) for op in last)
