@@ -13,7 +13,9 @@ bandwidth, caches). Steps, with a progress bar:
    training, generation; their fixed costs (:class:`planner.profile.EngineCosts`) are
    fitted through the cost model itself: the cost model is linear in each fixed cost,
    so pricing each probe with each cost set to 1 (the rest 0) gives the design matrix
-   of a non-negative least-squares fit on relative errors;
+   of a non-negative least-squares fit on relative errors (on a GPU, where a pass
+   costs the longer of host and device work, the host's costs alone: see
+   :func:`fit_engines`);
 5. a parameter reallocation and a record send between two workers, fitted to a
    fixed cost and a throughput.
 
