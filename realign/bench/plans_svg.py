@@ -181,8 +181,10 @@ def _bars(out: list[str], rec: dict, left: float, top: float, width: float) -> f
                      _num(s.get("estimated_iteration_s"))))
     scaled = [r for r in rows if r[0] is not None] or rows      # plans that ran set the scale
     vmax = max([v for r in scaled for v in r if v is not None and v > 0] or [1.0]) * 1.05
-    step = min(m * 10.0 ** math.floor(math.log10(vmax / 5)) for m in (1, 2, 5, 10)
-               if m * 10.0 ** math.floor(math.log10(vmax / 5)) >= vmax / 6)
+    # 1-2-5 ticks at least ~55 px apart (a narrow panel beside long labels gets fewer)
+    n = max(1, min(6, int(w // 55)))
+    base = 10.0 ** math.floor(math.log10(vmax / n))
+    step = min(m * base for m in (1, 2, 5, 10) if m * base >= vmax / n)
 
     def sx(v: float) -> float:
         return x0 + max(v, 0.0) / vmax * w

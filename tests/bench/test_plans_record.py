@@ -327,3 +327,17 @@ def test_render_survives_nothing_run_and_none_values():
     assert "no MFC was measured" in texts
     # a bare record: no plans, no summary
     assert ET.fromstring(render({"experiment": "x", "plans": [], "summary": None})).tag == f"{NS}svg"
+
+
+@pytest.mark.pure
+def test_render_axis_labels_keep_apart_beside_long_plan_labels():
+    """Long plan labels leave the bar panel narrow: it gets fewer ticks, ~55 px apart."""
+    plans = _three_plans([0.32, 0.36])
+    for p in plans:
+        p["label"] = p["label"] + " with a very long description of its micro-batches"
+    root = _svg(record(plans))
+    # the bar panel's axis: right of the scatter panel (which ends at x = 80 + 420)
+    xs = sorted(float(t.get("x")) for t in root.iter(f"{NS}text")
+                if t.get("text-anchor") == "middle" and t.get("fill") == "#555"
+                and float(t.get("x")) > 590)
+    assert len(xs) >= 2 and min(b - a for a, b in zip(xs, xs[1:])) >= 50
