@@ -1,10 +1,6 @@
 #!/bin/bash
-cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-cp .dev/_core.cpython-312-x86_64-linux-gnu.so planner/
-mkdir -p bin && printf '#!/bin/bash\nexec python3 -m realign.cli.main "$@"\n' > bin/realign && chmod +x bin/realign
-export PATH=$PWD/bin:$PATH
+cd "$(dirname "$0")/../.."     # the repository root
+. benchmarks/gpu/setup.sh
 T0=$(date +%s)
 realign profile --device cuda --out $OUT/profile_h100.json 2>&1 | tr '\r' '\n' | grep -v "engine .* [0-9]*/[0-9]*$" | grep -v -i warn | tail -8
 echo "=== profile took $(( $(date +%s) - T0 )) s"

@@ -1,10 +1,6 @@
 #!/bin/bash
-cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-cp .dev/_core.cpython-312-x86_64-linux-gnu.so planner/
-mkdir -p bin && printf '#!/bin/bash\nexec python3 -m realign.cli.main "$@"\n' > bin/realign && chmod +x bin/realign
-export PATH=$PWD/bin:$PATH
+cd "$(dirname "$0")/../.."     # the repository root
+. benchmarks/gpu/setup.sh
 timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider -W ignore tests/gpu/test_cuda_single_gpu.py -k plain_and_megatron 2>&1 | tee $OUT/gpu_test2.log | grep -v "^  \|^$\|warn" | tail -12
 realign make-tiny experiments/tiny --no-qwen2 > /dev/null 2>&1
 python3 - <<'PY'

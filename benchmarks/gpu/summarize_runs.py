@@ -12,29 +12,18 @@ import argparse
 import json
 from pathlib import Path
 
-from planner.cluster import ClusterSpec
-from planner.cost_config import CostModelConfig
 from planner.cost_model import CostModel
-from planner.graph import MFC
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from planner.model_spec import ModelSpec
+from planner.plan import ExecutionPlan
 from realign.bench.plans import summarize_plan
 
 
-def analytic_estimates(plan: dict) -> dict[str, float]:
+def analytic_estimates(plan: ExecutionPlan) -> dict[str, float]:
     """Each allocation priced by the device preset alone (the plan's cost settings)."""
-    cluster = ClusterSpec.model_validate(plan["cluster"])
-    cm = CostModel(cluster, CostModelConfig(**plan["cost_config"]), None)
-    specs = {m["role"]: (ModelSpec(**m["spec"]), m["head"]) for m in plan["models"]}
-    mfcs = {d["name"]: MFC(**d) for d in plan["graph"]["mfcs"]}
-    out = {}
-    for a in plan["allocations"]:
-        spec, head = specs[a["role"]]
-        mesh = DeviceMesh(first_gpu=a["mesh"]["first_gpu"], n_gpus=a["mesh"]["n_gpus"])
-        out[a["mfc"]] = cm.mfc_cost(mfcs[a["mfc"]], spec, head, mesh, Layout(**a["layout"]),
-                                    a["micro_batches"], a["optimizer_offload"]).time_s
-    return out
+    cm = CostModel(plan.cluster, plan.cost_config, None)
+    models = {pm.role: pm for pm in plan.models}
+    return {a.mfc: cm.mfc_cost(plan.graph.mfc(a.mfc), models[a.role].spec, models[a.role].head,
+                               a.mesh, a.layout, a.micro_batches, a.optimizer_offload).time_s
+            for a in plan.allocations}
 
 
 def main() -> None:
@@ -45,10 +34,11 @@ def main() -> None:
     args = ap.parse_args()
     record = {"study": "gpu estimates", "warmup": args.warmup, "runs": []}
     for run in args.runs:
-        plan = json.loads((run / "plan.json").read_text())
+        text = (run / "plan.json").read_text()
+        plan = json.loads(text)
         rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln]
         summary = summarize_plan(plan, [{"rows": rows}], args.warmup)
-        analytic = analytic_estimates(plan)
+        analytic = analytic_estimates(ExecutionPlan.from_json(text))
         for m in summary["mfcs"]:
             m["analytic_estimated_s"] = analytic[m["mfc"]]
         record["runs"].append({"run": run.name, "profile": plan.get("profile"),

@@ -175,9 +175,8 @@ def _profile(args, cfg, base: Path, folder: Path):
         return load_profile(with_profile(cfg, args.profile), base), str(args.profile)
     from realign.profile.run import default_settings, profile_machine
     out = folder / "profile.json"
-    dev = cfg.cluster.device if isinstance(cfg.cluster.device, str) else cfg.cluster.device.name
-    table = profile_machine(default_settings(cfg.device, None, 1, cfg.run_dtype(),
-                                             dev if cfg.device == "cuda" else None),
+    preset = cfg.cluster.spec().device.name if cfg.device == "cuda" else None
+    table = profile_machine(default_settings(cfg.device, None, 1, cfg.run_dtype(), preset),
                             out=sys.stderr)
     out.write_text(table.model_dump_json(indent=1))
     return table, str(out)
@@ -204,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                         f"{cfg.launcher.type!r}", field="launcher.type")
     if cfg.device == "cuda":
         import torch
-        have, need = torch.cuda.device_count(), cfg.cluster.nodes * cfg.cluster.gpus_per_node
+        have, need = torch.cuda.device_count(), cfg.cluster.spec().n_gpus
         if have < need:
             raise UserError(f"realign bench plans runs on this machine: the experiment's "
                             f"cluster has {need} GPU(s), this machine {have} CUDA device(s); "

@@ -58,6 +58,13 @@ def _hf(path, dtype):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
 
 
+def _hf_logprobs(path, tokens, dtype):
+    """transformers' log-probs of ``tokens[:, 1:]`` in ``dtype``, as fp32 on the CPU."""
+    tokens = tokens.cuda()
+    lp = torch.log_softmax(_hf(path, dtype)(tokens).logits.float(), -1)
+    return lp[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0].float().cpu()
+
+
 def test_logprobs_match_transformers(replica):
     from realign.runtime.engines.inference import InferenceEngine
     path, shard = replica
@@ -67,10 +74,8 @@ def test_logprobs_match_transformers(replica):
     ours = InferenceEngine(shard).inference({"tokens": tokens.cuda(), "lengths": lengths.cuda()})
     assert ours["logprobs"].device.type == "cpu"        # engines hand back CPU tensors
 
-    def hf_logprobs(dtype):
-        lp = torch.log_softmax(_hf(path, dtype)(tokens.cuda()).logits.float(), -1)
-        return lp[:, :-1].gather(-1, tokens.cuda()[:, 1:, None])[..., 0].float().cpu()
-    exact, hf_bf16 = hf_logprobs(torch.float32), hf_logprobs(torch.bfloat16)
+    exact = _hf_logprobs(path, tokens, torch.float32)
+    hf_bf16 = _hf_logprobs(path, tokens, torch.bfloat16)
     valid = torch.arange(1, 12) < lengths[:, None]
     # as close to the fp32 truth as transformers' own bf16 forward, with room for the
     # two rounding differently (an absolute bound misses bf16's spacing: 1/32 at |x| >= 4)
@@ -156,10 +161,8 @@ def test_plain_and_megatron_forwards_agree_in_bf16(replica):
     # each as close to the fp32 truth as transformers' own bf16 forward (with room for
     # rounding differently): the two bf16 forwards round differently from each other
     # too, by a few units of bf16's spacing (measured on an H100: 0.022 at -1.24)
-    def hf_logprobs(dtype):
-        lp = torch.log_softmax(_hf(path, dtype)(tokens).logits.float(), -1)
-        return lp[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0].float().cpu()
-    exact, hf_bf16 = hf_logprobs(torch.float32), hf_logprobs(torch.bfloat16)
+    exact = _hf_logprobs(path, tokens, torch.float32)
+    hf_bf16 = _hf_logprobs(path, tokens, torch.bfloat16)
     valid = torch.arange(1, 12) < batch["lengths"].cpu()[:, None]
     hf_err = float((hf_bf16 - exact).abs()[valid].max())
     for lp in (lp_a, lp_b):

@@ -8,13 +8,12 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
 
 from tests.run.conftest import experiment, wait_for_rows
-from tests.run.test_run_controller import REALIGN, _workers_of, final_weights, metrics, run
+from tests.run.test_run_controller import REALIGN, final_weights, kill_a_worker, metrics, run
 
 pytestmark = pytest.mark.cpu_dist
 
@@ -73,17 +72,9 @@ def test_async_run_trains_on_stale_samples_and_resumes_bit_identically(tiny_asse
 @pytest.mark.parametrize("victim", [0, 1], ids=["generating-worker", "training-worker"])
 def test_a_dead_worker_on_either_side_fails_fast(tiny_assets, tmp_path, victim):
     exp = async_experiment(tiny_assets, tmp_path, run__steps=400)
-    rd = tmp_path / "run"
-    p = subprocess.Popen([*REALIGN, "run", str(exp), "--run-dir", str(rd)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_rows(rd, 2)
-    workers = _workers_of(rd)
-    assert len(workers) == 2
-    os.kill(workers[victim], signal.SIGKILL)
-    t0 = time.monotonic()
-    out, err = p.communicate(timeout=60)
-    assert time.monotonic() - t0 < 30
-    assert p.returncode == 1
+    code, err, seconds = kill_a_worker(exp, tmp_path / "run", victim)
+    assert seconds < 30
+    assert code == 1
     assert "failed" in err and "worker" in err
 
 
