@@ -64,7 +64,8 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
                      const IntLists& outputs, const std::vector<i64>& mfc_every,
                      const std::vector<bool>& ahead,
                      const std::vector<double>& key_send_intra_s,
-                     const std::vector<double>& key_send_inter_s) {
+                     const std::vector<double>& key_send_inter_s,
+                     double step_overhead_s) {
     check_shape(cand_n_gpus, cand_first_gpu, "cand_n_gpus");
     check_shape(cand_tp, cand_first_gpu, "cand_tp");
     check_shape(cand_pp, cand_first_gpu, "cand_pp");
@@ -77,6 +78,7 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
     p.n_gpus = n_gpus;
     p.mem_limit_bytes = mem_limit_bytes;
     p.n_iters = n_iters;
+    p.step_overhead_s = step_overhead_s;
     p.links = Links{gpus_per_node, intra_bytes_per_s, inter_bytes_per_s, intra_latency_s,
                     inter_latency_s, realloc_fixed_s, copy_bytes_per_s};
     p.inputs = inputs;
@@ -170,7 +172,8 @@ PYBIND11_MODULE(_core, m) {
              py::arg("cand_resident_bytes"), py::arg("cand_activation_bytes"),
              py::arg("cand_weights_bytes"), py::arg("same_mesh"), py::arg("realloc_fixed_s"),
              py::arg("copy_bytes_per_s"), py::arg("inputs"), py::arg("outputs"),
-             py::arg("mfc_every"), py::arg("ahead"), py::arg("key_send_intra_s"), py::arg("key_send_inter_s"))
+             py::arg("mfc_every"), py::arg("ahead"), py::arg("key_send_intra_s"), py::arg("key_send_inter_s"),
+             py::arg("step_overhead_s") = 0.0)
         .def_property_readonly("n_gpus", [](const Problem& p) { return p.n_gpus; })
         .def_property_readonly("n_mfcs", &Problem::n_mfcs)
         .def_property_readonly("n_cands", [](const Problem& p) {

@@ -37,6 +37,7 @@ void Problem::validate() const {
     if (n_gpus < 1) fail("n_gpus", std::to_string(n_gpus) + " is not >= 1");
     if (!(mem_limit_bytes > 0.0)) fail("mem_limit_bytes", "must be > 0");
     if (n_iters < 1) fail("n_iters", std::to_string(n_iters) + " is not >= 1");
+    if (!(step_overhead_s >= 0.0)) fail("step_overhead_s", "must be >= 0");
     if (links.gpus_per_node < 1) fail("links.gpus_per_node", "must be >= 1");
     if (!(links.intra_bytes_per_s > 0.0) || !(links.inter_bytes_per_s > 0.0))
         fail("links", "bandwidths must be > 0");
@@ -440,6 +441,7 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
         return s_end;
     };
     for (i64 it = 0; it < prob.n_iters; ++it) {
+        makespan += prob.step_overhead_s;                // between steps: controller, batches
         std::fill(free.begin(), free.end(), makespan);  // the step barrier
         std::fill(finish.begin(), finish.end(), 0.0);
         std::fill(held.begin(), held.end(), false);

@@ -73,6 +73,7 @@ struct Problem {
     i64 n_gpus = 0;
     double mem_limit_bytes = 0.0;
     i64 n_iters = 1;
+    double step_overhead_s = 0.0;   // host seconds between two steps (the step barrier)
     Links links;
     std::vector<i64> mfc_model;                      // per MFC: model index
     std::vector<bool> mfc_is_train;                  // per MFC

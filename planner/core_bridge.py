@@ -68,6 +68,7 @@ def to_core(prob: Problem) -> Any:
         ahead=[bool(a) for a in (prob.ahead or [False] * len(cands))],
         key_send_intra_s=[float(a) for a, _ in prob.key_send_s],
         key_send_inter_s=[float(b) for _, b in prob.key_send_s],
+        step_overhead_s=float(prob.step_overhead_s),
     )
 
 

@@ -61,3 +61,13 @@ class CostModelConfig(BaseModel):
         "sequence's cache is allocated for prompt_len + gen_len rounded up to whole blocks.")
     max_micro_batches: int = Field(
         64, gt=0, description="Largest micro-batch count the search considers.")
+    reward_s_per_seq: float | None = Field(
+        None, ge=0, description="Host seconds a rule reward takes to decode and score one "
+        "generated sequence (each rank that generated scores them all, after the "
+        "generation). None: timed on this host with the experiment's reward function, "
+        "tokenizer and data when the plan uses a profile, else 0 (not priced).")
+    batch_s: float | None = Field(
+        None, ge=0, description="Host seconds a worker takes to prepare one step's batch "
+        "from the dataset (an asynchronous step prepares two: its own and the next "
+        "one's). None: timed on this host with the experiment's data and tokenizer when "
+        "the plan uses a profile, else 0 (not priced).")

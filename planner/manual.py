@@ -10,7 +10,7 @@ from planner.graph import DataflowGraph
 from planner.layout import Allocation, check_allocation
 from planner.plan import ExecutionPlan, SearchInfo
 from planner.plan_build import build_plan
-from planner.problem import Candidate, RoleModel, assemble
+from planner.problem import Candidate, RoleModel, assemble, host_s
 from planner.profile import ProfileTable
 from planner.simulator import simulate
 
@@ -39,7 +39,9 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
         a, rm = allocations[m.name], models[m.role]
         c = cost.mfc_cost(m, rm.spec, rm.head, a.mesh, a.layout, a.micro_batches)
         cands.append([Candidate(a.mesh.first_gpu, a.mesh.n_gpus, a.layout.tp, a.layout.pp,
-                                a.layout.dp, a.micro_batches, c.time_s / m.every, c.resident_bytes,
+                                a.layout.dp, a.micro_batches,
+                                (c.time_s + host_s(graph, m, cost_config)) / m.every,
+                                c.resident_bytes,
                                 c.activation_bytes, c.weights_bytes)])
     prob = assemble(graph, models, cost, cands)
     res = simulate(prob, [0] * len(cands))

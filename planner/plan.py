@@ -139,6 +139,9 @@ class ExecutionPlan(_Frozen):
     timeline: tuple[TimelineEvent, ...]
     n_iters: int = Field(description="Iterations simulated for the estimate.")
     iteration_time_s: float
+    step_overhead_s: float = Field(
+        0.0, ge=0, description="Host seconds between two steps included in "
+        "iteration_time_s: realign's own (the profile's) and the workers' batches.")
     mem_limit_bytes: float
     peak_mem_bytes: tuple[float, ...] = Field(description="Peak memory of each GPU.")
     search: SearchInfo

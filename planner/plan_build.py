@@ -52,6 +52,7 @@ def build_plan(name: str, prob: Problem, assign: list[int], cost_config: CostMod
         name=name, cluster=prob.cluster, models=models, graph=prob.graph,
         cost_config=cost_config, allocations=tuple(allocs), reallocations=tuple(reallocs),
         timeline=events, n_iters=prob.n_iters, iteration_time_s=res.iter_time_s,
+        step_overhead_s=prob.step_overhead_s,
         mem_limit_bytes=prob.mem_limit_bytes, peak_mem_bytes=tuple(res.peak_bytes),
         search=info, heuristics=heuristics, profile=profile_ref(prob),
         cost_sources=dict(prob.cost_sources))

@@ -8,10 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from planner.cluster import ClusterSpec
+from planner.cost_config import CostModelConfig
 from planner.cost_model import CostModel
 from planner.deadline import Deadline
 from planner.errors import PlanError
-from planner.graph import DataflowGraph
+from planner.graph import MFC, DataflowGraph
 from planner.layout import Layout, enumerate_layouts, shard_placement
 from planner.mesh import DeviceMesh, enumerate_meshes
 from planner.model_spec import ModelSpec
@@ -91,6 +92,9 @@ class Problem:
     ahead: list[bool] = field(default_factory=list)
     key_send_s: list[tuple[float, float]] = field(default_factory=list)
     key_names: list[str] = field(default_factory=list)
+    #: host seconds between two steps outside every call: the controller's round trip
+    #: to the workers and their batch preparation (:func:`step_overhead_s`)
+    step_overhead_s: float = 0.0
     profile: ProfileTable | None = None      #: the profile the candidates were priced with
     cost_sources: dict[str, str] = field(default_factory=dict)   #: rate -> where from
 
@@ -167,6 +171,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
         rm = models[mfc.role]
         trained = train_mfc[ridx[mfc.role]] >= 0
         per_step = mfc.n_seqs // (mfc.n_minibatches if mfc.kind == "train" else 1)
+        host = host_s(graph, mfc, cost.config)
         per_mfc: list[Candidate] = []
         host_bound = False      # a candidate fit on the GPU but its offload not on the host
         for size, group_meshes in by_size.items():
@@ -187,7 +192,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                         if own > limit or c.host_bytes > host_limit:
                             continue
                         group.append(Candidate(0, size, lay.tp, lay.pp, lay.dp, mb,
-                                               c.time_s / mfc.every, c.resident_bytes,
+                                               (c.time_s + host) / mfc.every, c.resident_bytes,
                                                c.activation_bytes, c.weights_bytes, off,
                                                c.host_bytes))
                 priced += _pareto(group)
@@ -205,6 +210,27 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                             field="cluster")
         cands.append(per_mfc)
     return assemble(graph, models, cost, cands, n_iters)
+
+
+def host_s(graph: DataflowGraph, mfc: MFC, config: CostModelConfig) -> float:
+    """Host seconds after one call of ``mfc`` on every rank of its mesh: the rule
+    rewards that score all the sequences it generated (``reward_s_per_seq`` each).
+
+    Example: 64 sequences, one rule reward, 8e-6 s per sequence: 5.12e-4 s."""
+    rules = len(graph.rule_reward_after(mfc.name)) if mfc.kind == "generate" else 0
+    return rules * mfc.n_seqs * (config.reward_s_per_seq or 0.0)
+
+
+def step_overhead_s(graph: DataflowGraph, cost: CostModel) -> float:
+    """Host seconds of one step outside its calls, on the critical path: realign's own
+    (the profile's :class:`~planner.profile.StepCosts` for every GPU's worker) plus the
+    batch every worker prepares (two in an asynchronous step: its own and the next
+    one's).
+
+    Example: 9e-4 s of realign's on 2 workers, 3e-4 s per batch, asynchronous: 1.5e-3 s."""
+    step = cost.profile.step if cost.profile is not None else None
+    own = step.time_s(cost.cluster.n_gpus) if step is not None else 0.0
+    return own + (cost.config.batch_s or 0.0) * (1 + graph.ahead_steps)
 
 
 def async_splits(cluster: ClusterSpec) -> list[int]:
@@ -240,7 +266,8 @@ def assemble(graph: DataflowGraph, models: dict[str, RoleModel], cost: CostModel
         deps=graph.deps(), model_train_mfc=train_mfc,
         realloc_models=[ReallocModel.of(models[r].spec, models[r].head,
                                         cost.config.param_dtype_bytes) for r in roles],
-        cands=cands, n_iters=n_iters, profile=cost.profile,
+        cands=cands, n_iters=n_iters, step_overhead_s=step_overhead_s(graph, cost),
+        profile=cost.profile,
         cost_sources=dict(cost.rates.sources))
     _add_records(prob, graph, models, cost)
     for cs in cands:

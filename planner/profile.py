@@ -153,6 +153,23 @@ class TransferCosts(_Frozen):
     bytes_per_s: float = Field(gt=0)
 
 
+class StepCosts(_Frozen):
+    """realign's own host time of one step outside its calls and the experiment's batch:
+    the controller sending the step to every worker, their walk of the program and
+    their reports, the controller gathering and logging them. Seconds:
+    ``fixed_s + per_worker_s x workers`` (every worker of the cluster takes part).
+
+    Example: fixed 1e-4 s, 4e-4 s per worker, 2 workers: 9e-4 s."""
+
+    fixed_s: float = Field(0.0, ge=0)
+    per_worker_s: float = Field(0.0, ge=0)
+    points: tuple[tuple[float, float], ...] = Field(
+        (), description="Measured (workers, seconds per step) it was fitted to.")
+
+    def time_s(self, workers: int) -> float:
+        return self.fixed_s + self.per_worker_s * workers
+
+
 class ProbePoint(_Frozen):
     """One timed engine run the fixed costs were fitted to."""
 
@@ -193,6 +210,9 @@ class ProfileTable(_Frozen):
     collectives: tuple[CollectiveCurve, ...] = ()
     realloc: TransferCosts | None = None
     send: TransferCosts | None = None
+    step: StepCosts | None = Field(
+        None, description="realign's own cost of a step outside its calls "
+        "(realign.profile.step_overhead), paid once per step by every plan.")
     source: str = Field("", exclude=True, description="The file it was loaded from "
                         "(not stored in the table).")
 

@@ -79,6 +79,7 @@ class Rates:
                 self.sources[f"{op} {where}"] = "profile" if got else preset
         self.sources["reallocation"] = "profile" if profile and profile.realloc else preset
         self.sources["record send"] = "profile" if profile and profile.send else preset
+        self.sources["step overhead"] = "profile" if profile and profile.step else "not priced"
 
     # ---- compute and memory --------------------------------------------------------
     def gemm_s(self, rows: float, k: float, n: float, train: bool = False) -> float:

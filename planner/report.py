@@ -71,10 +71,27 @@ def sources_line(plan: ExecutionPlan) -> str:
     if plan.profile is None:
         return f"rates: device preset {plan.cluster.device.name} (no profile)"
     prof = sorted(k for k, v in plan.cost_sources.items() if v == "profile")
-    rest = sorted(k for k, v in plan.cost_sources.items() if v != "profile")
+    rest = sorted(k for k, v in plan.cost_sources.items() if v.startswith("device preset"))
+    other = sorted(f"{k} {v}" for k, v in plan.cost_sources.items()
+                   if v != "profile" and not v.startswith("device preset"))
     return (f"rates: * from profile {plan.profile.path or '(unnamed)'} ({plan.profile.device}, "
             f"{plan.profile.dtype}, {plan.profile.date}): {', '.join(prof) or 'none'}"
-            + (f"; device preset: {', '.join(rest)}" if rest else ""))
+            + (f"; device preset: {', '.join(rest)}" if rest else "")
+            + (f"; {', '.join(other)}" if other else ""))
+
+
+def host_line(plan: ExecutionPlan) -> str | None:
+    """The host work outside the calls that the estimate includes (None: none)."""
+    c = plan.cost_config
+    if not (plan.step_overhead_s or c.reward_s_per_seq):
+        return None
+    batches = "2 batches" if plan.asynchronous else "its batch"
+    out = (f"host work: {plan.step_overhead_s * 1e3:.2f} ms between steps (realign's own, "
+           f"each worker preparing {batches} of {(c.batch_s or 0.0) * 1e3:.2f} ms)")
+    if c.reward_s_per_seq and plan.graph.rule_rewards:
+        out += (f"; the reward function {c.reward_s_per_seq * 1e6:.1f} us per sequence, "
+                "after the generation")
+    return out
 
 
 def table(plan: ExecutionPlan) -> str:
@@ -101,6 +118,9 @@ def table(plan: ExecutionPlan) -> str:
             out.append(f"{a.mfc}: optimizer state offloaded, {a.host_bytes / GIB:.1f} GiB of "
                        "host memory per GPU")
     out.append(sources_line(plan))
+    host = host_line(plan)
+    if host:
+        out.append(host)
     out.append("")
     out.append(f"estimated iteration time: {plan.iteration_time_s:.3f} s   "
                f"(search: {plan.search.method}, {plan.search.search_time_s:.1f} s, "

@@ -24,7 +24,9 @@ program runs: :mod:`realign.run.program`):
   to its end, so it counts as resident memory;
 * iterations do not overlap: the controller starts step k+1 once every worker has
   finished step k, so each iteration starts when the previous one has ended on every
-  GPU; iteration time = makespan of ``n_iters`` iterations / ``n_iters``.
+  GPU, plus the step's host overhead (:attr:`~planner.problem.Problem.step_overhead_s`:
+  the controller's round trip, the workers' batches); iteration time = makespan of
+  ``n_iters`` iterations / ``n_iters``.
 
 Memory per GPU = resident state (trained models' weights, grads and optimizer state
 on their training mesh; frozen models' weights on each placement they use) + the
@@ -215,6 +217,7 @@ def simulate(prob: Problem, assign: list[int], cache: ReallocCache | None = None
 
     holders: dict[int, tuple[int, ...]] = {}
     for it in range(prob.n_iters):
+        makespan += prob.step_overhead_s        # between steps: the controller, batches
         for g in range(prob.n_gpus):            # the step barrier
             free[g] = makespan
         finish = [0.0] * n_mfc

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"must be >= 0, got {args.warmup}", field="--warmup")
     from realign.bench.plans import _profile
     from realign.config.loading import load_experiment
-    from realign.config.planning import allows_async, both_modes, plan_mode, with_profile
+    from realign.config.planning import allows_async, both_modes, plan_mode, priced_with
 
     cfg, base = load_experiment(args.experiment)
     if cfg.device != "cpu" or cfg.launcher.type != "local":
@@ -141,8 +141,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     keep = Path(tempfile.mkdtemp(prefix="realign-bench-async-"))
     profile, profile_src = _profile(args, cfg, base, keep)
-    priced = with_profile(cfg, profile_src) if profile is not None else cfg.model_copy(
-        update={"plan": cfg.plan.model_copy(update={"profile": None})})
+    priced = priced_with(cfg, profile_src if profile is not None else None)
     sync, asyn, why = both_modes(priced, base)
     if sync is None or asyn is None:
         raise UserError(f"no {'synchronous' if sync is None else 'asynchronous'} plan fits: "

@@ -193,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     from realign.config.planning import (
         cost_config,
         experiment_graph,
+        priced_with,
         resolve_models,
         search_settings,
     )
@@ -213,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
     profile, profile_src = _profile(args, cfg, base, keep)
     models = resolve_models(cfg, base)
     graph = experiment_graph(cfg, models, base)
-    plans = bench_plans(cfg.name, graph, models, cfg.cluster.spec(), cost_config(cfg),
+    plans = bench_plans(cfg.name, graph, models, cfg.cluster.spec(),
+                        cost_config(priced_with(cfg, profile_src if profile else None), base),
                         profile, search_settings(cfg), n=args.plans)
     entries = []
     for k, lp in enumerate(plans):

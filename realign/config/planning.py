@@ -15,6 +15,7 @@ from planner.problem import RoleModel, head_of
 from planner.profile import ProfileTable
 from planner.search import SearchSettings, search
 from realign.config.experiment import ExperimentConfig
+from realign.config.host_work import resolve_host_work
 from realign.errors import UserError
 
 
@@ -42,10 +43,12 @@ def resolve_models(cfg: ExperimentConfig, base: Path) -> dict[str, RoleModel]:
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 
-def cost_config(cfg: ExperimentConfig) -> CostModelConfig:
+def cost_config(cfg: ExperimentConfig, base: Path | None = None) -> CostModelConfig:
     """``plan.cost`` pricing what the run executes: its optimizer
     (``train.distributed_optimizer``) and its parameter dtype (``dtype``), both resolved
-    for ``device``, unless ``plan.cost`` says otherwise, which must then agree."""
+    for ``device``, unless ``plan.cost`` says otherwise, which must then agree; with
+    ``base`` (the experiment's folder) also the host work of its steps
+    (:func:`realign.config.host_work.resolve_host_work`)."""
     cost = cfg.plan.cost
     runs = cfg.train.uses_distributed_optimizer(cfg.device)
     if "distributed_optimizer" in cost.model_fields_set and cost.distributed_optimizer != runs:
@@ -60,8 +63,9 @@ def cost_config(cfg: ExperimentConfig) -> CostModelConfig:
                         f"trains in {cfg.run_dtype()} ({dtype_bytes} bytes; dtype, device "
                         f"{cfg.device}); set them alike or leave plan.cost.param_dtype_bytes "
                         "out", field="plan.cost.param_dtype_bytes")
-    return cost.model_copy(update={"distributed_optimizer": runs,
+    cost = cost.model_copy(update={"distributed_optimizer": runs,
                                    "param_dtype_bytes": dtype_bytes})
+    return cost if base is None else resolve_host_work(cfg, base, cost)
 
 
 def eval_shape(cfg: ExperimentConfig, base: Path) -> EvalShape | None:
@@ -174,7 +178,7 @@ def plan_mode(cfg: ExperimentConfig, base: Path, asynchronous: bool,
     """The searched plan of one execution mode."""
     models = resolve_models(cfg, base)
     graph = experiment_graph(cfg, models, base, asynchronous)
-    return search(cfg.name, graph, models, cfg.cluster.spec(), cost_config(cfg),
+    return search(cfg.name, graph, models, cfg.cluster.spec(), cost_config(cfg, base),
                   load_profile(cfg, base), search_settings(cfg, overrides))
 
 
@@ -223,6 +227,14 @@ def with_profile(cfg: ExperimentConfig, path: str | Path) -> ExperimentConfig:
     return cfg.model_copy(update={"plan": plan})
 
 
+def priced_with(cfg: ExperimentConfig, profile_src: str | Path | None) -> ExperimentConfig:
+    """``cfg`` priced with the profile table at ``profile_src``, or analytically (no
+    profile, whatever ``plan.profile`` says) when it is None."""
+    if profile_src is not None:
+        return with_profile(cfg, profile_src)
+    return cfg.model_copy(update={"plan": cfg.plan.model_copy(update={"profile": None})})
+
+
 def resolve_plan(cfg: ExperimentConfig, base: Path, models: dict[str, RoleModel]) -> ExecutionPlan:
     """The plan ``realign run`` executes: a saved file, manual allocations, or a search."""
     from planner.layout import Allocation
@@ -254,6 +266,6 @@ def resolve_plan(cfg: ExperimentConfig, base: Path, models: dict[str, RoleModel]
         graph = experiment_graph(cfg, models, base, asynchronous)
         allocs = {k: Allocation(mesh=v.mesh, layout=v.layout, micro_batches=v.micro_batches)
                   for k, v in cfg.plan.manual.items()}
-        return manual_plan(cfg.name, graph, models, cluster, allocs, cost_config(cfg),
+        return manual_plan(cfg.name, graph, models, cluster, allocs, cost_config(cfg, base),
                            profile=load_profile(cfg, base))
     return plan_experiment(cfg, base)

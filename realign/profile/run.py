@@ -29,8 +29,10 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from planner.cluster import ClusterSpec, resolve_device
 from planner.cost_config import CostModelConfig
@@ -44,6 +46,7 @@ from planner.rates import Rates
 from planner.realloc_cost import ReallocModel, realloc_recv_send
 from realign.profile import engines as E
 from realign.profile.fit import fit_collective, fit_relative, fit_transfer
+from realign.profile.step_overhead import measure_step_costs
 
 GRIDS = {   # (rows, widths) of the GEMM grid per device kind
     "cpu": ((1, 4, 16, 64, 256, 1024, 4096), (16, 32, 64, 128, 256, 512, 1024)),
@@ -137,18 +140,21 @@ def profile_machine(settings: ProfileSettings, out=sys.stderr) -> ProfileTable:
         realloc = _realloc(world, s, mem)
         prog.step("record send", 6)
         send = _send(world)
+    prog.step(f"a run's own step cost: tiny runs on 1 and {s.workers} worker(s)", 6)
+    with tempfile.TemporaryDirectory(prefix="realign-profile-") as tmp:
+        step = measure_step_costs(Path(tmp), s.workers, s.device, s.preset, s.threads, s.dtype)
     import torch
 
     import realign
     table = base.model_copy(update={
-        "engines": fitted, "realloc": realloc, "send": send,
+        "engines": fitted, "realloc": realloc, "send": send, "step": step,
         "measured": Provenance(
             host=platform.node(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"), workers=s.workers, threads_per_worker=s.threads,
             dtype=s.dtype, torch=torch.__version__, realign=realign.__version__,
             duration_s=time.time() - t_start, fit_rms_relative_error=rms,
             probes=tuple(points))})
-    prog.step("done", 12)
+    prog.step("done", 6)
     return ProfileTable.model_validate(table.model_dump())
 
 

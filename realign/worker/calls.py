@@ -17,11 +17,10 @@ train engine).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from realign.errors import NonFiniteError, UserError
+from realign.rewards.scoring import decoded_answers, scores
 from realign.run.program import Call, Evaluate, RuleReward
 from realign.runtime.engines.generate import GenerateEngine
 from realign.runtime.engines.inference import InferenceEngine
@@ -112,25 +111,9 @@ class Calls:
         return {key: {key: res["values"].float()}}, {}
 
     # ---- rule rewards and evaluations ------------------------------------------------
-    def _answers(self, seqs, prompts) -> list[tuple[str, str, object]]:
-        """(prompt text, decoded response, reference answer) of every sequence; a
-        prompt's ``k`` responses are consecutive rows."""
-        k = len(seqs["tokens"]) // len(prompts["answers"])
-        rows = zip(seqs["tokens"].tolist(), seqs["prompt_lengths"].tolist(),
-                   seqs["lengths"].tolist())
-        texts = self.tokenizer.batch_decode([t[p:n] for t, p, n in rows],
-                                            skip_special_tokens=True)
-        return [(prompts["texts"][i // k], text, prompts["answers"][i // k])
-                for i, text in enumerate(texts)]
-
-    def _scores(self, fn, answers, step: int, what: str) -> torch.Tensor:
-        return torch.tensor([reward_value(fn(p, text, a), f"step {step}, {what} {i} "
-                                                          f"(prompt {p!r})")
-                             for i, (p, text, a) in enumerate(answers)], dtype=torch.float32)
-
     def rule_reward(self, op: RuleReward, store, step):
-        answers = self._answers(store[op.seqs_key], store[op.prompts_key])
-        r = self._scores(self.reward_fn, answers, step, "sample")
+        answers = decoded_answers(self.tokenizer, store[op.seqs_key], store[op.prompts_key])
+        r = scores(self.reward_fn, answers, step, "sample")
         return {op.out_key: {op.out_key: r}}, {f"{op.out_key.removesuffix('s')}_mean": float(r.mean())}
 
     def evaluate(self, op: Evaluate, store, step) -> dict[str, float]:
@@ -139,9 +122,9 @@ class Calls:
         and, with several samples per prompt, ``eval.pass@k`` (the share of prompts
         with at least one correct sample of k)."""
         seqs, prompts = store[op.seqs_key], store[op.prompts_key]
-        answers = self._answers(seqs, prompts)
-        correct = self._scores(self.verifier, answers, step, "evaluated answer") >= 0.5
-        reward = (self._scores(self.reward_fn, answers, step, "evaluated answer")
+        answers = decoded_answers(self.tokenizer, seqs, prompts)
+        correct = scores(self.verifier, answers, step, "evaluated answer") >= 0.5
+        reward = (scores(self.reward_fn, answers, step, "evaluated answer")
                   if self.reward_fn is not None else correct.float())
         out = {f"eval.{op.name}_accuracy": float(correct.float().mean()),
                f"eval.{op.name}_reward": float(reward.mean())}
@@ -219,21 +202,3 @@ def check_staleness(batch, step: int, bound: int, call: str) -> float | None:
                         f"is {int(lag.max())} versions stale (allowed: 0 .. {bound}); it is "
                         "not trained on", field="algorithm.max_staleness")
     return float(lag.float().mean())
-
-
-def reward_value(value, where: str) -> float:
-    """A reward function's return value as a float: a real number (a bool counts as 0
-    or 1), finite; anything else stops the run naming ``reward.fn``, the value and
-    ``where`` it came from."""
-    if isinstance(value, (str, bytes)) or value is None:
-        raise UserError(f"returned {value!r} ({type(value).__name__}) at {where}; a reward "
-                        "function returns a number", field="reward.fn")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise UserError(f"returned {value!r} ({type(value).__name__}) at {where}; a reward "
-                        "function returns a number", field="reward.fn") from None
-    if not math.isfinite(number):
-        raise NonFiniteError(f"returned {value!r} at {where}; the run stops before it trains "
-                             "on a non-finite reward", field="reward.fn")
-    return number

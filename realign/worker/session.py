@@ -15,9 +15,8 @@ import torch
 import torch.distributed as dist
 
 from realign.algorithms import registry
-from realign.data.collate import collate_preferences, collate_prompts, collate_sft
 from realign.data.datasets import load_dataset
-from realign.data.sampler import PromptSampler
+from realign.data.step_batch import prompts_record, step_batch
 from realign.data.tokenizer import load_tokenizer, pad_id
 from realign.errors import UserError
 from realign.run import checkpoint
@@ -82,7 +81,7 @@ class Session:
         self.eval_record = None
         if cfg.eval is not None:
             held = load_dataset(cfg.eval.data, self.tokenizer, spec.base_dir, field="eval.data")
-            self.eval_record = self._prompts_record(held.examples[:cfg.eval.max_prompts])
+            self.eval_record = prompts_record(held.examples[:cfg.eval.max_prompts], self.pad)
         self.algo = registry.get(cfg.algorithm.name)
         params = self.algo.make_config(cfg.algorithm.params, cfg.algorithm.shape())
         from realign.rewards.registry import load_reward_fn
@@ -116,29 +115,12 @@ class Session:
             self.load(Path(resume_dir))
 
     # ---- data of a step --------------------------------------------------------------
-    def _prompts_record(self, examples) -> dict:
-        rec = collate_prompts(examples, self.pad)
-        rec["answers"] = [e.answer for e in examples]
-        rec["texts"] = [e.prompt if isinstance(e.prompt, str) else str(e.prompt)
-                        for e in examples]
-        return rec
-
     def dataset_record(self, step: int) -> dict:
         """The step's training batch (the sampler's ``step``-th) under the graph's
         training data key, and the held-out prompts under ``eval_prompts`` when the run
         evaluates."""
-        c = self.cfg.data.train
-        n = self.cfg.algorithm.prompts_per_step
-        sampler = PromptSampler(len(self.dataset), n, seed=c.seed, shuffle=c.shuffle)
-        sampler.consumed = step * n
-        examples = self.dataset.take(sampler.next_batch())
-        if c.kind == "prompts":
-            rec = self._prompts_record(examples)
-        elif c.kind == "preferences":
-            rec = collate_preferences(examples, self.pad)
-        else:
-            rec = collate_sft(examples, self.pad)
-        out = {self.algo.spec.dataset_key: rec}
+        batch = step_batch(self.dataset, self.cfg.algorithm.prompts_per_step, step, self.pad)
+        out = {self.algo.spec.dataset_key: batch}
         if self.eval_record is not None:
             out["eval_prompts"] = self.eval_record
         return out

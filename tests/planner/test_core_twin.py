@@ -57,7 +57,9 @@ def random_problem(rng: random.Random) -> Problem:
             asynchronous = SPECS[alg].generates and rng.random() < 0.5
             graph = build_graph(alg, shape, roles, max_staleness=int(asynchronous),
                                 asynchronous=asynchronous)
-            return build_problem(graph, models, CostModel(cluster), n_iters=rng.randint(1, 3))
+            prob = build_problem(graph, models, CostModel(cluster), n_iters=rng.randint(1, 3))
+            # realign's own time between steps (a profile's, here drawn)
+            return dataclasses.replace(prob, step_overhead_s=rng.choice((0.0, 1e-3, 0.37)))
         except PlanError:
             continue
 

@@ -32,6 +32,9 @@ def test_profile_measures_every_term_and_plan_prices_with_it(tmp_path, capsys, t
     # the fixed costs explain the probe runs they were fitted to
     assert all(0 <= e < 0.5 for e in t.measured.fit_rms_relative_error.values())
     assert len(t.measured.probes) > 100
+    # realign's own step cost, from real runs on 1 and 2 workers
+    assert t.step is not None and [n for n, _ in t.step.points] == [1.0, 2.0]
+    assert all(0 <= s < 0.05 for _, s in t.step.points) and t.step.time_s(2) > 0
     plan_out = tmp_path / "plan.json"
     exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path)
     assert main(["plan", str(exp), "--profile", str(out), "--out", str(plan_out)]) == 0
@@ -44,6 +47,10 @@ def test_profile_measures_every_term_and_plan_prices_with_it(tmp_path, capsys, t
     assert {k for k, v in src.items() if v != "profile"} == {
         k for k in src if k.endswith("across nodes")}
     assert src["gemm"] == src["engine decode"] == src["all_reduce within a node"] == "profile"
+    assert src["step overhead"] == "profile"
+    # the host work between steps and the reward function, timed while planning
+    assert plan["step_overhead_s"] > t.step.time_s(2) and plan["cost_config"]["batch_s"] > 0
+    assert plan["cost_config"]["reward_s_per_seq"] > 0 and "host work:" in text
 
 
 @pytest.mark.pure
