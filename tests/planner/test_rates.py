@@ -23,6 +23,7 @@ from planner.profile import (
     EngineCosts,
     GemmGrid,
     ProfileTable,
+    StepCosts,
     TransferCosts,
 )
 from planner.rates import Rates
@@ -263,6 +264,10 @@ def test_sources_say_which_terms_were_measured():
                 "all_reduce across nodes", "all_gather within a node", "broadcast within a node",
                 "reduce_scatter within a node", "p2p within a node", "p2p across nodes"):
         assert measured[key] == preset, key
+    # realign's own step cost: the profile's, or not priced (no preset value)
+    assert measured["step overhead"] == "not priced"
+    stepped = rates(profile=_profile().model_copy(update={"step": StepCosts(per_worker_s=1e-3)}))
+    assert stepped.sources["step overhead"] == "profile"
     plain = rates().sources
-    assert set(plain) == set(measured) and len(plain) == 18
-    assert set(plain.values()) == {preset}
+    assert set(plain) == set(measured) and len(plain) == 19
+    assert set(plain.values()) == {preset, "not priced"}
