@@ -83,17 +83,23 @@ class Rates:
 
     # ---- compute and memory --------------------------------------------------------
     def gemm_s(self, rows: float, k: float, n: float, train: bool = False) -> float:
-        """Seconds of ``[rows, k] x [k, n]`` (forward, or forward + backward)."""
+        """Seconds of ``[rows, k] x [k, n]`` (forward, or forward + backward): its FLOPs at
+        the GEMM rate (a profile's measured grid, else the preset's peak with the width
+        curve), but never faster than its bytes (weights once, activations in and out;
+        x3 in training) at the memory bandwidth. The grid times each GEMM with its
+        weights hot in cache; a model's pass reads every layer's weights once, so a
+        small-row GEMM of a model larger than the cache streams them (decode waves)."""
         if rows <= 0 or k <= 0 or n <= 0:
             return 0.0
         flops = (6.0 if train else 2.0) * rows * k * n
         width = math.sqrt(k * n)
-        if self.profile is not None and self.profile.gemm is not None:
-            return flops / self.profile.gemm.rate(rows, width, train)
-        rate = self.peak_rate
-        if self.config.gemm_half_width > 0:
-            rate *= width / (width + self.config.gemm_half_width)
         nbytes = (3.0 if train else 1.0) * (k * n + rows * (k + n)) * self.dtype_bytes
+        if self.profile is not None and self.profile.gemm is not None:
+            rate = self.profile.gemm.rate(rows, width, train)
+        else:
+            rate = self.peak_rate
+            if self.config.gemm_half_width > 0:
+                rate *= width / (width + self.config.gemm_half_width)
         return max(flops / rate, nbytes / self.mem_bytes_per_s)
 
     def mem_s(self, nbytes: float) -> float:

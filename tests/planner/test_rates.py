@@ -239,9 +239,17 @@ def test_profile_measurements_override_the_preset():
     r = rates(config=CostModelConfig(), profile=_profile())
     # memory: as measured, no efficiency applied
     assert r.mem_bytes_per_s == 4e11 and r.mem_s(4e11) == approx(1.0)
-    # GEMM at 1 row (grid rate 1e10, any width): no roofline, FLOPs / measured rate
+    # GEMM at 1 row (grid rate 1e10, any width): FLOPs / measured rate while the weights
+    # stream faster than that ((1e4 + 200) x 2 bytes at 4e11: 51 ns < 2 us)
     assert r.gemm_s(1, 100, 100) == approx(2 * 100 * 100 / 1e10)
     assert r.gemm_s(1024, 100, 100, train=True) == approx(6 * 1024 * 100 * 100 / 5e10)
+    # a wide one: the grid measures its weights hot in cache, a model's forward reads
+    # them from memory once: 1 x 4096 x 4096 at 1e10 is 3.4 ms of FLOPs, but streaming
+    # (4096^2 + 8192) x 2 bytes at 4e11 is 84 us... at a measured 4e9 it is 8.4 ms
+    assert r.gemm_s(1, 4096, 4096) == approx(2 * 4096 ** 2 / 1e10)
+    slow = rates(config=CostModelConfig(), profile=_profile().model_copy(
+        update={"mem_bytes_per_s": 4e9}))
+    assert slow.gemm_s(1, 4096, 4096) == approx((4096 ** 2 + 8192) * 2 / 4e9)
     # all-reduce within a node: the curve (no points: latency + 2 (n-1)/n S / bw)
     assert r.collective_s("all_reduce", S, 2) == approx(3e-6 + S / 2e9)
     assert r.collective_s("all_reduce", S, 4) == approx(3e-6 + 1.5 * S / 2e9)   # nearest size
