@@ -113,6 +113,20 @@ class EngineCosts(_Frozen):
                                 "time: the ranks' skew and the waits it causes.")
 
 
+def size_envelope(points) -> list[tuple[float, float]]:
+    """(bytes, seconds) points sorted by size, each time lowered to the least time of
+    any larger message: moving more bytes never takes less time, so a point slower
+    than a larger one was slowed by something else (on a shared machine a neighbour
+    can stall one size's whole measurement). The measured points stay in the table.
+
+    Example: [(8, 1e-4), (256, 3e-3), (4096, 3e-4)] -> [(8, 1e-4), (256, 3e-4), (4096, 3e-4)].
+    """
+    out = sorted((float(b), float(t)) for b, t in points)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = (out[i][0], min(out[i][1], out[i + 1][1]))
+    return out
+
+
 class CollectiveCurve(_Frozen):
     """One collective at one group size: its measured (tensor bytes, seconds) points,
     and their fit ``latency_s + algorithm bytes / bytes_per_s`` (algorithm bytes:
@@ -131,9 +145,10 @@ class CollectiveCurve(_Frozen):
 
     def time_s(self, nbytes: float, alg_factor: float) -> float:
         """Seconds for a tensor of ``nbytes``: linear between the two measured points
-        around it; below the smallest, the smallest's time; above the largest, the
-        largest's time plus the rest at the fitted bandwidth."""
-        pts = sorted(self.points)
+        around it (their :func:`size_envelope`); below the smallest, the smallest's
+        time; above the largest, the largest's time plus the rest at the fitted
+        bandwidth."""
+        pts = size_envelope(self.points)
         if len(pts) < 2:
             return self.latency_s + alg_factor * nbytes / self.bytes_per_s
         if nbytes <= pts[0][0]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.profile import CollectiveCurve, TransferCosts
+from planner.profile import CollectiveCurve, TransferCosts, size_envelope
 from planner.rates import alg_factor
 
 
@@ -49,12 +49,14 @@ def fit_relative(A: list[list[float]], y: list[float], base: list[float] | None 
 def fit_collective(op: str, group_size: int, points: list[tuple[float, float]],
                    inter_node: bool = False) -> CollectiveCurve:
     """``latency_s + alg_factor x bytes / bytes_per_s`` through the measured
-    (bytes, seconds) points (relative least squares, both terms >= 0)."""
+    (bytes, seconds) points' :func:`~planner.profile.size_envelope` (relative least
+    squares, both terms >= 0); the curve keeps the measured points."""
     f = alg_factor(op, group_size)
-    A = [[1.0, f * nbytes] for nbytes, _ in points]
-    (lat, inv_bw), _rms = fit_relative(A, [s for _, s in points])
+    env = size_envelope(points)
+    A = [[1.0, f * nbytes] for nbytes, _ in env]
+    (lat, inv_bw), _rms = fit_relative(A, [s for _, s in env])
     if inv_bw <= 0:          # no size dependence measured: bound by the largest point
-        nbytes, s = max(points)
+        nbytes, s = max(env)
         inv_bw = max(s - lat, 1e-12) / max(f * nbytes, 1.0)
     return CollectiveCurve(op=op, group_size=group_size, inter_node=inter_node,
                            latency_s=lat, bytes_per_s=1.0 / inv_bw,

@@ -29,6 +29,7 @@ from planner.profile import (
     ProfileTable,
     Provenance,
     TransferCosts,
+    size_envelope,
 )
 from realign.profile.fit import fit_collective, fit_relative, fit_transfer
 
@@ -172,6 +173,20 @@ def test_collective_curve_without_points_is_its_fit():
     assert bare.time_s(1e6, 1.5) == approx(5e-6 + 1.5e6 / 1e10)
     single = CURVE.model_copy(update={"points": ((1e3, 1.0),)})
     assert single.time_s(1e6, 1.0) == approx(5e-6 + 1e6 / 1e10)
+
+
+def test_a_size_slowed_by_a_neighbour_is_priced_as_the_next_larger_one():
+    """Moving more bytes never takes less time: 256 B measured at 3 ms (something else
+    ran) between 8 B at 0.17 ms and 4 KiB at 0.33 ms counts as 0.33 ms; the table keeps
+    what was measured."""
+    pts = ((8, 1.7e-4), (256, 3e-3), (4096, 3.3e-4), (65536, 3.5e-4))
+    assert size_envelope(pts) == [(8.0, 1.7e-4), (256.0, 3.3e-4), (4096.0, 3.3e-4),
+                                  (65536.0, 3.5e-4)]
+    c = CURVE.model_copy(update={"points": pts})
+    assert c.time_s(1024, 1.0) == approx(3.3e-4, rel=1e-12)
+    assert c.time_s(132, 1.0) == approx(1.7e-4 + (3.3e-4 - 1.7e-4) * 124 / 248, rel=1e-12)
+    fit = fit_collective("all_reduce", 2, list(pts))
+    assert fit.points == pts and fit.latency_s < 3.5e-4
 
 
 def test_table_picks_the_nearest_measured_group_size():
