@@ -49,7 +49,7 @@ from planner.cost_config import CostModelConfig
 from planner.engine_terms import Work, overlapped, stage_pass
 from planner.graph import MFC
 from planner.layout import Layout, dp_groups, pp_groups, tp_groups
-from planner.lengths import expected_wave_tokens
+from planner.lengths import expected_call_tokens
 from planner.mesh import DeviceMesh
 from planner.model_spec import ModelSpec
 from planner.profile import ProfileTable
@@ -274,7 +274,7 @@ class CostModel:
         pre_c, dec_c = r.engine("prefill"), r.engine("decode")
         pre = self._stages(spec, head, "prefill", b * P, P / 2, b, layout, tpn,
                            _msg(r.collective_s("p2p", b * P * h * dt, 2, ppn)))
-        tokens = expected_wave_tokens(mfc, b)
+        tokens = expected_call_tokens(mfc, b, groups, dp)   # the slowest DP rank's
         steps = max(0.0, tokens - 1.0)     # the prefill yields the first token
         # per step: the hidden state to the next stage, the chosen tokens back
         dec = self._stages(spec, head, "decode", b, P + tokens / 2, b, layout, tpn,

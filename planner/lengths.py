@@ -8,11 +8,13 @@ maximum-entropy distribution on ``1..max_len`` with that mean (a truncated geome
 known). :func:`expected_wave_tokens` prices a wave's straggler tail: the expected
 number of tokens a wave of ``b`` rows decodes, i.e. its longest row's length rounded up
 to the next stop check (the runtime checks every ``STOP_CHECK_EVERY`` tokens whether all
-rows have stopped), at most ``max_len``.
+rows have stopped), at most ``max_len``; :func:`expected_call_tokens` the call's, whose
+data-parallel ranks wait for the slowest.
 """
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -84,25 +86,61 @@ def _max_entropy_rate(mean: float, n: int) -> float:
     return (lo + hi) / 2
 
 
-def expected_wave_tokens(mfc: "MFC", rows: float) -> float:
-    """Expected tokens a wave of ``rows`` sequences of ``mfc`` decodes: ``gen_len``
-    without a length distribution; else ``E[min(gen_len, c ceil(L_max / c))]`` with
-    ``L_max`` the longest of ``rows`` independent lengths and ``c = STOP_CHECK_EVERY``.
-
-    Example: lengths always 3 of a cap of 20 -> the wave stops at the first check, 8.
-    """
+def wave_token_moments(mfc: "MFC", rows: float) -> tuple[float, float]:
+    """Mean and variance of the tokens a wave of ``rows`` sequences of ``mfc`` decodes:
+    ``gen_len`` (variance 0) without a length distribution; else those of
+    ``min(gen_len, c ceil(L_max / c))``, ``L_max`` the longest of ``rows`` independent
+    lengths and ``c = STOP_CHECK_EVERY``."""
     lengths = mfc.lengths
     n = mfc.gen_len
     if lengths is None:
-        return float(n)
+        return float(n), 0.0
     p = lengths.pmf()            # on 1..max_len; a length past gen_len stops at gen_len
     b = max(1.0, rows)
     c = STOP_CHECK_EVERY
-    total, cdf, prev = 0.0, 0.0, 0.0
+    total, square, cdf, prev = 0.0, 0.0, 0.0, 0.0
     for x in range(1, len(p) + 1):
         cdf = min(1.0, cdf + p[x - 1]) if x < len(p) else 1.0
         now = cdf ** b
         tokens = n if x >= n else min(n, c * math.ceil(x / c))
         total += (now - prev) * tokens
+        square += (now - prev) * tokens * tokens
         prev = now
-    return total
+    return total, max(0.0, square - total * total)
+
+
+def expected_wave_tokens(mfc: "MFC", rows: float) -> float:
+    """Expected tokens a wave of ``rows`` sequences of ``mfc`` decodes (its longest
+    row's length rounded up to the next stop check, at most ``gen_len``; ``gen_len``
+    without a length distribution).
+
+    Example: lengths always 3 of a cap of 20 -> the wave stops at the first check, 8.
+    """
+    return wave_token_moments(mfc, rows)[0]
+
+
+def expected_max_std_normal(n: int) -> float:
+    """E[max of ``n`` independent standard normals], by Blom's approximation
+    ``Phi^-1((n - 0.375) / (n + 0.25))`` (exact 0 for one; 0.589 for two, exactly
+    0.564)."""
+    if n <= 1:
+        return 0.0
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def expected_call_tokens(mfc: "MFC", rows: float, groups: int, dp: int) -> float:
+    """Expected tokens per group of waves that a generate call of ``mfc`` lasts: each of
+    its ``dp`` data-parallel ranks decodes ``groups`` groups of waves of ``rows``
+    sequences in turn, and the call ends when its slowest rank does (the ranks gather
+    their outputs). One group: the longest of ``rows x dp`` sequences (exact). Several:
+    the slowest of ``dp`` sums of ``groups`` independent wave lengths, by the normal
+    approximation of the sums: per group ``mean + sd x E[max of dp normals] /
+    sqrt(groups)``.
+
+    Example: lengths always 3 (cap 20): 8 tokens whatever the ranks, no spread."""
+    if mfc.lengths is None:
+        return float(mfc.gen_len)
+    if groups <= 1:
+        return expected_wave_tokens(mfc, rows * dp)
+    mean, var = wave_token_moments(mfc, rows)
+    return mean + math.sqrt(var / groups) * expected_max_std_normal(dp)

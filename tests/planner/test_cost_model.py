@@ -272,6 +272,21 @@ def test_generate_stops_at_the_first_check_after_the_longest_response():
     check(c.terms_s, _gen_one_gpu(7, 20))
 
 
+def test_data_parallel_generation_waits_for_the_slowest_rank():
+    """Lengths 3 or 20 (cap 32), equally likely. One wave of 4 rows on each of 2 DP
+    ranks: the call lasts as long as the longest of all 8 rows, not of one rank's 4:
+    P(all 8 stop at the first check, 8 tokens) = 1/256, else 24 (20 rounded up).
+    Counted by the decode engine's per-step micro-batch cost (1 s a wave step)."""
+    lengths = GenLengths(max_len=32, histogram=((3, 1.0), (20, 1.0)))
+    engines = {"prefill": EngineCosts(), "decode": EngineCosts(microbatch_s=1.0)}
+    c = cost_model(engines=engines).mfc_cost(mfc("generate", lengths=lengths), TOY, "lm",
+                                              mesh(2), Layout(dp=2), 1)
+    tokens = 8 / 256 + 24 * 255 / 256
+    assert c.terms_s["decode_fixed"] == approx(tokens - 1)
+    one_rank = 8 / 16 + 24 * 15 / 16          # what 4 rows alone would wait for
+    assert tokens - 1 > one_rank - 1
+
+
 def test_generate_pp2_four_waves_in_two_groups():
     c = cost_model().mfc_cost(mfc("generate"), TOY, "lm", mesh(2), Layout(pp=2), 4)
     # 2 sequences a wave; 2 waves in flight (one per stage), 2 groups one after another

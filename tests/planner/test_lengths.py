@@ -14,7 +14,13 @@ from pydantic import ValidationError
 
 from planner.cost_config import STOP_CHECK_EVERY
 from planner.graph import MFC
-from planner.lengths import GenLengths, expected_wave_tokens
+from planner.lengths import (
+    GenLengths,
+    expected_call_tokens,
+    expected_max_std_normal,
+    expected_wave_tokens,
+    wave_token_moments,
+)
 
 pytestmark = pytest.mark.pure
 
@@ -93,6 +99,40 @@ def test_more_rows_wait_for_a_longer_straggler():
     lengths = GenLengths(max_len=64, mean=10.0)
     t = [expected_wave_tokens(gen(64, lengths), b) for b in (1, 4, 16, 64)]
     assert t == sorted(t) and t[0] > 10.0 and t[-1] < 64.0
+
+
+def test_the_wave_tokens_spread():
+    # the histogram above, two rows: 8 w.p. 1/16, 16 w.p. 3/16, 20 w.p. 3/4
+    lengths = GenLengths(max_len=20, histogram=((3, 1.0), (12, 1.0), (20, 2.0)))
+    mean, var = wave_token_moments(gen(20, lengths), 2)
+    assert mean == pytest.approx(18.5)
+    assert var == pytest.approx(64 / 16 + 256 * 3 / 16 + 400 * 3 / 4 - 18.5 ** 2)   # 9.75
+    assert wave_token_moments(gen(20), 2) == (20.0, 0.0)
+
+
+def test_data_parallel_ranks_wait_for_the_slowest():
+    """One wave per rank: the call lasts as long as the longest of all the ranks' rows
+    (2 ranks of 1 row = one wave of 2 rows: 18.5, not 16). Two waves per rank: each rank
+    sums two waves (mean 2 x 16, variance 2 x 24); the slower of two such sums is
+    longer by sd x 0.589 (Blom), per wave sqrt(24 / 2) x 0.589."""
+    lengths = GenLengths(max_len=20, histogram=((3, 1.0), (12, 1.0), (20, 2.0)))
+    g = gen(20, lengths)
+    assert expected_call_tokens(g, 1, 1, 1) == pytest.approx(16.0)
+    assert expected_call_tokens(g, 1, 1, 2) == pytest.approx(18.5)
+    mean, var = wave_token_moments(g, 1)                      # 16 and 24
+    assert (mean, var) == (pytest.approx(16.0), pytest.approx(64 / 4 + 256 / 4 + 400 / 2 - 256))
+    assert expected_call_tokens(g, 1, 2, 1) == pytest.approx(16.0)
+    assert expected_call_tokens(g, 1, 2, 2) == pytest.approx(
+        16.0 + (var / 2) ** 0.5 * expected_max_std_normal(2))
+    # fixed lengths or none: no spread, no wait
+    assert expected_call_tokens(gen(20, fixed(20, 3)), 4, 3, 8) == pytest.approx(8.0)
+    assert expected_call_tokens(gen(20), 4, 3, 8) == 20.0
+
+
+@pytest.mark.parametrize("n,expected", [(1, 0.0), (2, 0.589), (4, 1.049), (8, 1.434)])
+def test_expected_max_of_normals(n, expected):
+    # Blom's approximation (exact values: 0, 0.564, 1.029, 1.424)
+    assert expected_max_std_normal(n) == pytest.approx(expected, abs=2e-3)
 
 
 @pytest.mark.parametrize("kwargs,msg", [
