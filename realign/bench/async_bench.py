@@ -123,7 +123,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"must be >= 0, got {args.warmup}", field="--warmup")
     from realign.bench.plans import _profile
     from realign.config.loading import load_experiment
-    from realign.config.planning import allows_async, both_modes, plan_mode, priced_with
+    from realign.config.planning import (
+        allows_async,
+        both_modes,
+        plan_mode,
+        priced_with,
+        with_host_work,
+    )
 
     cfg, base = load_experiment(args.experiment)
     if cfg.device != "cpu" or cfg.launcher.type != "local":
@@ -141,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     keep = Path(tempfile.mkdtemp(prefix="realign-bench-async-"))
     profile, profile_src = _profile(args, cfg, base, keep)
-    priced = priced_with(cfg, profile_src if profile is not None else None)
+    # host work timed once for the three plans
+    priced = with_host_work(priced_with(cfg, profile_src if profile is not None else None), base)
     sync, asyn, why = both_modes(priced, base)
     if sync is None or asyn is None:
         raise UserError(f"no {'synchronous' if sync is None else 'asynchronous'} plan fits: "

@@ -15,6 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
+from planner.algorithms import algorithm_spec
 from planner.cost_config import CostModelConfig
 from planner.model_spec import model_presets
 from realign.config.experiment import ExperimentConfig
@@ -32,8 +33,7 @@ def resolve_host_work(cfg: ExperimentConfig, base: Path,
     todo = [k for k in ("batch_s", "reward_s_per_seq") if getattr(cost, k) is None]
     if not todo:
         return cost
-    if not cfg.plan.profile or cfg.data is None or "actor" not in cfg.models.roles() \
-            and "reward" not in cfg.models.roles():
+    if not cfg.plan.profile or cfg.data is None:
         return cost.model_copy(update={k: 0.0 for k in todo})
     timed = time_host_work(cfg, base)
     return cost.model_copy(update={k: timed[k] for k in todo})
@@ -46,10 +46,9 @@ def time_host_work(cfg: ExperimentConfig, base: Path) -> dict[str, float]:
     from realign.data.step_batch import step_batch
     from realign.data.tokenizer import load_tokenizer, pad_id
 
-    roles = cfg.models.roles()
-    role = "actor" if "actor" in roles else "reward"
-    ref = roles[role]
-    if ref in model_presets():  # a preset has no tokenizer this host could run
+    role = "actor" if cfg.models.actor else "reward"
+    ref = getattr(cfg.models, role)
+    if ref is None or ref in model_presets():   # no tokenizer this host could run
         return {"batch_s": 0.0, "reward_s_per_seq": 0.0}
     p = Path(ref) if Path(ref).is_absolute() else base / ref
     tok = load_tokenizer(p if p.is_dir() else p.parent, field=f"models.{role}")
@@ -57,8 +56,8 @@ def time_host_work(cfg: ExperimentConfig, base: Path) -> dict[str, float]:
     data = load_dataset(cfg.data.train, tok, base)
     n = cfg.algorithm.prompts_per_step
     batch_s = _median_s(lambda k: step_batch(data, n, k, pad))
-    rule = cfg.models.reward is None and data.config.kind == "prompts" and \
-        cfg.algorithm.name not in ("sft", "dpo", "rm")
+    # a rule reward scores the generations when no reward model does (as prepare checks)
+    rule = algorithm_spec(cfg.algorithm.name).generates and cfg.models.reward is None
     return {"batch_s": batch_s,
             "reward_s_per_seq": _reward_s_per_seq(cfg, base, tok, data, pad) if rule else 0.0}
 

@@ -187,6 +187,7 @@ def both_modes(cfg: ExperimentConfig, base: Path, overrides: dict | None = None
     """(best synchronous plan, best asynchronous plan, why one is missing): each is
     None when no plan of that mode fits."""
     settings = search_settings(cfg, overrides)
+    cfg = with_host_work(cfg, base)          # timed once for both modes
     half = {**(overrides or {}), "time_limit_s": settings.time_limit_s / 2}
     plans: list[ExecutionPlan | None] = []
     why = ""
@@ -225,6 +226,13 @@ def with_profile(cfg: ExperimentConfig, path: str | Path) -> ExperimentConfig:
     ``--profile``, over ``plan.profile``); :func:`load_profile` checks it."""
     plan = cfg.plan.model_copy(update={"profile": str(Path(path).resolve())})
     return cfg.model_copy(update={"plan": plan})
+
+
+def with_host_work(cfg: ExperimentConfig, base: Path) -> ExperimentConfig:
+    """``cfg`` with ``plan.cost``'s host work resolved once (timed here when it plans
+    with a profile), so that every plan priced from it uses the same numbers."""
+    cost = resolve_host_work(cfg, base, cfg.plan.cost)
+    return cfg.model_copy(update={"plan": cfg.plan.model_copy(update={"cost": cost})})
 
 
 def priced_with(cfg: ExperimentConfig, profile_src: str | Path | None) -> ExperimentConfig:

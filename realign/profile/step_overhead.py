@@ -83,7 +83,6 @@ def measure_step_costs(folder: Path, workers: int, device: str, preset: str, thr
     """Run the tiny SFT on 1 and on ``workers`` devices; the fitted step costs."""
     from realign.assets.tiny import make_tiny_assets
     from realign.config.host_work import time_host_work
-    from realign.config.loading import load_experiment
     from realign.controller.controller import Controller
     from realign.launch.local_launcher import LocalLauncher
     from realign.run.prepare import prepare
@@ -99,7 +98,6 @@ def measure_step_costs(folder: Path, workers: int, device: str, preset: str, thr
                 log = spec.run_dir / "logs"
                 raise RuntimeError(f"the step-overhead run on {n} worker(s) failed; logs in "
                                    f"{log}")
-        cfg, base = load_experiment(exp)
-        batch = time_host_work(cfg, base)["batch_s"]
+        batch = time_host_work(spec.config, spec.base_dir)["batch_s"]
         points.append((n, max(0.0, statistics.median(outside_ops_s(spec.run_dir)) - batch)))
     return fit_step_costs(points)
