@@ -52,6 +52,14 @@ class CostModelConfig(BaseModel):
         "transfers and the host's Adam step); 'never'; 'always' (where the device offers "
         "it: its host_adam_params_per_s is set). The runtime executes it with "
         "megatron-core's HybridDeviceOptimizer (CUDA, distributed optimizer).")
+    train_state_offload: Literal["never", "auto", "always"] = Field(
+        "auto", description="Between its train calls a trained model keeps only its "
+        "weights on the GPU: its gradients are freed and the optimizer state the GPU "
+        "holds (fp32 main weights, and Adam m and v unless optimizer_offload keeps them on "
+        "the host) waits in host memory, so other calls get that memory; each train call "
+        "pays the state's transfer up and down. 'auto' lets the search choose it per "
+        "trained model (where the device has memory of its own: its "
+        "host_adam_params_per_s is set); 'never'; 'always' (any device, cpu included).")
     activation_recompute: bool = Field(
         False, description="Full activation recomputation in training (one extra forward).")
     mem_usable_fraction: float = Field(

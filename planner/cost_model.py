@@ -34,7 +34,11 @@ distributed optimizer) and 1F1B activations for ``min(pp, m)`` micro-batches in
 flight (with ``activation_recompute`` only each layer's input, plus one layer's
 full activations); with optimizer offload the GPU keeps only the fp32 main-weight
 shard of the optimizer state, and the step adds the transfers and the host's Adam
-(:meth:`CostModel.offload_step_s`); inference adds one micro-batch's layer activations and fp32 logits;
+(:meth:`CostModel.offload_step_s`); with training-state offload the gradients and the
+optimizer state the GPU keeps are there only during the train call (transient, not
+resident: between calls the state waits in host memory and the gradients are freed),
+and the call adds the state's two transfers (:meth:`CostModel.state_transfer_s`);
+inference adds one micro-batch's layer activations and fp32 logits;
 generation adds the KV cache of the waves in flight (``g`` waves of ``b`` sequences,
 each allocated for ``prompt_len + gen_len`` positions rounded up to whole
 ``kv_cache_block_tokens`` blocks) and the logits of one step.
@@ -65,7 +69,7 @@ class MFCCost:
     weights_bytes: float               #: this layout's weights on the heaviest GPU
     resident_bytes: float              #: state that stays between calls (train: weights+grads+optimizer)
     activation_bytes: float            #: transient working memory during the call
-    host_bytes: float = 0.0            #: host memory per GPU held for it (optimizer offload)
+    host_bytes: float = 0.0            #: host memory per GPU held for it (offloaded state)
 
 
 def group_nodes(group: list[int], mesh: DeviceMesh, gpus_per_node: int) -> int:
@@ -186,10 +190,24 @@ class CostModel:
             return (False,)
         return (True,) if mode == "always" else (False, True)
 
+    def state_offload_options(self, mfc: MFC) -> tuple[bool, ...]:
+        """The training-state-offload settings to price for ``mfc`` (train only):
+        'auto' offers it where the device has memory of its own beside the host's (it
+        offers optimizer offload: ``host_adam_params_per_s``); 'always' everywhere (the
+        runtime executes it on any device; on the cpu device the "host" is the same
+        memory, so it frees nothing there)."""
+        mode = self.config.train_state_offload
+        if mfc.kind != "train" or mode == "never":
+            return (False,)
+        if mode == "always":
+            return (True,)
+        return (False,) if self.cluster.device.host_adam_params_per_s is None else (False, True)
+
     def mfc_cost(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
-                 layout: Layout, micro_batches: int, offload: bool = False) -> MFCCost:
-        if offload and mfc.kind != "train":
-            raise ValueError("optimizer offload applies to train MFCs only")
+                 layout: Layout, micro_batches: int, offload: bool = False,
+                 state_offload: bool = False) -> MFCCost:
+        if (offload or state_offload) and mfc.kind != "train":
+            raise ValueError("optimizer and training-state offload apply to train MFCs only")
         if mfc.kind == "generate":
             terms = self._generate_terms(mfc, spec, head, mesh, layout, micro_batches)
         elif mfc.kind == "train":
@@ -198,8 +216,27 @@ class CostModel:
             terms = self._inference_terms(mfc, spec, head, mesh, layout, micro_batches)
         weights, resident, act, host = self._memory(mfc, spec, head, layout, micro_batches,
                                                     offload)
+        if state_offload:
+            # everything but the weights is there only while the call runs; what is
+            # kept (not the gradients: zeroed each step anyway) goes down and up again
+            kept = resident - weights - self.stage_params(spec, head, layout) * (
+                self.config.grad_dtype_bytes)
+            terms["state_offload"] = self.state_transfer_s(kept)
+            act += resident - weights
+            resident = weights
+            host += kept
         return MFCCost(time_s=sum(terms.values()), terms_s=terms, weights_bytes=weights,
                        resident_bytes=resident, activation_bytes=act, host_bytes=host)
+
+    def state_transfer_s(self, kept_bytes: float) -> float:
+        """Seconds one train call with training-state offload adds: the optimizer
+        state the GPU keeps during the call (``kept_bytes`` per GPU: the fp32 main
+        weights and Adam's moments, or only the main weights under optimizer offload)
+        comes up from host memory before the call and goes down after it over the host
+        link (``host_link_bytes_per_s``); the gradients are freed, not moved.
+
+        Example: 1.2e10 bytes at 25 GB/s: 2 x 0.48 = 0.96 s."""
+        return 2 * kept_bytes / self.cluster.device.host_link_bytes_per_s
 
     def offload_step_s(self, shard_params: float) -> float:
         """Seconds one optimizer step with offloaded state adds for a GPU whose

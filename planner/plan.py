@@ -55,6 +55,10 @@ class MFCAllocation(_Frozen):
         False, description="Train calls: the optimizer state lives in host memory and the "
         "CPU steps it (megatron's HybridDeviceOptimizer, CUDA only).")
     host_bytes: float = Field(0.0, ge=0, description="Host memory per GPU it holds.")
+    train_state_offload: bool = Field(
+        False, description="Train calls: between calls the model keeps only its weights on "
+        "the GPU; its gradients are freed and the optimizer state the GPU holds waits in "
+        "host memory (plan.cost.train_state_offload).")
 
     @property
     def shards(self) -> tuple[int, int, int, int]:
@@ -251,6 +255,9 @@ def plan_problems(plan: ExecutionPlan) -> list[str]:
                                                          a.micro_batches, plan.cluster)]
         if a.optimizer_offload and a.kind != "train":
             out.append(f"{where}: optimizer_offload is for train calls, this is a {a.kind} call")
+        if a.train_state_offload and a.kind != "train":
+            out.append(f"{where}: train_state_offload is for train calls, this is a "
+                       f"{a.kind} call")
     if out:
         return out
     train = {a.role: a for a in plan.allocations if a.kind == "train"}

@@ -6,6 +6,7 @@ read the same numbers, so both evaluate plans identically.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import product
 
 from planner.cluster import ClusterSpec
 from planner.cost_config import CostModelConfig
@@ -49,7 +50,8 @@ class Candidate:
     activation_bytes: float
     weights_bytes: float
     offload: bool = False     #: train: optimizer state in host memory (optimizer offload)
-    host_bytes: float = 0.0   #: host memory per GPU it holds (optimizer offload)
+    host_bytes: float = 0.0   #: host memory per GPU it holds (offloaded state)
+    state_offload: bool = False  #: train: gradients and GPU optimizer state only in the call
 
     @property
     def place(self) -> tuple[int, int, int, int, int]:
@@ -183,8 +185,9 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                 group = []
                 for mb in _micro_batch_options(per_step // lay.dp // mfc.group_size,
                                                cost.config.max_micro_batches, mfc.micro_batches):
-                    for off in cost.offload_options(mfc):
-                        c = cost.mfc_cost(mfc, rm.spec, rm.head, proto, lay, mb, off)
+                    for off, state_off in product(cost.offload_options(mfc),
+                                                  cost.state_offload_options(mfc)):
+                        c = cost.mfc_cost(mfc, rm.spec, rm.head, proto, lay, mb, off, state_off)
                         own = c.activation_bytes + (
                             c.resident_bytes if (mfc.kind == "train" or not trained) else 0.0)
                         if own <= limit and c.host_bytes > host_limit:
@@ -194,7 +197,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                         group.append(Candidate(0, size, lay.tp, lay.pp, lay.dp, mb,
                                                (c.time_s + host) / mfc.every, c.resident_bytes,
                                                c.activation_bytes, c.weights_bytes, off,
-                                               c.host_bytes))
+                                               c.host_bytes, state_off))
                 priced += _pareto(group)
             for mesh in group_meshes:
                 if allowed is None or allowed(mesh):
@@ -203,7 +206,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
             raise PlanError(f"{mfc.name} ({rm.spec.name}, {mfc.n_seqs} sequences of "
                             f"{mfc.seq_len} tokens per step) fits on no mesh of the cluster "
                             f"{cluster.describe()} within {limit / 2**30:.1f} GiB per GPU"
-                            + (f" (with its optimizer state offloaded it would fit on the "
+                            + (f" (with its training state offloaded it would fit on the "
                                f"GPUs, but not in the {host_limit / 2**30:.1f} GiB of host "
                                f"memory per GPU each trained model may use: "
                                f"cluster.device host_mem_bytes)" if host_bound else ""),

@@ -22,7 +22,8 @@ def summary(plan: ExecutionPlan) -> dict:
             {"name": a.mfc, "mesh": a.mesh_name, "first_gpu": a.mesh.first_gpu,
              "n_gpus": a.mesh.n_gpus, "tp": a.layout.tp, "pp": a.layout.pp, "dp": a.layout.dp,
              "micro_batches": a.micro_batches, "time_s": a.time_s, "mem_bytes": a.mem_bytes,
-             "optimizer_offload": a.optimizer_offload, "host_bytes": a.host_bytes}
+             "optimizer_offload": a.optimizer_offload,
+             "train_state_offload": a.train_state_offload, "host_bytes": a.host_bytes}
             for a in plan.allocations],
         "profile": plan.profile.model_dump() if plan.profile else None,
         "cost_sources": plan.cost_sources,
@@ -96,11 +97,13 @@ def host_line(plan: ExecutionPlan) -> str | None:
 
 def table(plan: ExecutionPlan) -> str:
     """The plan as text. ``*`` marks estimates priced with a profile's rates, ``+off``
-    a train call whose optimizer state is offloaded to host memory."""
+    a train call whose optimizer state is offloaded to host memory (Adam stepped there),
+    ``+state`` one whose gradients and GPU optimizer state exist only during the call."""
     mark = "*" if plan.profile is not None else ""
     rows = [("MFC", "mesh", "GPUs", "TP", "PP", "DP", "micro", "time s", "mem GiB/GPU")]
     for a in plan.allocations:
-        rows.append((a.mfc + (" +off" if a.optimizer_offload else ""), a.mesh_name,
+        rows.append((a.mfc + (" +off" if a.optimizer_offload else "")
+                     + (" +state" if a.train_state_offload else ""), a.mesh_name,
                      str(a.mesh.n_gpus), str(a.layout.tp), str(a.layout.pp),
                      str(a.layout.dp), str(a.micro_batches), f"{a.time_s:.3f}{mark}",
                      f"{a.mem_bytes / GIB:.1f}"))
@@ -114,9 +117,11 @@ def table(plan: ExecutionPlan) -> str:
         out.append(f"realloc {r.role} -> {r.to_mfc}: {r.bytes / GIB:.2f} GiB in {r.time_s:.3f} s "
                    f"({r.src_layout} -> {r.dst_layout})")
     for a in plan.allocations:
-        if a.optimizer_offload:
-            out.append(f"{a.mfc}: optimizer state offloaded, {a.host_bytes / GIB:.1f} GiB of "
-                       "host memory per GPU")
+        if a.optimizer_offload or a.train_state_offload:
+            what = " and ".join(w for w, on in (
+                ("optimizer state offloaded (Adam on the host)", a.optimizer_offload),
+                ("training state on the host between calls", a.train_state_offload)) if on)
+            out.append(f"{a.mfc}: {what}, {a.host_bytes / GIB:.1f} GiB of host memory per GPU")
     out.append(sources_line(plan))
     host = host_line(plan)
     if host:

@@ -104,6 +104,8 @@ class Call:
     #: it runs on the trained copy after this step's update (an ahead call without a
     #: reallocation of its own), so it samples with the next policy version
     sees_update: bool = False
+    #: train: between calls only the weights stay on the device (the plan's)
+    train_state_offload: bool = False
 
     @property
     def name(self) -> str:
@@ -286,7 +288,8 @@ def compile_program(plan: ExecutionPlan) -> Program:
         ops.append(Call(m.every, m, key, a.micro_batches, ranks, a.mesh_name, a.time_s,
                         a.mem_bytes, a.optimizer_offload, a.host_bytes,
                         m.kind == "train" and plan.cost_config.activation_recompute,
-                        ahead=is_ahead, sees_update=is_ahead and r is None))
+                        ahead=is_ahead, sees_update=is_ahead and r is None,
+                        train_state_offload=a.train_state_offload))
         for k in m.output_keys:
             holders[k] = ranks
         for rule in graph.rule_reward_after(m.name):

@@ -147,21 +147,23 @@ class Calls:
         size = rows // n_mb
         totals: dict[str, float] = {}
         n = 0
-        for _epoch in range(op.mfc.n_epochs):
-            for m in range(n_mb):
-                sl = slice(m * size, (m + 1) * size)
-                sub = {k: (v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0
-                           and v.shape[0] == rows else v) for k, v in batch.items()}
-                # the loss metrics are averaged over DP by the controller (no
-                # collective): each DP rank's last stage reports its own
-                try:
-                    res = engine.train_step(sub, loss_fn, dp_mean=False)
-                except NonFiniteError as e:
-                    raise NonFiniteError(f"step {step}, {op.name} (mini-batch {m}): {e.message}; "
-                                         "nothing was saved", field=e.field) from None
-                for k, v in res.items():
-                    totals[k] = totals.get(k, 0.0) + float(v)
-                n += 1
+        with engine.call():     # offloaded training state: here for the call's steps
+            for _epoch in range(op.mfc.n_epochs):
+                for m in range(n_mb):
+                    sl = slice(m * size, (m + 1) * size)
+                    sub = {k: (v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0
+                               and v.shape[0] == rows else v) for k, v in batch.items()}
+                    # the loss metrics are averaged over DP by the controller (no
+                    # collective): each DP rank's last stage reports its own
+                    try:
+                        res = engine.train_step(sub, loss_fn, dp_mean=False)
+                    except NonFiniteError as e:
+                        raise NonFiniteError(f"step {step}, {op.name} (mini-batch {m}): "
+                                             f"{e.message}; nothing was saved",
+                                             field=e.field) from None
+                    for k, v in res.items():
+                        totals[k] = totals.get(k, 0.0) + float(v)
+                    n += 1
         means = {k: v / n for k, v in totals.items()}
         shared = {k: means.pop(k) for k in GLOBAL_TRAIN_METRICS if k in means}
         if "advantages" in batch:      # rows with no learning signal (a constant reward)
@@ -184,7 +186,8 @@ class Calls:
         if op.replica not in self.train_engines:
             self.train_engines[op.replica] = TrainEngine(
                 h.shard, self.train_cfg, micro_batches=op.micro_batches,
-                optimizer_offload=op.optimizer_offload, recompute=op.activation_recompute)
+                optimizer_offload=op.optimizer_offload, recompute=op.activation_recompute,
+                state_offload=op.train_state_offload)
         return self.train_engines[op.replica]
 
 

@@ -5,6 +5,7 @@ the sampler's k-th batch, sampling seeds derive from the step, and the checkpoin
 holds the only other state (weights and optimizer state of trained copies)."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
@@ -149,16 +150,20 @@ class Session:
     def save(self, folder: str) -> tuple[str, int, str]:
         """Write this rank's trained state; (file name, size, SHA-256) for the manifest."""
         state = {}
-        for key, h in self._trained_here():
-            eng = self.calls.train_engines[key]
-            state[key] = {"module": h.shard.module.state_dict(),
-                          "optimizer": optimizer_state(eng.optimizer),
-                          "distributed_optimizer": eng.zero1}
-        if self.runner.carried:         # the samples in flight: generated, not yet trained
-            state[IN_FLIGHT] = {"records": self.runner.carried,
-                                "metrics": self.runner.carried_metrics}
         buf = io.BytesIO()
-        torch.save(state, buf)
+        # offloaded training state comes back while it is read and written (the state
+        # dicts hold the optimizer's tensors, not copies)
+        with contextlib.ExitStack() as resident:
+            for key, h in self._trained_here():
+                eng = self.calls.train_engines[key]
+                resident.enter_context(eng.state_on_device())
+                state[key] = {"module": h.shard.module.state_dict(),
+                              "optimizer": optimizer_state(eng.optimizer),
+                              "distributed_optimizer": eng.zero1}
+            if self.runner.carried:     # the samples in flight: generated, not yet trained
+                state[IN_FLIGHT] = {"records": self.runner.carried,
+                                    "metrics": self.runner.carried_metrics}
+            torch.save(state, buf)
         data, name = buf.getvalue(), f"rank{self.rank}.pt"
         checkpoint.save_file(data, Path(folder) / name)
         return (name, *checkpoint.bytes_digest(data))
@@ -176,13 +181,14 @@ class Session:
             eng = self.calls.train_engines[key]
             check_optimizer_layout(state[key], eng.zero1, folder.name)
             h.shard.module.load_state_dict(state[key]["module"])
-            try:
-                load_optimizer_state(eng.optimizer, state[key]["optimizer"])
-            except ValueError as e:     # torch: parameter groups of other sizes
-                raise UserError(f"checkpoint {folder.name}: {e}; {_RESHARDED}",
-                                field="train.distributed_optimizer") from None
-            for opt in torch_optimizers(eng.optimizer):
-                check_optimizer_shapes(opt, folder.name)
+            with eng.state_on_device():
+                try:
+                    load_optimizer_state(eng.optimizer, state[key]["optimizer"])
+                except ValueError as e:     # torch: parameter groups of other sizes
+                    raise UserError(f"checkpoint {folder.name}: {e}; {_RESHARDED}",
+                                    field="train.distributed_optimizer") from None
+                for opt in torch_optimizers(eng.optimizer):
+                    check_optimizer_shapes(opt, folder.name)
 
     def save_final(self, folder: str) -> None:
         """The trained actor (or reward model under ``rm``) as a HF checkpoint."""

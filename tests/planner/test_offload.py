@@ -117,3 +117,67 @@ def test_the_run_program_carries_offload_and_recompute_to_the_train_call():
     calls = [op for op in compile_program(plan).ops if isinstance(op, Call)]
     (train,) = [c for c in calls if c.kind == "train"]
     assert train.optimizer_offload and train.activation_recompute
+
+
+def test_state_transfer_is_the_kept_state_down_and_up():
+    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=1, device=A100))
+    # 1.2e10 bytes of main weights and moments, up before the call and down after it
+    assert cm.state_transfer_s(1.2e10) == pytest.approx(2 * 1.2e10 / 25e9)
+
+
+@pytest.mark.parametrize("optimizer_offload", [False, True])
+def test_state_offload_keeps_only_the_weights_resident(optimizer_offload):
+    graph, models, cluster = sft("llama2-7b", 8)
+    cm = CostModel(cluster)
+    train, spec = graph.mfcs[-1], models["actor"].spec
+    mesh, lay = DeviceMesh(first_gpu=0, n_gpus=8), Layout(tp=2, pp=1, dp=4)
+    base = cm.mfc_cost(train, spec, "lm", mesh, lay, 1, optimizer_offload)
+    parked = cm.mfc_cost(train, spec, "lm", mesh, lay, 1, optimizer_offload, True)
+    p_gpu = cm.stage_params(spec, "lm", lay)
+    shard = p_gpu / 4
+    # the GPU keeps the fp32 main weights (and Adam's m and v without optimizer offload)
+    kept = (4 if optimizer_offload else 12) * shard
+    assert parked.resident_bytes == pytest.approx(2 * p_gpu)          # bf16 weights only
+    # during the call: the fp32 gradients and the kept state on top of the activations
+    assert parked.activation_bytes == pytest.approx(base.activation_bytes + 4 * p_gpu + kept)
+    assert parked.host_bytes == pytest.approx(base.host_bytes + kept)
+    assert parked.terms_s["state_offload"] == pytest.approx(2 * kept / 25e9)
+    assert parked.time_s == pytest.approx(base.time_s + parked.terms_s["state_offload"])
+
+
+def test_state_offload_options_and_manual_plans():
+    from planner.layout import Allocation
+    from planner.manual import manual_plan
+    graph, models, cluster = sft("llama2-7b", 8)
+    train = graph.mfcs[-1]
+    assert CostModel(cluster).state_offload_options(train) == (False, True)
+    cpu = cluster.model_copy(update={"device": resolve_device("cpu")})
+    assert CostModel(cpu).state_offload_options(train) == (False,)
+    assert CostModel(cpu, CostModelConfig(train_state_offload="always")).state_offload_options(
+        train) == (True,)
+    # a hand-made plan gets it only from 'always'
+    alloc = {m.name: Allocation(mesh=DeviceMesh(first_gpu=0, n_gpus=8),
+                                layout=Layout(tp=8, pp=1, dp=1), micro_batches=1)
+             for m in graph.mfcs}
+    for mode, want in (("auto", False), ("always", True)):
+        plan = manual_plan("m", graph, models, cluster, alloc,
+                           CostModelConfig(train_state_offload=mode))
+        assert plan.allocation("actor.train").train_state_offload is want
+
+
+def test_70b_ppo_on_16_a100s_plans_with_the_training_state_on_the_host():
+    """The public setting that needed it (README: settings public systems run): both
+    trained 70B models park their state between calls; it fits GPUs and host."""
+    from pathlib import Path
+
+    from realign.config.loading import load_experiment
+    from realign.config.planning import plan_experiment
+    repo = Path(__file__).resolve().parents[2]
+    cfg, base = load_experiment(repo / "experiments/public/ppo-llama2-70b-16gpu.yaml")
+    plan = plan_experiment(cfg.model_copy(update={"plan": cfg.plan.model_copy(
+        update={"time_limit_s": 20.0})}), base)
+    for name in ("actor.train", "critic.train"):
+        a = plan.allocation(name)
+        assert a.train_state_offload
+        assert a.host_bytes * 2 <= plan.cluster.device.host_mem_bytes
+    assert max(plan.peak_mem_bytes) <= plan.mem_limit_bytes

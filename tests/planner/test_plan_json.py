@@ -159,7 +159,7 @@ def test_not_json_and_no_file(tmp_path):
     # (llama2-7b SFT fits on one A100 with its optimizer state offloaded; 13B does not)
     ("sft", ("actor",), "llama2-13b", 1, "actor.train (llama2-13b, ", 2),
     ("grpo", ("actor", "ref"), "llama2-13b", 1, "actor.train (llama2-13b, ", 3),
-    ("ppo", ("actor", "critic", "ref", "reward"), "llama2-7b", 2,
+    ("ppo", ("actor", "critic", "ref", "reward"), "llama2-13b", 2,
      "GPU 0 needs", 2),
 ])
 def test_infeasible_names_what_does_not_fit_and_a_cluster_that_does(alg, roles, model, gpn,

@@ -170,3 +170,50 @@ def bf16_resume(ctx, path, tp, pp, dp, zero1, steps=3):
     assert all(p.dtype == torch.float32 for o in torch_optimizers(eng2.optimizer)
                for g in o.param_groups for p in g["params"])      # fp32 main weights
     return diff, kinds
+
+
+def state_offload(ctx, path, tp, pp, dp, zero1, dtype, steps=3):
+    """The plan's training-state offload against the same training without it: after
+    every step the gradient buffers and the optimizer's state are freed on the device
+    (storage of zero bytes), and the weights, the losses and the optimizer state (read
+    inside ``state_on_device``, as a checkpoint does) are bit-identical. Returns
+    (largest weight difference, parked after every step, optimizer state equal, tensors
+    parked, each step's metrics with and without), or None off the replica."""
+    from realign.runtime.engines.train_state import optimizer_device_tensors
+    from realign.runtime.optimizer_state import optimizer_state
+
+    batches = [sample_batch(n=8, s=10, seed=k) for k in range(steps)]
+    plain, parked = (replica(ctx, path, "lm", tp, pp, dp, fresh=True, dtype=dtype)
+                     for _ in range(2))
+    if plain is None:
+        return None
+    cfg = TrainConfig(lr=LR, clip_grad=CLIP, adam_eps=EPS, distributed_optimizer=zero1)
+    eng, eng_off = TrainEngine(plain, cfg), TrainEngine(parked, cfg, state_offload=True)
+    dev = parked.device.device
+    freed, n_parked, metrics = True, 0, []
+    for b in batches:
+        want = eng.train_step(b, sft_loss)
+        with eng_off.call():        # one train call of one step
+            got = eng_off.train_step(b, sft_loss)
+        metrics.append((got, want))
+        state = optimizer_device_tensors(eng_off.optimizer, parked.module, dev)
+        grads = [buf.grad_data for buf in eng_off.model.buffers]
+        n_parked = len(state)
+        freed &= all(t.untyped_storage().nbytes() == 0 for t in state + grads)
+        freed &= all(p.untyped_storage().nbytes() > 0 for p in parked.module.parameters())
+    want_state = optimizer_state(eng.optimizer)
+    with eng_off.state_on_device():     # state_dict() holds the tensors, not copies
+        got_state = optimizer_state(eng_off.optimizer)
+        same = all(torch.equal(a, b) for a, b in zip(
+            [p for ps in got_state["main_params"] for p in ps],
+            [p for ps in want_state["main_params"] for p in ps]))
+        for ga, gb in zip(got_state["torch"], want_state["torch"]):
+            for k in ga["state"]:
+                same &= all(torch.equal(torch.as_tensor(ga["state"][k][n]),
+                                        torch.as_tensor(gb["state"][k][n]))
+                            for n in ga["state"][k])
+    freed &= all(t.untyped_storage().nbytes() == 0
+                 for t in optimizer_device_tensors(eng_off.optimizer, parked.module, dev))
+    diff = max(float((a.float() - b.float()).abs().max())
+               for a, b in zip(plain.module.parameters(), parked.module.parameters()))
+    return diff, freed, same, n_parked, metrics

@@ -329,3 +329,19 @@ def test_bf16_resume_restores_the_fp32_main_weights(world2, tiny_models, tp, pp,
     for diff, kinds in got:
         assert kinds == [kind]
         assert diff == 0.0
+
+
+@pytest.mark.parametrize("tp,pp,dp,zero1,dtype", [
+    (1, 1, 2, True, "fp32"), (1, 2, 1, True, "bf16"), (2, 1, 1, False, "bf16")])
+def test_training_state_offload_frees_the_state_between_calls_and_changes_nothing(
+        world2, tiny_models, tp, pp, dp, zero1, dtype):
+    """The plan's train_state_offload: between train calls the gradients and the
+    optimizer's device state take no memory, and training is bit-identical to the same
+    engine without it (fp32 and bf16 main weights, distributed or not)."""
+    got = [r for r in world2.run("cases_train:state_offload", tiny_models["llama"], tp, pp,
+                                 dp, zero1, dtype) if r is not None]
+    assert len(got) == tp * pp * dp
+    for diff, freed, same, n_parked, metrics in got:
+        assert [m for m, _ in metrics] == [m for _, m in metrics]
+        assert diff == 0.0 and freed and same
+        assert n_parked > 0

@@ -32,6 +32,7 @@ from realign.runtime.engines.base import (
 )
 from realign.runtime.engines.decoder import StageDecoder
 from realign.runtime.engines.inference import head_outputs
+from realign.runtime.engines.train_state import StateParking
 from realign.runtime.model import ModelShard
 from realign.runtime.optimizer_state import torch_optimizers
 from realign.runtime.settings import TrainConfig
@@ -45,7 +46,8 @@ class TrainEngine:
     same whole batch; the returned metrics are the same on every rank."""
 
     def __init__(self, shard: ModelShard, cfg: TrainConfig, micro_batches: int = 1,
-                 optimizer_offload: bool = False, recompute: bool = False):
+                 optimizer_offload: bool = False, recompute: bool = False,
+                 state_offload: bool = False):
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -94,6 +96,33 @@ class TrainEngine:
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
         self.plain = cfg.forward != "megatron"
+        #: the plan's training-state offload: parked between train calls (train_state.py)
+        self.parking = (StateParking(self.model, self.optimizer, shard.module, dev.device)
+                        if state_offload else None)
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """One train call (its optimizer steps): the parked state comes back before it
+        and is parked after it when the plan offloads it; a train call that fails
+        leaves it on the device (the run stops)."""
+        if self.parking is not None:
+            self.parking.unpark()
+        yield
+        if self.parking is not None:
+            self.parking.park()
+
+    @contextlib.contextmanager
+    def state_on_device(self) -> Iterator[None]:
+        """The training state on the device while a checkpoint reads or writes it; parked
+        again after when the plan offloads it (and it was parked before)."""
+        was = self.parking is not None and self.parking.parked
+        if was:
+            self.parking.unpark()
+        try:
+            yield
+        finally:
+            if was:
+                self.parking.park()
 
     def train_step(self, batch: Batch, loss_fn: LossFn, dp_mean: bool = True
                    ) -> dict[str, float]:

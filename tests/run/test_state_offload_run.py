@@ -1,0 +1,49 @@
+"""The plan's training-state offload run end to end on CPU (plan.cost.train_state_offload:
+always): the tiny PPO's actor and critic park their gradients and optimizer state
+between train calls, the plan and the run's program say so, training is bit-identical
+to the same plan without it, and a SIGKILL plus a resume (the checkpoint reads the
+parked state back) gives the uninterrupted run's weights bit for bit."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.run.conftest import experiment
+from tests.run.test_bf16_cpu import final, kill_after, rows, run
+
+pytestmark = [pytest.mark.cpu_dist, pytest.mark.slow]
+
+
+def test_training_state_offload_runs_resumes_and_changes_nothing(tiny_assets, tmp_path):
+    plans = {}
+    weights = {}
+    for mode in ("never", "always"):
+        exp = experiment(tiny_assets, "tiny-ppo-cpu", tmp_path, run__steps=6,
+                         run__checkpoint_interval=3, plan__cost__train_state_offload=mode)
+        r = run(exp, tmp_path / mode)
+        assert r.returncode == 0, r.stderr[-3000:]
+        plan = json.loads((tmp_path / mode / "plan.json").read_text())
+        plans[mode] = {a["mfc"]: a for a in plan["allocations"]}
+        weights[mode] = (final(tmp_path / mode), final(tmp_path / mode, "critic")
+                         if (tmp_path / mode / "final" / "critic").is_dir() else {})
+    for name, a in plans["always"].items():
+        assert a["train_state_offload"] == (a["kind"] == "train"), name
+        b = plans["never"][name]
+        assert (a["mesh"], a["layout"], a["micro_batches"]) == (
+            b["mesh"], b["layout"], b["micro_batches"]), name
+        assert not b["train_state_offload"]
+    assert plans["always"]["actor.train"]["host_bytes"] > 0
+    whole, off = weights["never"][0], weights["always"][0]
+    assert whole.keys() == off.keys() and all(torch.equal(whole[k], off[k]) for k in whole)
+    # the copy experiment() wrote last
+    cut = tmp_path / "cut"
+    kill_after(exp, cut, 5)                      # past the checkpoint after step 3
+    assert (cut / "checkpoints" / "step_000003" / "manifest.json").is_file()
+    r = run(exp, cut)
+    assert r.returncode == 0 and "resuming from" in r.stdout, r.stderr[-3000:]
+    again = final(cut)
+    assert all(torch.equal(again[k], off[k]) for k in off)
+    assert [row["reward_mean"] for row in rows(cut)] == [
+        row["reward_mean"] for row in rows(tmp_path / "always")]
