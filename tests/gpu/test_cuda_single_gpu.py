@@ -120,6 +120,38 @@ def test_train_step_updates_weights(replica, offload):
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
 
 
+@pytest.mark.parametrize("optimizer_offload", [False, True])
+def test_training_state_offload_frees_gpu_memory_between_calls(replica, optimizer_offload):
+    """The plan's train_state_offload on CUDA: after a train call the gradient buffers
+    and the optimizer's GPU state (fp32 main weights; Adam's moments too without
+    optimizer offload) are parked in host memory, so the allocated GPU memory drops by
+    at least the gradients' bytes; the next call brings them back and trains on."""
+    from realign.runtime.engines.train import TrainEngine
+    from realign.runtime.settings import TrainConfig
+    path, _ = replica
+    shard = _fresh(path)
+    engine = TrainEngine(shard, TrainConfig(lr=1e-3, distributed_optimizer=True),
+                         optimizer_offload=optimizer_offload, state_offload=True)
+    tokens = torch.randint(0, 200, (4, 12)).cuda()
+    batch = {"tokens": tokens, "lengths": torch.tensor([12, 10, 8, 6]).cuda()}
+
+    def loss_fn(outputs, mb):
+        valid = (torch.arange(1, mb["tokens"].shape[1], device=outputs.device)
+                 < mb["lengths"][:, None]).float()
+        return -(outputs.float() * valid).sum() / valid.sum(), {}
+
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in engine.model.buffers)
+    with engine.call():
+        engine.train_step(batch, loss_fn)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+    parked = torch.cuda.memory_allocated()
+    assert engine.parking.parked and held - parked >= grads
+    with engine.call():
+        m = engine.train_step(batch, loss_fn)
+    assert torch.isfinite(torch.tensor(m["loss"])) and m["grad_norm"] > 0
+
+
 def _fresh(path):
     from planner.layout import Layout
     from planner.mesh import DeviceMesh

@@ -91,6 +91,9 @@ def _variants(name: str) -> dict[str, object]:
         "optimizer_offload": edited(base, lambda r: _alloc(r, name).update(
             optimizer_offload=True)),
         "host_bytes": edited(base, lambda r: _alloc(r, name).update(host_bytes=4096.0)),
+        # a train call parks its training state between calls; another kind is refused
+        "train_state_offload": edited(base, lambda r: _alloc(r, name).update(
+            train_state_offload=True)),
     }
 
 
