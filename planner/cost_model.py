@@ -67,7 +67,8 @@ class MFCCost:
     time_s: float
     terms_s: dict[str, float]          #: time by term (gemm, tp_comm, fixed, bubble, ...)
     weights_bytes: float               #: this layout's weights on the heaviest GPU
-    resident_bytes: float              #: state that stays between calls (train: weights+grads+optimizer)
+    #: state kept between calls (train: weights+grads+optimizer; with state offload: weights)
+    resident_bytes: float
     activation_bytes: float            #: transient working memory during the call
     host_bytes: float = 0.0            #: host memory per GPU held for it (offloaded state)
 
