@@ -234,10 +234,11 @@ class CostModel:
         state the GPU keeps during the call (``kept_bytes`` per GPU: the fp32 main
         weights and Adam's moments, or only the main weights under optimizer offload)
         comes up from host memory before the call and goes down after it over the host
-        link (``host_link_bytes_per_s``); the gradients are freed, not moved.
+        link (``host_link_bytes_per_s``: the profile's, else the device preset's); the
+        gradients are freed, not moved.
 
         Example: 1.2e10 bytes at 25 GB/s: 2 x 0.48 = 0.96 s."""
-        return 2 * kept_bytes / self.cluster.device.host_link_bytes_per_s
+        return 2 * kept_bytes / self.rates.host_link_bytes_per_s
 
     def offload_step_s(self, shard_params: float) -> float:
         """Seconds one optimizer step with offloaded state adds for a GPU whose
@@ -249,7 +250,8 @@ class CostModel:
         """
         dev = self.cluster.device
         moved = (self.config.grad_dtype_bytes + 4) * shard_params
-        return moved / dev.host_link_bytes_per_s + shard_params / dev.host_adam_params_per_s
+        return (moved / self.rates.host_link_bytes_per_s
+                + shard_params / dev.host_adam_params_per_s)
 
     def _inference_terms(self, mfc, spec, head, mesh, layout, m) -> dict[str, float]:
         r, dt = self.rates, self.config.param_dtype_bytes

@@ -221,6 +221,9 @@ class ProfileTable(_Frozen):
     measured: Provenance = Field(default_factory=Provenance)
     gemm: GemmGrid | None = None
     mem_bytes_per_s: float | None = Field(None, gt=0)
+    host_link_bytes_per_s: float | None = Field(
+        None, gt=0, description="Pinned host <-> device copy rate, mean of both directions "
+        "(what optimizer and training-state offload move); None on the cpu device.")
     engines: dict[EngineKind, EngineCosts] = Field(default_factory=dict)
     collectives: tuple[CollectiveCurve, ...] = ()
     realloc: TransferCosts | None = None

@@ -64,6 +64,10 @@ class Rates:
             config.mem_bw_efficiency or dev.mem_bw_efficiency)
         self.sources["memory bandwidth"] = "profile" if mem else preset
         self.sources["gemm"] = "profile" if profile and profile.gemm else preset
+        link = profile.host_link_bytes_per_s if profile else None
+        #: host <-> device bytes/s (optimizer and training-state offload)
+        self.host_link_bytes_per_s = link or dev.host_link_bytes_per_s
+        self.sources["host link"] = "profile" if link else preset
         self.intra_bytes_per_s = dev.intra_node_bytes_per_s * (
             config.link_efficiency or dev.intra_link_efficiency)
         self.inter_bytes_per_s = cluster.inter_node_bytes_per_gpu_s * (

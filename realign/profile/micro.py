@@ -95,6 +95,20 @@ def mem_bandwidth(ctx, kind: str, nbytes: int) -> float:
     return 2.0 * nbytes / s
 
 
+def host_link_bandwidth(ctx, kind: str, nbytes: int) -> float | None:
+    """Bytes/s between pinned host memory and the device, the mean of both directions
+    (what optimizer and training-state offload move); None on the cpu device, whose
+    "device" memory is the host's."""
+    if kind != "cuda":
+        return None
+    dev = device_of(kind, ctx.rank)
+    on_dev = torch.ones(nbytes // 4, device=dev, dtype=torch.float32)
+    on_host = torch.empty(on_dev.shape, dtype=torch.float32, pin_memory=True)
+    down = timed(lambda: on_host.copy_(on_dev), dev, sample_s=0.05, samples=5)
+    up = timed(lambda: on_dev.copy_(on_host), dev, sample_s=0.05, samples=5)
+    return 2.0 * nbytes / (down + up)
+
+
 def _groups(world: int) -> dict[int, object]:
     """A process group of ranks 0..n-1 for each power of two n in 2..world (every rank
     creates every group); the world itself for n == world."""

@@ -105,9 +105,11 @@ def profile_machine(settings: ProfileSettings, out=sys.stderr) -> ProfileTable:
         gemm = GemmGrid(rows=rows, widths=widths,
                         forward_flops_per_s=_mean_grid([g[0] for g in grids]),
                         train_flops_per_s=_mean_grid([g[1] for g in grids]))
-        prog.step("memory bandwidth", 18)
+        prog.step("memory bandwidth and host link", 18)
         bws = world.run("realign.profile.micro:mem_bandwidth", s.device, MEM_BYTES[s.device])
         mem = sum(bws) / len(bws)
+        links = [b for b in world.run("realign.profile.micro:host_link_bandwidth", s.device,
+                                      MEM_BYTES[s.device]) if b is not None]
         prog.step("collectives", 5)
         coll = world.run("realign.profile.micro:collectives", s.device, list(COLLECTIVE_BYTES))[0]
         curves = []
@@ -116,6 +118,7 @@ def profile_machine(settings: ProfileSettings, out=sys.stderr) -> ProfileTable:
             if pts:
                 curves.append(fit_collective(op, int(n), pts))
         base = ProfileTable(device=s.preset, gemm=gemm, mem_bytes_per_s=mem,
+                            host_link_bytes_per_s=sum(links) / len(links) if links else None,
                             collectives=tuple(curves))
         prog.step("probe models", 10)
         world.run("realign.profile.engines:build_probes", s.device, s.dtype)

@@ -201,3 +201,14 @@ def test_plain_and_megatron_forwards_agree_in_bf16(replica):
         assert float((lp - exact).abs()[valid].max()) <= 2 * hf_err, hf_err
     for a, b in zip(g_a, g_b):
         assert float((a - b).norm()) <= 0.05 * float(b.norm()) + 1e-3
+
+
+def test_profile_measures_the_host_link():
+    """`realign profile --device cuda` times pinned host <-> GPU copies (what offload
+    moves): a PCIe or C2C rate, between 1 GB/s and 1 TB/s."""
+    from types import SimpleNamespace
+
+    from realign.profile.micro import host_link_bandwidth
+    rate = host_link_bandwidth(SimpleNamespace(rank=0), "cuda", 256 << 20)
+    assert 1e9 < rate < 1e12
+    assert host_link_bandwidth(SimpleNamespace(rank=0), "cpu", 1 << 20) is None

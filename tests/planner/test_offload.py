@@ -120,9 +120,16 @@ def test_the_run_program_carries_offload_and_recompute_to_the_train_call():
 
 
 def test_state_transfer_is_the_kept_state_down_and_up():
-    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=1, device=A100))
+    from planner.profile import ProfileTable
+    cluster = ClusterSpec(n_nodes=1, gpus_per_node=1, device=A100)
+    cm = CostModel(cluster)
     # 1.2e10 bytes of main weights and moments, up before the call and down after it
     assert cm.state_transfer_s(1.2e10) == pytest.approx(2 * 1.2e10 / 25e9)
+    # a profile's measured host link replaces the preset's (and the offload step's)
+    measured = CostModel(cluster, profile=ProfileTable(device="a100-80g",
+                                                       host_link_bytes_per_s=12.5e9))
+    assert measured.state_transfer_s(1.2e10) == pytest.approx(2 * 1.2e10 / 12.5e9)
+    assert measured.offload_step_s(1e9) == pytest.approx(8e9 / 12.5e9 + 1e9 / 5e8)
 
 
 @pytest.mark.parametrize("optimizer_offload", [False, True])

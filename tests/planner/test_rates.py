@@ -268,7 +268,7 @@ def test_sources_say_which_terms_were_measured():
     for key in ("memory bandwidth", "gemm", "engine train", "all_reduce within a node",
                 "reallocation", "record send"):
         assert measured[key] == "profile", key
-    for key in ("engine inference", "engine prefill", "engine decode",
+    for key in ("engine inference", "engine prefill", "engine decode", "host link",
                 "all_reduce across nodes", "all_gather within a node", "broadcast within a node",
                 "reduce_scatter within a node", "p2p within a node", "p2p across nodes"):
         assert measured[key] == preset, key
@@ -277,5 +277,7 @@ def test_sources_say_which_terms_were_measured():
     stepped = rates(profile=_profile().model_copy(update={"step": StepCosts(per_worker_s=1e-3)}))
     assert stepped.sources["step overhead"] == "profile"
     plain = rates().sources
-    assert set(plain) == set(measured) and len(plain) == 19
+    linked = rates(profile=_profile().model_copy(update={"host_link_bytes_per_s": 5e9}))
+    assert linked.sources["host link"] == "profile" and linked.host_link_bytes_per_s == 5e9
+    assert set(plain) == set(measured) and len(plain) == 20
     assert set(plain.values()) == {preset, "not priced"}

@@ -43,9 +43,11 @@ def test_profile_measures_every_term_and_plan_prices_with_it(tmp_path, capsys, t
     plan = json.loads(plan_out.read_text())
     assert plan["profile"]["path"] == str(out) and plan["profile"]["dtype"] == "fp32"
     src = plan["cost_sources"]
-    # one node measured: everything but collectives across nodes is the profile's
+    # one node measured: everything but collectives across nodes is the profile's, and
+    # the host link (the cpu device has none of its own: the preset's, never priced)
+    assert t.host_link_bytes_per_s is None
     assert {k for k, v in src.items() if v != "profile"} == {
-        k for k in src if k.endswith("across nodes")}
+        k for k in src if k.endswith("across nodes")} | {"host link"}
     assert src["gemm"] == src["engine decode"] == src["all_reduce within a node"] == "profile"
     assert src["step overhead"] == "profile"
     # the host work between steps and the reward function, timed while planning
