@@ -96,6 +96,18 @@ def test_greedy_generation_matches_transformers_bf16(replica):
     assert gen.tokens[0, :3].tolist() == out[0, len(prompt):len(prompt) + 3].tolist()
 
 
+def _sft_batch():
+    """A batch of 4 random sequences on the GPU and its negative log-likelihood."""
+    tokens = torch.randint(0, 200, (4, 12)).cuda()
+    batch = {"tokens": tokens, "lengths": torch.tensor([12, 10, 8, 6]).cuda()}
+
+    def loss_fn(outputs, mb):
+        valid = (torch.arange(1, mb["tokens"].shape[1], device=outputs.device)
+                 < mb["lengths"][:, None]).float()
+        return -(outputs.float() * valid).sum() / valid.sum(), {}
+    return batch, loss_fn
+
+
 @pytest.mark.parametrize("offload", [False, True])
 def test_train_step_updates_weights(replica, offload):
     """A train step changes the weights, with the optimizer on the GPU and with the
@@ -106,13 +118,7 @@ def test_train_step_updates_weights(replica, offload):
     before = [p.detach().float().clone() for p in shard.module.parameters()]
     engine = TrainEngine(shard, TrainConfig(lr=1e-3, distributed_optimizer=True),
                          micro_batches=2, optimizer_offload=offload)
-    tokens = torch.randint(0, 200, (4, 12)).cuda()
-    batch = {"tokens": tokens, "lengths": torch.tensor([12, 10, 8, 6]).cuda()}
-
-    def loss_fn(outputs, mb):
-        valid = (torch.arange(1, mb["tokens"].shape[1], device=outputs.device)
-                 < mb["lengths"][:, None]).float()
-        return -(outputs.float() * valid).sum() / valid.sum(), {}
+    batch, loss_fn = _sft_batch()
 
     m = engine.train_step(batch, loss_fn)
     assert torch.isfinite(torch.tensor(m["loss"])) and m["grad_norm"] > 0
@@ -132,13 +138,7 @@ def test_training_state_offload_frees_gpu_memory_between_calls(replica, optimize
     shard = _fresh(path)
     engine = TrainEngine(shard, TrainConfig(lr=1e-3, distributed_optimizer=True),
                          optimizer_offload=optimizer_offload, state_offload=True)
-    tokens = torch.randint(0, 200, (4, 12)).cuda()
-    batch = {"tokens": tokens, "lengths": torch.tensor([12, 10, 8, 6]).cuda()}
-
-    def loss_fn(outputs, mb):
-        valid = (torch.arange(1, mb["tokens"].shape[1], device=outputs.device)
-                 < mb["lengths"][:, None]).float()
-        return -(outputs.float() * valid).sum() / valid.sum(), {}
+    batch, loss_fn = _sft_batch()
 
     grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in engine.model.buffers)
     with engine.call():

@@ -56,6 +56,17 @@ def kill_after(exp: Path, run_dir: Path, n_rows: int) -> None:
     p.wait()
 
 
+def resumed_after_kill(exp: Path, cut: Path, n_rows: int, checkpoint: str
+                      ) -> dict[str, torch.Tensor]:
+    """SIGKILL a run once ``n_rows`` steps are logged (past ``checkpoint``), run it again:
+    it resumes from there; its final actor weights."""
+    kill_after(exp, cut, n_rows)
+    assert (cut / "checkpoints" / checkpoint / "manifest.json").is_file()
+    r = run(exp, cut)
+    assert r.returncode == 0 and "resuming from" in r.stdout, r.stderr[-3000:]
+    return final(cut)
+
+
 def mean(xs) -> float:
     return sum(xs) / len(xs)
 
@@ -74,11 +85,7 @@ def test_bf16_grpo_learns_and_resumes_bit_identically(tiny_assets, tmp_path, zer
     config = json.loads((whole / "final" / "actor" / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16"
     cut = tmp_path / "cut"
-    kill_after(exp, cut, 7)                      # past the checkpoint after step 5
-    assert (cut / "checkpoints" / "step_000005" / "manifest.json").is_file()
-    r = run(exp, cut)
-    assert r.returncode == 0 and "resuming from" in r.stdout, r.stderr[-3000:]
-    again = final(cut)
+    again = resumed_after_kill(exp, cut, 7, "step_000005")   # past the step-5 checkpoint
     assert again.keys() == weights.keys()
     assert all(torch.equal(again[k], weights[k]) for k in weights)
     assert [row["reward_mean"] for row in rows(cut)] == rewards

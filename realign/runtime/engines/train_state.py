@@ -60,18 +60,16 @@ class StateParking:
     def parked(self) -> bool:
         return self._state is not None
 
-    def park(self) -> int:
-        """Free the gradients, move the optimizer's device state to the host; returns
-        the bytes moved."""
+    def park(self) -> None:
+        """Free the gradients, move the optimizer's device state to the host."""
         if self._state is not None:
-            return 0
+            return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)     # the step's kernels are done with them
         self.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
         own_state_storage(self.optimizer, self.device)
         self._state = offload.offload(
             optimizer_device_tensors(self.optimizer, self.module, self.device))
-        return self._state.total_bytes
 
     def unpark(self) -> None:
         """The gradient buffers back (zeroed), the optimizer state back bit for bit."""
