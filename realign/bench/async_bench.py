@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         "modes": modes,
         "summary": compare(modes["synchronous"], modes["asynchronous"],
                            modes.get("synchronous, 1 device")),
+        "async_step": _async_step(asyn, runs, args.warmup),
         "allocations": {name: {a.mfc: f"{a.mesh_name} {a.layout} x{a.micro_batches}mb"
                                for a in p.allocations} for name, p in plans.items()},
         "curves": {name: [[r.get("reward_mean") for r in run["rows"]] if "rows" in run else None
@@ -196,6 +197,17 @@ def run(args: argparse.Namespace) -> int:
     from realign.bench.async_svg import render
     emit(args, record, render, table)
     return 1 if any(record["errors"].values()) else 0
+
+
+def _async_step(plan, runs: dict[str, list[dict]], warmup: int) -> dict | None:
+    """:func:`realign.bench.async_gap.breakdown` of the asynchronous runs."""
+    from realign.bench.async_gap import breakdown
+    gen_gpus = {g for a in plan.allocations if plan.graph.is_ahead(plan.graph.mfc(a.mfc))
+                for g in a.mesh.gpus}
+    good = [r for r in runs["asynchronous"] if "rows" in r]
+    alone = [r["rows"] for r in runs.get("synchronous, 1 device", []) if "rows" in r]
+    return breakdown([r.get("timeline", []) for r in good], [r["rows"] for r in good],
+                     gen_gpus, alone, warmup)
 
 
 def _f(v, fmt: str) -> str:
@@ -226,6 +238,8 @@ def table(rec: dict) -> str:
     if s.get("final_reward_gap") is not None:
         out.append(f"final reward, asynchronous - synchronous: {s['final_reward_gap']:+.3f} "
                    f"(seed spread {_f(s.get('final_reward_noise'), '.3f')})")
+    from realign.bench.async_gap import lines
+    out += lines(rec.get("async_step"))
     for name, errs in rec["errors"].items():
         for e in errs:
             out.append(f"{name}: a round failed: {e}")

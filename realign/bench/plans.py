@@ -146,8 +146,9 @@ def summarize(plans: list[dict]) -> dict:
 
 def run_plan(experiment: Path, plan_path: Path, run_dir: Path, steps: int,
              transform=None) -> dict:
-    """``realign run`` of a saved plan; ``{"rows": metrics rows}`` or ``{"error": ...}``
-    (``transform``: :func:`realign.run.prepare.prepare`'s)."""
+    """``realign run`` of a saved plan; ``{"rows": metrics rows, "timeline": its
+    timeline.jsonl records}`` or ``{"error": ...}`` (``transform``:
+    :func:`realign.run.prepare.prepare`'s)."""
     from realign.controller.controller import Controller
     from realign.launch.local_launcher import LocalLauncher
     from realign.run.prepare import prepare
@@ -160,7 +161,10 @@ def run_plan(experiment: Path, plan_path: Path, run_dir: Path, steps: int,
         return {"error": f"exit {code}; logs in {run_dir / 'logs'}"}
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
             if ln.strip()]
-    return {"rows": rows}
+    tl = run_dir / "timeline.jsonl"
+    timeline = ([json.loads(ln) for ln in tl.read_text().splitlines() if ln.strip()]
+                if tl.exists() else [])
+    return {"rows": rows, "timeline": timeline}
 
 
 def _profile(args, cfg, base: Path, folder: Path):
