@@ -15,6 +15,8 @@ machine for the same steps, against the planner's estimates.
    (synchronous estimate / asynchronous estimate) against the measured one; and per
    seed the reward curve of each mode, with the final reward (the mean over the last
    ``--final-window`` steps). ``--svg`` draws the curves (:mod:`realign.bench.async_svg`).
+4. ``async_step``: the asynchronous runs' steps taken apart from their timelines
+   (:mod:`realign.bench.async_gap`): what keeps the measured speed-up from the predicted.
 """
 from __future__ import annotations
 
