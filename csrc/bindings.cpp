@@ -65,12 +65,13 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
                      const std::vector<bool>& ahead,
                      const std::vector<double>& key_send_intra_s,
                      const std::vector<double>& key_send_inter_s,
-                     double step_overhead_s) {
+                     double step_overhead_s, const FloatLists& cand_time_sd_s) {
     check_shape(cand_n_gpus, cand_first_gpu, "cand_n_gpus");
     check_shape(cand_tp, cand_first_gpu, "cand_tp");
     check_shape(cand_pp, cand_first_gpu, "cand_pp");
     check_shape(cand_dp, cand_first_gpu, "cand_dp");
     check_shape(cand_time_s, cand_first_gpu, "cand_time_s");
+    check_shape(cand_time_sd_s, cand_first_gpu, "cand_time_sd_s");
     check_shape(cand_resident_bytes, cand_first_gpu, "cand_resident_bytes");
     check_shape(cand_activation_bytes, cand_first_gpu, "cand_activation_bytes");
     check_shape(cand_weights_bytes, cand_first_gpu, "cand_weights_bytes");
@@ -99,6 +100,7 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
             c.place = Place{cand_first_gpu[i][j], cand_n_gpus[i][j], cand_tp[i][j], cand_pp[i][j],
                             cand_dp[i][j]};
             c.time_s = cand_time_s[i][j];
+            c.time_sd_s = cand_time_sd_s[i][j];
             c.resident_bytes = cand_resident_bytes[i][j];
             c.activation_bytes = cand_activation_bytes[i][j];
             c.weights_bytes = cand_weights_bytes[i][j];
@@ -173,7 +175,7 @@ PYBIND11_MODULE(_core, m) {
              py::arg("cand_weights_bytes"), py::arg("same_mesh"), py::arg("realloc_fixed_s"),
              py::arg("copy_bytes_per_s"), py::arg("inputs"), py::arg("outputs"),
              py::arg("mfc_every"), py::arg("ahead"), py::arg("key_send_intra_s"), py::arg("key_send_inter_s"),
-             py::arg("step_overhead_s") = 0.0)
+             py::arg("step_overhead_s"), py::arg("cand_time_sd_s"))
         .def_property_readonly("n_gpus", [](const Problem& p) { return p.n_gpus; })
         .def_property_readonly("n_mfcs", &Problem::n_mfcs)
         .def_property_readonly("n_cands", [](const Problem& p) {

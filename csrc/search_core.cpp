@@ -379,6 +379,33 @@ void occupy_until(std::vector<double>& free, const Place& p, double t) {
 
 }  // namespace
 
+// planner.step_spread.expected_max: Clark's E[max] of two independent normals
+static double expected_max(double m1, double s1, double m2, double s2) {
+    const double theta = std::sqrt(s1 * s1 + s2 * s2);
+    if (theta <= 0.0) return std::max(m1, m2);
+    const double a = (m1 - m2) / theta;
+    const double cdf = 0.5 * std::erfc(-a / std::sqrt(2.0));
+    const double pdf = std::exp(-0.5 * a * a) / std::sqrt(2.0 * M_PI);
+    return m1 * cdf + m2 * (1.0 - cdf) + theta * pdf;
+}
+
+// planner.simulator._slower_side_end: an asynchronous step's expected end
+static double slower_side_end(const Problem& prob, const std::vector<i64>& assign,
+                              const std::vector<double>& finish) {
+    double gen_end = 0.0, train_end = 0.0, gen_var = 0.0, train_sd = 0.0;
+    for (i64 i = 0; i < prob.n_mfcs(); ++i) {
+        const double sd = prob.cands[i][assign[i]].time_sd_s;
+        if (prob.ahead[i]) {
+            gen_end = std::max(gen_end, finish[i]);
+            gen_var += sd * sd;
+        } else {
+            train_end = std::max(train_end, finish[i]);
+            train_sd += sd;
+        }
+    }
+    return expected_max(gen_end, std::sqrt(gen_var), train_end, train_sd);
+}
+
 // planner.simulator.simulate (record=False; the realloc table is not kept)
 SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocCache& cache) {
     const i64 n_mfc = prob.n_mfcs();
@@ -493,6 +520,7 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
             }
             if (end > makespan) makespan = end;
         }
+        if (!ahead.empty()) makespan = std::max(makespan, slower_side_end(prob, assign, finish));
         std::swap(prev_finish, finish);
     }
     SimResult res;

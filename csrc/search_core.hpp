@@ -62,6 +62,7 @@ struct Place {
 struct Candidate {
     Place place;
     double time_s = 0.0;
+    double time_sd_s = 0.0;     // spread over steps (asynchronous graphs with lengths)
     double resident_bytes = 0.0;
     double activation_bytes = 0.0;
     double weights_bytes = 0.0;

@@ -69,6 +69,7 @@ def to_core(prob: Problem) -> Any:
         key_send_intra_s=[float(a) for a, _ in prob.key_send_s],
         key_send_inter_s=[float(b) for _, b in prob.key_send_s],
         step_overhead_s=float(prob.step_overhead_s),
+        cand_time_sd_s=[[float(c.time_sd_s) for c in cs] for cs in cands],
     )
 
 

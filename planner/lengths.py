@@ -91,18 +91,25 @@ def wave_token_moments(mfc: "MFC", rows: float) -> tuple[float, float]:
     ``gen_len`` (variance 0) without a length distribution; else those of
     ``min(gen_len, c ceil(L_max / c))``, ``L_max`` the longest of ``rows`` independent
     lengths and ``c = STOP_CHECK_EVERY``."""
-    lengths = mfc.lengths
-    n = mfc.gen_len
-    if lengths is None:
-        return float(n), 0.0
-    p = lengths.pmf()            # on 1..max_len; a length past gen_len stops at gen_len
+    if mfc.lengths is None:
+        return float(mfc.gen_len), 0.0
+    return longest_moments(mfc.lengths, mfc.gen_len, rows, STOP_CHECK_EVERY)
+
+
+def longest_moments(lengths: GenLengths, cap: int, rows: float, every: int = 1
+                    ) -> tuple[float, float]:
+    """Mean and variance of ``min(cap, every ceil(L_max / every))``, ``L_max`` the
+    longest of ``rows`` independent lengths (``every`` = 1: the longest itself, the
+    length a batch of generated sequences is padded to).
+
+    Example: lengths always 3, cap 20: (3, 0) with every 1, (8, 0) with every 8."""
+    p = lengths.pmf()            # on 1..max_len; a length past the cap stops at the cap
     b = max(1.0, rows)
-    c = STOP_CHECK_EVERY
     total, square, cdf, prev = 0.0, 0.0, 0.0, 0.0
     for x in range(1, len(p) + 1):
         cdf = min(1.0, cdf + p[x - 1]) if x < len(p) else 1.0
         now = cdf ** b
-        tokens = n if x >= n else min(n, c * math.ceil(x / c))
+        tokens = cap if x >= cap else min(cap, every * math.ceil(x / every))
         total += (now - prev) * tokens
         square += (now - prev) * tokens * tokens
         prev = now

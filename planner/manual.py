@@ -13,6 +13,7 @@ from planner.plan_build import build_plan
 from planner.problem import Candidate, RoleModel, assemble, host_s
 from planner.profile import ProfileTable
 from planner.simulator import simulate
+from planner.step_spread import call_time_sd
 
 GIB = 2 ** 30
 
@@ -48,7 +49,10 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
                                 (c.time_s + host_s(graph, m, cost_config)) / m.every,
                                 c.resident_bytes,
                                 c.activation_bytes, c.weights_bytes, off, c.host_bytes,
-                                state_off)])
+                                state_off,
+                                call_time_sd(cost, graph, m, rm.spec, rm.head, a.mesh,
+                                             a.layout, a.micro_batches, off, state_off)
+                                / m.every)])
     prob = assemble(graph, models, cost, cands)
     res = simulate(prob, [0] * len(cands))
     if not res.feasible:

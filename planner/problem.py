@@ -20,6 +20,7 @@ from planner.model_spec import ModelSpec
 from planner.profile import ProfileTable
 from planner.realloc_cost import Links, ReallocModel
 from planner.records import record_sizes
+from planner.step_spread import call_time_sd
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class Candidate:
     offload: bool = False     #: train: optimizer state in host memory (optimizer offload)
     host_bytes: float = 0.0   #: host memory per GPU it holds (offloaded state)
     state_offload: bool = False  #: train: gradients and GPU optimizer state only in the call
+    #: per step: the spread of its time over steps (asynchronous graphs with a length
+    #: distribution: :func:`planner.step_spread.call_time_sd`; 0 otherwise)
+    time_sd_s: float = 0.0
 
     @property
     def place(self) -> tuple[int, int, int, int, int]:
@@ -194,10 +198,12 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                             host_bound = True
                         if own > limit or c.host_bytes > host_limit:
                             continue
+                        sd = call_time_sd(cost, graph, mfc, rm.spec, rm.head, proto, lay, mb,
+                                          off, state_off)
                         group.append(Candidate(0, size, lay.tp, lay.pp, lay.dp, mb,
                                                (c.time_s + host) / mfc.every, c.resident_bytes,
                                                c.activation_bytes, c.weights_bytes, off,
-                                               c.host_bytes, state_off))
+                                               c.host_bytes, state_off, sd / mfc.every))
                 priced += _pareto(group)
             for mesh in group_meshes:
                 if allowed is None or allowed(mesh):

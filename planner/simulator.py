@@ -20,8 +20,11 @@ program runs: :mod:`realign.run.program`):
   sent at the step's start, after those reallocations, to every mesh that reads it,
   so the generating mesh is free again at once), then the generation; on a disjoint
   mesh it overlaps the training side, so a step costs the slower side plus the
-  weight transfer and the rollout's sends. Its weight copy lives from the step's start
-  to its end, so it counts as resident memory;
+  weight transfer and the rollout's sends. The slower side *of each step*: with a
+  length distribution both sides' times vary (:attr:`~planner.problem.Candidate.
+  time_sd_s`), and the step ends at the expected maximum of the two sides' ends
+  (:func:`planner.step_spread.expected_max`), not at the later expected end. Its
+  weight copy lives from the step's start to its end, so it counts as resident memory;
 * iterations do not overlap: the controller starts step k+1 once every worker has
   finished step k, so each iteration starts when the previous one has ended on every
   GPU, plus the step's host overhead (:attr:`~planner.problem.Problem.step_overhead_s`:
@@ -39,10 +42,12 @@ must return identical numbers; a test compares them.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from planner.problem import Problem
 from planner.realloc_cost import realloc_time
+from planner.step_spread import expected_max
 
 #: Energy penalty per unit of relative memory overflow (infeasible states stay
 #: reachable for the annealer, but cost more the more they overflow).
@@ -278,9 +283,28 @@ def simulate(prob: Problem, assign: list[int], cache: ReallocCache | None = None
                 name = f"{m.name} (next step)" if prob.ahead[i] else m.name
                 events.append(Event(name, m.kind, it, start, end, c.first_gpu, c.n_gpus,
                                     tuple(range(c.first_gpu, c.first_gpu + c.n_gpus))))
+        if ahead and upto is None:
+            makespan = max(makespan, _slower_side_end(prob, assign, finish, ahead))
         prev_finish = finish
     peak, over = memory(prob, assign, upto)
     return SimResult(makespan / prob.n_iters, makespan, over, peak, events, reallocs)
+
+
+def _slower_side_end(prob: Problem, assign: list[int], finish: list[float],
+                     ahead: list[int]) -> float:
+    """An asynchronous step's expected end: the slower of its two sides *per step*
+    (:func:`planner.step_spread.expected_max`): the generation made ahead (independent
+    spreads) against the rest (one batch's lengths drive them all: spreads add)."""
+    gen_end = train_end = gen_var = train_sd = 0.0
+    for i in range(len(finish)):
+        sd = prob.cands[i][assign[i]].time_sd_s
+        if prob.ahead[i]:
+            gen_end = max(gen_end, finish[i])
+            gen_var += sd * sd
+        else:
+            train_end = max(train_end, finish[i])
+            train_sd += sd
+    return expected_max(gen_end, math.sqrt(gen_var), train_end, train_sd)
 
 
 def energy(prob: Problem, res: SimResult) -> float:

@@ -21,6 +21,7 @@ from planner.cluster import ClusterSpec, resolve_device
 from planner.core_bridge import core_anneal, core_simulate, load_core, to_core
 from planner.cost_model import CostModel
 from planner.errors import PlanError
+from planner.lengths import GenLengths
 from planner.model_spec import model_presets
 from planner.problem import Problem, RoleModel, build_problem, head_of
 from planner.realloc_cost import realloc_time
@@ -55,8 +56,11 @@ def random_problem(rng: random.Random) -> Problem:
         models = {r: RoleModel(r, presets[rng.choice(MODELS)], head_of(r)) for r in roles}
         try:
             asynchronous = SPECS[alg].generates and rng.random() < 0.5
-            graph = build_graph(alg, shape, roles, max_staleness=int(asynchronous),
-                                asynchronous=asynchronous)
+            # responses of varying length (no extra draw: the instances stay the same)
+            lengths = (GenLengths(max_len=shape.gen_len, mean=shape.gen_len / 4)
+                       if asynchronous and shape.gen_len >= 64 else None)
+            graph = build_graph(alg, shape, roles, lengths=lengths,
+                                max_staleness=int(asynchronous), asynchronous=asynchronous)
             prob = build_problem(graph, models, CostModel(cluster), n_iters=rng.randint(1, 3))
             # realign's own time between steps (a profile's, here drawn)
             return dataclasses.replace(prob, step_overhead_s=rng.choice((0.0, 1e-3, 0.37)))
@@ -98,6 +102,9 @@ def test_instances_cover_the_cases(instances):
     assert any(p.n_gpus >= 16 for p, _, _ in instances)
     assert any(any(t >= 0 for t in p.model_train_mfc) and len(p.cands) > 1
                for p, _, _ in instances)
+    # asynchronous steps whose sides' times spread (the slower side per step)
+    assert any(c.time_sd_s > 0 for p, _, _ in instances for cs in p.cands for c in cs
+               if any(p.ahead))
 
 
 def test_simulate_is_identical(instances):

@@ -1,0 +1,102 @@
+"""The spread of a call's time over steps, and the asynchronous step's slower side per
+step (Clark's expected maximum), by hand."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from planner.algorithms import BatchShape, build_graph
+from planner.cluster import ClusterSpec, resolve_device
+from planner.cost_model import CostModel
+from planner.layout import Layout
+from planner.lengths import GenLengths, longest_moments
+from planner.mesh import DeviceMesh
+from planner.model_spec import model_presets
+from planner.problem import RoleModel, build_problem, head_of
+from planner.simulator import ReallocCache, simulate
+from planner.step_spread import call_time_sd, expected_max
+
+pytestmark = pytest.mark.pure
+
+SHAPE = BatchShape(prompts_per_step=2, samples_per_prompt=4, prompt_len=8, gen_len=64,
+                   ppo_minibatches=1)
+CPU2 = ClusterSpec(n_nodes=1, gpus_per_node=2, device=resolve_device("cpu"))
+TINY = model_presets()["tiny-llama"]
+ONE = DeviceMesh(first_gpu=0, n_gpus=1)
+L1 = Layout(tp=1, pp=1, dp=1)
+
+
+def test_expected_max_by_hand():
+    # two equal means of spread 1: the mean + sqrt(2) phi(0) = the mean + 1/sqrt(pi)
+    assert expected_max(5.0, 1.0, 5.0, 1.0) == pytest.approx(5.0 + 1 / math.sqrt(math.pi))
+    assert expected_max(2.0, 0.0, 3.0, 0.0) == 3.0           # nothing varies: the later
+    # far apart: the later mean, all but exactly
+    assert expected_max(10.0, 1.0, 0.0, 1.0) == pytest.approx(10.0, abs=1e-12)
+    # one side fixed at its mean: m + s phi(0) when both means are equal
+    assert expected_max(4.0, 2.0, 4.0, 0.0) == pytest.approx(4.0 + 2 / math.sqrt(2 * math.pi))
+    assert expected_max(1.0, 0.5, 1.2, 0.3) > 1.2
+
+
+def test_the_longest_of_a_batch_by_hand():
+    two = GenLengths(max_len=20, histogram=((1, 0.5), (2, 0.5)))
+    # the longer of two: 1 with 1/4, 2 with 3/4
+    mean, var = longest_moments(two, 20, 2)
+    assert mean == pytest.approx(1.75) and var == pytest.approx(3.25 - 1.75 ** 2)
+    three = GenLengths(max_len=20, histogram=((3, 1.0),))
+    assert longest_moments(three, 20, 8) == pytest.approx((3.0, 0.0))
+    assert longest_moments(three, 20, 8, every=8) == pytest.approx((8.0, 0.0))
+
+
+def graph(lengths=None, asynchronous=True):
+    return build_graph("grpo", SHAPE, {"actor"}, lengths=lengths, max_staleness=1,
+                       asynchronous=asynchronous)
+
+
+def sd(g, name, mb=1):
+    cost = CostModel(CPU2)
+    m = g.mfc(name)
+    return call_time_sd(cost, g, m, TINY, "lm", ONE, L1, mb)
+
+
+def test_only_an_asynchronous_graph_with_varying_lengths_spreads():
+    spread = GenLengths(max_len=64, mean=16)
+    assert sd(graph(spread, asynchronous=False), "actor.generate") == 0.0
+    assert sd(graph(None), "actor.generate") == 0.0
+    fixed = GenLengths(max_len=64, histogram=((3, 1.0),))
+    assert sd(graph(fixed), "actor.generate") == 0.0 and sd(graph(fixed), "actor.train") == 0.0
+    assert sd(graph(spread), "actor.generate") > 0 and sd(graph(spread), "actor.train") > 0
+
+
+def test_a_call_on_the_rollout_spreads_by_the_padded_length():
+    # the training runs on the batch padded to its longest response: its spread is the
+    # call priced at the cap against one standard deviation of that length shorter
+    spread = GenLengths(max_len=64, mean=16)
+    g = graph(spread)
+    m = g.mfc("actor.train")
+    cost = CostModel(CPU2)
+    _, var = longest_moments(spread, 64, m.n_seqs)
+    short = m.model_copy(update={"gen_len": 64 - round(math.sqrt(var))})
+    by_hand = (cost.mfc_cost(m, TINY, "lm", ONE, L1, 1).time_s
+               - cost.mfc_cost(short, TINY, "lm", ONE, L1, 1).time_s)
+    assert sd(g, "actor.train") == pytest.approx(by_hand) and by_hand > 0
+
+
+def test_the_asynchronous_step_ends_at_the_expected_slower_side():
+    g = graph(GenLengths(max_len=64, mean=16))
+    prob = build_problem(g, {"actor": RoleModel("actor", TINY, head_of("actor"))},
+                         CostModel(CPU2), n_iters=1, split=1)
+    a = [0, 0, 0]
+    c = [prob.cands[i][0] for i in range(3)]
+    assert c[0].time_sd_s > 0 and c[2].time_sd_s > 0
+    # the same step without spreads: its two sides' ends
+    flat = replace(prob, cands=[[replace(x, time_sd_s=0.0) for x in cs] for cs in prob.cands])
+    res0 = simulate(flat, a, ReallocCache(flat), record=True)
+    gen_end = max(e.end_s for e in res0.events if e.name == "actor.generate (next step)")
+    train_end = max(e.end_s for e in res0.events if e.name == "actor.train")
+    res = simulate(prob, a, ReallocCache(prob))
+    # the training side's calls all follow one batch's lengths: their spreads add
+    want = expected_max(gen_end, c[0].time_sd_s, train_end, c[1].time_sd_s + c[2].time_sd_s)
+    assert res.iter_time_s == pytest.approx(want)
+    assert res.iter_time_s > res0.iter_time_s == pytest.approx(max(gen_end, train_end))
