@@ -95,6 +95,15 @@ def test_histogram():
         8 / 4 + 16 / 4 + 20 / 2)                               # 16
 
 
+def test_a_callers_changes_to_the_pmf_stay_its_own():
+    # the distribution is computed once and kept: each caller gets a copy
+    lengths = GenLengths(max_len=20, mean=6.0)
+    p = lengths.pmf()
+    p[0] = 99.0
+    assert lengths.pmf()[0] < 1.0
+    assert GenLengths(max_len=20, mean=6.0).pmf() == lengths.pmf()
+
+
 def test_more_rows_wait_for_a_longer_straggler():
     lengths = GenLengths(max_len=64, mean=10.0)
     t = [expected_wave_tokens(gen(64, lengths), b) for b in (1, 4, 16, 64)]
