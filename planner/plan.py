@@ -118,6 +118,7 @@ class ModeResult(_Frozen):
     chosen: bool
     allocations: dict[str, str] = Field(default_factory=dict,
                                         description="MFC -> 'mesh layout xMB' summary.")
+    slower_side_s: float = Field(0.0, ge=0, description="The plan's slower_side_s.")
 
 
 class ProfileRef(_Frozen):
@@ -146,6 +147,10 @@ class ExecutionPlan(_Frozen):
     step_overhead_s: float = Field(
         0.0, ge=0, description="Host seconds between two steps included in "
         "iteration_time_s: realign's own (the profile's) and the workers' batches.")
+    slower_side_s: float = Field(
+        0.0, ge=0, description="Seconds per step included in iteration_time_s because an "
+        "asynchronous step lasts the slower of its two sides in each step, whose times "
+        "spread with the generation lengths (planner.step_spread); 0 otherwise.")
     mem_limit_bytes: float
     peak_mem_bytes: tuple[float, ...] = Field(description="Peak memory of each GPU.")
     search: SearchInfo

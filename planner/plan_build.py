@@ -1,6 +1,8 @@
 """Turn a solved search problem (an assignment) into an :class:`ExecutionPlan`."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from planner.cost_config import CostModelConfig
 from planner.plan import (
     ExecutionPlan,
@@ -24,6 +26,9 @@ def describe_candidate(prob: Problem, i: int, j: int) -> str:
 def build_plan(name: str, prob: Problem, assign: list[int], cost_config: CostModelConfig,
                info: SearchInfo, heuristics: tuple[HeuristicResult, ...]) -> ExecutionPlan:
     res = simulate(prob, assign, record=True)
+    # what the slower side of each step adds: the same step with no spread
+    flat = replace(prob, cands=[[replace(c, time_sd_s=0.0) for c in cs] for cs in prob.cands])
+    slower = max(0.0, res.iter_time_s - simulate(flat, assign).iter_time_s)
     gpn = prob.cluster.gpus_per_node
     allocs = []
     for i, m in enumerate(prob.graph.mfcs):
@@ -52,7 +57,7 @@ def build_plan(name: str, prob: Problem, assign: list[int], cost_config: CostMod
         name=name, cluster=prob.cluster, models=models, graph=prob.graph,
         cost_config=cost_config, allocations=tuple(allocs), reallocations=tuple(reallocs),
         timeline=events, n_iters=prob.n_iters, iteration_time_s=res.iter_time_s,
-        step_overhead_s=prob.step_overhead_s,
+        step_overhead_s=prob.step_overhead_s, slower_side_s=slower,
         mem_limit_bytes=prob.mem_limit_bytes, peak_mem_bytes=tuple(res.peak_bytes),
         search=info, heuristics=heuristics, profile=profile_ref(prob),
         cost_sources=dict(prob.cost_sources))

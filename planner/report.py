@@ -54,6 +54,10 @@ def modes_lines(plan: ExecutionPlan) -> list[str]:
     rows = [("", *(f"{m.mode}{' (chosen)' if m.chosen else ''}" for m in plan.modes))]
     rows.append(("iteration s", *(f"{m.iteration_time_s:.3f}" if m.iteration_time_s is not None
                                    else "does not fit" for m in plan.modes)))
+    if any(m.slower_side_s > 0 for m in plan.modes):
+        rows.append(("slower side per step", *(f"+{m.slower_side_s:.3f} s"
+                                               if m.slower_side_s > 0 else "-"
+                                               for m in plan.modes)))
     for n in names:
         rows.append((n, *(m.allocations.get(n, "-") for m in plan.modes)))
     w = [max(len(r[i]) for r in rows) for i in range(3)]

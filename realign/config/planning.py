@@ -207,7 +207,7 @@ def compare_modes(sync: ExecutionPlan | None, asyn: ExecutionPlan | None) -> Exe
     chosen = asyn if sync is None or (
         asyn is not None and asyn.iteration_time_s < sync.iteration_time_s) else sync
     modes = tuple(ModeResult(mode=name, iteration_time_s=p.iteration_time_s if p else None,
-                             chosen=p is chosen,
+                             chosen=p is chosen, slower_side_s=p.slower_side_s if p else 0.0,
                              allocations={a.mfc: f"{a.mesh_name} {a.layout} x{a.micro_batches}mb"
                                           for a in p.allocations} if p else {})
                   for name, p in (("synchronous", sync), ("asynchronous", asyn)))

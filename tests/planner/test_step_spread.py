@@ -100,3 +100,21 @@ def test_the_asynchronous_step_ends_at_the_expected_slower_side():
     want = expected_max(gen_end, c[0].time_sd_s, train_end, c[1].time_sd_s + c[2].time_sd_s)
     assert res.iter_time_s == pytest.approx(want)
     assert res.iter_time_s > res0.iter_time_s == pytest.approx(max(gen_end, train_end))
+
+
+def test_plans_say_what_the_slower_side_per_step_adds():
+    from planner.report import modes_lines
+    from planner.search import SearchSettings, search
+    from realign.config.planning import compare_modes
+    actor = {"actor": RoleModel("actor", TINY, head_of("actor"))}
+    quick = SearchSettings(time_limit_s=10)
+    spread = GenLengths(max_len=64, mean=16)
+    asyn = search("t", graph(spread), actor, CPU2, settings=quick)
+    sync = search("t", graph(spread, asynchronous=False), actor, CPU2, settings=quick)
+    assert sync.slower_side_s == 0.0 and 0 < asyn.slower_side_s < asyn.iteration_time_s
+    fixed = search("t", graph(None), actor, CPU2, settings=quick)
+    assert fixed.slower_side_s == 0.0
+    both = compare_modes(sync, asyn)
+    row = next(ln for ln in modes_lines(both) if "slower side per step" in ln)
+    assert f"+{asyn.slower_side_s:.3f} s" in row and row.split()[4] == "-"
+    assert not any("slower side" in ln for ln in modes_lines(compare_modes(sync, fixed)))
