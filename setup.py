@@ -8,7 +8,7 @@ from setuptools import find_packages, setup
 
 core = Pybind11Extension(
     "planner._core",
-    sources=["csrc/bindings.cpp", "csrc/search_core.cpp"],
+    sources=["csrc/bindings.cpp", "csrc/search_core.cpp", "csrc/realloc_cost.cpp"],
     include_dirs=["csrc"],
     depends=["csrc/search_core.hpp"],
     cxx_std=17,

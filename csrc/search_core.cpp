@@ -13,16 +13,6 @@ namespace realign_core {
 
 namespace {
 
-// Python's a // b for b > 0 (rounds towards minus infinity, unlike C++'s a / b).
-i64 floordiv(i64 a, i64 b) {
-    i64 q = a / b;
-    return (a % b != 0 && a < 0) ? q - 1 : q;
-}
-
-// Byte counts are converted to double as Python does for int / int and
-// int / float; the conversion is exact (hence identical) below 2**53.
-constexpr i64 kExactDoubleLimit = i64{1} << 53;
-
 void fail(const std::string& field, const std::string& msg) {
     throw std::invalid_argument(field + ": " + msg);
 }
@@ -115,186 +105,6 @@ void check_assign(const Problem& prob, const std::vector<i64>& assign, const cha
                      std::to_string(prob.cands[i].size()) + ")");
 }
 
-// ---- reallocation cost: planner/realloc_cost.py ----------------------------------
-
-namespace {
-
-// planner.realloc_cost._tp_overlap
-i64 tp_overlap(i64 i, i64 tp_d, i64 k, i64 tp_s) {
-    const i64 lo = std::max(i * tp_s, k * tp_d);
-    const i64 hi = std::min((i + 1) * tp_s, (k + 1) * tp_d);
-    return hi > lo ? hi - lo : 0;
-}
-
-// A list of at most two pipeline stages (what _stages_holding returns).
-struct Stages {
-    std::array<i64, 2> s{};
-    int n = 0;
-
-    static Stages one(i64 a) { Stages r; r.s[0] = a; r.n = 1; return r; }
-    bool contains(i64 j) const {
-        for (int q = 0; q < n; ++q)
-            if (s[q] == j) return true;
-        return false;
-    }
-};
-
-// planner.realloc_cost._stages_holding("embedding", ...)
-Stages embedding_stages(const ReallocModel& m, i64 pp) {
-    Stages r = Stages::one(0);
-    if (m.head_kind == kHeadLmTied && pp > 1) {
-        r.s[1] = pp - 1;
-        r.n = 2;
-    }
-    return r;
-}
-
-// planner.realloc_cost._Acc: per-GPU received and sent bytes (0: intra, 1: inter).
-// Indexed by GPU; a GPU never charged holds zeros, which change neither the sum
-// nor the max that realloc_time takes over the Python dicts.
-struct Acc {
-    std::vector<std::array<i64, 2>> recv;
-    std::vector<std::array<double, 2>> send;
-    std::vector<i64> local;    // bytes a destination GPU copies locally
-    std::vector<i64> holders;  // scratch for _holders
-
-    explicit Acc(i64 n_gpus) : recv(n_gpus, {0, 0}), send(n_gpus, {0.0, 0.0}), local(n_gpus, 0) {}
-};
-
-// planner.realloc_cost._holders: source GPUs at tp rank k (k < 0: any) of stages.
-void holders_of(const Place& src, const Stages& stages, i64 k, std::vector<i64>& out) {
-    out.clear();
-    for (int q = 0; q < stages.n; ++q) {
-        const i64 j = stages.s[q];
-        const i64 k_lo = k < 0 ? 0 : k;
-        const i64 k_hi = k < 0 ? src.tp : k + 1;
-        for (i64 kk = k_lo; kk < k_hi; ++kk)
-            for (i64 d = 0; d < src.dp; ++d)
-                out.push_back(src.first_gpu + kk + src.tp * (d + src.dp * j));
-    }
-}
-
-// planner.realloc_cost._charge: g receives nbytes, shared evenly by the holders on
-// its own node if any, else by all holders. Each holder's send is accumulated in
-// charge order, as in Python.
-void charge(Acc& acc, i64 g, i64 nbytes, i64 gpn) {
-    const std::vector<i64>& holders = acc.holders;
-    if (holders.empty()) throw std::logic_error("realloc_time: a slice has no holder");
-    if (nbytes >= kExactDoubleLimit) throw std::overflow_error("realloc_time: byte count >= 2**53");
-    // h // gpn == g // gpn, as a range test (GPU indices are >= 0).
-    const i64 node_lo = g / gpn * gpn, node_hi = node_lo + gpn;
-    auto near = [&](i64 h) { return node_lo <= h && h < node_hi; };
-    i64 n_near = 0;
-    for (i64 h : holders)
-        if (near(h)) ++n_near;
-    const int inter = n_near > 0 ? 0 : 1;
-    acc.recv[g][inter] += nbytes;
-    const i64 pool = n_near > 0 ? n_near : static_cast<i64>(holders.size());
-    const double share = static_cast<double>(nbytes) / static_cast<double>(pool);
-    for (i64 h : holders)
-        if (n_near == 0 || near(h)) acc.send[h][inter] += share;
-}
-
-// The per-destination-GPU context of realloc_recv_send's closures.
-struct DstGpu {
-    i64 g;      // global GPU
-    i64 i;      // its tp rank in dst
-    bool local; // it also belongs to the source mesh
-    i64 k_g;    // its tp rank in src (local only)
-    i64 j_g;    // its pp stage in src (local only)
-};
-
-// realloc_recv_send's nested sharded(): a TP-split tensor held by `stages`.
-void sharded(Acc& acc, const Place& src, const Place& dst, const DstGpu& d, i64 nbytes,
-             const Stages& stages, i64 gpn) {
-    const i64 unit = dst.tp * src.tp;
-    for (i64 k = 0; k < src.tp; ++k) {
-        const i64 ov = tp_overlap(d.i, dst.tp, k, src.tp);
-        if (ov == 0) continue;
-        if (d.local && d.k_g == k && stages.contains(d.j_g)) {
-            acc.local[d.g] += nbytes * ov / unit;
-            continue;
-        }
-        holders_of(src, stages, k, acc.holders);
-        charge(acc, d.g, nbytes * ov / unit, gpn);
-    }
-}
-
-// realloc_recv_send's nested replicated(): a tensor every tp rank of `stages` holds.
-void replicated(Acc& acc, const Place& src, const DstGpu& d, i64 nbytes, const Stages& stages,
-                i64 gpn) {
-    if (d.local && stages.contains(d.j_g)) {
-        acc.local[d.g] += nbytes;
-        return;
-    }
-    holders_of(src, stages, -1, acc.holders);
-    charge(acc, d.g, nbytes, gpn);
-}
-
-// planner.realloc_cost.realloc_recv_send
-void realloc_recv_send(Acc& acc, const ReallocModel& m, const Place& src, const Place& dst,
-                       i64 gpn) {
-    const i64 L = m.n_layers;
-    const i64 per_s = L / src.pp;
-    if (per_s == 0) throw std::domain_error("realloc_time: source pp exceeds n_layers");
-    const i64 per_d = L / dst.pp;
-    for (i64 r = 0; r < dst.n_gpus; ++r) {
-        DstGpu d;
-        d.g = dst.first_gpu + r;
-        d.i = r % dst.tp;
-        const i64 j = r / (dst.tp * dst.dp);
-        d.local = src.first_gpu <= d.g && d.g < src.first_gpu + src.n_gpus;
-        d.k_g = d.local ? (d.g - src.first_gpu) % src.tp : -1;
-        d.j_g = d.local ? (d.g - src.first_gpu) / (src.tp * src.dp) : -1;
-
-        if (j == 0) sharded(acc, src, dst, d, m.embedding_bytes, embedding_stages(m, src.pp), gpn);
-        const i64 d_lo = j * per_d, d_hi = (j + 1) * per_d;
-        for (i64 js = d_lo / per_s; js < floordiv(d_hi - 1, per_s) + 1; ++js) {
-            const i64 c = std::min(d_hi, (js + 1) * per_s) - std::max(d_lo, js * per_s);
-            sharded(acc, src, dst, d, m.layer_sharded_bytes * c, Stages::one(js), gpn);
-            replicated(acc, src, d, m.layer_replicated_bytes * c, Stages::one(js), gpn);
-        }
-        if (j == dst.pp - 1) {
-            const Stages last = Stages::one(src.pp - 1);
-            replicated(acc, src, d, m.final_norm_bytes, last, gpn);
-            if (m.head_kind == kHeadLmUntied)
-                sharded(acc, src, dst, d, m.head_bytes, last, gpn);
-            else if (m.head_kind == kHeadValue)
-                replicated(acc, src, d, m.head_bytes, last, gpn);
-            else if (dst.pp > 1)
-                sharded(acc, src, dst, d, m.embedding_bytes, embedding_stages(m, src.pp), gpn);
-        }
-    }
-}
-
-}  // namespace
-
-// planner.realloc_cost.realloc_time
-ReallocCost realloc_time(const ReallocModel& m, const Place& src, const Place& dst,
-                         const Links& links) {
-    const i64 n = std::max(src.first_gpu + src.n_gpus, dst.first_gpu + dst.n_gpus);
-    Acc acc(n);
-    realloc_recv_send(acc, m, src, dst, links.gpus_per_node);
-    double worst = 0.0;
-    i64 total = 0;
-    bool any_inter = false;
-    for (i64 g = 0; g < n; ++g) {
-        const i64 a = acc.recv[g][0], b = acc.recv[g][1], c = acc.local[g];
-        total += a + b;
-        any_inter = any_inter || b > 0;
-        worst = std::max(worst, static_cast<double>(a) / links.intra_bytes_per_s +
-                                    static_cast<double>(b) / links.inter_bytes_per_s +
-                                    static_cast<double>(a + b + c) / links.copy_bytes_per_s);
-    }
-    for (i64 h = 0; h < n; ++h) {
-        const double a = acc.send[h][0], b = acc.send[h][1];
-        worst = std::max(worst, a / links.intra_bytes_per_s + b / links.inter_bytes_per_s);
-    }
-    double lat = 0.0;
-    if (total > 0) lat = any_inter ? links.inter_latency_s : links.intra_latency_s;
-    return {links.fixed_s + worst + lat, total};
-}
-
 // ---- planner.simulator.ReallocCache ----------------------------------------------
 
 ReallocCache::ReallocCache(const Problem& prob) : prob_(prob), tables_(prob.cands.size()) {}
@@ -377,10 +187,8 @@ void occupy_until(std::vector<double>& free, const Place& p, double t) {
     for (i64 g = p.first_gpu; g < p.first_gpu + p.n_gpus; ++g) free[g] = t;
 }
 
-}  // namespace
-
 // planner.step_spread.expected_max: Clark's E[max] of two independent normals
-static double expected_max(double m1, double s1, double m2, double s2) {
+double expected_max(double m1, double s1, double m2, double s2) {
     const double theta = std::sqrt(s1 * s1 + s2 * s2);
     if (theta <= 0.0) return std::max(m1, m2);
     const double a = (m1 - m2) / theta;
@@ -390,8 +198,8 @@ static double expected_max(double m1, double s1, double m2, double s2) {
 }
 
 // planner.simulator._slower_side_end: an asynchronous step's expected end
-static double slower_side_end(const Problem& prob, const std::vector<i64>& assign,
-                              const std::vector<double>& finish) {
+double slower_side_end(const Problem& prob, const std::vector<i64>& assign,
+                       const std::vector<double>& finish) {
     double gen_end = 0.0, train_end = 0.0, gen_var = 0.0, train_sd = 0.0;
     for (i64 i = 0; i < prob.n_mfcs(); ++i) {
         const double sd = prob.cands[i][assign[i]].time_sd_s;
@@ -405,6 +213,8 @@ static double slower_side_end(const Problem& prob, const std::vector<i64>& assig
     }
     return expected_max(gen_end, std::sqrt(gen_var), train_end, train_sd);
 }
+
+}  // namespace
 
 // planner.simulator.simulate (record=False; the realloc table is not kept)
 SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocCache& cache) {

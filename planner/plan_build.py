@@ -27,8 +27,11 @@ def build_plan(name: str, prob: Problem, assign: list[int], cost_config: CostMod
                info: SearchInfo, heuristics: tuple[HeuristicResult, ...]) -> ExecutionPlan:
     res = simulate(prob, assign, record=True)
     # what the slower side of each step adds: the same step with no spread
-    flat = replace(prob, cands=[[replace(c, time_sd_s=0.0) for c in cs] for cs in prob.cands])
-    slower = max(0.0, res.iter_time_s - simulate(flat, assign).iter_time_s)
+    slower = 0.0
+    if any(prob.cands[i][j].time_sd_s > 0 for i, j in enumerate(assign)):
+        flat = replace(prob, cands=[[replace(c, time_sd_s=0.0) for c in cs]
+                                    for cs in prob.cands])
+        slower = max(0.0, res.iter_time_s - simulate(flat, assign).iter_time_s)
     gpn = prob.cluster.gpus_per_node
     allocs = []
     for i, m in enumerate(prob.graph.mfcs):

@@ -4,7 +4,7 @@ Computes, for every destination GPU, the bytes it lacks locally and whether a ho
 sits on its own node, with the same slice arithmetic and the same sender rule as
 :func:`planner.transfer.transfer_plan` (a test checks the per-GPU byte counts are
 identical), but aggregated per pipeline-stage overlap instead of per tensor. The C++
-core (``csrc/search_core.cpp``) has a line-by-line twin of :func:`realloc_time`.
+core (``csrc/realloc_cost.cpp``) has a line-by-line twin of :func:`realloc_time`.
 
 Time model (receiver- and sender-bound, links full duplex): a GPU receiving
 ``intra`` bytes from its own node and ``inter`` bytes from other nodes is busy

@@ -284,14 +284,13 @@ def simulate(prob: Problem, assign: list[int], cache: ReallocCache | None = None
                 events.append(Event(name, m.kind, it, start, end, c.first_gpu, c.n_gpus,
                                     tuple(range(c.first_gpu, c.first_gpu + c.n_gpus))))
         if ahead and upto is None:
-            makespan = max(makespan, _slower_side_end(prob, assign, finish, ahead))
+            makespan = max(makespan, _slower_side_end(prob, assign, finish))
         prev_finish = finish
     peak, over = memory(prob, assign, upto)
     return SimResult(makespan / prob.n_iters, makespan, over, peak, events, reallocs)
 
 
-def _slower_side_end(prob: Problem, assign: list[int], finish: list[float],
-                     ahead: list[int]) -> float:
+def _slower_side_end(prob: Problem, assign: list[int], finish: list[float]) -> float:
     """An asynchronous step's expected end: the slower of its two sides *per step*
     (:func:`planner.step_spread.expected_max`): the generation made ahead (independent
     spreads) against the rest (one batch's lengths drive them all: spreads add)."""
