@@ -187,6 +187,27 @@ def openrlhf(prob: Problem, deadline: Deadline | None = None) -> Assignment | No
     return best
 
 
+#: the heuristics that run every MFC on all GPUs
+ALL_GPUS = ("megatron", "deepspeed-chat")
+
+
+def not_applicable(name: str, prob: Problem) -> str | None:
+    """Why heuristic ``name`` cannot express a plan of ``prob`` at all (None: it can,
+    and when it has no plan, nothing it builds fits in memory): the all-GPU heuristics
+    need every MFC on the whole cluster, which an asynchronous graph's generation made
+    ahead (on GPUs of its own) and the calls beside it cannot have."""
+    if name not in ALL_GPUS:
+        return None
+    lacking = [m.name for i, m in enumerate(prob.graph.mfcs)
+               if not _on_mesh(prob, i, 0, prob.n_gpus)]
+    if not lacking:
+        return None
+    if prob.graph.ahead_steps > 0:
+        return ("it runs every call on all GPUs; an asynchronous plan generates ahead on "
+                "GPUs of its own")
+    return f"it runs every call on all GPUs; {lacking[0]} has no layout on all {prob.n_gpus}"
+
+
 #: name -> builder(problem, deadline) (a builder past the deadline returns what it has)
 HEURISTICS: dict[str, Callable[..., Assignment | None]] = {
     "megatron": megatron,

@@ -97,6 +97,8 @@ class HeuristicResult(_Frozen):
                             "plan.time_limit_s before building it.")
     allocations: dict[str, str] = Field(default_factory=dict,
                                         description="MFC -> 'mesh layout xMB' summary.")
+    not_applicable: str | None = Field(None, description="Why the heuristic cannot "
+                                       "express a plan of this graph at all (None: it can).")
 
 
 class SearchInfo(_Frozen):

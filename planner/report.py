@@ -137,6 +137,8 @@ def table(plan: ExecutionPlan) -> str:
     for h in plan.heuristics:
         if not h.evaluated:
             out.append(f"  {h.name:15s} not evaluated within plan.time_limit_s")
+        elif h.not_applicable:
+            out.append(f"  {h.name:15s} does not apply: {h.not_applicable}")
         elif h.iteration_time_s is None:
             out.append(f"  {h.name:15s} does not fit in memory")
         else:

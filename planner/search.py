@@ -28,7 +28,7 @@ from planner.deadline import Deadline
 from planner.errors import InfeasibleError, PlanError
 from planner.exact import branch_and_bound
 from planner.graph import DataflowGraph
-from planner.heuristics import HEURISTICS
+from planner.heuristics import HEURISTICS, not_applicable
 from planner.plan import ExecutionPlan, HeuristicResult, SearchInfo
 from planner.plan_build import build_plan, describe_candidate
 from planner.problem import Problem, RoleModel, async_splits, build_problem
@@ -186,7 +186,8 @@ def _search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], clust
     heuristics = tuple(
         HeuristicResult(name=n, iteration_time_s=heur_e[n], evaluated=n not in skipped,
                         allocations=({m.name: describe_candidate(prob, i, a[i])
-                                      for i, m in enumerate(graph.mfcs)} if a else {}))
+                                      for i, m in enumerate(graph.mfcs)} if a else {}),
+                        not_applicable=None if a else not_applicable(n, prob))
         for n, a in heur.items())
     return build_plan(name, prob, best, cost_config, info, heuristics)
 

@@ -98,6 +98,10 @@ def test_search_finds_a_disjoint_asynchronous_plan_and_one_gpu_has_none():
     plan = search("t", graph, models("actor"), CPU2, settings=SearchSettings(time_limit_s=10))
     gen = plan.allocation("actor.generate")
     assert plan.asynchronous and list(gen.mesh.gpus) == [0]
+    # the all-GPU heuristics cannot express it: said so, not "does not fit in memory"
+    why = {h.name: h.not_applicable for h in plan.heuristics}
+    assert why["openrlhf"] is None and "generates ahead" in why["megatron"]
+    assert "megatron        does not apply: " in table(plan)
     assert all(0 not in a.mesh.gpus for a in plan.allocations if a.mfc != "actor.generate")
     one = ClusterSpec(n_nodes=1, gpus_per_node=1, device=resolve_device("cpu"))
     with pytest.raises(PlanError, match="separate GPUs"):

@@ -9,7 +9,7 @@ import pytest
 from planner.algorithms import BatchShape, build_graph
 from planner.cluster import ClusterSpec, resolve_device
 from planner.cost_model import CostModel
-from planner.heuristics import HEURISTICS, deepspeed_chat, megatron, openrlhf
+from planner.heuristics import HEURISTICS, deepspeed_chat, megatron, not_applicable, openrlhf
 from planner.mesh import enumerate_meshes
 from planner.model_spec import model_presets
 from planner.problem import Problem, RoleModel, build_problem, head_of
@@ -124,6 +124,15 @@ def test_symmetric_heuristics_need_the_whole_cluster_as_a_mesh():
     prob = problem(GRPO, "tiny-llama", 1, 4, meshes=meshes)
     assert megatron(prob) is None and deepspeed_chat(prob) is None
     assert openrlhf(prob) is not None
+    # ... and say so, rather than "does not fit in memory"
+    for name in ("megatron", "deepspeed-chat"):
+        assert "has no layout on all 4" in not_applicable(name, prob)
+    assert not_applicable("openrlhf", prob) is None
+
+
+def test_a_heuristic_that_applies_has_no_reason_even_when_nothing_fits(prob):
+    starved = dataclasses.replace(prob, mem_limit_bytes=1.0)
+    assert all(not_applicable(name, starved) is None for name in HEURISTICS)
 
 
 def test_megatron_shards_a_model_that_needs_it():
