@@ -94,7 +94,8 @@ class PlanConfig(SearchSettings):
     profile: str | None = Field(None, description="Path to a measured profile table (JSON).")
     lengths_from: str | None = Field(
         None, description="A previous run's folder (or its metrics.jsonl): price generation "
-        "with the response lengths it recorded (the mean of its response_len, as the "
+        "with the response lengths it recorded (every sampled response's length, from its "
+        "response_len_hist; from an older run, the mean of its response_len, as the "
         "maximum-entropy distribution on 1..gen_len) instead of algorithm.gen_len_mean.")
     file: str | None = Field(None, description="realign run: execute this saved plan.json "
                                                "instead of searching.")

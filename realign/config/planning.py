@@ -112,9 +112,11 @@ def allows_async(cfg: ExperimentConfig) -> bool:
 
 
 def recorded_lengths(cfg: ExperimentConfig, base: Path) -> GenLengths | None:
-    """The response-length distribution ``plan.lengths_from`` names: the mean of the
-    ``response_len`` (sampled generation, every step) a previous run wrote to its
-    metrics.jsonl, capped at this experiment's ``gen_len``; None when unset."""
+    """The response-length distribution ``plan.lengths_from`` names: a previous run's
+    metrics.jsonl. Its steps' ``response_len_hist`` (every sampled response's length)
+    pooled into a histogram, lengths past this experiment's ``gen_len`` counted at
+    the cap; from a run that recorded only ``response_len`` (the step's mean), the mean
+    of those means. None when unset."""
     if not cfg.plan.lengths_from:
         return None
     p = Path(cfg.plan.lengths_from)
@@ -124,7 +126,9 @@ def recorded_lengths(cfg: ExperimentConfig, base: Path) -> GenLengths | None:
     if not f.is_file():
         raise PlanError(f"no metrics.jsonl at {str(f)!r} (give a run folder or its "
                         "metrics.jsonl)", field=field)
-    values = []
+    gen_len = cfg.algorithm.gen_len
+    means: list[float] = []
+    counts: dict[int, float] = {}
     for n, line in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
             continue
@@ -132,14 +136,33 @@ def recorded_lengths(cfg: ExperimentConfig, base: Path) -> GenLengths | None:
             row = json.loads(line)
         except ValueError:
             raise PlanError(f"{f} line {n} is not JSON", field=field) from None
-        v = row.get("response_len") if isinstance(row, dict) else None
+        if not isinstance(row, dict):
+            continue
+        v = row.get("response_len")
         if isinstance(v, (int, float)) and v > 0:
-            values.append(float(v))
-    if not values:
+            means.append(float(v))
+        for length, count in _histogram_pairs(row.get("response_len_hist"), f, n):
+            at = min(max(length, 1), gen_len)
+            counts[at] = counts.get(at, 0.0) + count
+    if counts:
+        return GenLengths(max_len=gen_len, histogram=tuple(sorted(counts.items())))
+    if not means:
         raise PlanError(f"{f} records no response_len (a run with a generate call writes "
                         "one per step)", field=field)
-    gen_len = cfg.algorithm.gen_len
-    return GenLengths(max_len=gen_len, mean=min(float(gen_len), sum(values) / len(values)))
+    return GenLengths(max_len=gen_len, mean=min(float(gen_len), sum(means) / len(means)))
+
+
+def _histogram_pairs(value, f: Path, line: int) -> list[tuple[int, float]]:
+    """A metrics row's ``response_len_hist`` as (length, count) pairs ([] when absent)."""
+    if value is None:
+        return []
+    ok = isinstance(value, list) and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) for x in p)
+        and p[1] >= 0 for p in value)
+    if not ok:
+        raise PlanError(f"{f} line {line}: response_len_hist must be [[length, count], ...] "
+                        "of whole numbers", field="plan.lengths_from")
+    return [(int(a), float(c)) for a, c in value]
 
 
 def load_profile(cfg: ExperimentConfig, base: Path) -> ProfileTable | None:

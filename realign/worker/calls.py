@@ -87,9 +87,12 @@ class Calls:
         prefix = "greedy_" if op.mfc.greedy else ""
         if op.every > 1:                         # an evaluation's generation
             prefix = f"eval.{'greedy' if op.mfc.greedy else 'sample'}_"
-        return out, {f"{prefix}gen_tokens": float(gen.lengths.sum()),
-                     f"{prefix}response_len": float(gen.lengths.float().mean()),
-                     f"kv_cache_bytes.{op.name}": float(gen.kv_cache_peak_bytes)}
+        metrics = {f"{prefix}gen_tokens": float(gen.lengths.sum()),
+                   f"{prefix}response_len": float(gen.lengths.float().mean()),
+                   f"kv_cache_bytes.{op.name}": float(gen.kv_cache_peak_bytes)}
+        if not prefix:      # the sampled rollout's lengths, for plan.lengths_from
+            metrics["response_len_hist"] = length_histogram(gen.lengths)
+        return out, metrics
 
     # ---- inference -----------------------------------------------------------------
     def inference(self, op: Call, h: Hosted, store, step):
@@ -205,3 +208,11 @@ def check_staleness(batch, step: int, bound: int, call: str) -> float | None:
                         f"is {int(lag.max())} versions stale (allowed: 0 .. {bound}); it is "
                         "not trained on", field="algorithm.max_staleness")
     return float(lag.float().mean())
+
+
+def length_histogram(lengths: torch.Tensor) -> list[list[int]]:
+    """``[[length, count], ...]`` by length: a step's response lengths as metrics.jsonl
+    keeps them (one row per step; a histogram stays short when many responses share a
+    length, e.g. all that ran to the cap)."""
+    values, counts = torch.unique(lengths.long(), return_counts=True)
+    return [[int(v), int(c)] for v, c in zip(values.tolist(), counts.tolist())]

@@ -44,6 +44,22 @@ def test_evaluation_runs_on_its_steps_and_reaches_the_metrics(tiny_assets, tmp_p
             assert row["eval.greedy_gen_tokens"] > 0 and "time.actor.eval_sample" in row
         else:
             assert "time.actor.eval_greedy" not in row     # not run on other steps
+        # every sampled response's length (not the evaluation's), as plan.lengths_from
+        # reads them back
+        hist = row["response_len_hist"]
+        assert sum(c for _, c in hist) == 64
+        assert sum(x * c for x, c in hist) / 64 == pytest.approx(row["response_len"])
+        assert not any(k.startswith("eval.") and k.endswith("_hist") for k in row)
+    from realign.config.loading import load_experiment
+    from realign.config.planning import experiment_graph, recorded_lengths, resolve_models
+    cfg, base = load_experiment(exp)
+    cfg = cfg.model_copy(update={"plan": cfg.plan.model_copy(
+        update={"lengths_from": str(tmp_path / "run")})})
+    pooled = recorded_lengths(cfg, base)
+    assert sum(w for _, w in pooled.histogram) == 64 * len(got)
+    gen = next(m for m in experiment_graph(cfg, resolve_models(cfg, base), base).mfcs
+               if m.kind == "generate")
+    assert gen.lengths == pooled
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert {"actor.eval_greedy", "actor.eval_sample"} <= {a["mfc"] for a in plan["allocations"]}
     assert "actor.eval_sample" in (tmp_path / "run" / "plan.svg").read_text()

@@ -25,7 +25,7 @@ def config(lengths_from):
 
 def run_folder(tmp_path: Path, rows: list[dict]) -> Path:
     d = tmp_path / "run"
-    d.mkdir()
+    d.mkdir(parents=True)
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return d
 
@@ -44,6 +44,38 @@ def test_recorded_lengths_price_generation_below_the_cap(tmp_path):
     capped = plan_experiment(cfg, base).allocation("actor.generate").time_s
     recorded = plan_experiment(cfg2, base).allocation("actor.generate").time_s
     assert recorded < capped        # shorter responses: fewer decode steps per wave
+
+
+def test_recorded_histograms_are_pooled_and_capped(tmp_path):
+    cfg, base = config(None)
+    gen_len = cfg.algorithm.gen_len
+    folder = run_folder(tmp_path, [
+        {"step": 0, "response_len": 10.0, "response_len_hist": [[5, 2], [gen_len, 1]]},
+        {"step": 1, "response_len": 10.0, "response_len_hist": [[5, 1], [gen_len + 7, 3]]},
+        {"step": 2, "loss": 1.0}])
+    cfg2, _ = config(str(folder))
+    gen = next(m for m in experiment_graph(cfg2, resolve_models(cfg2, base), base).mfcs
+               if m.kind == "generate")
+    # every response counts (not the steps' means); past the cap: at the cap
+    assert gen.lengths.mean is None
+    assert gen.lengths.histogram == ((5, 3.0), (gen_len, 4.0))
+    pmf = gen.lengths.pmf()
+    assert pmf[4] == pytest.approx(3 / 7) and pmf[gen_len - 1] == pytest.approx(4 / 7)
+    # the same mean as a max-entropy distribution puts far less at the cap, so a wave's
+    # straggler tail is priced shorter than the recorded one
+    by_mean, _ = config(str(run_folder(tmp_path / "m", [{"response_len": sum(
+        x * w for x, w in gen.lengths.histogram) / 7}])))
+    m2 = next(m for m in experiment_graph(by_mean, resolve_models(by_mean, base), base).mfcs
+              if m.kind == "generate")
+    assert m2.lengths.pmf()[gen_len - 1] < 0.1 < pmf[gen_len - 1]
+
+
+def test_a_malformed_histogram_names_the_setting(tmp_path):
+    folder = run_folder(tmp_path, [{"response_len": 3.0, "response_len_hist": [[3, "x"]]}])
+    cfg, base = config(str(folder))
+    with pytest.raises(PlanError, match="response_len_hist must be") as e:
+        experiment_graph(cfg, resolve_models(cfg, base), base)
+    assert e.value.field == "plan.lengths_from"
 
 
 def test_the_metrics_file_itself_may_be_named(tmp_path):
