@@ -17,6 +17,8 @@ machine for the same steps, against the planner's estimates.
    ``--final-window`` steps). ``--svg`` draws the curves (:mod:`realign.bench.async_svg`).
 4. ``async_step``: the asynchronous runs' steps taken apart from their timelines
    (:mod:`realign.bench.async_gap`): what keeps the measured speed-up from the predicted.
+5. ``lengths``: the response lengths the plans assumed against those the runs
+   generated (:mod:`realign.bench.lengths_check`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from realign.bench.lengths_check import compare as compare_lengths
 from realign.bench.plans import emit, run_plan, spread
 from realign.errors import UserError
 
@@ -186,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
         "summary": compare(modes["synchronous"], modes["asynchronous"],
                            modes.get("synchronous, 1 device")),
         "async_step": _async_step(asyn, runs, args.warmup),
+        "lengths": compare_lengths(asyn.graph, [r["rows"] for rs in runs.values()
+                                                for r in rs if "rows" in r]),
         "allocations": {name: {a.mfc: f"{a.mesh_name} {a.layout} x{a.micro_batches}mb"
                                for a in p.allocations} for name, p in plans.items()},
         "curves": {name: [[r.get("reward_mean") for r in run["rows"]] if "rows" in run else None
@@ -240,8 +245,9 @@ def table(rec: dict) -> str:
     if s.get("final_reward_gap") is not None:
         out.append(f"final reward, asynchronous - synchronous: {s['final_reward_gap']:+.3f} "
                    f"(seed spread {_f(s.get('final_reward_noise'), '.3f')})")
-    from realign.bench.async_gap import lines
-    out += lines(rec.get("async_step"))
+    from realign.bench import async_gap, lengths_check
+    out += lengths_check.lines(rec.get("lengths"))
+    out += async_gap.lines(rec.get("async_step"))
     for name, errs in rec["errors"].items():
         for e in errs:
             out.append(f"{name}: a round failed: {e}")

@@ -47,6 +47,10 @@ def test_speedups_and_final_rewards():
                       "asynchronous": [[0, .1, .2, .3, .5], None]}}
     text = table(rec)
     assert "predicted 1.60x" in text and "a round failed" in text
+    assert "response lengths" not in text
+    rec["lengths"] = {"cap": 8, "planned": {"cap": 8, "mean": 4.0, "at_cap": 0.01},
+                      "measured": {"responses": 16, "mean": 5.0, "at_cap": 0.25}}
+    assert "measured mean 5.0, 25.0 % at the cap (16 responses" in table(rec)
     svg = render(rec)
     assert svg.startswith("<svg") and svg.count("<path") == 3 + 2   # 3 seeds + 2 means
     assert "predicted 1.60x" in svg
