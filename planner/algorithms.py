@@ -48,8 +48,9 @@ class BatchShape(BaseModel):
                          description="Generated / response tokens per sequence, at most.")
     gen_len_mean: float | None = Field(
         None, gt=0, description="Expected response length when responses stop at the end "
-        "token (gen_len is then the cap): the plan prices each wave's straggler tail. None: "
-        "every response runs to gen_len.")
+        "token (gen_len is then the cap): the plan prices each wave's straggler tail, as "
+        "if each token stopped a response with one fixed chance and responses past the cap "
+        "were cut at it. None: every response runs to gen_len.")
     ppo_minibatches: int = Field(4, gt=0, le=1 << 20,
                                  description="Optimizer steps per epoch over the batch.")
     ppo_epochs: int = Field(1, gt=0, le=1 << 20, description="Epochs over each batch.")

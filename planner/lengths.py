@@ -2,10 +2,16 @@
 shorter, and a wave decodes until its longest row has stopped.
 
 A :class:`GenLengths` is the distribution of one response's length on ``1..max_len``:
-either recorded by a previous run (a histogram), or given by its mean, taken as the
-maximum-entropy distribution on ``1..max_len`` with that mean (a truncated geometric:
-``p(x) ~ exp(-lam x)``; the least-committal choice when only the mean and the bounds are
-known). :func:`expected_wave_tokens` prices a wave's straggler tail: the expected
+either recorded by a previous run (a histogram), or given by its mean, taken as a
+*censored geometric*: the response stops after each token with one fixed probability
+``q`` and is cut at the cap, so ``p(x) = q (1 - q)^(x - 1)`` below the cap and the cap
+holds every longer response, ``(1 - q)^(max_len - 1)``. This is how sampling with a stop
+token and a cap produces lengths: the responses that never stop pile up at the cap,
+and a wave that holds one of them decodes to the cap. (The maximum-entropy
+distribution with the same mean, ``p(x) ~ exp(-lam x)`` renormalised on
+``1..max_len``, has no such mass: at tiny-reason's mean of 103 tokens and cap of 240 it
+puts 0.25 % of responses at the cap, where its runs put 11-13 % and the censored
+geometric 13 %.) :func:`expected_wave_tokens` prices a wave's straggler tail: the expected
 number of tokens a wave of ``b`` rows decodes, i.e. its longest row's length rounded up
 to the next stop check (the runtime checks every ``STOP_CHECK_EVERY`` tokens whether all
 rows have stopped), at most ``max_len``; :func:`expected_call_tokens` the call's, whose
@@ -32,8 +38,9 @@ class GenLengths(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_len: int = Field(gt=0, description="The cap (gen_len).")
-    mean: float | None = Field(None, gt=0, description="Mean length (max-entropy "
-                               "distribution on 1..max_len).")
+    mean: float | None = Field(None, gt=0, description="Mean length (a censored "
+                               "geometric on 1..max_len: a fixed stop probability per "
+                               "token, responses past the cap cut at it).")
     histogram: tuple[tuple[int, float], ...] = Field(
         (), description="(length, weight) pairs recorded by a run; used instead of mean.")
 
@@ -58,41 +65,45 @@ class GenLengths(BaseModel):
 def _pmf(n: int, mean: float | None, histogram: tuple[tuple[int, float], ...]
          ) -> tuple[float, ...]:
     """:meth:`GenLengths.pmf`, computed once per distribution: the planner asks for it
-    for every allocation it prices, and the maximum-entropy rate's bisection costs
-    ~0.1 s at a cap of 1024 (a pure function of frozen values, so a cache is safe)."""
+    for every allocation it prices (a pure function of frozen values, so a cache is
+    safe)."""
     if histogram:
         p = [0.0] * n
         for x, w in histogram:
             p[x - 1] += w
         total = sum(p)
         return tuple(v / total for v in p)
-    lam = _max_entropy_rate(mean, n)
-    xs = range(1, n + 1)
-    top = max(-lam * x for x in xs)
-    ws = [math.exp(-lam * x - top) for x in xs]
-    total = sum(ws)
-    return tuple(w / total for w in ws)
+    return censored_geometric(mean, n)
 
 
-def _max_entropy_rate(mean: float, n: int) -> float:
-    """``lam`` with ``sum x e^{-lam x} / sum e^{-lam x} = mean`` on ``1..n`` (bisection;
-    the mean falls as ``lam`` grows)."""
-    if n == 1:
-        return 0.0
+def censored_geometric(mean: float, n: int) -> tuple[float, ...]:
+    """``p[x - 1]`` on ``1..n`` of a response that stops after each token with
+    probability ``q`` and is cut at ``n``, with ``q`` such that the mean is ``mean``
+    (``E = sum_{x=1..n} P(L >= x) = (1 - (1 - q)^n) / q``, which falls from ``n`` at
+    ``q -> 0`` to 1 at ``q = 1``: bisection on ``log q``).
 
-    def m(lam: float) -> float:
-        top = max(-lam, -lam * n)
-        ws = [math.exp(-lam * x - top) for x in range(1, n + 1)]
-        return sum(x * w for x, w in zip(range(1, n + 1), ws)) / sum(ws)
+    Example: ``n`` = 16 and ``(1 - q)^8 = 1/2``: half the responses stop within 8
+    tokens, ``(1 - q)^15`` = 0.27 run to the cap, and the mean is
+    ``(1 - (1 - q)^16) / q = 0.75 / q`` = 9.04."""
+    if n == 1 or mean <= 1.0:
+        return tuple([1.0] + [0.0] * (n - 1))
+    if mean >= n:
+        return tuple([0.0] * (n - 1) + [1.0])
 
-    lo, hi = -60.0, 60.0
+    def e(q: float) -> float:
+        return -math.expm1(n * math.log1p(-q)) / q if q < 1.0 else 1.0
+
+    lo, hi = -60.0, 0.0                      # log q; e() falls as q grows
     for _ in range(200):
         mid = (lo + hi) / 2
-        if m(mid) > mean:
+        if e(math.exp(mid)) > mean:
             lo = mid
         else:
             hi = mid
-    return (lo + hi) / 2
+    q = math.exp((lo + hi) / 2)
+    stay = math.log1p(-q) if q < 1.0 else -math.inf
+    return tuple([q * math.exp(stay * (x - 1)) for x in range(1, n)]
+                 + [math.exp(stay * (n - 1))])
 
 
 def wave_token_moments(mfc: "MFC", rows: float) -> tuple[float, float]:

@@ -1,7 +1,7 @@
 """The response lengths a plan assumed against those its runs generated.
 
 The planner prices generation from a length distribution (``algorithm.gen_len_mean`` as
-a maximum-entropy distribution, or ``plan.lengths_from``'s recorded histogram); a wave
+a censored geometric, or ``plan.lengths_from``'s recorded histogram); a wave
 lasts as long as its longest response, so what matters most is how many responses run
 to the cap. A run records every sampled response's length (``response_len_hist``,
 :func:`realign.worker.calls.length_histogram`); :func:`compare` sets the two side by

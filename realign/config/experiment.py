@@ -95,8 +95,8 @@ class PlanConfig(SearchSettings):
     lengths_from: str | None = Field(
         None, description="A previous run's folder (or its metrics.jsonl): price generation "
         "with the response lengths it recorded (every sampled response's length, from its "
-        "response_len_hist; from an older run, the mean of its response_len, as the "
-        "maximum-entropy distribution on 1..gen_len) instead of algorithm.gen_len_mean.")
+        "response_len_hist; from an older run, the mean of its response_len, as "
+        "algorithm.gen_len_mean prices a mean) instead of algorithm.gen_len_mean.")
     file: str | None = Field(None, description="realign run: execute this saved plan.json "
                                                "instead of searching.")
     manual: dict[str, ManualAllocation] | None = Field(

@@ -4,8 +4,9 @@ tokens), at most ``gen_len``.
 
 With a cap of 16 every wave stops after 8 or 16 tokens, so
 ``E = 8 P(L_max <= 8) + 16 (1 - P(L_max <= 8))`` and ``P(L_max <= 8) = F(8)^b``. For the
-truncated geometric ``p(x) ~ r^x`` on 1..16, ``F(8) = (r + .. + r^8) / (r + .. + r^16)
-= 1 / (1 + r^8)``; with ``r^8 = 1/2`` that is 2/3.
+censored geometric (stop after each token with probability ``q = 1 - r``, cut at 16),
+``F(8) = 1 - r^8``; with ``r^8 = 1/2`` that is 1/2, and the mean is
+``1 + r + .. + r^15 = (1 - r^16) / (1 - r)``.
 """
 from __future__ import annotations
 
@@ -53,33 +54,37 @@ def test_fixed_length_rounds_up_to_the_next_stop_check(length, tokens):
         assert expected_wave_tokens(gen(20, fixed(20, length)), rows) == pytest.approx(tokens)
 
 
-def test_truncated_geometric_mean_below_the_cap():
+def test_a_mean_is_a_censored_geometric():
     r = 0.5 ** (1 / 8)                                     # r^8 = 1/2
-    weights = [r ** x for x in range(1, 17)]
-    mean = sum(x * w for x, w in zip(range(1, 17), weights)) / sum(weights)
-    assert mean == pytest.approx(6.7154, abs=1e-4)          # well below the cap of 16
+    q = 1 - r
+    mean = (1 - r ** 16) / q
+    assert mean == pytest.approx(9.0366, abs=1e-4)          # below the cap of 16
     lengths = GenLengths(max_len=16, mean=mean)
     p = lengths.pmf()
     assert len(p) == 16 and sum(p) == pytest.approx(1.0)
-    assert p[0] == pytest.approx(weights[0] / sum(weights), rel=1e-9)
-    for a, b in zip(p, p[1:]):                            # geometric: constant ratio r
+    assert p[0] == pytest.approx(q, rel=1e-9)
+    for a, b in zip(p[:14], p[1:15]):                     # geometric below the cap: ratio r
         assert b / a == pytest.approx(r, rel=1e-9)
+    assert p[15] == pytest.approx(r ** 15, rel=1e-9)       # every longer response: the cap
     m = gen(16, lengths)
-    f8 = 2 / 3
-    assert expected_wave_tokens(m, 1) == pytest.approx(16 - 8 * f8, rel=1e-9)       # 10.67
-    assert expected_wave_tokens(m, 4) == pytest.approx(16 - 8 * f8 ** 4, rel=1e-9)  # 14.42
+    f8 = 1 / 2
+    assert expected_wave_tokens(m, 1) == pytest.approx(16 - 8 * f8, rel=1e-9)       # 12
+    assert expected_wave_tokens(m, 4) == pytest.approx(16 - 8 * f8 ** 4, rel=1e-9)  # 15.5
     # fewer than one row counts as one
     assert expected_wave_tokens(m, 0.5) == pytest.approx(16 - 8 * f8, rel=1e-9)
 
 
-def test_mean_at_the_midpoint_is_uniform():
-    p = GenLengths(max_len=5, mean=3.0).pmf()
-    assert p == pytest.approx([0.2] * 5, rel=1e-9)
+def test_the_extremes_of_the_mean():
+    assert GenLengths(max_len=5, mean=5.0).pmf() == [0.0] * 4 + [1.0]      # never stops
+    assert GenLengths(max_len=5, mean=1.0).pmf() == [1.0] + [0.0] * 4      # stops at once
+    assert GenLengths(max_len=5, mean=0.5).pmf() == [1.0] + [0.0] * 4      # at least a token
+    assert GenLengths(max_len=1, mean=1.0).pmf() == [1.0]
 
 
-def test_mean_above_the_midpoint_leans_to_the_cap():
+def test_a_high_mean_piles_up_at_the_cap():
     p = GenLengths(max_len=5, mean=4.5).pmf()
-    assert p == sorted(p) and sum(x * v for x, v in zip(range(1, 6), p)) == pytest.approx(4.5)
+    assert p[:4] == sorted(p[:4], reverse=True) and p[4] == max(p)
+    assert sum(x * v for x, v in zip(range(1, 6), p)) == pytest.approx(4.5)
 
 
 def test_histogram():

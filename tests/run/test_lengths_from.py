@@ -61,13 +61,13 @@ def test_recorded_histograms_are_pooled_and_capped(tmp_path):
     assert gen.lengths.histogram == ((5, 3.0), (gen_len, 4.0))
     pmf = gen.lengths.pmf()
     assert pmf[4] == pytest.approx(3 / 7) and pmf[gen_len - 1] == pytest.approx(4 / 7)
-    # the same mean as a max-entropy distribution puts far less at the cap, so a wave's
-    # straggler tail is priced shorter than the recorded one
+    # the same mean as a censored geometric (a fixed stop chance per token) puts less
+    # at the cap than these bimodal recorded lengths
     by_mean, _ = config(str(run_folder(tmp_path / "m", [{"response_len": sum(
         x * w for x, w in gen.lengths.histogram) / 7}])))
     m2 = next(m for m in experiment_graph(by_mean, resolve_models(by_mean, base), base).mfcs
               if m.kind == "generate")
-    assert m2.lengths.pmf()[gen_len - 1] < 0.1 < pmf[gen_len - 1]
+    assert m2.lengths.pmf()[gen_len - 1] < 0.35 < 0.5 < pmf[gen_len - 1]
 
 
 def test_a_malformed_histogram_names_the_setting(tmp_path):
