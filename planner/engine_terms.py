@@ -11,7 +11,11 @@ memory traffic) plus *counts* of the engine's fixed costs
 ``layer_s`` per layer, ``token_hidden_s`` per token x hidden unit x layer,
 ``token_s`` per token, ``token_vocab_s`` per output row x vocabulary column (the
 head's log-softmax or sampling), ``call_s`` per call and ``param_s`` per parameter
-(counted by the callers), ``collective_s`` per collective or message between ranks.
+(counted by the callers), ``collective_s`` per collective or message between ranks,
+``score_s`` per attention score of a whole-sequence pass (train, inference: ``rows x
+ctx`` per head and layer; the engines' attention masks and softmaxes the whole score
+matrix, which grows with the square of the length; generation is not counted: its
+prompts are short in the profile's probes, and a decode step scores one row).
 What a pass does, per kind (the runtime's code):
 
 * ``inference`` (``StageDecoder.score``) and ``train`` (the same forward under
@@ -34,14 +38,14 @@ from planner.profile import EngineCosts
 from planner.rates import Rates
 
 FIXED = ("call_s", "microbatch_s", "layer_s", "token_hidden_s", "token_vocab_s", "token_s",
-         "param_s", "collective_s")
+         "param_s", "collective_s", "score_s")
 #: the fixed costs the host pays (Python, kernel launches, per-row bookkeeping) ...
 HOST_FIXED = ("call_s", "microbatch_s", "layer_s", "token_s", "collective_s")
 #: ... and those that price device memory traffic (elementwise passes over activations,
 #: the head's log-softmax, the optimizer step): on a device that runs kernels
 #: asynchronously (``DeviceSpec.async_kernels``) these run on the device, beside the
 #: GEMMs, while the host goes on launching
-DEVICE_FIXED = ("token_hidden_s", "token_vocab_s", "param_s")
+DEVICE_FIXED = ("token_hidden_s", "token_vocab_s", "param_s", "score_s")
 
 
 @dataclass
@@ -135,7 +139,8 @@ def stage_pass(r: Rates, spec: ModelSpec, head: str, kind: str, rows: float, ctx
                 n_coll += 1
                 comm += r.collective_s("all_gather", out_rows * vocab * dt, tp, tp_nodes)
     w.seconds["tp_comm"] = comm
-    w.counts = {"microbatch_s": 1.0, "layer_s": float(layers),
+    scores = layers * heads * rows * ctx if kind in ("train", "inference") else 0.0
+    w.counts = {"microbatch_s": 1.0, "layer_s": float(layers), "score_s": float(scores),
                 "token_hidden_s": float(layers * rows * h), "token_s": float(rows),
                 "token_vocab_s": (float(out_rows * (vocab / tp if kind in ("train", "inference")
                                                     else vocab)) if last and lm else 0.0),

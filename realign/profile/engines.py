@@ -28,8 +28,10 @@ PROBE_MODELS = ((1, 32, 128), (3, 32, 128), (1, 128, 128), (3, 128, 128), (1, 12
 #: the probe model run over two workers, at each of these (tp, pp, dp)
 MULTI_MODEL = (2, 64, 128)
 MULTI_LAYOUTS = ((2, 1, 1), (1, 2, 1), (1, 1, 2))
-#: (sequences, tokens) of a scoring or training batch, and micro-batch counts
-SCORE_BATCHES = ((4, 8), (16, 32), (64, 16))
+#: (sequences, tokens) of a scoring or training batch, and micro-batch counts; the
+#: long one separates the attention scores' cost (the square of the length) from the
+#: per-token costs
+SCORE_BATCHES = ((4, 8), (16, 32), (64, 16), (4, 256))
 MICRO_BATCHES = (1, 2)
 #: (prompts, prompt tokens), generated tokens (1: the prefill alone), waves
 GEN_BATCHES = ((4, 8), (16, 16), (64, 8))
