@@ -113,10 +113,9 @@ class EngineCosts(_Frozen):
                                 "time: the ranks' skew and the waits it causes.")
     score_s: float = Field(0.0, ge=0, description="Per causal attention score (query x "
                            "earlier key x head x layer) of a whole-sequence pass (train, "
-                           "inference): the "
-                           "mask and softmax over the score matrix, which the attention's "
-                           "GEMM pricing leaves out; 0 where a fused kernel never writes the "
-                           "scores out (the analytic default).")
+                           "inference): the mask and softmax over the score matrix, which "
+                           "the attention's GEMM pricing leaves out; 0 where a fused kernel "
+                           "never writes the scores out (the analytic default).")
 
 
 def size_envelope(points) -> list[tuple[float, float]]:

@@ -9,6 +9,7 @@ import pytest
 from planner.cluster import ClusterSpec, resolve_device
 from planner.cost_config import CostModelConfig
 from planner.cost_model import CostModel
+from planner.graph import MFC
 from planner.layout import Layout
 from planner.mesh import DeviceMesh
 from planner.profile import EngineCosts, GemmGrid, ProfileTable
@@ -58,15 +59,12 @@ def test_cpu_fit_recovers_the_scores_cost_beside_the_others(kind):
 
 def test_a_pass_over_twice_the_length_pays_four_times_the_scores():
     cluster = ClusterSpec(n_nodes=1, gpus_per_node=1, device=resolve_device("cpu"))
-    only = EngineCosts(score_s=1e-9)
-    cm = CostModel(cluster, CostModelConfig(param_dtype_bytes=4, distributed_optimizer=False),
-                   BASE.model_copy(update={"engines": {"inference": only}}))
-    zero = CostModel(cluster, CostModelConfig(param_dtype_bytes=4, distributed_optimizer=False),
-                     BASE.model_copy(update={"engines": {"inference": EngineCosts()}}))
+    cfg = CostModelConfig(param_dtype_bytes=4, distributed_optimizer=False)
+    cm, zero = (CostModel(cluster, cfg, BASE.model_copy(update={"engines": {"inference": c}}))
+                for c in (EngineCosts(score_s=1e-9), EngineCosts()))
     spec = E.probe_spec(2, 64, 128)
 
     def scores_s(seq: int) -> float:
-        from planner.graph import MFC
         mfc = MFC(name="p", role="ref", kind="inference", n_seqs=4, prompt_len=seq, gen_len=0,
                   input_keys=("x",), output_keys=("y",))
         args = (mfc, spec, "lm", DeviceMesh(first_gpu=0, n_gpus=1), Layout(), 1)
