@@ -235,14 +235,17 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
                 train_micro_batches: int | None = None,
                 evaluation: EvalShape | None = None,
                 lengths: GenLengths | None = None, max_staleness: int = 0,
-                asynchronous: bool = False) -> DataflowGraph:
+                asynchronous: bool = False,
+                prompt_lengths: GenLengths | None = None) -> DataflowGraph:
     """The dataflow graph of ``algorithm`` for the configured model ``roles``.
     ``train_micro_batches``: every train call runs with exactly this many micro-batches
     (``train.micro_batches``); None lets the planner choose. ``evaluation``: the actor
     generates on held-out prompts after training, every ``evaluation.every`` steps.
     ``lengths``: the response-length distribution of every generate call (a recorded
     one); default: from ``shape.gen_len_mean``, or none (every response runs to
-    ``gen_len``). ``max_staleness``: the staleness bound the run enforces;
+    ``gen_len``). ``prompt_lengths``: the distribution of the training prompts'
+    lengths (``prompt_len`` is its cap); None: every prompt is ``prompt_len`` long.
+    ``max_staleness``: the staleness bound the run enforces;
     ``asynchronous`` (needs a bound of at least 1): rollout generation runs one step
     ahead of training, and the actor's current policy scores the rollout before it
     trains (:func:`_proximal`)."""
@@ -254,6 +257,9 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
                         field="algorithm.gen_len_mean")
     if lengths is None and shape.gen_len_mean is not None:
         lengths = GenLengths(max_len=shape.gen_len, mean=shape.gen_len_mean)
+    if prompt_lengths is not None and prompt_lengths.max_len != shape.prompt_len:
+        raise PlanError(f"the prompt lengths are capped at {prompt_lengths.max_len}, "
+                        f"prompt_len is {shape.prompt_len}", field="algorithm.prompt_len")
     spec = algorithm_spec(algorithm)
     missing = [r for r in spec.required_roles if r not in roles]
     if missing:
@@ -278,9 +284,8 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
                             "evaluate; remove the eval section", field="eval")
         calls += _evaluation(shape, evaluation, actor_train.output_keys[0])
         evaluations = EVALUATIONS
-    if lengths is not None:
-        calls = [m.model_copy(update={"lengths": lengths}) if m.kind == "generate" else m
-                 for m in calls]
+    if lengths is not None or prompt_lengths is not None:
+        calls = _with_lengths(calls, lengths, prompt_lengths)
     if asynchronous:
         if not spec.generates:
             raise PlanError(f"{algorithm} generates nothing, so it has nothing to run "
@@ -289,6 +294,27 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
     return DataflowGraph(algorithm=algorithm, mfcs=tuple(calls), rule_rewards=tuple(rules),
                          evaluations=evaluations, max_staleness=max_staleness,
                          ahead_steps=1 if asynchronous else 0)
+
+
+def _with_lengths(calls: list[MFC], lengths: GenLengths | None,
+                  prompt_lengths: GenLengths | None) -> list[MFC]:
+    """``lengths`` (responses) on every generate call, ``prompt_lengths`` on those
+    that read the training prompts, and both of a generate call's on every call that
+    scores or trains the sequences it generates (priced at the batch's padded
+    length: :mod:`planner.padding`)."""
+    made: dict[str, dict] = {}
+    out = []
+    for m in calls:
+        if m.kind == "generate":
+            update = {"lengths": lengths,
+                      "prompt_lengths": prompt_lengths if m.input_keys[0] == "prompts" else None}
+            made[m.output_keys[0]] = update
+            out.append(m.model_copy(update=update))
+        elif m.input_keys and m.input_keys[0] in made:
+            out.append(m.model_copy(update=made[m.input_keys[0]]))
+        else:
+            out.append(m)
+    return out
 
 
 #: The call that scores an asynchronous rollout with the actor's current policy.
@@ -303,6 +329,7 @@ def _proximal(calls: list[MFC]) -> list[MFC]:
     t = calls[i]
     prox = MFC(name=PROXIMAL_MFC, role="actor", kind="inference", n_seqs=t.n_seqs,
                prompt_len=t.prompt_len, gen_len=t.gen_len, input_keys=("seqs",),
-               output_keys=("prox_logprobs",))
+               output_keys=("prox_logprobs",), lengths=t.lengths,
+               prompt_lengths=t.prompt_lengths)
     trained = t.model_copy(update={"input_keys": t.input_keys + ("prox_logprobs",)})
     return calls[:i] + [prox, trained] + calls[i + 1:]

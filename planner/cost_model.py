@@ -23,6 +23,11 @@ slowest stage's pass plus its point-to-point send:
   the generation-length distribution (:mod:`planner.lengths`); then the output
   gathered over DP.
 
+A wave prefills its prompts padded to its longest, and inference and training of a
+rollout read its rows padded to the batch's longest: they are priced at the expected
+padded lengths (:mod:`planner.padding`), their memory at the caps ``prompt_len`` and
+``gen_len`` (a step may reach them).
+
 On a device that runs kernels asynchronously (``DeviceSpec.async_kernels``: GPUs) the
 host's fixed costs and the device's work of one stage pass overlap: the pass costs the
 longer of the two (:func:`planner.engine_terms.overlapped`); the per-call and per-step
@@ -56,6 +61,7 @@ from planner.layout import Layout, dp_groups, pp_groups, tp_groups
 from planner.lengths import expected_call_tokens
 from planner.mesh import DeviceMesh
 from planner.model_spec import ModelSpec
+from planner.padding import longest_prompt, padded_len
 from planner.profile import ProfileTable
 from planner.rates import Rates
 
@@ -258,7 +264,7 @@ class CostModel:
         pp, dp = layout.pp, layout.dp
         tpn, dpn, ppn = self._nodes(mesh, layout)
         n_local = mfc.n_seqs / dp
-        b, s = n_local / m, mfc.seq_len
+        b, s = n_local / m, padded_len(mfc)     # the batch padded to its longest
         costs = r.engine("inference")
         # per micro-batch and stage boundary: its hidden states to the next stage
         msg = _msg(r.collective_s("p2p", b * s * spec.hidden * dt, 2, ppn))
@@ -275,7 +281,7 @@ class CostModel:
         tp, pp, dp = layout.tp, layout.pp, layout.dp
         tpn, dpn, ppn = self._nodes(mesh, layout)
         steps = mfc.n_minibatches * mfc.n_epochs
-        b, s = mfc.n_seqs / mfc.n_minibatches / dp / m, mfc.seq_len
+        b, s = mfc.n_seqs / mfc.n_minibatches / dp / m, padded_len(mfc)
         costs = r.engine("train")
         # per micro-batch and stage boundary: activations forward, their gradients back
         msg = _msg(r.collective_s("p2p", b * s * spec.hidden * dt, 2, ppn), 2)
@@ -310,7 +316,7 @@ class CostModel:
         b = n_local / m                    # sequences per wave
         g = min(m, pp)                     # waves in flight together
         groups = math.ceil(m / g)          # groups of waves, one after another
-        P, h = mfc.prompt_len, spec.hidden
+        P, h = longest_prompt(mfc, b), spec.hidden     # a wave's prompts padded to its longest
         pre_c, dec_c = r.engine("prefill"), r.engine("decode")
         pre = self._stages(spec, head, "prefill", b * P, P / 2, b, layout, tpn,
                            _msg(r.collective_s("p2p", b * P * h * dt, 2, ppn)))

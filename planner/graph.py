@@ -50,8 +50,14 @@ class MFC(BaseModel):
     every: int = Field(1, gt=0, description="Runs every this many steps (an evaluation); "
                        "priced at 1/every of its time per step.")
     lengths: GenLengths | None = Field(None, description="generate: the distribution of a "
-                                       "response's length (gen_len is its cap); None: every "
-                                       "response runs to gen_len.")
+                                       "response's length (gen_len is its cap); inference, "
+                                       "train: that of the responses it reads, whose batch "
+                                       "is padded to its longest; None: every response runs "
+                                       "to gen_len.")
+    prompt_lengths: GenLengths | None = Field(
+        None, description="generate, and the calls that read its rollout: the distribution "
+        "of a prompt's length (prompt_len is its cap), read from the training data; None: "
+        "every prompt is prompt_len long.")
 
     @property
     def seq_len(self) -> int:

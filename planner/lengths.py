@@ -60,6 +60,10 @@ class GenLengths(BaseModel):
         """``p[x - 1]`` = probability that a response has ``x`` tokens."""
         return list(_pmf(self.max_len, self.mean, self.histogram))
 
+    def expected(self) -> float:
+        """The expected length (tokens)."""
+        return sum(x * p for x, p in enumerate(_pmf(self.max_len, self.mean, self.histogram), 1))
+
 
 @functools.lru_cache(maxsize=64)
 def _pmf(n: int, mean: float | None, histogram: tuple[tuple[int, float], ...]
@@ -123,6 +127,15 @@ def longest_moments(lengths: GenLengths, cap: int, rows: float, every: int = 1
     length a batch of generated sequences is padded to).
 
     Example: lengths always 3, cap 20: (3, 0) with every 1, (8, 0) with every 8."""
+    return _longest_moments(lengths, cap, float(rows), every)
+
+
+@functools.lru_cache(maxsize=256)
+def _longest_moments(lengths: GenLengths, cap: int, rows: float, every: int
+                     ) -> tuple[float, float]:
+    """:func:`longest_moments`, once per distribution and batch: the planner prices
+    every call that reads a rollout at its padded length, for every layout it tries
+    (a pure function of frozen values, so a cache is safe)."""
     p = lengths.pmf()            # on 1..max_len; a length past the cap stops at the cap
     b = max(1.0, rows)
     total, square, cdf, prev = 0.0, 0.0, 0.0, 0.0

@@ -73,14 +73,27 @@ def check_plan_matches(plan: ExecutionPlan, graph: DataflowGraph, models: dict[s
     if plan.cluster != cluster:
         raise PlanError(f"the plan is for the cluster {plan.cluster.describe()}; this "
                         f"experiment has {cluster.describe()}", field=field)
-    if plan.graph != graph:
-        raise PlanError(f"the plan is for another dataflow graph: {graph_diff(plan.graph, graph)}",
+    planned, wanted = executed(plan.graph), executed(graph)
+    if planned != wanted:
+        raise PlanError(f"the plan is for another dataflow graph: {graph_diff(planned, wanted)}",
                         field=field)
     for pm in plan.models:
         rm = models.get(pm.role)
         if rm is None or rm.spec.model_dump(exclude={"name"}) != pm.spec.model_dump(exclude={"name"}):
             raise PlanError(f"the plan's {pm.role} model differs from the experiment's",
                             field=field)
+
+
+#: MFC fields that only price a call (the length distributions); a plan priced with
+#: other ones runs the same calls
+PRICING_ONLY = ("lengths", "prompt_lengths")
+
+
+def executed(graph: DataflowGraph) -> DataflowGraph:
+    """``graph`` without what only prices it (:data:`PRICING_ONLY`): what a run executes."""
+    blank = dict.fromkeys(PRICING_ONLY)
+    return graph.model_copy(update={"mfcs": tuple(m.model_copy(update=blank)
+                                                  for m in graph.mfcs)})
 
 
 def graph_diff(planned: DataflowGraph, wanted: DataflowGraph) -> str:

@@ -1,6 +1,7 @@
 """Human and machine summaries of an :class:`ExecutionPlan` (table and JSON)."""
 from __future__ import annotations
 
+from planner.padding import padded_len
 from planner.plan import ExecutionPlan
 
 GIB = 2 ** 30
@@ -34,6 +35,7 @@ def summary(plan: ExecutionPlan) -> dict:
         "max_staleness": plan.graph.max_staleness,
         "modes": [m.model_dump() for m in plan.modes],
         "async_speedup": async_speedup(plan),
+        "lengths": priced_lengths(plan),
     }
 
 
@@ -99,6 +101,32 @@ def host_line(plan: ExecutionPlan) -> str | None:
     return out
 
 
+def priced_lengths(plan: ExecutionPlan) -> dict | None:
+    """The lengths the rollout is priced at (None: every prompt and response at its
+    cap): mean prompt and response, and the mean length its rows are padded to."""
+    gen = next((m for m in plan.graph.mfcs if m.kind == "generate"
+                and m.input_keys[0] == "prompts"), None)
+    if gen is None or (gen.lengths is None and gen.prompt_lengths is None):
+        return None
+    rows = gen.model_copy(update={"kind": "inference", "greedy": False})
+    return {"prompt_mean": gen.prompt_lengths.expected() if gen.prompt_lengths else gen.prompt_len,
+            "prompt_cap": gen.prompt_len,
+            "response_mean": gen.lengths.expected() if gen.lengths else gen.gen_len,
+            "response_cap": gen.gen_len, "rows": gen.n_seqs, "padded_mean": padded_len(rows)}
+
+
+def lengths_line(plan: ExecutionPlan) -> str | None:
+    """How long the rollout's prompts, responses and padded rows are priced (None: at
+    the caps)."""
+    x = priced_lengths(plan)
+    if x is None:
+        return None
+    return (f"lengths: prompts {x['prompt_mean']:.1f} tokens on average (cap "
+            f"{x['prompt_cap']}), responses {x['response_mean']:.1f} (cap {x['response_cap']}); "
+            f"a step's {x['rows']} rows padded to {x['padded_mean']:.1f} on average, where "
+            "scoring and training are priced")
+
+
 def table(plan: ExecutionPlan) -> str:
     """The plan as text. ``*`` marks estimates priced with a profile's rates, ``+off``
     a train call whose optimizer state is offloaded to host memory (Adam stepped there),
@@ -127,9 +155,9 @@ def table(plan: ExecutionPlan) -> str:
                 ("training state on the host between calls", a.train_state_offload)) if on)
             out.append(f"{a.mfc}: {what}, {a.host_bytes / GIB:.1f} GiB of host memory per GPU")
     out.append(sources_line(plan))
-    host = host_line(plan)
-    if host:
-        out.append(host)
+    for line in (host_line(plan), lengths_line(plan)):
+        if line:
+            out.append(line)
     out.append("")
     out.append(f"estimated iteration time: {plan.iteration_time_s:.3f} s   "
                f"(search: {plan.search.method}, {plan.search.search_time_s:.1f} s, "

@@ -12,8 +12,8 @@ after the other: the expected sum is the sum of the expectations, nothing to add
   itself: the call priced at its usual length against the same call one standard
   deviation of that length shorter. The generation's length is its slowest wave's
   (:func:`~planner.lengths.wave_token_moments`); a call that scores or trains the
-  rollout runs on sequences padded to the batch's longest response
-  (:func:`~planner.lengths.longest_moments`).
+  rollout runs on rows padded to the batch's longest
+  (:func:`~planner.padding.padded_moments`).
 * :func:`expected_max` is Clark's (1961) expectation of the larger of two independent
   normal variables: the simulator's end of an asynchronous step.
 """
@@ -23,9 +23,10 @@ import math
 
 from planner.graph import MFC, DataflowGraph
 from planner.layout import Layout
-from planner.lengths import longest_moments, wave_token_moments
+from planner.lengths import wave_token_moments
 from planner.mesh import DeviceMesh
 from planner.model_spec import ModelSpec
+from planner.padding import padded_moments
 
 SQRT2 = math.sqrt(2.0)
 SQRT_2PI = math.sqrt(2.0 * math.pi)
@@ -61,8 +62,8 @@ def call_time_sd(cost, graph: DataflowGraph, mfc: MFC, spec: ModelSpec, head: st
                  state_offload: bool = False) -> float:
     """Standard deviation, over steps, of one call of ``mfc`` (seconds): 0 outside an
     asynchronous graph whose rollout has a length distribution, and for a call that
-    neither generates that rollout nor reads its sequences (same ``prompt_len`` and
-    ``gen_len``: the batch padded to its longest response).
+    neither generates that rollout nor reads its sequences (a call that carries their
+    length distribution: the batch padded to its longest response).
 
     Example: lengths always 3 of a cap of 20: every wave stops at the first check,
     every batch is padded to 3 tokens: 0."""
@@ -70,8 +71,10 @@ def call_time_sd(cost, graph: DataflowGraph, mfc: MFC, spec: ModelSpec, head: st
     if rollout is None:
         return 0.0
 
-    def time_at(gen_len: int) -> float:
-        short = mfc.model_copy(update={"gen_len": gen_len, "lengths": None})
+    def time_at(tokens: int) -> float:      # generate: decoded; else the whole row
+        at = ({"gen_len": tokens} if mfc.kind == "generate"
+              else {"prompt_len": tokens, "gen_len": 0, "prompt_lengths": None})
+        short = mfc.model_copy(update={**at, "lengths": None})
         return cost.mfc_cost(short, spec, head, mesh, layout, micro_batches, offload,
                              state_offload).time_s
 
@@ -80,10 +83,10 @@ def call_time_sd(cost, graph: DataflowGraph, mfc: MFC, spec: ModelSpec, head: st
         groups = math.ceil(micro_batches / min(micro_batches, layout.pp))
         mean, var = wave_token_moments(mfc, rows * layout.dp if groups <= 1 else rows)
         mean, sd = round(mean), math.sqrt(var / max(1, groups))
-    elif (mfc.kind in ("train", "inference") and mfc.prompt_len == rollout.prompt_len
-          and mfc.gen_len == rollout.gen_len):
-        mean, var = longest_moments(rollout.lengths, rollout.gen_len, rollout.n_seqs)
-        mean, sd = mfc.gen_len, math.sqrt(var)      # priced at the cap: its slope there
+    elif mfc.kind in ("train", "inference") and (mfc.lengths is not None
+                                                 or mfc.prompt_lengths is not None):
+        mean, var = padded_moments(mfc)             # the batch padded to its longest row
+        mean, sd = round(mean), math.sqrt(var)
     else:
         return 0.0
     if sd <= 0.0 or mean <= 1:

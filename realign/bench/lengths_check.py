@@ -25,8 +25,7 @@ def planned(graph: DataflowGraph) -> dict | None:
     if gen.lengths is None:
         return {"cap": gen.gen_len, "mean": float(gen.gen_len), "at_cap": 1.0}
     pmf = gen.lengths.pmf()
-    return {"cap": gen.gen_len, "mean": sum((x + 1) * p for x, p in enumerate(pmf)),
-            "at_cap": pmf[-1]}
+    return {"cap": gen.gen_len, "mean": gen.lengths.expected(), "at_cap": pmf[-1]}
 
 
 def measured(runs: list[list[dict]], cap: int) -> dict | None:

@@ -44,14 +44,13 @@ def time_host_work(cfg: ExperimentConfig, base: Path) -> dict[str, float]:
     is 0 when the experiment scores with a reward model or generates nothing)."""
     from realign.data.datasets import load_dataset
     from realign.data.step_batch import step_batch
-    from realign.data.tokenizer import load_tokenizer, pad_id
+    from realign.data.tokenizer import model_tokenizer, pad_id
 
     role = "actor" if cfg.models.actor else "reward"
     ref = getattr(cfg.models, role)
     if ref is None or ref in model_presets():   # no tokenizer this host could run
         return {"batch_s": 0.0, "reward_s_per_seq": 0.0}
-    p = Path(ref) if Path(ref).is_absolute() else base / ref
-    tok = load_tokenizer(p if p.is_dir() else p.parent, field=f"models.{role}")
+    tok = model_tokenizer(ref, base, field=f"models.{role}")
     pad = pad_id(tok)
     data = load_dataset(cfg.data.train, tok, base)
     n = cfg.algorithm.prompts_per_step

@@ -1,14 +1,12 @@
 """From an experiment config to the planner's inputs, and to a searched plan."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from planner.algorithms import PROXIMAL_MFC, EvalShape, algorithm_spec, build_graph
 from planner.cost_config import CostModelConfig
 from planner.errors import InfeasibleError, PlanError
 from planner.graph import DataflowGraph
-from planner.lengths import GenLengths
 from planner.model_spec import model_presets, model_spec_from_hf_config
 from planner.plan import ExecutionPlan, ModeResult
 from planner.problem import RoleModel, head_of
@@ -16,6 +14,7 @@ from planner.profile import ProfileTable
 from planner.search import SearchSettings, search
 from realign.config.experiment import ExperimentConfig
 from realign.config.host_work import resolve_host_work
+from realign.config.lengths import data_prompt_lengths, recorded_lengths
 from realign.errors import UserError
 
 
@@ -94,12 +93,14 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
                      base: Path, asynchronous: bool = False) -> DataflowGraph:
     """The dataflow graph of the experiment: its algorithm, batch shape, model roles,
     fixed train micro-batch count (``train.micro_batches``), evaluation, the
-    generation lengths (``plan.lengths_from``, else ``algorithm.gen_len_mean``) and
-    its staleness bound; ``asynchronous``: generation one step ahead of training."""
+    generation lengths (``plan.lengths_from``, else ``algorithm.gen_len_mean``), the
+    training prompts' lengths (``data.train``) and its staleness bound;
+    ``asynchronous``: generation one step ahead of training."""
     return build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models),
                        train_micro_batches=cfg.train.micro_batches,
                        evaluation=eval_shape(cfg, base), lengths=recorded_lengths(cfg, base),
-                       max_staleness=cfg.algorithm.max_staleness, asynchronous=asynchronous)
+                       max_staleness=cfg.algorithm.max_staleness, asynchronous=asynchronous,
+                       prompt_lengths=data_prompt_lengths(cfg, base))
 
 
 def allows_async(cfg: ExperimentConfig) -> bool:
@@ -109,60 +110,6 @@ def allows_async(cfg: ExperimentConfig) -> bool:
         raise UserError(f"{cfg.algorithm.name} generates nothing, so nothing can run ahead "
                         "of training; leave max_staleness at 0", field="algorithm.max_staleness")
     return cfg.algorithm.max_staleness >= 1
-
-
-def recorded_lengths(cfg: ExperimentConfig, base: Path) -> GenLengths | None:
-    """The response-length distribution ``plan.lengths_from`` names: a previous run's
-    metrics.jsonl. Its steps' ``response_len_hist`` (every sampled response's length)
-    pooled into a histogram, lengths past this experiment's ``gen_len`` counted at
-    the cap; from a run that recorded only ``response_len`` (the step's mean), the mean
-    of those means. None when unset."""
-    if not cfg.plan.lengths_from:
-        return None
-    p = Path(cfg.plan.lengths_from)
-    p = p if p.is_absolute() else base / p
-    f = p / "metrics.jsonl" if p.is_dir() else p
-    field = "plan.lengths_from"
-    if not f.is_file():
-        raise PlanError(f"no metrics.jsonl at {str(f)!r} (give a run folder or its "
-                        "metrics.jsonl)", field=field)
-    gen_len = cfg.algorithm.gen_len
-    means: list[float] = []
-    counts: dict[int, float] = {}
-    for n, line in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise PlanError(f"{f} line {n} is not JSON", field=field) from None
-        if not isinstance(row, dict):
-            continue
-        v = row.get("response_len")
-        if isinstance(v, (int, float)) and v > 0:
-            means.append(float(v))
-        for length, count in _histogram_pairs(row.get("response_len_hist"), f, n):
-            at = min(max(length, 1), gen_len)
-            counts[at] = counts.get(at, 0.0) + count
-    if counts:
-        return GenLengths(max_len=gen_len, histogram=tuple(sorted(counts.items())))
-    if not means:
-        raise PlanError(f"{f} records no response_len (a run with a generate call writes "
-                        "one per step)", field=field)
-    return GenLengths(max_len=gen_len, mean=min(float(gen_len), sum(means) / len(means)))
-
-
-def _histogram_pairs(value, f: Path, line: int) -> list[tuple[int, float]]:
-    """A metrics row's ``response_len_hist`` as (length, count) pairs ([] when absent)."""
-    if value is None:
-        return []
-    ok = isinstance(value, list) and all(
-        isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) for x in p)
-        and p[1] >= 0 for p in value)
-    if not ok:
-        raise PlanError(f"{f} line {line}: response_len_hist must be [[length, count], ...] "
-                        "of whole numbers", field="plan.lengths_from")
-    return [(int(a), float(c)) for a, c in value]
 
 
 def load_profile(cfg: ExperimentConfig, base: Path) -> ProfileTable | None:

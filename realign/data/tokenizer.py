@@ -28,6 +28,13 @@ def load_tokenizer(folder: str | Path, field: str = "models.actor"):
         raise UserError(f"cannot load the tokenizer of {str(p)!r}: {e}", field=field) from None
 
 
+def model_tokenizer(ref: str, base: Path, field: str):
+    """:func:`load_tokenizer` of an experiment's model reference ``ref`` (a checkpoint
+    folder or a file in one, relative to the experiment's folder ``base``)."""
+    p = Path(ref) if Path(ref).is_absolute() else base / ref
+    return load_tokenizer(p if p.is_dir() else p.parent, field=field)
+
+
 def pad_id(tokenizer) -> int:
     """The id that fills padded positions: the tokenizer's pad token, else its end token
     (LLaMA tokenizers have no pad token). Padded positions are always masked by

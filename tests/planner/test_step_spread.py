@@ -70,16 +70,20 @@ def test_only_an_asynchronous_graph_with_varying_lengths_spreads():
 
 
 def test_a_call_on_the_rollout_spreads_by_the_padded_length():
-    # the training runs on the batch padded to its longest response: its spread is the
-    # call priced at the cap against one standard deviation of that length shorter
+    # the training runs on the batch padded to its longest row (prompt + response):
+    # its spread is the call priced at that length's mean against one standard
+    # deviation shorter
     spread = GenLengths(max_len=64, mean=16)
     g = graph(spread)
     m = g.mfc("actor.train")
     cost = CostModel(CPU2)
-    _, var = longest_moments(spread, 64, m.n_seqs)
-    short = m.model_copy(update={"gen_len": 64 - round(math.sqrt(var))})
-    by_hand = (cost.mfc_cost(m, TINY, "lm", ONE, L1, 1).time_s
-               - cost.mfc_cost(short, TINY, "lm", ONE, L1, 1).time_s)
+    mean, var = longest_moments(spread, 64, m.n_seqs)
+    rows = m.prompt_len + round(mean)
+
+    def at(n):
+        return m.model_copy(update={"prompt_len": n, "gen_len": 0, "lengths": None})
+    by_hand = (cost.mfc_cost(at(rows), TINY, "lm", ONE, L1, 1).time_s
+               - cost.mfc_cost(at(rows - round(math.sqrt(var))), TINY, "lm", ONE, L1, 1).time_s)
     assert sd(g, "actor.train") == pytest.approx(by_hand) and by_hand > 0
 
 

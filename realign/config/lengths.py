@@ -1,0 +1,99 @@
+"""The length distributions a plan prices: of the responses (a previous run's record,
+``plan.lengths_from``) and of the prompts (the training data's, ``data.train``).
+
+``algorithm.gen_len`` and ``algorithm.prompt_len`` are caps; the runtime pads a batch
+only to its longest row, so a plan prices the lengths the rows have
+(:mod:`planner.padding`)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from planner.algorithms import algorithm_spec
+from planner.errors import PlanError
+from planner.lengths import GenLengths
+from planner.model_spec import model_presets
+from realign.config.experiment import ExperimentConfig
+
+
+def data_prompt_lengths(cfg: ExperimentConfig, base: Path) -> GenLengths | None:
+    """The training prompts' token lengths (``data.train`` tokenized with the actor's
+    tokenizer, as the run reads it), each at most ``algorithm.prompt_len``, as a
+    histogram. None (every prompt priced at ``prompt_len``) when the algorithm
+    generates nothing, there is no prompt data, the actor is a preset (no tokenizer
+    here), or the data file is not on this machine (a plan made away from the data).
+
+    A file that is there but cannot be read is the :class:`UserError` the run would
+    raise."""
+    data = cfg.data
+    if (data is None or data.train.kind != "prompts" or cfg.models.actor is None
+            or cfg.models.actor in model_presets()
+            or not algorithm_spec(cfg.algorithm.name).generates):
+        return None
+    path = Path(data.train.path)
+    if not (path if path.is_absolute() else base / path).is_file():
+        return None
+    from realign.data.datasets import load_dataset
+    from realign.data.tokenizer import model_tokenizer
+
+    tok = model_tokenizer(cfg.models.actor, base, field="models.actor")
+    cap = cfg.algorithm.prompt_len
+    counts: dict[int, float] = {}
+    for e in load_dataset(data.train, tok, base, field="data.train").examples:
+        n = min(max(len(e.prompt_ids), 1), cap)
+        counts[n] = counts.get(n, 0.0) + 1.0
+    return GenLengths(max_len=cap, histogram=tuple(sorted(counts.items())))
+
+
+def recorded_lengths(cfg: ExperimentConfig, base: Path) -> GenLengths | None:
+    """The response-length distribution ``plan.lengths_from`` names: a previous run's
+    metrics.jsonl. Its steps' ``response_len_hist`` (every sampled response's length)
+    pooled into a histogram, lengths past this experiment's ``gen_len`` counted at
+    the cap; from a run that recorded only ``response_len`` (the step's mean), the mean
+    of those means. None when unset."""
+    if not cfg.plan.lengths_from:
+        return None
+    p = Path(cfg.plan.lengths_from)
+    p = p if p.is_absolute() else base / p
+    f = p / "metrics.jsonl" if p.is_dir() else p
+    field = "plan.lengths_from"
+    if not f.is_file():
+        raise PlanError(f"no metrics.jsonl at {str(f)!r} (give a run folder or its "
+                        "metrics.jsonl)", field=field)
+    gen_len = cfg.algorithm.gen_len
+    means: list[float] = []
+    counts: dict[int, float] = {}
+    for n, line in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise PlanError(f"{f} line {n} is not JSON", field=field) from None
+        if not isinstance(row, dict):
+            continue
+        v = row.get("response_len")
+        if isinstance(v, (int, float)) and v > 0:
+            means.append(float(v))
+        for length, count in _histogram_pairs(row.get("response_len_hist"), f, n):
+            at = min(max(length, 1), gen_len)
+            counts[at] = counts.get(at, 0.0) + count
+    if counts:
+        return GenLengths(max_len=gen_len, histogram=tuple(sorted(counts.items())))
+    if not means:
+        raise PlanError(f"{f} records no response_len (a run with a generate call writes "
+                        "one per step)", field=field)
+    return GenLengths(max_len=gen_len, mean=min(float(gen_len), sum(means) / len(means)))
+
+
+def _histogram_pairs(value, f: Path, line: int) -> list[tuple[int, float]]:
+    """A metrics row's ``response_len_hist`` as (length, count) pairs ([] when absent)."""
+    if value is None:
+        return []
+    ok = isinstance(value, list) and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) for x in p)
+        and p[1] >= 0 for p in value)
+    if not ok:
+        raise PlanError(f"{f} line {line}: response_len_hist must be [[length, count], ...] "
+                        "of whole numbers", field="plan.lengths_from")
+    return [(int(a), float(c)) for a, c in value]
