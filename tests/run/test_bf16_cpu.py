@@ -51,7 +51,7 @@ def kill_after(exp: Path, run_dir: Path, n_rows: int) -> None:
     while time.monotonic() < deadline:
         if m.exists() and len(m.read_text().splitlines()) >= n_rows:
             break
-        time.sleep(0.05)
+        time.sleep(0.01)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
 

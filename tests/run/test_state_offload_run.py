@@ -20,7 +20,7 @@ def test_training_state_offload_runs_resumes_and_changes_nothing(tiny_assets, tm
     plans = {}
     weights = {}
     for mode in ("never", "always"):
-        exp = experiment(tiny_assets, "tiny-ppo-cpu", tmp_path, run__steps=6,
+        exp = experiment(tiny_assets, "tiny-ppo-cpu", tmp_path, run__steps=12,
                          run__checkpoint_interval=3, plan__cost__train_state_offload=mode)
         r = run(exp, tmp_path / mode)
         assert r.returncode == 0, r.stderr[-3000:]
@@ -37,7 +37,9 @@ def test_training_state_offload_runs_resumes_and_changes_nothing(tiny_assets, tm
     whole, off = weights["never"], weights["always"]
     assert whole.keys() == off.keys() and all(torch.equal(whole[k], off[k]) for k in whole)
     cut = tmp_path / "cut"          # exp: the "always" copy, experiment() wrote it last
-    again = resumed_after_kill(exp, cut, 5, "step_000003")   # past the step-3 checkpoint
+    # past the step-3 checkpoint, 7 steps before the end (a kill after the last step
+    # would find a finished run, nothing to resume)
+    again = resumed_after_kill(exp, cut, 5, "step_000003")
     assert all(torch.equal(again[k], off[k]) for k in off)
     assert [row["reward_mean"] for row in rows(cut)] == [
         row["reward_mean"] for row in rows(tmp_path / "always")]
