@@ -73,7 +73,7 @@ def mean(xs) -> float:
 
 @pytest.mark.parametrize("zero1", [False, True])
 def test_bf16_grpo_learns_and_resumes_bit_identically(tiny_assets, tmp_path, zero1):
-    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, dtype="bf16", run__steps=10,
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, dtype="bf16", run__steps=14,
                      run__checkpoint_interval=5, train__distributed_optimizer=zero1)
     whole = tmp_path / "whole"
     r = run(exp, whole)
@@ -85,7 +85,8 @@ def test_bf16_grpo_learns_and_resumes_bit_identically(tiny_assets, tmp_path, zer
     config = json.loads((whole / "final" / "actor" / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16"
     cut = tmp_path / "cut"
-    again = resumed_after_kill(exp, cut, 7, "step_000005")   # past the step-5 checkpoint
+    # past the step-5 checkpoint, 7 steps before the end
+    again = resumed_after_kill(exp, cut, 7, "step_000005")
     assert again.keys() == weights.keys()
     assert all(torch.equal(again[k], weights[k]) for k in weights)
     assert [row["reward_mean"] for row in rows(cut)] == rewards

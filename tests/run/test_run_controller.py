@@ -78,7 +78,9 @@ def test_grpo_with_a_reference_model_scores_and_logs_the_kl(tiny_assets, tmp_pat
 
 
 def test_resume_after_sigkill_is_bit_identical(tiny_assets, tmp_path):
-    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=6,
+    # 12 steps, killed after 3: room to spare (a kill after the last step would find a
+    # finished run)
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=12,
                      run__checkpoint_interval=2)
     whole = tmp_path / "whole"
     assert run(exp, whole).returncode == 0
@@ -94,7 +96,7 @@ def test_resume_after_sigkill_is_bit_identical(tiny_assets, tmp_path):
     r = run(exp, cut)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from" in r.stdout
-    assert [row["step"] for row in metrics(cut)] == list(range(6))
+    assert [row["step"] for row in metrics(cut)] == list(range(12))
     a, b = final_weights(whole), final_weights(cut)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
