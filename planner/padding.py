@@ -43,7 +43,16 @@ def padded_moments(mfc: "MFC") -> tuple[float, float]:
     for a generate call, or one with neither distribution.
 
     Example: prompts of 5 always (cap 8), responses of 3 always (cap 20): (8, 0)."""
-    if mfc.kind == "generate" or (mfc.lengths is None and mfc.prompt_lengths is None):
+    if mfc.kind == "generate":
+        return float(mfc.seq_len), 0.0
+    return rollout_moments(mfc)
+
+
+def rollout_moments(mfc: "MFC") -> tuple[float, float]:
+    """Mean and variance of the length the ``n_seqs`` rows of the rollout whose length
+    distributions ``mfc`` carries (a generate call's own, or a call's that reads it)
+    are padded to; ``(prompt_len + gen_len, 0)`` with neither distribution."""
+    if mfc.lengths is None and mfc.prompt_lengths is None:
         return float(mfc.seq_len), 0.0
     return _padded_moments(mfc.prompt_lengths, mfc.prompt_len, mfc.lengths, mfc.gen_len,
                            float(mfc.n_seqs))

@@ -1,7 +1,7 @@
 """Human and machine summaries of an :class:`ExecutionPlan` (table and JSON)."""
 from __future__ import annotations
 
-from planner.padding import padded_len
+from planner.padding import rollout_moments
 from planner.plan import ExecutionPlan
 
 GIB = 2 ** 30
@@ -108,11 +108,11 @@ def priced_lengths(plan: ExecutionPlan) -> dict | None:
                 and m.input_keys[0] == "prompts"), None)
     if gen is None or (gen.lengths is None and gen.prompt_lengths is None):
         return None
-    rows = gen.model_copy(update={"kind": "inference", "greedy": False})
     return {"prompt_mean": gen.prompt_lengths.expected() if gen.prompt_lengths else gen.prompt_len,
             "prompt_cap": gen.prompt_len,
             "response_mean": gen.lengths.expected() if gen.lengths else gen.gen_len,
-            "response_cap": gen.gen_len, "rows": gen.n_seqs, "padded_mean": padded_len(rows)}
+            "response_cap": gen.gen_len, "rows": gen.n_seqs,
+            "padded_mean": rollout_moments(gen)[0]}
 
 
 def lengths_line(plan: ExecutionPlan) -> str | None:

@@ -7,6 +7,7 @@ from planner.algorithms import PROXIMAL_MFC, EvalShape, algorithm_spec, build_gr
 from planner.cost_config import CostModelConfig
 from planner.errors import InfeasibleError, PlanError
 from planner.graph import DataflowGraph
+from planner.lengths import GenLengths
 from planner.model_spec import model_presets, model_spec_from_hf_config
 from planner.plan import ExecutionPlan, ModeResult
 from planner.problem import RoleModel, head_of
@@ -89,18 +90,30 @@ def eval_shape(cfg: ExperimentConfig, base: Path) -> EvalShape | None:
 _NOT_SEARCH_SETTINGS = {"cost", "profile", "lengths_from", "file", "manual"}
 
 
+def graph_lengths(cfg: ExperimentConfig, base: Path
+                  ) -> tuple[GenLengths | None, GenLengths | None]:
+    """(response lengths, prompt lengths) the experiment's graph carries: a recorded
+    run's (``plan.lengths_from``) and the training data's (tokenized here, so a caller
+    that builds several graphs reads them once)."""
+    return recorded_lengths(cfg, base), data_prompt_lengths(cfg, base)
+
+
 def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
-                     base: Path, asynchronous: bool = False) -> DataflowGraph:
+                     base: Path, asynchronous: bool = False,
+                     lengths: tuple[GenLengths | None, GenLengths | None] | None = None
+                     ) -> DataflowGraph:
     """The dataflow graph of the experiment: its algorithm, batch shape, model roles,
     fixed train micro-batch count (``train.micro_batches``), evaluation, the
     generation lengths (``plan.lengths_from``, else ``algorithm.gen_len_mean``), the
     training prompts' lengths (``data.train``) and its staleness bound;
-    ``asynchronous``: generation one step ahead of training."""
+    ``asynchronous``: generation one step ahead of training; ``lengths``:
+    :func:`graph_lengths`, read already (None: read here)."""
+    responses, prompts = lengths if lengths is not None else graph_lengths(cfg, base)
     return build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models),
                        train_micro_batches=cfg.train.micro_batches,
-                       evaluation=eval_shape(cfg, base), lengths=recorded_lengths(cfg, base),
+                       evaluation=eval_shape(cfg, base), lengths=responses,
                        max_staleness=cfg.algorithm.max_staleness, asynchronous=asynchronous,
-                       prompt_lengths=data_prompt_lengths(cfg, base))
+                       prompt_lengths=prompts)
 
 
 def allows_async(cfg: ExperimentConfig) -> bool:
@@ -144,10 +157,13 @@ def plan_experiment(cfg: ExperimentConfig, base: Path,
 
 
 def plan_mode(cfg: ExperimentConfig, base: Path, asynchronous: bool,
-              overrides: dict | None = None) -> ExecutionPlan:
-    """The searched plan of one execution mode."""
+              overrides: dict | None = None,
+              lengths: tuple[GenLengths | None, GenLengths | None] | None = None
+              ) -> ExecutionPlan:
+    """The searched plan of one execution mode (``lengths``: :func:`graph_lengths`,
+    read already)."""
     models = resolve_models(cfg, base)
-    graph = experiment_graph(cfg, models, base, asynchronous)
+    graph = experiment_graph(cfg, models, base, asynchronous, lengths)
     return search(cfg.name, graph, models, cfg.cluster.spec(), cost_config(cfg, base),
                   load_profile(cfg, base), search_settings(cfg, overrides))
 
@@ -158,12 +174,13 @@ def both_modes(cfg: ExperimentConfig, base: Path, overrides: dict | None = None
     None when no plan of that mode fits."""
     settings = search_settings(cfg, overrides)
     cfg = with_host_work(cfg, base)          # timed once for both modes
+    lengths = graph_lengths(cfg, base)       # and the data read once
     half = {**(overrides or {}), "time_limit_s": settings.time_limit_s / 2}
     plans: list[ExecutionPlan | None] = []
     why = ""
     for asynchronous in (False, True):
         try:
-            plans.append(plan_mode(cfg, base, asynchronous, half))
+            plans.append(plan_mode(cfg, base, asynchronous, half, lengths))
         except InfeasibleError as e:
             plans.append(None)
             why = e.message
