@@ -202,6 +202,12 @@ def _fit_cluster(s: ProfileSettings) -> tuple[ClusterSpec, CostModelConfig]:
     return cluster, cfg
 
 
+#: beyond this relative error a probe weighs linearly in the engine fit (Huber): on a
+#: shared CPU a two-worker probe can run 2-3x slow now and then (gloo's ranks wait for
+#: a core); a least-squares fit let such a probe raise every fixed cost of its engine
+FIT_HUBER = 0.1
+
+
 def fit_engines(base: ProfileTable, s: ProfileSettings, kind: str, cases: list,
                 measured: list[float]) -> tuple[dict[str, EngineCosts], float, list[float]]:
     """The fixed costs of ``kind``'s engine(s) (generate: prefill and decode) that best
@@ -244,7 +250,8 @@ def fit_engines(base: ProfileTable, s: ProfileSettings, kind: str, cases: list,
         unit = price({**zero, k: zero[k].model_copy(update={f: 1.0})}, linear)
         cols.append([u - z for u, z in zip(unit, t0)])
     A = [[c[i] for c in cols] for i in range(len(cases))]
-    coef, rms = fit_relative(A, measured, [0.0] * len(cases) if overlap else t0)
+    coef, rms = fit_relative(A, measured, [0.0] * len(cases) if overlap else t0,
+                             huber=FIT_HUBER)
     costs = {k: zero[k].model_copy(update={f: c for (kk, f), c in zip(unknowns, coef) if kk == k})
              for k in kinds}
     if not overlap:

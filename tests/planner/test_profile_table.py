@@ -236,6 +236,21 @@ def test_fit_relative_rms_of_an_imperfect_fit():
     assert rms == approx(math.sqrt((0.2 ** 2 + 0.6 ** 2) / 2), rel=1e-9)
 
 
+def test_robust_fit_is_not_pulled_by_a_slowed_probe():
+    # time = 1e-3 calls + 2e-5 layers; the last probe ran 3x slow (a busy neighbour)
+    rows = [[1, 8], [2, 4], [1, 32], [4, 16], [3, 2], [2, 64], [1, 1], [5, 40]]
+    y = [1e-3 * a + 2e-5 * b for a, b in rows]
+    slowed = y[:-1] + [3 * y[-1]]
+    ls, _ = fit_relative(rows, slowed)
+    robust, rms = fit_relative(rows, slowed, huber=0.1)
+    assert robust == [approx(1e-3, rel=0.01), approx(2e-5, rel=0.01)]
+    assert abs(ls[0] / 1e-3 - 1) > 0.03                  # least squares moves 3.4 %
+    # the RMS is still over every point: the slowed one is 2/3 off
+    assert rms == approx(math.sqrt((2 / 3) ** 2 / len(rows)), rel=1e-2)
+    # without outliers the robust fit is the least-squares one
+    assert fit_relative(rows, y, huber=0.1)[0] == [approx(1e-3, rel=1e-9), approx(2e-5, rel=1e-9)]
+
+
 @pytest.mark.parametrize("op,n,factor", [("all_reduce", 4, 1.5), ("all_gather", 8, 7 / 8),
                                          ("broadcast", 8, 1.0), ("p2p", 2, 1.0)])
 def test_fit_collective_recovers_latency_and_bandwidth(op, n, factor):
