@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from planner.cluster import ClusterSpec
 from planner.cost_config import CostModelConfig
-from planner.engine_terms import Work, overlapped, stage_pass
+from planner.engine_terms import Work, lagged, overlapped, stage_pass
 from planner.graph import MFC
 from planner.layout import Layout, dp_groups, pp_groups, tp_groups
 from planner.lengths import expected_call_tokens
@@ -274,7 +274,7 @@ class CostModel:
             r.collective_s("all_gather", mfc.n_seqs * out_cols * 4, dp, dpn)
             + (r.collective_s("broadcast", n_local * out_cols * 4, pp, ppn) if pp > 1 else 0.0))},
             counts={"call_s": 1.0, "collective_s": float((dp > 1) + (pp > 1))})
-        return pipelined(stages, m, costs).add(call).terms(costs)
+        return lagged(pipelined(stages, m, costs).add(call), layout.world).terms(costs)
 
     def _train_terms(self, mfc, spec, head, mesh, layout, m, offload=False) -> dict[str, float]:
         r, cfg, dt = self.rates, self.config, self.config.param_dtype_bytes
@@ -306,7 +306,8 @@ class CostModel:
                                 "param_s": 0.0 if offload else shard})
         if offload:     # the host steps the shard instead of the GPU
             per_step.add(Work(seconds={"optimizer_offload": self.offload_step_s(shard)}))
-        return Work().add(pipelined(stages, m, costs).add(per_step), steps).terms(costs)
+        step = lagged(pipelined(stages, m, costs).add(per_step), layout.world)
+        return Work().add(step, steps).terms(costs)
 
     def _generate_terms(self, mfc, spec, head, mesh, layout, m) -> dict[str, float]:
         r, dt = self.rates, self.config.param_dtype_bytes
@@ -332,9 +333,11 @@ class CostModel:
         call = Work(seconds={"dp_comm": r.collective_s("all_gather", mfc.n_seqs * (2 * n + 1) * 8,
                                                        dp, dpn)},
                     counts={"call_s": 1.0, "collective_s": float(dp > 1)})
-        terms = {f"prefill_{k}": v for k, v in Work().add(
-            pipelined(pre, g, pre_c).add(alloc), groups).terms(pre_c).items()}
-        for k, v in Work().add(decode_iteration(dec, g, dec_c), groups * steps).terms(dec_c).items():
+        ranks = layout.world
+        terms = {f"prefill_{k}": v for k, v in lagged(Work().add(
+            pipelined(pre, g, pre_c).add(alloc), groups), ranks).terms(pre_c).items()}
+        for k, v in lagged(Work().add(decode_iteration(dec, g, dec_c), groups * steps),
+                           ranks).terms(dec_c).items():
             terms[f"decode_{k}"] = v
         for k, v in call.terms(pre_c).items():
             terms[k] = terms.get(k, 0.0) + v

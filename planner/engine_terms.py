@@ -15,7 +15,9 @@ head's log-softmax or sampling), ``call_s`` per call and ``param_s`` per paramet
 ``score_s`` per attention score of a whole-sequence pass (train, inference: ``rows x
 ctx`` per head and layer; the engines' attention masks and softmaxes the whole score
 matrix, which grows with the square of the length; generation is not counted: its
-prompts are short in the profile's probes, and a decode step scores one row).
+prompts are short in the profile's probes, and a decode step scores one row), and
+``lag`` per second of a call's GEMMs and attention when it spans several ranks (see
+:func:`lagged`).
 What a pass does, per kind (the runtime's code):
 
 * ``inference`` (``StageDecoder.score``) and ``train`` (the same forward under
@@ -31,21 +33,23 @@ What a pass does, per kind (the runtime's code):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from planner.model_spec import ModelSpec
 from planner.profile import EngineCosts
 from planner.rates import Rates
 
 FIXED = ("call_s", "microbatch_s", "layer_s", "token_hidden_s", "token_vocab_s", "token_s",
-         "param_s", "collective_s", "score_s")
+         "param_s", "collective_s", "score_s", "lag")
 #: the fixed costs the host pays (Python, kernel launches, per-row bookkeeping) ...
 HOST_FIXED = ("call_s", "microbatch_s", "layer_s", "token_s", "collective_s")
 #: ... and those that price device memory traffic (elementwise passes over activations,
 #: the head's log-softmax, the optimizer step): on a device that runs kernels
 #: asynchronously (``DeviceSpec.async_kernels``) these run on the device, beside the
 #: GEMMs, while the host goes on launching
-DEVICE_FIXED = ("token_hidden_s", "token_vocab_s", "param_s", "score_s")
+DEVICE_FIXED = ("token_hidden_s", "token_vocab_s", "param_s", "score_s", "lag")
 
 
 @dataclass
@@ -88,6 +92,48 @@ def overlapped(w: Work, costs: EngineCosts) -> Work:
     device = Work(seconds=dict(w.seconds),
                   counts={k: v for k, v in w.counts.items() if k not in HOST_FIXED})
     return host if host.total(costs) >= device.total(costs) else device
+
+
+@lru_cache(maxsize=None)
+def expected_max_normal(n: int) -> float:
+    """The expected largest of ``n`` independent standard normal variates (0 for one),
+    by the trapezoid rule over [-10, 10]: ``E = int x n phi(x) Phi(x)^(n-1) dx``.
+
+    Example: 2 -> 1/sqrt(pi) = 0.5642; 4 -> 1.0294; 8 -> 1.4236."""
+    if n <= 1:
+        return 0.0
+    steps, lo, hi = 4000, -10.0, 10.0
+    dx = (hi - lo) / steps
+    total = 0.0
+    for i in range(steps + 1):
+        x = lo + i * dx
+        pdf = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        total += (0.5 if i in (0, steps) else 1.0) * x * n * pdf * cdf ** (n - 1)
+    return total * dx
+
+
+def rank_lag(n: int) -> float:
+    """How far the slowest of ``n`` ranks lags, relative to 2 ranks (the profile's
+    measurement): if each rank's time wanders by the same normal spread, the call ends
+    with the largest of ``n`` draws. 0 for one rank.
+
+    Example: 2 -> 1; 4 -> 1.82; 8 -> 2.52."""
+    return expected_max_normal(n) / expected_max_normal(2) if n > 1 else 0.0
+
+
+def lagged(w: Work, ranks: int) -> Work:
+    """``w`` (a call's or an optimizer step's work on one rank) with its ``lag`` count:
+    its priced GEMM and attention seconds, scaled by :func:`rank_lag` of the ``ranks``
+    that must all finish (the call returns, or the next collective proceeds, when the
+    slowest has). Nothing for one rank.
+
+    Example: 0.04 s of GEMMs on 2 ranks, ``lag`` 0.1: 0.004 s more."""
+    scale = rank_lag(ranks)
+    if scale > 0:
+        work = sum(v for k, v in w.seconds.items() if k in ("gemm", "attention"))
+        w.counts["lag"] = w.counts.get("lag", 0.0) + scale * work
+    return w
 
 
 def layer_gemms(spec: ModelSpec, tp: int) -> list[tuple[float, float]]:

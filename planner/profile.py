@@ -111,6 +111,11 @@ class EngineCosts(_Frozen):
     collective_s: float = Field(0.0, ge=0, description="Per collective or point-to-point "
                                 "message between the ranks of a call, beyond its measured "
                                 "time: the ranks' skew and the waits it causes.")
+    lag: float = Field(0.0, ge=0, description="Per second of a call's priced work (GEMMs, "
+                       "attention) when it runs on 2 ranks: how much later than the others "
+                       "its slowest rank finishes, which the call waits for (every rank's "
+                       "speed wanders: a shared core, a late wake-up); on n ranks scaled "
+                       "by planner.engine_terms.rank_lag. Unitless.")
     score_s: float = Field(0.0, ge=0, description="Per causal attention score (query x "
                            "earlier key x head x layer) of a whole-sequence pass (train, "
                            "inference): the mask and softmax over the score matrix, which "

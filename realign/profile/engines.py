@@ -25,8 +25,9 @@ from realign.profile.micro import device_of, sync
 #: KV head, FFN twice the width
 PROBE_MODELS = ((1, 32, 128), (3, 32, 128), (1, 128, 128), (3, 128, 128), (1, 128, 1024),
                 (2, 256, 128))
-#: the probe model run over two workers, at each of these (tp, pp, dp)
-MULTI_MODEL = (2, 64, 128)
+#: the probe models run over two workers, at each of these (tp, pp, dp): a small one
+#: (its collectives' fixed costs) and one whose arithmetic dominates (its ranks' lag)
+MULTI_MODELS = ((2, 64, 128), (2, 256, 128))
 MULTI_LAYOUTS = ((2, 1, 1), (1, 2, 1), (1, 1, 2))
 #: (sequences, tokens) of a scoring or training batch, and micro-batch counts; the
 #: long one separates the attention scores' cost (the square of the length) from the

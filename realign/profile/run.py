@@ -166,14 +166,15 @@ def profile_machine(settings: ProfileSettings, out=sys.stderr) -> ProfileTable:
 def _probes(workers: int, device: str = "cpu") -> dict[str, list[tuple[str, tuple, tuple]]]:
     """kind -> [(function, its args, (probe model, layout, MFC, micro-batches))]: every
     probe model on each worker alone (on cuda also :data:`~realign.profile.engines.
-    GPU_PROBE_MODELS`), and the multi-rank probe model alone (its one-device baseline)
-    and over two workers at TP2, PP2 and DP2."""
+    GPU_PROBE_MODELS`), and the multi-rank probe models (:data:`~realign.profile.
+    engines.MULTI_MODELS`) alone (their one-device baselines) and over two workers at
+    TP2, PP2 and DP2."""
     out: dict[str, list] = {"inference": [], "train": [], "generate": []}
     gpu = device == "cuda"
-    setups = [(dims, (1, 1, 1)) for dims in E.PROBE_MODELS + (E.MULTI_MODEL,)
-              + (E.GPU_PROBE_MODELS if gpu else ())]
+    setups = [(dims, (1, 1, 1)) for dims in dict.fromkeys(
+        E.PROBE_MODELS + E.MULTI_MODELS + (E.GPU_PROBE_MODELS if gpu else ()))]
     if workers >= 2:
-        setups += [(E.MULTI_MODEL, lay) for lay in E.MULTI_LAYOUTS]
+        setups += [(dims, lay) for dims in E.MULTI_MODELS for lay in E.MULTI_LAYOUTS]
     for dims, lay in setups:
         for b, n in E.SCORE_BATCHES:
             for m in E.MICRO_BATCHES:

@@ -164,6 +164,31 @@ def test_inference_dp2_gathers_the_values():
 
 # ---- train -----------------------------------------------------------------------------
 
+def test_a_call_on_several_ranks_waits_for_the_slowest():
+    # lag 0.5: on 2 ranks half the call's GEMM and attention seconds more (in "fixed");
+    # on one rank nothing
+    lag = EngineCosts(lag=0.5)
+    for kind, layout, n in (("inference", Layout(dp=2), 2), ("train", Layout(tp=2), 2),
+                            ("inference", Layout(), 1)):
+        base = cost_model(engines={kind: EngineCosts()}).mfc_cost(
+            mfc(kind), TOY, "lm", mesh(n), layout, 1).terms_s
+        got = cost_model(engines={kind: lag}).mfc_cost(
+            mfc(kind), TOY, "lm", mesh(n), layout, 1).terms_s
+        work = base["gemm"] + base["attention"]
+        assert got["fixed"] - base["fixed"] == approx(0.5 * work if n > 1 else 0.0), kind
+    # generation: the prefill's and the decode's own lag, each on its own work
+    gen = {"prefill": EngineCosts(lag=0.5), "decode": EngineCosts(lag=0.25)}
+    base = cost_model(engines={"prefill": EngineCosts(), "decode": EngineCosts()}).mfc_cost(
+        mfc("generate"), TOY, "lm", mesh(4), Layout(dp=4), 1).terms_s
+    got = cost_model(engines=gen).mfc_cost(mfc("generate"), TOY, "lm", mesh(4), Layout(dp=4),
+                                           1).terms_s
+    scale = 1.0293754 / 0.5641896                  # 4 ranks against 2
+    for part, c in (("prefill", 0.5), ("decode", 0.25)):
+        work = base[f"{part}_gemm"] + base[f"{part}_attention"]
+        assert got[f"{part}_fixed"] - base[f"{part}_fixed"] == pytest.approx(c * scale * work,
+                                                                             rel=1e-5)
+
+
 def test_train_one_gpu_steps_and_optimizer():
     m = mfc("train", minibatches=2, epochs=2)      # 4 optimizer steps of 4 sequences
     c = cost_model().mfc_cost(m, TOY, "lm", mesh(1), Layout(), 1)

@@ -16,12 +16,14 @@ every efficiency 1 and no width curve. Toy model, counted by hand:
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from planner.cluster import ClusterSpec, DeviceSpec
 from planner.cost_config import CostModelConfig
 from planner.cost_model import decode_iteration, pipelined
-from planner.engine_terms import Work, layer_gemms, stage_pass
+from planner.engine_terms import Work, expected_max_normal, lagged, layer_gemms, rank_lag, stage_pass
 from planner.model_spec import ModelSpec
 from planner.profile import EngineCosts
 from planner.rates import Rates
@@ -178,3 +180,28 @@ def test_decode_step_is_one_crossing_or_g_passes_of_the_slowest():
     # equal stages (4 of them): 2 waves still wait for the 4-stage crossing
     assert decode_iteration([(a, 4)], 2, COSTS).seconds == {"gemm": 4.0}
     assert decode_iteration([(a, 4)], 4, COSTS).seconds == {"gemm": 4.0}
+
+
+# ---- the ranks' lag ---------------------------------------------------------------------
+
+def test_expected_max_of_normals_by_hand():
+    # 2: E max(X, Y) = E|X - Y| / 2 = 1/sqrt(pi); 3: 3/(2 sqrt(pi)); 4: a table's 1.02938
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)
+    assert expected_max_normal(3) == pytest.approx(3 / (2 * math.sqrt(math.pi)), rel=1e-6)
+    assert expected_max_normal(4) == pytest.approx(1.029375, rel=1e-5)
+    assert rank_lag(1) == 0.0 and rank_lag(2) == pytest.approx(1.0)
+    assert rank_lag(3) == pytest.approx(1.5, rel=1e-6)
+    assert rank_lag(8) > rank_lag(4) > rank_lag(2)
+
+
+def test_lagged_counts_the_gemm_and_attention_seconds_of_several_ranks():
+    w = Work(seconds={"gemm": 0.03, "attention": 0.01, "tp_comm": 0.5, "dp_comm": 0.2},
+             counts={"layer_s": 4.0})
+    assert "lag" not in lagged(Work(seconds=dict(w.seconds)), 1).counts
+    two = lagged(Work(seconds=dict(w.seconds), counts=dict(w.counts)), 2)
+    assert two.counts == {"layer_s": 4.0, "lag": approx(0.04)}
+    # priced: lag 0.1 per second of work -> 4 ms more on 2 ranks, 1.5x that on 3
+    assert two.total(EngineCosts(lag=0.1)) - 0.74 == pytest.approx(0.004)
+    three = lagged(Work(seconds=dict(w.seconds)), 3)
+    assert three.counts["lag"] == pytest.approx(0.06, rel=1e-6)
