@@ -169,7 +169,7 @@ class CostModel:
                 again = stage_pass(r, spec, head, "inference", rows, ctx, 0.0, tp, layers,
                                    False, False, tp_nodes)
                 again.counts = {k: v for k, v in again.counts.items()
-                                if k in ("layer_s", "collective_s")}
+                                if k in ("layer_s", "collective_s", "kernel_extra")}
                 w.add(again)
             if not last:
                 w.add(msg)

@@ -42,14 +42,14 @@ from planner.profile import EngineCosts
 from planner.rates import Rates
 
 FIXED = ("call_s", "microbatch_s", "layer_s", "token_hidden_s", "token_vocab_s", "token_s",
-         "param_s", "collective_s", "score_s", "lag")
+         "param_s", "collective_s", "score_s", "kernel_extra", "lag")
 #: the fixed costs the host pays (Python, kernel launches, per-row bookkeeping) ...
 HOST_FIXED = ("call_s", "microbatch_s", "layer_s", "token_s", "collective_s")
 #: ... and those that price device memory traffic (elementwise passes over activations,
 #: the head's log-softmax, the optimizer step): on a device that runs kernels
 #: asynchronously (``DeviceSpec.async_kernels``) these run on the device, beside the
 #: GEMMs, while the host goes on launching
-DEVICE_FIXED = ("token_hidden_s", "token_vocab_s", "param_s", "score_s", "lag")
+DEVICE_FIXED = ("token_hidden_s", "token_vocab_s", "param_s", "score_s", "kernel_extra", "lag")
 
 
 @dataclass
@@ -190,7 +190,7 @@ def stage_pass(r: Rates, spec: ModelSpec, head: str, kind: str, rows: float, ctx
                 "token_hidden_s": float(layers * rows * h), "token_s": float(rows),
                 "token_vocab_s": (float(out_rows * (vocab / tp if kind in ("train", "inference")
                                                     else vocab)) if last and lm else 0.0),
-                "collective_s": float(n_coll)}
+                "collective_s": float(n_coll), "kernel_extra": gemm + att}
     return w
 
 

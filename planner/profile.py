@@ -111,6 +111,12 @@ class EngineCosts(_Frozen):
     collective_s: float = Field(0.0, ge=0, description="Per collective or point-to-point "
                                 "message between the ranks of a call, beyond its measured "
                                 "time: the ranks' skew and the waits it causes.")
+    kernel_extra: float = Field(0.0, ge=0, description="Per second of priced GEMM and "
+                                "attention work: how much longer the engine's kernels take "
+                                "inside a model pass than the profile's GEMM grid times them "
+                                "alone (weights and activations evicted by the other layers, "
+                                "shapes besides the grid's squares, the attention kernel's "
+                                "per-head overhead). Unitless.")
     lag: float = Field(0.0, ge=0, description="Per second of a call's priced work (GEMMs, "
                        "attention) when it runs on 2 ranks: how much later than the others "
                        "its slowest rank finishes, which the call waits for (every rank's "

@@ -164,6 +164,16 @@ def test_inference_dp2_gathers_the_values():
 
 # ---- train -----------------------------------------------------------------------------
 
+def test_kernels_slower_in_a_pass_than_alone_cost_a_fraction_more():
+    # kernel_extra 0.25: a quarter of the GEMM and attention seconds more, in "fixed"
+    for kind in ("inference", "train"):
+        base = cost_model(engines={kind: EngineCosts()}).mfc_cost(
+            mfc(kind), TOY, "lm", mesh(1), Layout(), 2).terms_s
+        got = cost_model(engines={kind: EngineCosts(kernel_extra=0.25)}).mfc_cost(
+            mfc(kind), TOY, "lm", mesh(1), Layout(), 2).terms_s
+        assert got["fixed"] - base["fixed"] == approx(0.25 * (base["gemm"] + base["attention"]))
+
+
 def test_a_call_on_several_ranks_waits_for_the_slowest():
     # lag 0.5: on 2 ranks half the call's GEMM and attention seconds more (in "fixed");
     # on one rank nothing

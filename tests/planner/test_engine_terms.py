@@ -83,9 +83,11 @@ def test_inference_whole_model_on_one_gpu():
     assert w.seconds["attention"] == approx(4 * 4 * 2 * (2 * 96 * 16 * 24) / R)
     assert w.seconds["tp_comm"] == 0.0
     # the causal scores each head masks and softmaxes: 96 queries x 24 keys on average
+    # and the kernels' extra time per second of GEMMs and attention
     assert w.counts == {"microbatch_s": 1, "layer_s": 4, "token_hidden_s": 4 * 96 * 64,
                         "token_s": 96, "token_vocab_s": 96 * 128, "collective_s": 0,
-                        "score_s": 4 * 4 * 96 * 24}
+                        "score_s": 4 * 4 * 96 * 24,
+                        "kernel_extra": approx(w.seconds["gemm"] + w.seconds["attention"])}
 
 
 def test_train_tp2_counts_four_all_reduces_per_layer_and_the_heads():
@@ -112,7 +114,8 @@ def test_prefill_last_stage_gathers_the_newest_logits():
                                           + (0.5 * 2 * 128 * 2 / B_INTRA + LAT_INTRA))
     assert w.counts == {"microbatch_s": 1, "layer_s": 2, "token_hidden_s": 2 * 32 * 64,
                         "token_s": 32, "token_vocab_s": 2 * 128, "collective_s": 5,
-                        "score_s": 0}        # generation's scores are not counted
+                        "score_s": 0,        # generation's scores are not counted
+                        "kernel_extra": approx(w.seconds["gemm"] + w.seconds["attention"])}
 
 
 def test_decode_reads_its_kv_cache_and_streams_its_weights():
@@ -128,7 +131,8 @@ def test_decode_reads_its_kv_cache_and_streams_its_weights():
     assert cache > gemms
     assert w.seconds["attention"] == approx(cache)
     assert w.counts == {"microbatch_s": 1, "layer_s": 2, "token_hidden_s": 2 * 4 * 64,
-                        "token_s": 4, "token_vocab_s": 0, "collective_s": 0, "score_s": 0}
+                        "token_s": 4, "token_vocab_s": 0, "collective_s": 0, "score_s": 0,
+                        "kernel_extra": approx(w.seconds["gemm"] + w.seconds["attention"])}
 
 
 def test_value_head_is_one_memory_bound_column():
