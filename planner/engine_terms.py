@@ -33,9 +33,9 @@ What a pass does, per kind (the runtime's code):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from statistics import NormalDist
 
 from planner.model_spec import ModelSpec
 from planner.profile import EngineCosts
@@ -102,14 +102,13 @@ def expected_max_normal(n: int) -> float:
     Example: 2 -> 1/sqrt(pi) = 0.5642; 4 -> 1.0294; 8 -> 1.4236."""
     if n <= 1:
         return 0.0
-    steps, lo, hi = 4000, -10.0, 10.0
+    normal, steps, lo, hi = NormalDist(), 4000, -10.0, 10.0
     dx = (hi - lo) / steps
     total = 0.0
     for i in range(steps + 1):
         x = lo + i * dx
-        pdf = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
-        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
-        total += (0.5 if i in (0, steps) else 1.0) * x * n * pdf * cdf ** (n - 1)
+        total += ((0.5 if i in (0, steps) else 1.0)
+                  * x * n * normal.pdf(x) * normal.cdf(x) ** (n - 1))
     return total * dx
 
 

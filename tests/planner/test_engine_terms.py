@@ -205,7 +205,8 @@ def test_lagged_counts_the_gemm_and_attention_seconds_of_several_ranks():
     assert "lag" not in lagged(Work(seconds=dict(w.seconds)), 1).counts
     two = lagged(Work(seconds=dict(w.seconds), counts=dict(w.counts)), 2)
     assert two.counts == {"layer_s": 4.0, "lag": approx(0.04)}
-    # priced: lag 0.1 per second of work -> 4 ms more on 2 ranks, 1.5x that on 3
+    # priced: lag 0.1 per second of work -> 4 ms more on 2 ranks
     assert two.total(EngineCosts(lag=0.1)) - 0.74 == pytest.approx(0.004)
+    # on 3 ranks 1.5x the count (E max of 3 normals / E max of 2)
     three = lagged(Work(seconds=dict(w.seconds)), 3)
     assert three.counts["lag"] == pytest.approx(0.06, rel=1e-6)
