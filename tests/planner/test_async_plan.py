@@ -129,3 +129,26 @@ def test_plan_shows_both_modes_with_the_speedup():
     only = compare_modes(None, asyn)
     assert only.asynchronous and only.modes[0].iteration_time_s is None
     assert "does not fit" in table(only)
+
+
+def test_one_sequence_mini_batches_keep_the_synchronous_training_off_data_parallel():
+    """tiny-reason-fine-async-cpu's case: 8 rows trained in 8 mini-batches of one row
+    cannot be split over two data-parallel ranks, so the synchronous plan trains on one
+    data-parallel rank (on one device, or tensor- or pipeline-parallel where the rates
+    make that pay); the asynchronous plan gives a device the next step's generation."""
+    settings = SearchSettings(time_limit_s=10)
+
+    def train_dp(minibatches, asynchronous=False):
+        shape = BatchShape(prompts_per_step=2, samples_per_prompt=4, prompt_len=8,
+                           gen_len=64, ppo_minibatches=minibatches)
+        plan = search("t", build_graph("grpo", shape, {"actor"}, max_staleness=1,
+                                       asynchronous=asynchronous),
+                      models("actor"), CPU2, settings=settings)
+        return plan.allocation("actor.train").layout.dp, plan
+
+    dp, sync = train_dp(8)
+    assert dp == 1 and sync.allocation("actor.generate").layout.dp == 2
+    _, asyn = train_dp(8, asynchronous=True)
+    assert asyn.asynchronous and asyn.iteration_time_s < sync.iteration_time_s
+    # mini-batches of two rows do split over both ranks
+    assert train_dp(4)[0] == 2
