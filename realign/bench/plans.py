@@ -274,9 +274,8 @@ def emit(args: argparse.Namespace, record: dict, render, table) -> None:
 def _environment() -> dict:
     import platform
 
-    from realign.bench.step import _environment as env
-    from realign.bench.step import _load
-    return {**env(), "load_at_end": _load(), "platform": platform.platform()}
+    from realign.bench.machine import environment, load_snapshot
+    return {**environment(), "load_at_end": load_snapshot(), "platform": platform.platform()}
 
 
 def _f(v, fmt: str) -> str:

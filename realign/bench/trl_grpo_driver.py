@@ -1,7 +1,8 @@
 """TRL's ``GRPOTrainer`` on a realign experiment's settings, timed per step.
 
-Run by :mod:`realign.bench.step` with the benchmark environment's interpreter
-(``.venv-bench/bin/python``, ``make bench-env``), as a script::
+Run by :mod:`realign.bench.trl_peer` (for ``realign bench step``) with the benchmark
+environment's interpreter (``.venv-bench/bin/python``, ``make bench-env``), as a
+script::
 
     python trl_grpo_driver.py CONFIG.json RESULT.json
 

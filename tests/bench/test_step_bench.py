@@ -56,7 +56,7 @@ def test_missing_bench_env_says_make_bench_env(tmp_path):
 
 @pytest.mark.pure
 def test_steal_fraction_between_two_snapshots():
-    from realign.bench.step import steal_fraction
+    from realign.bench.machine import steal_fraction
     before = {"cpu_ticks": {"total": 100, "steal": 5}}
     assert steal_fraction(before, {"cpu_ticks": {"total": 300, "steal": 25}}) == pytest.approx(0.1)
     assert steal_fraction(before, {"cpu_ticks": None}) is None
@@ -65,10 +65,24 @@ def test_steal_fraction_between_two_snapshots():
 
 @pytest.mark.pure
 def test_clean_rounds_are_those_the_host_stole_little_from():
-    from realign.bench.step import clean_rounds
+    from realign.bench.machine import clean_rounds
     rounds = [{"steal_fraction": {"realign": 0.01, "trl_same-work": 0.0}},
               {"steal_fraction": {"realign": 0.0, "trl_same-work": 0.09}},     # TRL disturbed
               {"steal_fraction": {"realign": 0.05, "trl_same-work": 0.0}},     # realign disturbed
               {"steal_fraction": {"realign": None, "trl_same-work": 0.02}}]    # unknown, at limit
     assert clean_rounds(rounds) == [0, 3]
     assert clean_rounds(rounds, limit=0.1) == [0, 1, 2, 3]
+
+
+@pytest.mark.pure
+def test_the_table_reads_a_recorded_comparison_without_a_target():
+    """A record states the measured ratio; the target lives in the issue, not in the code."""
+    import json
+
+    from realign.bench import step
+    rec = json.loads((REPO / "benchmarks" / "results" / "step_tiny_grpo.json").read_text())
+    c = rec["summary"]["comparison"]
+    text = step._table(rec)
+    ratio = c["tokens_per_s_ratio_clean"][c["headline_variant"]]
+    assert f"realign/TRL {c['headline_variant']} = {ratio:.2f}x" in text
+    assert "target" not in text
