@@ -46,4 +46,12 @@ def wait_for_rows(run_dir: Path, n: int, timeout_s: float = 240) -> None:
     while time.monotonic() < deadline:
         if m.exists() and m.read_text().count("\n") >= n:
             return
-        time.sleep(0.05)
+        time.sleep(0.01)      # a tiny step takes ~10 ms: kill close to the n-th row
+
+
+def sealed_checkpoints(run_dir: Path) -> list[str]:
+    """Names of a run's sealed checkpoints, oldest first. A kill lands some steps after
+    the row a test waited for, and a run keeps only its newest checkpoints
+    (``checkpoint.KEEP_LAST``), so a test asserts on these, not on one step's."""
+    return sorted(d.name for d in (run_dir / "checkpoints").glob("step_*")
+                  if d.suffix != ".tmp" and (d / "manifest.json").is_file())

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.run.conftest import experiment, wait_for_rows
+from tests.run.conftest import experiment, sealed_checkpoints, wait_for_rows
 from tests.run.test_run_controller import REALIGN, final_weights, kill_a_worker, metrics, run
 
 pytestmark = pytest.mark.cpu_dist
@@ -32,14 +32,14 @@ def async_experiment(assets, tmp, **changes):
 
 
 def test_async_run_trains_on_stale_samples_and_resumes_bit_identically(tiny_assets, tmp_path):
-    exp = async_experiment(tiny_assets, tmp_path, run__steps=6, run__checkpoint_interval=2)
+    exp = async_experiment(tiny_assets, tmp_path, run__steps=12, run__checkpoint_interval=2)
     whole = tmp_path / "whole"
     r = run(exp, whole)
     assert r.returncode == 0, r.stderr[-3000:]
     plan = json.loads((whole / "plan.json").read_text())
     assert plan["graph"]["ahead_steps"] == 1
     rows = metrics(whole)
-    assert [row["step"] for row in rows] == list(range(6))
+    assert [row["step"] for row in rows] == list(range(12))
     # step 0 trains on its own rollout (made first), every later step on the one the
     # previous step generated while it trained: one version stale, never more
     assert rows[0]["actor.staleness"] == 0.0
@@ -56,13 +56,20 @@ def test_async_run_trains_on_stale_samples_and_resumes_bit_identically(tiny_asse
     wait_for_rows(cut, 3)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
-    manifest = json.loads((cut / "checkpoints" / "step_000002" / "manifest.json").read_text())
-    assert manifest["in_flight_ranks"] == [0]          # GPU 0 holds step 2's rollout
-    state = torch.load(cut / "checkpoints" / "step_000002" / "rank0.pt", weights_only=False)
-    assert int(state["in_flight"]["records"]["seqs"]["policy_version"][0]) == 1
+    # the newest checkpoint before the kill (a few steps after the third row)
+    sealed = sealed_checkpoints(cut)
+    assert sealed, "no sealed checkpoint before the kill"
+    newest = cut / "checkpoints" / sealed[-1]
+    done = json.loads((newest / "manifest.json").read_text())["steps"]
+    assert 2 <= done < 12, sealed                       # the run was cut before its end
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert manifest["in_flight_ranks"] == [0]          # GPU 0 holds the next step's rollout
+    state = torch.load(newest / "rank0.pt", weights_only=False)
+    # generated ahead during step done - 1, by the policy that step's weights were
+    assert int(state["in_flight"]["records"]["seqs"]["policy_version"][0]) == done - 1
     r = run(exp, cut)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming from" in r.stdout
+    assert "resuming from" in r.stdout and sealed[-1] in r.stdout, r.stdout
     a, b = final_weights(whole), final_weights(cut)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for key in ("reward_mean", "actor.staleness", "actor.behave_weight", "response_len"):

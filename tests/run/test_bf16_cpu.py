@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.run.conftest import experiment
+from tests.run.conftest import experiment, sealed_checkpoints
 
 pytestmark = [pytest.mark.cpu_dist, pytest.mark.slow]
 
@@ -59,11 +59,15 @@ def kill_after(exp: Path, run_dir: Path, n_rows: int) -> None:
 def resumed_after_kill(exp: Path, cut: Path, n_rows: int, checkpoint: str
                       ) -> dict[str, torch.Tensor]:
     """SIGKILL a run once ``n_rows`` steps are logged (past ``checkpoint``), run it again:
-    it resumes from there; its final actor weights."""
+    it resumes from its newest checkpoint (``checkpoint`` or a later one: the kill lands
+    a few steps after the row); its final actor weights."""
     kill_after(exp, cut, n_rows)
-    assert (cut / "checkpoints" / checkpoint / "manifest.json").is_file()
+    sealed = sealed_checkpoints(cut)
+    assert sealed and sealed[-1] >= checkpoint, sealed
+    assert not (cut / "final").exists()          # cut before its end
     r = run(exp, cut)
     assert r.returncode == 0 and "resuming from" in r.stdout, r.stderr[-3000:]
+    assert sealed[-1] in r.stdout, r.stdout
     return final(cut)
 
 

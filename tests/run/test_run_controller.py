@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.run.conftest import experiment, wait_for_rows
+from tests.run.conftest import experiment, sealed_checkpoints, wait_for_rows
 
 pytestmark = pytest.mark.cpu_dist
 
@@ -78,9 +78,9 @@ def test_grpo_with_a_reference_model_scores_and_logs_the_kl(tiny_assets, tmp_pat
 
 
 def test_resume_after_sigkill_is_bit_identical(tiny_assets, tmp_path):
-    # 12 steps, killed after 3: room to spare (a kill after the last step would find a
+    # 20 steps, killed after 3: room to spare (a kill after the last step would find a
     # finished run)
-    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=12,
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=20,
                      run__checkpoint_interval=2)
     whole = tmp_path / "whole"
     assert run(exp, whole).returncode == 0
@@ -91,12 +91,13 @@ def test_resume_after_sigkill_is_bit_identical(tiny_assets, tmp_path):
     wait_for_rows(cut, 3)
     os.killpg(p.pid, signal.SIGKILL)          # the controller; its workers see EOF and exit
     p.wait()
-    assert (cut / "checkpoints" / "step_000002" / "manifest.json").is_file()
+    sealed = sealed_checkpoints(cut)
+    assert sealed, "no sealed checkpoint before the kill"
     assert not (cut / "final").exists()
     r = run(exp, cut)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming from" in r.stdout
-    assert [row["step"] for row in metrics(cut)] == list(range(12))
+    assert "resuming from" in r.stdout and sealed[-1] in r.stdout, r.stdout
+    assert [row["step"] for row in metrics(cut)] == list(range(20))
     a, b = final_weights(whole), final_weights(cut)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
