@@ -40,7 +40,13 @@ from realign.bench.machine import (
     load_snapshot,
     steal_fraction,
 )
-from realign.bench.trl_peer import SAME_WORK_BETA, hyper_parameters, run_trl, trl_config
+from realign.bench.trl_peer import (
+    SAME_WORK_BETA,
+    hyper_parameters,
+    mean_or_none,
+    run_trl,
+    trl_config,
+)
 from realign.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -66,10 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ---- realign -----------------------------------------------------------------------
 
-def _mean(xs: list[float]) -> float | None:
-    return statistics.fmean(xs) if xs else None
-
-
 def summarize_realign(rows: list[dict], plan: dict, warmup: int) -> dict:
     """Per-MFC measured vs estimated times and throughput from a run's metrics rows
     and its plan (pure; the rows are ``metrics.jsonl`` lines in step order)."""
@@ -80,13 +82,13 @@ def summarize_realign(rows: list[dict], plan: dict, warmup: int) -> dict:
     for a in plan["allocations"]:
         key = f"time.{a['mfc']}"
         measured = [r[key] for r in kept if key in r]
-        mean = _mean(measured)
+        mean = mean_or_none(measured)
         mfcs.append({
             "mfc": a["mfc"], "layout": a["layout"], "mesh": a["mesh_name"],
             "micro_batches": a["micro_batches"], "estimated_s": a["time_s"],
             "measured_mean_s": mean,
             "measured_over_estimated": mean / a["time_s"] if mean and a["time_s"] else None,
-            "share_of_step": (mean / _mean([r["step_time_s"] for r in kept])
+            "share_of_step": (mean / mean_or_none([r["step_time_s"] for r in kept])
                               if mean and kept else None),
         })
     step_s = [r["step_time_s"] for r in kept]
@@ -96,10 +98,10 @@ def summarize_realign(rows: list[dict], plan: dict, warmup: int) -> dict:
     return {
         "mfcs": mfcs,
         "estimated_iteration_s": plan["iteration_time_s"],
-        "measured_step_mean_s": _mean(step_s),
+        "measured_step_mean_s": mean_or_none(step_s),
         "measured_step_median_s": statistics.median(step_s) if step_s else None,
-        "outside_mfcs_mean_s": _mean([s - m for s, m in zip(step_s, in_mfcs)]),
-        "gen_tokens_per_step_mean": _mean(tokens),
+        "outside_mfcs_mean_s": mean_or_none([s - m for s, m in zip(step_s, in_mfcs)]),
+        "gen_tokens_per_step_mean": mean_or_none(tokens),
         "tokens_per_s": sum(tokens) / total_s if total_s > 0 else None,
         "samples_per_s": gen_seqs * len(kept) / total_s if total_s > 0 and gen_seqs else None,
         "measured_steps": len(kept),
@@ -206,12 +208,12 @@ def run(args: argparse.Namespace) -> int:
         "total_threads": first["total_threads"],
         "tokens_per_s": _pooled_tokens_per_s(r_pairs),
         "tokens_per_s_per_round": [r["realign"]["summary"]["tokens_per_s"] for r in rounds],
-        "step_mean_s": _mean([t for _, t in r_pairs]),
+        "step_mean_s": mean_or_none([t for _, t in r_pairs]),
         "step_median_s": statistics.median(t for _, t in r_pairs),
         "step_min_s": min(t for _, t in r_pairs),
         "samples_per_s_per_round": [r["realign"]["summary"]["samples_per_s"] for r in rounds],
         "mfcs": [{"mfc": m["mfc"], "estimated_s": m["estimated_s"],
-                  "measured_mean_s": _mean([r["realign"]["summary"]["mfcs"][j]["measured_mean_s"]
+                  "measured_mean_s": mean_or_none([r["realign"]["summary"]["mfcs"][j]["measured_mean_s"]
                                             for r in rounds])}
                  for j, m in enumerate(first["summary"]["mfcs"])],
         "estimated_iteration_s": first["summary"]["estimated_iteration_s"],
@@ -226,10 +228,10 @@ def run(args: argparse.Namespace) -> int:
                 "tokens_per_s": _pooled_tokens_per_s(pairs),
                 "tokens_per_s_per_round": [r["trl"][name]["summary"]["tokens_per_s"]
                                            for r in rounds],
-                "step_mean_s": _mean([t for _, t in pairs]),
+                "step_mean_s": mean_or_none([t for _, t in pairs]),
                 "step_median_s": statistics.median(t for _, t in pairs),
                 "step_min_s": min(t for _, t in pairs),
-                **{k: _mean([r["trl"][name]["summary"][k] for r in rounds])
+                **{k: mean_or_none([r["trl"][name]["summary"][k] for r in rounds])
                    for k in ("cpu_mean_s", "generate_mean_s", "ref_logps_mean_s", "train_mean_s")}}
         head = next(iter(variants))
         clean = clean_rounds(rounds)

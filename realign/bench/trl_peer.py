@@ -19,7 +19,8 @@ DRIVER = Path(__file__).resolve().with_name("trl_grpo_driver.py")
 SAME_WORK_BETA = 1e-3
 
 
-def _mean(xs: list[float]) -> float | None:
+def mean_or_none(xs: list[float]) -> float | None:
+    """The mean, or None for no values (a run with every step left out as warm-up)."""
     return statistics.fmean(xs) if xs else None
 
 
@@ -72,14 +73,14 @@ def run_trl(python: Path, config: dict, warmup: int) -> dict:
     tokens = sum(s["gen_tokens"] for s in steps)
     n = config["prompts_per_step"] * config["samples_per_prompt"]
     res["summary"] = {
-        "measured_step_mean_s": _mean([s["step_time_s"] for s in steps]),
+        "measured_step_mean_s": mean_or_none([s["step_time_s"] for s in steps]),
         "measured_step_median_s": (statistics.median([s["step_time_s"] for s in steps])
                                    if steps else None),
-        "cpu_mean_s": _mean([s["cpu_s"] for s in steps]),
-        "generate_mean_s": _mean([s["generate_s"] for s in steps]),
-        "ref_logps_mean_s": _mean([s["ref_logps_s"] for s in steps]),
-        "train_mean_s": _mean([s["train_s"] for s in steps]),
-        "gen_tokens_per_step_mean": _mean([s["gen_tokens"] for s in steps]),
+        "cpu_mean_s": mean_or_none([s["cpu_s"] for s in steps]),
+        "generate_mean_s": mean_or_none([s["generate_s"] for s in steps]),
+        "ref_logps_mean_s": mean_or_none([s["ref_logps_s"] for s in steps]),
+        "train_mean_s": mean_or_none([s["train_s"] for s in steps]),
+        "gen_tokens_per_step_mean": mean_or_none([s["gen_tokens"] for s in steps]),
         "tokens_per_s": tokens / total_s if total_s > 0 else None,
         "samples_per_s": n * len(steps) / total_s if total_s > 0 else None,
         "measured_steps": len(steps),

@@ -42,7 +42,7 @@ def tmp_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:06d}.tmp"
 
 
-def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+def committed(run_dir: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every committed checkpoint, oldest first."""
     root = run_dir / "checkpoints"
     if not root.is_dir():
@@ -122,7 +122,7 @@ def resume_point(run_dir: Path) -> tuple[tuple[int, Path] | None, list[str]]:
     from realign.errors import UserError
 
     notes: list[str] = []
-    found = _checkpoints(run_dir)
+    found = committed(run_dir)
     for step, folder in reversed(found):
         bad = problems(folder)
         if not bad:
@@ -175,7 +175,7 @@ def commit(run_dir: Path, step: int, manifest: dict) -> Path:
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
-    older = [d for s, d in _checkpoints(run_dir) if d != final]
+    older = [d for s, d in committed(run_dir) if d != final]
     for d in older[:-(KEEP_LAST - 1)] if KEEP_LAST > 1 else older:
         shutil.rmtree(d, ignore_errors=True)
     return final
@@ -221,7 +221,7 @@ def check_resumable(manifest: dict, folder: Path, distributed_optimizer: bool,
 
 def latest(run_dir: Path) -> tuple[int, Path] | None:
     """(completed steps, folder) of the newest committed checkpoint (unverified)."""
-    found = _checkpoints(run_dir)
+    found = committed(run_dir)
     return found[-1] if found else None
 
 

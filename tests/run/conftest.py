@@ -1,7 +1,11 @@
 """Shared fixtures of the `realign run` tests: tiny assets made once per session."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -49,9 +53,15 @@ def wait_for_rows(run_dir: Path, n: int, timeout_s: float = 240) -> None:
         time.sleep(0.01)      # a tiny step takes ~10 ms: kill close to the n-th row
 
 
-def sealed_checkpoints(run_dir: Path) -> list[str]:
-    """Names of a run's sealed checkpoints, oldest first. A kill lands some steps after
-    the row a test waited for, and a run keeps only its newest checkpoints
-    (``checkpoint.KEEP_LAST``), so a test asserts on these, not on one step's."""
-    return sorted(d.name for d in (run_dir / "checkpoints").glob("step_*")
-                  if d.suffix != ".tmp" and (d / "manifest.json").is_file())
+def kill_after(exp: Path, run_dir: Path, n_rows: int) -> None:
+    """Start ``realign run`` and SIGKILL its controller (its workers see EOF and exit)
+    once ``n_rows`` steps are logged. The kill lands some steps after that row, and a
+    run keeps only its newest checkpoints (``checkpoint.KEEP_LAST``): assert on the
+    newest committed one (``checkpoint.committed``), not on one step's."""
+    p = subprocess.Popen([sys.executable, "-m", "realign.cli.main", "run", str(exp),
+                          "--run-dir", str(run_dir)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    wait_for_rows(run_dir, n_rows)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()

@@ -5,15 +5,13 @@ a dead worker on either side failing fast."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 
 import pytest
 import torch
 
-from tests.run.conftest import experiment, sealed_checkpoints, wait_for_rows
-from tests.run.test_run_controller import REALIGN, final_weights, kill_a_worker, metrics, run
+from realign.run.checkpoint import committed
+from tests.run.conftest import experiment, kill_after
+from tests.run.test_run_controller import final_weights, kill_a_worker, metrics, run
 
 pytestmark = pytest.mark.cpu_dist
 
@@ -50,18 +48,12 @@ def test_async_run_trains_on_stale_samples_and_resumes_bit_identically(tiny_asse
     # the last step generates nothing ahead
     assert "time.actor.generate" in rows[-2] and "time.actor.generate" not in rows[-1]
     cut = tmp_path / "cut"
-    p = subprocess.Popen([*REALIGN, "run", str(exp), "--run-dir", str(cut)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
-    wait_for_rows(cut, 3)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+    kill_after(exp, cut, 3)
     # the newest checkpoint before the kill (a few steps after the third row)
-    sealed = sealed_checkpoints(cut)
-    assert sealed, "no sealed checkpoint before the kill"
-    newest = cut / "checkpoints" / sealed[-1]
-    done = json.loads((newest / "manifest.json").read_text())["steps"]
-    assert 2 <= done < 12, sealed                       # the run was cut before its end
+    found = committed(cut)
+    assert found, "no committed checkpoint before the kill"
+    done, newest = found[-1]
+    assert 2 <= done < 12, found                        # the run was cut before its end
     manifest = json.loads((newest / "manifest.json").read_text())
     assert manifest["in_flight_ranks"] == [0]          # GPU 0 holds the next step's rollout
     state = torch.load(newest / "rank0.pt", weights_only=False)
@@ -69,7 +61,7 @@ def test_async_run_trains_on_stale_samples_and_resumes_bit_identically(tiny_asse
     assert int(state["in_flight"]["records"]["seqs"]["policy_version"][0]) == done - 1
     r = run(exp, cut)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming from" in r.stdout and sealed[-1] in r.stdout, r.stdout
+    assert "resuming from" in r.stdout and newest.name in r.stdout, r.stdout
     a, b = final_weights(whole), final_weights(cut)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for key in ("reward_mean", "actor.staleness", "actor.behave_weight", "response_len"):

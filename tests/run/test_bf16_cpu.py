@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.run.conftest import experiment, sealed_checkpoints
+from realign.run.checkpoint import committed
+from tests.run.conftest import experiment, kill_after
 
 pytestmark = [pytest.mark.cpu_dist, pytest.mark.slow]
 
@@ -41,33 +39,18 @@ def final(run_dir: Path, role: str = "actor") -> dict[str, torch.Tensor]:
     return out
 
 
-def kill_after(exp: Path, run_dir: Path, n_rows: int) -> None:
-    """Start a run and SIGKILL its controller once ``n_rows`` steps are logged."""
-    p = subprocess.Popen([*REALIGN, "run", str(exp), "--run-dir", str(run_dir)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
-    deadline = time.monotonic() + 300
-    m = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if m.exists() and len(m.read_text().splitlines()) >= n_rows:
-            break
-        time.sleep(0.01)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-
-
 def resumed_after_kill(exp: Path, cut: Path, n_rows: int, checkpoint: str
                       ) -> dict[str, torch.Tensor]:
     """SIGKILL a run once ``n_rows`` steps are logged (past ``checkpoint``), run it again:
     it resumes from its newest checkpoint (``checkpoint`` or a later one: the kill lands
     a few steps after the row); its final actor weights."""
     kill_after(exp, cut, n_rows)
-    sealed = sealed_checkpoints(cut)
-    assert sealed and sealed[-1] >= checkpoint, sealed
+    found = committed(cut)
+    assert found and found[-1][1].name >= checkpoint, found
     assert not (cut / "final").exists()          # cut before its end
     r = run(exp, cut)
     assert r.returncode == 0 and "resuming from" in r.stdout, r.stderr[-3000:]
-    assert sealed[-1] in r.stdout, r.stdout
+    assert found[-1][1].name in r.stdout, r.stdout
     return final(cut)
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.run.conftest import experiment, sealed_checkpoints, wait_for_rows
+from realign.run.checkpoint import committed
+from tests.run.conftest import experiment, kill_after, wait_for_rows
 
 pytestmark = pytest.mark.cpu_dist
 
@@ -85,18 +86,13 @@ def test_resume_after_sigkill_is_bit_identical(tiny_assets, tmp_path):
     whole = tmp_path / "whole"
     assert run(exp, whole).returncode == 0
     cut = tmp_path / "cut"
-    p = subprocess.Popen([*REALIGN, "run", str(exp), "--run-dir", str(cut)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
-    wait_for_rows(cut, 3)
-    os.killpg(p.pid, signal.SIGKILL)          # the controller; its workers see EOF and exit
-    p.wait()
-    sealed = sealed_checkpoints(cut)
-    assert sealed, "no sealed checkpoint before the kill"
+    kill_after(exp, cut, 3)
+    found = committed(cut)
+    assert found, "no committed checkpoint before the kill"
     assert not (cut / "final").exists()
     r = run(exp, cut)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming from" in r.stdout and sealed[-1] in r.stdout, r.stdout
+    assert "resuming from" in r.stdout and found[-1][1].name in r.stdout, r.stdout
     assert [row["step"] for row in metrics(cut)] == list(range(20))
     a, b = final_weights(whole), final_weights(cut)
     assert a.keys() == b.keys()
