@@ -81,6 +81,8 @@ def test_the_demo_learns_its_task(tiny_assets, tmp_path):
     after = [row["eval.greedy_accuracy"] for row in rows(tmp_path / "grpo")
              if "eval.greedy_accuracy" in row]
     assert before[0] <= 0.1, before                 # the random model: near 0
-    assert after[-1] >= 0.5, after                  # learned, on held-out problems
-    assert sum(after[-5:]) / 5 >= 0.5, after        # and holds it, not one lucky eval
-    assert after[-1] > after[0], after              # and GRPO itself raised it
+    held = sum(after[-5:]) / 5                      # the last five, not one lucky eval
+    assert after[-1] >= 0.5 and held >= 0.6, after  # learned, on held-out problems
+    # and GRPO itself raised it, well above the SFT policy it started from (over 5 seeds
+    # and 3 SFT learning rates on one CPU: +0.30 to +0.69)
+    assert held >= before[-1] + 0.2, (before, after)
