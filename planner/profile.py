@@ -229,6 +229,13 @@ class Provenance(_Frozen):
         default_factory=dict, description="Per engine: RMS relative error of the fit over "
         "its probes (how well the fixed costs explain them).")
     probes: tuple[ProbePoint, ...] = Field((), description="The engine runs fitted.")
+    passes: int = Field(1, ge=1, description="Passes over the GEMM grid and the engine "
+                        "probes; each probe's time is the median of its samples over all "
+                        "of them.")
+    pass_time_ratios: tuple[float, ...] = Field(
+        (), description="Per pass: how long its engine probes took relative to their "
+        "pooled medians (the median over the probes; 1.0 typical, 1.3 a pass the machine "
+        "ran 1.3x slow): how much the machine's speed moved while it was measured.")
 
 
 class ProfileTable(_Frozen):

@@ -43,7 +43,11 @@ GEN_TOKENS = (1, 6)
 GPU_PROBE_MODELS = ((8, 128, 128),)
 GPU_GEN_TOKENS = (24,)
 WAVES = (1, 2)
+#: timed runs of a transfer probe (reallocation, record send), after one untimed
 REPS = 9
+#: timed runs of an engine probe per pass of the profile (after one untimed run); the
+#: profile makes several passes over every probe (:mod:`realign.profile.passes`)
+REPS_PER_PASS = 3
 
 
 def probe_spec(layers: int, hidden: int, vocab: int) -> ModelSpec:
@@ -97,8 +101,8 @@ def _replica(ctx, dims: tuple[int, int, int], lay: tuple[int, int, int]):
     return ctx.store["replicas"][key]
 
 
-def _median_time(fn, dev, ranks: list[int] | None = None, reps: int = REPS) -> float:
-    """Median seconds of ``reps`` runs of ``fn`` (after one untimed); with ``ranks``,
+def _sample_times(fn, dev, ranks: list[int] | None = None, reps: int = REPS) -> list[float]:
+    """Seconds of each of ``reps`` runs of ``fn`` (after one untimed); with ``ranks``,
     each sample starts once they have all lined up (a multi-rank call)."""
     fn()
     out = []
@@ -111,7 +115,12 @@ def _median_time(fn, dev, ranks: list[int] | None = None, reps: int = REPS) -> f
         fn()
         sync(dev)
         out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return out
+
+
+def _median_time(fn, dev, ranks: list[int] | None = None, reps: int = REPS) -> float:
+    """Median seconds of ``reps`` runs of ``fn`` (see :func:`_sample_times`)."""
+    return statistics.median(_sample_times(fn, dev, ranks, reps))
 
 
 def _batch(spec: ModelSpec, b: int, s: int, seed: int) -> dict[str, torch.Tensor]:
@@ -128,18 +137,21 @@ def _ranks(lay: tuple[int, int, int]) -> list[int] | None:
     return list(range(n)) if n > 1 else None
 
 
-def time_inference(ctx, dims, lay, b: int, s: int, m: int) -> float | None:
+def time_inference(ctx, dims, lay, b: int, s: int, m: int, reps: int = REPS_PER_PASS
+                   ) -> list[float] | None:
+    """Seconds of ``reps`` scoring runs (None on a worker outside the layout)."""
     from realign.runtime.engines.inference import InferenceEngine
     shard, dev = _replica(ctx, dims, lay), ctx.store["device"]
     if shard is None:
         return None
     batch = {k: v for k, v in _batch(shard.spec, b, s, 7).items() if k in ("tokens", "lengths")}
     eng = InferenceEngine(shard, micro_batches=m)
-    return _median_time(lambda: eng.inference(batch), dev.device, _ranks(lay))
+    return _sample_times(lambda: eng.inference(batch), dev.device, _ranks(lay), reps)
 
 
-def time_train(ctx, dims, lay, b: int, s: int, m: int) -> float | None:
-    """One optimizer step with GRPO's actor loss (clipped surrogate)."""
+def time_train(ctx, dims, lay, b: int, s: int, m: int, reps: int = REPS_PER_PASS
+               ) -> list[float] | None:
+    """Seconds of ``reps`` optimizer steps with GRPO's actor loss (clipped surrogate)."""
     from planner.algorithms import BatchShape
     from realign.algorithms import registry
     from realign.runtime.engines.train import TrainEngine
@@ -155,11 +167,13 @@ def time_train(ctx, dims, lay, b: int, s: int, m: int) -> float | None:
     loss = algo.loss_fn("actor", algo.make_config(
         {}, BatchShape(prompts_per_step=b // 2, samples_per_prompt=2)))
     batch = _batch(shard.spec, b, s, 7)
-    return _median_time(lambda: eng.train_step(batch, loss, dp_mean=False), dev.device,
-                        _ranks(lay))
+    return _sample_times(lambda: eng.train_step(batch, loss, dp_mean=False), dev.device,
+                         _ranks(lay), reps)
 
 
-def time_generate(ctx, dims, lay, b: int, prompt: int, n: int, waves: int) -> float | None:
+def time_generate(ctx, dims, lay, b: int, prompt: int, n: int, waves: int,
+                  reps: int = REPS_PER_PASS) -> list[float] | None:
+    """Seconds of ``reps`` generation runs of ``n`` tokens after ``prompt`` tokens."""
     from realign.runtime.engines.generate import GenerateEngine
     from realign.runtime.sampling import SamplingParams
     shard, dev = _replica(ctx, dims, lay), ctx.store["device"]
@@ -168,8 +182,8 @@ def time_generate(ctx, dims, lay, b: int, prompt: int, n: int, waves: int) -> fl
     prompts = _batch(shard.spec, b, prompt, 7)["tokens"].tolist()
     params = SamplingParams(max_new_tokens=n, seed=1)
     eng = GenerateEngine(shard)
-    return _median_time(lambda: eng.generate(prompts, params, waves=waves), dev.device,
-                        _ranks(lay))
+    return _sample_times(lambda: eng.generate(prompts, params, waves=waves), dev.device,
+                         _ranks(lay), reps)
 
 
 def time_realloc(ctx, model: tuple[int, int, int], src: tuple[int, int, int, int, int],

@@ -46,6 +46,7 @@ from planner.rates import Rates
 from planner.realloc_cost import ReallocModel, realloc_recv_send
 from realign.profile import engines as E
 from realign.profile.fit import fit_collective, fit_relative, fit_transfer
+from realign.profile.passes import DEFAULT_PASSES, median_grid, pass_time_ratios, pooled_median
 from realign.profile.step_overhead import measure_step_costs
 
 GRIDS = {   # (rows, widths) of the GEMM grid per device kind
@@ -63,6 +64,7 @@ class ProfileSettings:
     workers: int = 2               #: one per device, measured at once
     threads: int = 1               #: CPU threads per worker (the runs' launcher setting)
     dtype: str = "fp32"
+    passes: int = DEFAULT_PASSES   #: passes over the GEMM grid and the engine probes
 
 
 class Progress:
@@ -90,28 +92,61 @@ def _mean_grid(grids: list[list[list[float]]]) -> tuple[tuple[float, ...], ...]:
                  for i in range(len(grids[0])))
 
 
+def _probe_samples(per_rank: list[list[float]], layout: tuple[int, int, int]) -> list[float]:
+    """One pass's samples of a probe from its workers' answers: on one worker alone, the
+    mean over the workers of each sample (each measured its own replica at the same
+    time); over several, the first rank's, as a run reports it."""
+    if layout == (1, 1, 1):
+        return [sum(xs) / len(xs) for xs in zip(*per_rank)]
+    return per_rank[0]
+
+
 def profile_machine(settings: ProfileSettings, out=sys.stderr) -> ProfileTable:
-    """Measure and fit; the finished table."""
+    """Measure and fit; the finished table. The GEMM grid and the engine probes are
+    measured in ``settings.passes`` passes spread over the profile, each probe's
+    samples pooled over them (:mod:`realign.profile.passes`)."""
     from realign.runtime.local_world import LocalWorld
     s = settings
     t_start = time.time()
+    probes = _probes(s.workers, s.device)
+    n_probes = sum(len(v) for v in probes.values())
     prog = Progress(out, 100.0)
     prog.step(f"starting {s.workers} workers ({s.threads} thread(s) each, {s.device}, {s.dtype})")
     with LocalWorld(s.workers, threads=s.threads, timeout_s=600.0, device=s.device) as world:
         rows, widths = GRIDS[s.device]
-        prog.step("GEMM grid", 2)
-        grids = world.run("realign.profile.micro:gemm_grid", s.device, s.dtype, list(rows),
-                          list(widths))
-        gemm = GemmGrid(rows=rows, widths=widths,
-                        forward_flops_per_s=_mean_grid([g[0] for g in grids]),
-                        train_flops_per_s=_mean_grid([g[1] for g in grids]))
-        prog.step("memory bandwidth and host link", 18)
-        bws = world.run("realign.profile.micro:mem_bandwidth", s.device, MEM_BYTES[s.device])
-        mem = sum(bws) / len(bws)
-        links = [b for b in world.run("realign.profile.micro:host_link_bandwidth", s.device,
-                                      MEM_BYTES[s.device]) if b is not None]
-        prog.step("collectives", 5)
-        coll = world.run("realign.profile.micro:collectives", s.device, list(COLLECTIVE_BYTES))[0]
+        fwd, trn = [], []
+        samples: dict[str, list[list[list[float]]]] = {k: [[] for _ in v]
+                                                       for k, v in probes.items()}
+        done = 2.0
+        for p in range(s.passes):
+            tag = f"pass {p + 1}/{s.passes}: " if s.passes > 1 else ""
+            prog.step(f"{tag}GEMM grid", done)
+            grids = world.run("realign.profile.micro:gemm_grid", s.device, s.dtype,
+                              list(rows), list(widths))
+            fwd.append(_mean_grid([g[0] for g in grids]))
+            trn.append(_mean_grid([g[1] for g in grids]))
+            done = 15 / s.passes
+            if p == 0:
+                prog.step("memory bandwidth and host link", done)
+                bws = world.run("realign.profile.micro:mem_bandwidth", s.device,
+                                MEM_BYTES[s.device])
+                mem = sum(bws) / len(bws)
+                links = [b for b in world.run("realign.profile.micro:host_link_bandwidth",
+                                              s.device, MEM_BYTES[s.device]) if b is not None]
+                prog.step("collectives", 5)
+                coll = world.run("realign.profile.micro:collectives", s.device,
+                                 list(COLLECTIVE_BYTES))[0]
+                prog.step("probe models", 10)
+                world.run("realign.profile.engines:build_probes", s.device, s.dtype)
+                done = 0.0
+            for kind, cases in probes.items():
+                for k, (fn, args, _mfc) in enumerate(cases):
+                    prog.step(f"{tag}engine {kind} {k + 1}/{len(cases)}", done)
+                    done = 50 / (n_probes * s.passes)
+                    per_rank = [t for t in world.run(fn, *args) if t is not None]
+                    samples[kind][k].append(_probe_samples(per_rank, args[1]))
+        gemm = GemmGrid(rows=rows, widths=widths, forward_flops_per_s=median_grid(fwd),
+                        train_flops_per_s=median_grid(trn))
         curves = []
         for key, pts in coll.items():
             op, n = key.split()
@@ -120,26 +155,17 @@ def profile_machine(settings: ProfileSettings, out=sys.stderr) -> ProfileTable:
         base = ProfileTable(device=s.preset, gemm=gemm, mem_bytes_per_s=mem,
                             host_link_bytes_per_s=sum(links) / len(links) if links else None,
                             collectives=tuple(curves))
-        prog.step("probe models", 10)
-        world.run("realign.profile.engines:build_probes", s.device, s.dtype)
         fitted, rms, points = {}, {}, []
-        probes = _probes(s.workers, s.device)
-        n_probes = sum(len(v) for v in probes.values())
         for kind, cases in probes.items():
-            measured = []
-            for k, (fn, args, _mfc) in enumerate(cases):
-                prog.step(f"engine {kind} {k + 1}/{len(cases)}", 45 / n_probes)
-                times = [t for t in world.run(fn, *args) if t is not None]
-                # one worker alone: the mean over the workers (each measured its own
-                # replica at once); over several: the first rank's, as a run reports it
-                measured.append(sum(times) / len(times) if args[1] == (1, 1, 1) else times[0])
+            measured = [pooled_median(x) for x in samples[kind]]
             costs, err, pred = fit_engines(base, s, kind, cases, measured)
             fitted.update(costs)
             rms[kind] = err
             points += [ProbePoint(engine=kind, model=a[0], layout=a[1], args=a[2:],
                                   measured_s=t, fitted_s=f)
                        for (_fn, a, _c), t, f in zip(cases, measured, pred)]
-        prog.step("reallocation", 2)
+        ratios = pass_time_ratios([x for v in samples.values() for x in v])
+        prog.step("reallocation", done)
         realloc = _realloc(world, s, mem)
         prog.step("record send", 6)
         send = _send(world)
@@ -156,7 +182,7 @@ def profile_machine(settings: ProfileSettings, out=sys.stderr) -> ProfileTable:
                 timespec="seconds"), workers=s.workers, threads_per_worker=s.threads,
             dtype=s.dtype, torch=torch.__version__, realign=realign.__version__,
             duration_s=time.time() - t_start, fit_rms_relative_error=rms,
-            probes=tuple(points))})
+            probes=tuple(points), passes=s.passes, pass_time_ratios=tuple(ratios))})
     prog.step("done", 6)
     return ProfileTable.model_validate(table.model_dump())
 
@@ -306,7 +332,7 @@ def _send(world):
 
 
 def default_settings(device: str, workers: int | None, threads: int, dtype: str | None,
-                     preset: str | None) -> ProfileSettings:
+                     preset: str | None, passes: int = DEFAULT_PASSES) -> ProfileSettings:
     """Settings from the command line's choices (defaults: this machine)."""
     if device == "cuda":
         import torch
@@ -315,6 +341,6 @@ def default_settings(device: str, workers: int | None, threads: int, dtype: str 
         guess = next((p for k, p in (("h200", "h200"), ("h100", "h100-80g"),
                                      ("a100", "a100-80g")) if k in name), None)
         return ProfileSettings("cuda", preset or guess or "h100-80g", n, threads,
-                               dtype or "bf16")
+                               dtype or "bf16", passes)
     n = workers or max(1, (os.cpu_count() or 1) // threads)
-    return ProfileSettings("cpu", preset or "cpu", n, threads, dtype or "fp32")
+    return ProfileSettings("cpu", preset or "cpu", n, threads, dtype or "fp32", passes)

@@ -44,6 +44,9 @@ def test_profile_measures_every_term_and_plan_prices_with_it(tmp_path, capsys, t
         assert t.measured.fit_rms_relative_error[engine] == pytest.approx(rms, rel=1e-6)
         assert statistics.median(abs(e) for e in errors) < 0.25, (engine, sorted(errors))
     assert len(t.measured.probes) > 100
+    # measured in passes (the default), each probe's samples pooled over them
+    assert t.measured.passes == 3 and len(t.measured.pass_time_ratios) == 3
+    assert all(0.2 < r < 5 for r in t.measured.pass_time_ratios)
     # realign's own step cost, from real runs on 1 and 2 workers
     assert t.step is not None and [n for n, _ in t.step.points] == [1.0, 2.0]
     assert all(0 <= s < 0.05 for _, s in t.step.points) and t.step.time_s(2) > 0
@@ -71,6 +74,7 @@ def test_profile_measures_every_term_and_plan_prices_with_it(tmp_path, capsys, t
 @pytest.mark.parametrize("args,field", [
     (["--workers", "0"], "--workers"),
     (["--threads", "0"], "--threads"),
+    (["--passes", "0"], "--passes"),
     (["--preset", "tpu-v9"], "--preset"),
 ])
 def test_bad_arguments_name_the_option(capsys, args, field):
