@@ -51,9 +51,10 @@ def speed_moved(ratios: list[float]) -> float:
     return max(ratios) / min(ratios) - 1.0 if ratios else 0.0
 
 
-def median_grid(grids: list[tuple[tuple[float, ...], ...]]) -> tuple[tuple[float, ...], ...]:
-    """Cell by cell median of several measurements of one grid.
+def cellwise(grids: list, reduce=statistics.median) -> tuple[tuple[float, ...], ...]:
+    """Cell by cell ``reduce`` (the median; the workers' mean with ``statistics.fmean``)
+    of several measurements of one grid.
 
     Example: [((1, 4),), ((3, 2),), ((2, 3),)] -> ((2, 3),)."""
-    return tuple(tuple(statistics.median(g[i][j] for g in grids) for j in range(len(grids[0][i])))
+    return tuple(tuple(float(reduce(g[i][j] for g in grids)) for j in range(len(grids[0][i])))
                  for i in range(len(grids[0])))

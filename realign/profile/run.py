@@ -28,6 +28,7 @@ import datetime
 import math
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -46,7 +47,7 @@ from planner.rates import Rates
 from planner.realloc_cost import ReallocModel, realloc_recv_send
 from realign.profile import engines as E
 from realign.profile.fit import fit_collective, fit_relative, fit_transfer
-from realign.profile.passes import DEFAULT_PASSES, median_grid, pass_time_ratios, pooled_median
+from realign.profile.passes import DEFAULT_PASSES, cellwise, pass_time_ratios, pooled_median
 from realign.profile.step_overhead import measure_step_costs
 
 GRIDS = {   # (rows, widths) of the GEMM grid per device kind
@@ -87,11 +88,6 @@ class Progress:
             print(line, file=self.out, flush=True)
 
 
-def _mean_grid(grids: list[list[list[float]]]) -> tuple[tuple[float, ...], ...]:
-    return tuple(tuple(sum(g[i][j] for g in grids) / len(grids) for j in range(len(grids[0][0])))
-                 for i in range(len(grids[0])))
-
-
 def _probe_samples(per_rank: list[list[float]], layout: tuple[int, int, int]) -> list[float]:
     """One pass's samples of a probe from its workers' answers: on one worker alone, the
     mean over the workers of each sample (each measured its own replica at the same
@@ -123,8 +119,8 @@ def profile_machine(settings: ProfileSettings, out=sys.stderr) -> ProfileTable:
             prog.step(f"{tag}GEMM grid", done)
             grids = world.run("realign.profile.micro:gemm_grid", s.device, s.dtype,
                               list(rows), list(widths))
-            fwd.append(_mean_grid([g[0] for g in grids]))
-            trn.append(_mean_grid([g[1] for g in grids]))
+            fwd.append(cellwise([g[0] for g in grids], statistics.fmean))
+            trn.append(cellwise([g[1] for g in grids], statistics.fmean))
             done = 15 / s.passes
             if p == 0:
                 prog.step("memory bandwidth and host link", done)
@@ -145,8 +141,8 @@ def profile_machine(settings: ProfileSettings, out=sys.stderr) -> ProfileTable:
                     done = 50 / (n_probes * s.passes)
                     per_rank = [t for t in world.run(fn, *args) if t is not None]
                     samples[kind][k].append(_probe_samples(per_rank, args[1]))
-        gemm = GemmGrid(rows=rows, widths=widths, forward_flops_per_s=median_grid(fwd),
-                        train_flops_per_s=median_grid(trn))
+        gemm = GemmGrid(rows=rows, widths=widths, forward_flops_per_s=cellwise(fwd),
+                        train_flops_per_s=cellwise(trn))
         curves = []
         for key, pts in coll.items():
             op, n = key.split()

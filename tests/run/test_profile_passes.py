@@ -2,9 +2,11 @@
 samples, and how much the machine's speed moved between passes."""
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
-from realign.profile.passes import median_grid, pass_time_ratios, pooled_median, speed_moved
+from realign.profile.passes import cellwise, pass_time_ratios, pooled_median, speed_moved
 
 pytestmark = pytest.mark.pure
 
@@ -32,6 +34,8 @@ def test_speed_moved_is_the_slowest_pass_over_the_fastest():
     assert speed_moved([1.0]) == 0.0 and speed_moved([]) == 0.0
 
 
-def test_median_grid_is_cell_by_cell():
-    assert median_grid([((1.0, 4.0), (5.0, 5.0)), ((3.0, 2.0), (1.0, 6.0)),
-                        ((2.0, 3.0), (9.0, 7.0))]) == ((2.0, 3.0), (5.0, 6.0))
+def test_grids_are_reduced_cell_by_cell():
+    grids = [((1.0, 4.0), (5.0, 5.0)), ((3.0, 2.0), (1.0, 6.0)), ((2.0, 3.0), (9.0, 7.0))]
+    assert cellwise(grids) == ((2.0, 3.0), (5.0, 6.0))
+    assert cellwise(grids, statistics.fmean) == ((2.0, 3.0), (5.0, 6.0))
+    assert cellwise(grids[:2], statistics.fmean) == ((2.0, 3.0), (3.0, 5.5))
