@@ -1,7 +1,7 @@
 """The rates the cost model prices with: GEMM speed, memory bandwidth, collectives,
 transfers and the fixed costs of realign's engines, each taken from a measured
 :class:`~planner.profile.ProfileTable` where it has the term, else derived from the
-device preset (whose numbers cite ``shared/GPU-FACTS.md``). :attr:`Rates.sources`
+device preset (whose numbers cite ``docs/gpu-facts.md``). :attr:`Rates.sources`
 says which, per term, so a plan can show what was measured.
 
 Analytic terms (no profile):
@@ -21,7 +21,7 @@ Analytic terms (no profile):
   ``max(2 (k-1)/k S / B_i, 2 (N-1)/N (S/k) / B_x)`` plus both stages' latencies (each
   device's NIC carries 1/k of the data). With 8 H100 per node and 8 NICs of 400 Gb/s
   this gives a bus bandwidth of ~390 GB/s for 2 nodes, against the ~320-380 GB/s
-  measured (GPU-FACTS §4); one flat ring at the NIC rate would give ~45.
+  measured (docs/gpu-facts.md §4); one flat ring at the NIC rate would give ~45.
 * engine fixed costs: per layer and micro-batch from the device preset, the work
   besides GEMMs as ``elementwise_passes`` memory passes per token and hidden unit, the
   optimizer as ``optimizer_step_bytes_per_param`` of memory traffic per parameter.
@@ -40,7 +40,7 @@ LOGIT_BYTES, LOGIT_PASSES = 4, 3
 
 
 def alg_factor(op: str, n: int) -> float:
-    """Algorithm bytes per tensor byte (nccl-tests' busbw factors, GPU-FACTS §4)."""
+    """Algorithm bytes per tensor byte (nccl-tests' busbw factors, docs/gpu-facts.md §4)."""
     if op == "all_reduce":
         return 2.0 * (n - 1) / n
     if op in ("all_gather", "reduce_scatter"):

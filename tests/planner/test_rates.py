@@ -186,7 +186,7 @@ def test_h100_two_nodes_all_reduce_bus_bandwidth_matches_gpu_facts():
     assert t == approx(1.75e9 / 369e9 + 31e-6)
     busbw = 1e9 / t * 2 * 15 / 16
     assert busbw == pytest.approx(392.8e9, rel=1e-3)      # ~395 without latency
-    # GPU-FACTS §4: multi-node H100 (8x400G per node) ~320-380 GB/s, 1-2 nodes 330 (NVLS
+    # docs/gpu-facts.md §4: multi-node H100 (8x400G per node) ~320-380 GB/s, 1-2 nodes 330 (NVLS
     # off) to 430 (NVLS on); 8xH100 in one node 370 (ring) to 480 (NVLS)
     assert 320e9 <= busbw <= 480e9
     # one flat ring at one NIC's rate would give ~47 GB/s: an order of magnitude less
