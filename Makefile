@@ -7,6 +7,8 @@ BIN       := $(VENV)/bin
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 EXP       ?= experiments/ppo-llama2-70b-128gpu.yaml
 PYTEST_ARGS ?=
+# the date in the names of the benchmark records a bench target writes (UTC)
+DATE      ?= $(shell date -u +%F)
 
 .PHONY: install services lint test test-gpu test-all demo plan bench-plan bench-env bench-step bench-plans core clean
 
@@ -60,7 +62,7 @@ plan:
 	$(BIN)/realign plan $(EXP) --out out/plan.json --timeline out/plan.svg
 
 bench-plan:
-	$(BIN)/realign bench plan-sweep --json --out benchmarks/results/plan_sweep.json
+	$(BIN)/realign bench plan-sweep --json --out benchmarks/plan_sweep/ppo_h100_$(DATE).json
 
 # The benchmark's own environment: TRL (a peer to compare against, never a dependency
 # of realign) with the same pinned CPU torch and transformers as .venv.
@@ -76,12 +78,12 @@ bench-env:
 # 10 distinct plans of the tiny GRPO and of a small four-model PPO, every MFC's estimate
 # against its measurement (about 15 minutes on the 2-core machine; nothing else running).
 bench-plans:
-	$(BIN)/realign profile --out benchmarks/results/profile_cpu.json
-	$(BIN)/realign bench plans experiments/tiny-grpo-cpu.yaml --profile benchmarks/results/profile_cpu.json --plans 10 --rounds 3 --steps 6 --warmup 2 --out benchmarks/results/plans_tiny_grpo.json --svg benchmarks/results/plans_tiny_grpo.svg
-	$(BIN)/realign bench plans experiments/bench-ppo-cpu.yaml --profile benchmarks/results/profile_cpu.json --plans 10 --rounds 2 --steps 4 --warmup 1 --out benchmarks/results/plans_ppo.json --svg benchmarks/results/plans_ppo.svg
+	$(BIN)/realign profile --out benchmarks/profile/cpu_$(DATE)_passes.json
+	$(BIN)/realign bench plans experiments/tiny-grpo-cpu.yaml --profile benchmarks/profile/cpu_$(DATE)_passes.json --plans 10 --rounds 3 --steps 6 --warmup 2 --out benchmarks/plans/tiny_grpo_$(DATE).json --svg benchmarks/plans/tiny_grpo_$(DATE).svg
+	$(BIN)/realign bench plans experiments/bench-ppo-cpu.yaml --profile benchmarks/profile/cpu_$(DATE)_passes.json --plans 10 --rounds 2 --steps 4 --warmup 1 --out benchmarks/plans/ppo_$(DATE).json --svg benchmarks/plans/ppo_$(DATE).svg
 
 bench-step:
-	$(BIN)/realign bench step experiments/tiny-grpo-cpu.yaml --steps 10 --rounds 8 --out benchmarks/results/step_tiny_grpo.json
+	$(BIN)/realign bench step experiments/tiny-grpo-cpu.yaml --steps 10 --rounds 8 --out benchmarks/step/tiny_grpo_vs_trl_$(DATE).json
 
 clean:
 	rm -rf build *.egg-info planner/_core*.so out

@@ -1,10 +1,10 @@
 """Estimated against measured times of `realign run` folders (plan.json beside
 metrics.jsonl), as `realign bench plans` summarizes a plan, plus what the analytic
-device preset (no profile) estimates for the same allocations. Used for the runs on a
-lent H100 (benchmarks/gpu/README.md):
+device preset (no profile) estimates for the same allocations. Used for the PPO runs
+on one H100 (benchmarks/gpu/README.md):
 
     python benchmarks/gpu/summarize_runs.py runs/gpu-ppo-medium runs/gpu-ppo-large \
-        --out benchmarks/results/gpu_h100_estimates.json
+        --out benchmarks/gpu/estimates_ppo_medium_large_h100_2026-11-24.json
 """
 from __future__ import annotations
 
