@@ -43,7 +43,7 @@ lint:
 test: lint services
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
 
-# On a CUDA machine (a lent GPU): the gpu tier (1 GPU: bf16 engines and a tiny GRPO run;
+# On a CUDA machine: the gpu tier (1 GPU: bf16 engines and a tiny GRPO run;
 # 2 GPUs: an NCCL reallocation and a record transfer).
 test-gpu:
 	$(BIN)/python -m pytest -m gpu $(PYTEST_ARGS)

@@ -11,11 +11,11 @@ and a wave that holds one of them decodes to the cap. (The maximum-entropy
 distribution with the same mean, ``p(x) ~ exp(-lam x)`` renormalised on
 ``1..max_len``, has no such mass: at tiny-reason's mean of 103 tokens and cap of 240 it
 puts 0.25 % of responses at the cap, where its runs put 11-13 % and the censored
-geometric 13 %.) :func:`expected_wave_tokens` prices a wave's straggler tail: the expected
-number of tokens a wave of ``b`` rows decodes, i.e. its longest row's length rounded up
-to the next stop check (the runtime checks every ``STOP_CHECK_EVERY`` tokens whether all
-rows have stopped), at most ``max_len``; :func:`expected_call_tokens` the call's, whose
-data-parallel ranks wait for the slowest.
+geometric 13 %: benchmarks/async/README.md.) :func:`expected_wave_tokens` prices a
+wave's straggler tail: the expected number of tokens a wave of ``b`` rows decodes, i.e.
+its longest row's length rounded up to the next stop check (the runtime checks every
+``STOP_CHECK_EVERY`` tokens whether all rows have stopped), at most ``max_len``;
+:func:`expected_call_tokens` the call's, whose data-parallel ranks wait for the slowest.
 """
 from __future__ import annotations
 

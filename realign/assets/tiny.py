@@ -19,11 +19,8 @@ held out for evaluation, split by ``seed``). Answers are one or two digit tokens
 policy that emits the right digits and then ``</s>`` scores 1 under ``math_verify``.
 ``max_operand`` makes it easier (4: 25 problems, answers 0..8, one token each).
 
-Measured with a plain GRPO loop over transformers on CPU (16 prompts x 8 samples,
-3 new tokens, AdamW lr 3e-3, math_verify): mean accuracy over 10 steps went
-0.02 -> 0.045 (step 30) -> 0.095 (step 100) for ``max_operand=9``, and
-0.056 -> 0.083 -> 0.17 for ``max_operand=4``: it rises, slowly; an SFT warm start
-on ``sft.jsonl`` makes it fast.
+From the random models a plain GRPO loop learns the task, but slowly; an SFT warm
+start on ``sft.jsonl`` makes it fast (benchmarks/demo/README.md).
 
 The tokenizer (:func:`build_tokenizer`) is word-level over a fixed vocabulary: the
 special tokens ``<pad>`` (0), ``<s>`` (1), ``</s>`` (2), ``<unk>`` (3), each digit,

@@ -13,7 +13,7 @@ three measurable ways, each reported by :func:`breakdown`:
   per-step maximum exceeds the maximum of the means;
 * **running beside the other side**: each call's time in the asynchronous run against
   the same call in the synchronous run on one device, where no other call runs at the
-  same time (on this machine the two "devices" are two cores of one CPU).
+  same time (on a CPU cluster of one machine the two "devices" share its cores).
 
 Pure functions over ``timeline.jsonl`` records (``{"step", "events": [[label, kind,
 start, end, gpus], ...]}``) and metrics rows.

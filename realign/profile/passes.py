@@ -1,11 +1,10 @@
 """Several passes over the profile's probes, and what they say about the machine (pure).
 
 Why passes: a shared machine's speed changes over seconds to minutes, and a probe timed
-in one go lands in one phase. Measured on the 2-core development VM (2026-11-26, nothing
-else running): a fixed one-thread torch workload timed every 10 s took 1.1 ms in some
-samples and 1.8-2.1 ms in others, the two alternating every 10-30 s; two profiles taken
-five minutes apart then priced the same plan 27 % apart. Fitted to probes that each
-caught one phase, the engine fit explains one probe by a fast machine and the next by a
+in one go lands in one phase (on a 2-vCPU virtual machine a fixed workload alternated
+between two speeds about 1.8x apart every 10-30 s, and two one-pass profiles taken
+minutes apart priced the same plan 27 % apart: benchmarks/profile/README.md). Fitted
+to probes that each caught one phase, the engine fit explains one probe by a fast machine and the next by a
 slow one, and trades its fixed costs against each other. Timed in several passes spread
 over the profile, every probe samples the same mix of phases, and each probe's pooled
 median is the machine's typical speed: what a benchmark's median over many steps

@@ -227,7 +227,8 @@ def _fit_cluster(s: ProfileSettings) -> tuple[ClusterSpec, CostModelConfig]:
 
 #: beyond this relative error a probe weighs linearly in the engine fit (Huber): on a
 #: shared CPU a two-worker probe can run 2-3x slow now and then (gloo's ranks wait for
-#: a core); a least-squares fit let such a probe raise every fixed cost of its engine
+#: a core); a least-squares fit would let such a probe raise every fixed cost of its
+#: engine
 FIT_HUBER = 0.1
 
 

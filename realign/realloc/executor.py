@@ -2,9 +2,8 @@
 over torch.distributed point-to-point messages (gloo on CPU, NCCL on GPU).
 
 Why not ``megatron.core.resharding.swap_model_weights`` (megatron-core 0.16.1), which
-moves weights between layouts too? Measured on CPU over gloo with megatron-core
-0.16.1 (the project's shared environment notes, outside this repository), it cannot
-do what a reallocation needs:
+moves weights between layouts too? Run on CPU over gloo with megatron-core 0.16.1,
+it cannot do what a reallocation needs:
 
 * it picks senders without regard to what the receiver already holds or where it is
   (TP1·DP2 -> TP2 on the same two ranks sent 297 KB although each rank held all it
@@ -32,7 +31,7 @@ How it runs, on every rank of the world that calls it:
    pays a lot per message) and send it as one message; a large slice (>= 1 MiB by
    default) goes as its own message, straight from the source shard and into the
    destination shard on each side where it is contiguous (a whole shard, a dim-0
-   range), saving the pack/unpack copies (on a 2-core CPU box those cost as much as
+   range), saving the pack/unpack copies (on a 2-core CPU those cost as much as
    the transfer itself); message boundaries are a pure function of the plan
    (:func:`messages`), so no sizes are exchanged. Only point-to-point ops
    (``batch_isend_irecv``) on the given group (default: the world), so ranks outside

@@ -2,11 +2,10 @@
 
 Why: a thread blocked in ``Work.wait`` lets its CPU go idle; on a virtual machine an
 idle vCPU is halted by the hypervisor and is woken, when the peer's bytes arrive,
-often a scheduler tick late. Measured on the 2-core development VM, a blocking
-all-reduce of 16 floats between two processes takes 2.0 ms on average (median
-0.5 ms, a quarter of them ~4 ms); polled with ``sched_yield`` it takes 0.26 ms. A
-small-model RL step waits on several such collectives. MPI libraries busy-poll for
-the same reason.
+often a scheduler tick late: on a 2-vCPU virtual machine a blocking all-reduce of 16
+floats between two processes takes several times longer on average than a polled one
+(benchmarks/step/README.md has the numbers). A small-model RL step waits on several
+such collectives. MPI libraries busy-poll for the same reason.
 
 torch offers no per-backend wait policy, so for the life of a CPU worker process
 :func:`polled_waits` wraps ``Work.wait``: it polls ``is_completed()`` (yielding the
@@ -33,8 +32,8 @@ POLLABLE = frozenset({"BROADCAST", "ALLREDUCE", "ALLGATHER", "ALLGATHER_COALESCE
 
 #: poll this long before blocking: a collective whose peers are ready completes in
 #: ~0.3 ms polled. Short, because a polling vCPU competes with its peers' when the
-#: host is contended (with a 20 ms budget, a tiny GRPO run at 33 % steal took 0.122 s a
-#: step against 0.055 s for a blocking run at 20 % steal).
+#: host is contended: a long budget (20 ms) made a tiny GRPO step on a contended host
+#: about twice as slow as blocking (benchmarks/step/README.md).
 DEFAULT_BUDGET_S = 0.002
 
 

@@ -19,8 +19,8 @@ with megatron's forward (and transformers') is tested at TP1, TP2 and PP2.
 Tensors are batch-first: hidden [b, s, h]; cache [b, kv_heads/tp, len, d] per layer.
 The cached forwards attend over a key length rounded up to :data:`KEY_BLOCK` (the
 extra cache positions are masked out): torch's CPU attention kernels take a slow path
-when the key length is not a multiple of the vector width, e.g. 0.33 against 0.15 ms
-for 32 prompts of 8 tokens with 8 or 16 keys.
+when the key length is not a multiple of the vector width (for 32 prompts of 8
+tokens, 8 keys took about twice as long as 16: benchmarks/step/README.md).
 """
 from __future__ import annotations
 

@@ -68,7 +68,8 @@ class GenerateEngine:
         first = g.dp_rank * per
         mine = prompts[first:first + per]
         # inference mode: no version counters or autograd metadata on the loop's
-        # hundreds of small tensors (~15 % of a small model's generation on CPU). What
+        # hundreds of small tensors (~15 % of a small model's generation on CPU; see
+        # benchmarks/step/README.md). What
         # leaves it is concatenated below, outside, into an ordinary tensor.
         with torch.inference_mode():
             res = decode_waves(self.shard, mine, sampling, first, waves, self.pad_id)

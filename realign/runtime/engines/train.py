@@ -245,8 +245,8 @@ def use_fused_adam(optimizer) -> bool:
 
     Without TE or apex, megatron builds torch's ``AdamW`` with the default
     per-tensor loop, and has no setting for torch's ``fused`` flag. On CPU the fused
-    kernel is ~3x faster for a small model (0.26 against 0.88 ms a step for 21
-    tensors), whose step is dominated by per-operation overhead. Only torch's own
+    kernel is ~3x faster for a small model, whose step is dominated by per-operation
+    overhead (benchmarks/step/README.md). Only torch's own
     classes are switched (TE's and apex's are fused already), and only while no state
     exists: the flag decides the dtype and device of the step counters torch creates."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or optimizer.state:
