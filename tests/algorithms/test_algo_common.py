@@ -20,6 +20,8 @@ from realign.algorithms.common import (
     sequence_logprob,
 )
 
+pytestmark = pytest.mark.torch
+
 LN2 = math.log(2)
 
 

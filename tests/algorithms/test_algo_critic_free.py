@@ -11,6 +11,8 @@ from realign.algorithms import grpo, reinforce_pp, remax, rloo
 from realign.algorithms.common import response_mask
 from realign.errors import UserError
 
+pytestmark = pytest.mark.torch
+
 LN2 = math.log(2)
 
 

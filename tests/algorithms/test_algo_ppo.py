@@ -11,6 +11,8 @@ from pydantic import ValidationError
 from realign.algorithms import ppo
 from realign.algorithms.common import masked_mean
 
+pytestmark = pytest.mark.torch
+
 LN2 = math.log(2)
 
 

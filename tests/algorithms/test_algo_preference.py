@@ -11,6 +11,8 @@ from realign.algorithms import dpo, rm, sft
 from realign.algorithms.common import response_mask
 from realign.errors import UserError
 
+pytestmark = pytest.mark.torch
+
 
 def t(x):
     return torch.tensor(x, dtype=torch.float32)

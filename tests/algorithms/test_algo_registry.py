@@ -14,6 +14,8 @@ from realign.algorithms import registry
 from realign.algorithms.registry import ALGORITHMS, Algorithm
 from realign.errors import UserError
 
+pytestmark = pytest.mark.torch
+
 
 def test_names_match_the_planner():
     assert list(ALGORITHMS) == list(SPECS)

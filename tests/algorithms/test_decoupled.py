@@ -17,6 +17,8 @@ from realign.algorithms.common import (
     response_mask,
 )
 
+pytestmark = pytest.mark.torch
+
 AGGS = ["token_mean", "seq_mean_token_mean"]
 
 

@@ -1,10 +1,13 @@
 """Collation into right-padded int64 tensors in the engines' batch format."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from realign.data.collate import collate_preferences, collate_prompts, collate_sft, pad_right, response_mask
 from realign.data.datasets import PreferenceExample, PromptExample, SFTExample
+
+pytestmark = pytest.mark.torch
 
 PAD = 0
 

@@ -20,6 +20,7 @@ def _write(path, lines):
 
 # ---- the tiny datasets, real tokenizer ------------------------------------------------
 
+@pytest.mark.torch
 def test_tiny_datasets_load(tiny_assets, tokenizer):
     eos = tokenizer.eos_token_id
     math = load_dataset(DatasetConfig(path=str(tiny_assets["math_train"]), kind="prompts"),
@@ -44,6 +45,7 @@ def test_tiny_datasets_load(tiny_assets, tokenizer):
         first["prompt"] + first["answer"]
 
 
+@pytest.mark.torch
 def test_chat_prompts_use_the_template(tmp_path, tokenizer):
     f = _write(tmp_path / "chat.jsonl", [
         {"prompt": [{"role": "user", "content": "2+2="}], "answer": 4}])

@@ -14,6 +14,7 @@ def _jsonl(path):
     return [json.loads(x) for x in Path(path).read_text().splitlines()]
 
 
+@pytest.mark.torch
 def test_layout_and_offline_loading(tiny_assets):
     import torch
     import transformers as tf
@@ -41,6 +42,7 @@ def test_layout_and_offline_loading(tiny_assets):
     assert base.config.hidden_size == 64
 
 
+@pytest.mark.torch
 def test_runtime_reads_the_checkpoints(tiny_assets):
     from realign.runtime.hf_checkpoint import spec_from_hf
 
@@ -50,6 +52,7 @@ def test_runtime_reads_the_checkpoints(tiny_assets):
     assert spec_from_hf(tiny_assets["qwen2_actor"]).qkv_bias
 
 
+@pytest.mark.torch
 def test_tokenizer_round_trip(tokenizer):
     ids = tokenizer("3+4=").input_ids
     assert ids[0] == BOS_ID and len(ids) == 5            # <s> 3 + 4 =
@@ -69,6 +72,7 @@ def test_tokenizer_round_trip(tokenizer):
     assert chat == "<s>user: 2+2=\nassistant: "
 
 
+@pytest.mark.torch
 def test_math_task(tiny_assets):
     train, evals = _jsonl(tiny_assets["math_train"]), _jsonl(tiny_assets["math_eval"])
     assert (len(train), len(evals)) == (80, 20)
@@ -88,6 +92,7 @@ def test_math_task(tiny_assets):
     assert all(r["response"] == answers[r["prompt"]] for r in sft)
 
 
+@pytest.mark.torch
 def test_deterministic_and_cli(tiny_assets, tmp_path, capsys):
     from realign.assets.tiny_cmd import main
 
@@ -114,6 +119,7 @@ def test_other_seed_differs():
     assert max(int(r["answer"]) for r in train + evals) == 8
 
 
+@pytest.mark.torch
 def test_model_seed_is_local(tmp_path):
     """Building assets leaves the caller's torch RNG untouched."""
     import torch

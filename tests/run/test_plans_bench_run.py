@@ -39,6 +39,7 @@ def test_bench_plans_runs_eight_distinct_plans(tmp_path, capsys, tiny_assets):
     ET.fromstring(svg.read_text())
 
 
+@pytest.mark.torch
 def test_bench_plans_refuses_a_gpu_experiment_this_machine_cannot_run(capsys):
     import torch
     if torch.cuda.device_count() >= 8:

@@ -16,6 +16,8 @@ from planner.rates import Rates
 from realign.profile import engines as E
 from realign.profile.run import ProfileSettings, _probes, fit_engines
 
+pytestmark = pytest.mark.torch
+
 GRID = GemmGrid(rows=(1, 16384), widths=(64, 8192),
                 forward_flops_per_s=((1e10, 1e11), (1e13, 7e14)),
                 train_flops_per_s=((5e9, 5e10), (5e12, 6e14)))

@@ -19,6 +19,8 @@ from realign.errors import UserError
 from realign.runtime.groups import check_replica, grid_rank_enum
 from realign.runtime.model import global_name
 
+pytestmark = pytest.mark.torch
+
 SPEC = ModelSpec(name="t", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128,
                  vocab_size=200)
 

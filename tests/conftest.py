@@ -1,0 +1,28 @@
+"""Every test carries exactly one tier (pyproject.toml's markers), so that ``-m pure``,
+``-m torch``, ``-m cpu_dist``, ... together select the whole suite: collection stops,
+naming the tests, when one carries none or several."""
+from __future__ import annotations
+
+import pytest
+
+#: the tiers, cheapest first (``slow`` is not a tier: it says how long, not what runs)
+TIERS = ("pure", "torch", "cpu_dist", "slurm", "ray", "gpu")
+
+
+def tier_problems(items) -> list[str]:
+    """``nodeid: what is wrong`` for each test without exactly one tier marker."""
+    out = []
+    for item in items:
+        tiers = [t for t in TIERS if item.get_closest_marker(t) is not None]
+        if len(tiers) != 1:
+            out.append(f"{item.nodeid}: {'no tier' if not tiers else 'tiers ' + ', '.join(tiers)}")
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    bad = tier_problems(items)
+    if bad:
+        raise pytest.UsageError(
+            f"{len(bad)} test(s) need exactly one tier marker of {', '.join(TIERS)} "
+            "(pytestmark = pytest.mark.<tier> in the file, or a decorator):\n  "
+            + "\n  ".join(bad))

@@ -1,0 +1,45 @@
+"""The tier check of tests/conftest.py: a test with no tier, or two, stops collection."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TIERS, tier_problems
+
+pytestmark = pytest.mark.pure
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class FakeItem:
+    def __init__(self, nodeid: str, *marks: str):
+        self.nodeid, self.marks = nodeid, set(marks)
+
+    def get_closest_marker(self, name):
+        return name if name in self.marks else None
+
+
+def test_each_test_needs_exactly_one_tier():
+    items = [FakeItem("a", "pure"), FakeItem("b", "slow"), FakeItem("c", "torch", "cpu_dist"),
+             FakeItem("d", "gpu", "slow")]
+    assert tier_problems(items) == ["b: no tier", "c: tiers torch, cpu_dist"]
+    assert TIERS == ("pure", "torch", "cpu_dist", "slurm", "ray", "gpu")
+
+
+def test_an_unmarked_test_file_stops_collection(tmp_path):
+    """The real hook, on a throwaway test folder that uses this conftest."""
+    folder = REPO / "tests" / f"_tmp_unmarked_{tmp_path.name}"
+    folder.mkdir()
+    try:
+        (folder / "test_x.py").write_text("def test_nothing_marked():\n    assert 1 + 1 == 2\n")
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                            "-p", "no:cacheprovider", str(folder)],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    finally:
+        shutil.rmtree(folder)
+    assert r.returncode != 0
+    assert "test_nothing_marked: no tier" in r.stdout + r.stderr
