@@ -17,7 +17,7 @@ from functools import cached_property
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 
-from realign.controller.metrics import MetricsLog, Progress
+from realign.controller.metrics import MetricsLog, Progress, restore
 from realign.launch.base import Launcher, worker_env
 from realign.run import checkpoint
 from realign.run.program import Program
@@ -36,17 +36,15 @@ class WorkerFailed(Exception):
         super().__init__(f"worker {rank} failed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Controller:
     def __init__(self, spec: RunSpec, launcher: Launcher, out=None):
         self.spec, self.launcher = spec, launcher
         self.out = out or sys.stdout
         self.conns: dict[int, Connection] = {}
+        self.master_port = 0        #: the launcher's rendezvous port (0: rank 0 chooses)
+        #: the metrics lines of the steps since the last checkpoint, which the next
+        #: checkpoint keeps (a damaged metrics.jsonl is restored from them on resume)
+        self.unsaved_lines: list[str] = []
 
     # ---- messaging ---------------------------------------------------------------
     def _log_tail(self, rank: int, n: int = 40) -> str:
@@ -80,11 +78,13 @@ class Controller:
             raise WorkerFailed(rank, msg[1], msg[2] if len(msg) > 2 else None)
         return msg
 
-    def gather(self, expect: str) -> dict[int, tuple]:
-        """One ``expect`` message from every worker; fail fast on errors or exits."""
+    def gather(self, expect: str, ranks: list[int] | None = None) -> dict[int, tuple]:
+        """One ``expect`` message from every worker (or those of ``ranks``); fail fast
+        on errors or exits."""
         got: dict[int, tuple] = {}
-        while len(got) < len(self.conns):
-            pending = [c for r, c in self.conns.items() if r not in got]
+        want = list(self.conns) if ranks is None else ranks
+        while len(got) < len(want):
+            pending = [c for r, c in self.conns.items() if r in want and r not in got]
             for conn in wait(pending, timeout=POLL_S):
                 rank = next(r for r, c in self.conns.items() if c is conn)
                 try:
@@ -110,9 +110,10 @@ class Controller:
         (s.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         authkey = os.urandom(16)
         net = self.launcher.network()
+        self.master_port = net.master_port
         self.listener = Listener((net.bind_host, net.controller_port), authkey=authkey)
         addr = f"{net.advertise_host}:{self.listener.address[1]}"
-        port = net.master_port or _free_port()
+        port = net.master_port        # 0: rank 0 binds one and the controller relays it
         logs = [str(s.run_dir / "logs" / f"worker{r}.log") for r in range(s.n_workers)]
         envs = [worker_env(r, s.n_workers, net.master_addr, port, addr, authkey.hex(), logs[r],
                            s.config.device) for r in range(s.n_workers)]
@@ -130,6 +131,16 @@ class Controller:
                 continue
             rank = conn.recv()[1]
             self.conns[rank] = conn
+
+    def relay_store_port(self) -> None:
+        """Without a rendezvous port of the launcher's, rank 0 serves the world's store
+        on one the system chose and reports it; the others learn it from here
+        (:mod:`realign.worker.rendezvous`)."""
+        if self.master_port == 0:
+            port = self.gather("store", [0])[0][1]
+            for rank, conn in self.conns.items():
+                if rank != 0:
+                    conn.send(("store", port))
 
     def resume_point(self) -> tuple[int, Path] | None:
         """The newest intact checkpoint of the run folder, checked against this run before
@@ -161,6 +172,7 @@ class Controller:
         s = self.spec
         resume = self.resume_point()
         start = resume[0] if resume else 0
+        self.restore_metrics(start)
         finished = start >= s.steps
         if finished and checkpoint.final_intact(s.final_dir):
             print(f"already finished: {start} steps done (run.steps: {s.steps}); final "
@@ -176,6 +188,7 @@ class Controller:
                       flush=True)
             self.start_workers()
             self.broadcast(("setup", s.model_dump_json(), str(resume[1]) if resume else None))
+            self.relay_store_port()
             self.gather("ready")
             progress = Progress(s.steps, start, self.out)
             # Workers need nothing from the controller between steps, so the next step
@@ -194,7 +207,7 @@ class Controller:
                     self.broadcast(("step", step + 1))
                 reports = [m[2] for m in replies.values()]
                 row = merge_metrics(step, reports, wall)
-                log.write(row, op_events(reports))
+                self.unsaved_lines.append(log.write(row, op_events(reports)))
                 progress.update(step, row)
                 if save:
                     self.save_checkpoint(step + 1)
@@ -223,13 +236,34 @@ class Controller:
             log.close()
             self.launcher.stop()
 
+    def restore_metrics(self, start: int) -> None:
+        """metrics.jsonl holds each of the ``start`` steps done exactly once: lines a
+        damage cut off come back from the checkpoints' copies (said so); steps no
+        checkpoint holds any more are named."""
+        path = self.spec.run_dir / "metrics.jsonl"
+        if start == 0 and not path.exists():
+            return
+        restored, lost = restore(path, start, checkpoint.saved_metrics(self.spec.run_dir))
+        for step, name in restored:
+            print(f"realign run: restored the metrics of step {step} from checkpoint {name}",
+                  file=self.out, flush=True)
+        if lost:
+            print(f"realign run: the metrics of step(s) {', '.join(map(str, lost))} are lost "
+                  "(metrics.jsonl's lines are damaged and no checkpoint keeps them)",
+                  file=self.out, flush=True)
+
     def save_checkpoint(self, done_steps: int) -> None:
         s = self.spec
         tmp = checkpoint.tmp_dir(s.run_dir, done_steps)
         tmp.mkdir(parents=True, exist_ok=True)
         self.broadcast(("save", str(tmp)))
+        lines = "".join(ln + "\n" for ln in self.unsaved_lines).encode()
+        checkpoint.save_file(lines, tmp / checkpoint.METRICS)
+        self.unsaved_lines = []
         files = {name: {"size": size, "sha256": sha}
                  for _, _, (name, size, sha) in self.gather("saved").values()}
+        size, sha = checkpoint.bytes_digest(lines)
+        files[checkpoint.METRICS] = {"size": size, "sha256": sha}
         checkpoint.commit(s.run_dir, done_steps, {
             "steps": done_steps, "workers": s.n_workers, "time": time.time(), "files": files,
             "distributed_optimizer": s.config.train.uses_distributed_optimizer(s.config.device),

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 class Network:
     """Where the controller listens and where the workers meet.
 
-    ``master_addr``/``master_port``: the gloo/NCCL rendezvous (rank 0's host); port 0
-    picks a free one (single host only). ``bind_host``: the controller's listening
-    interface; ``advertise_host``: how workers reach it; ``controller_port`` 0 = any.
+    ``master_addr``/``master_port``: the gloo/NCCL rendezvous (rank 0's host); port 0:
+    rank 0 binds one the system chooses (:mod:`realign.worker.rendezvous`).
+    ``bind_host``: the controller's listening interface; ``advertise_host``: how
+    workers reach it; ``controller_port`` 0 = any.
     """
 
     master_addr: str = "127.0.0.1"

@@ -67,11 +67,6 @@ class RealignWorker:
         import ray
         return ray.util.get_node_ip_address()
 
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
-
     def run(self, env: dict[str, str], log_path: str) -> int:
         """The worker program with ``env`` set and stdout/stderr sent to ``log_path``;
         its exit code."""
@@ -179,7 +174,7 @@ class RayLauncher(Launcher):
         runtime_env = dict(self.runtime_env, env_vars=env_vars)
         res = dict(self.resources)
         cpus, gpus = res.pop("CPU", 0.0), res.pop("GPU", 0.0)
-        # max_concurrency 2: node_ip/free_port still answer while run() works
+        # max_concurrency 2: node_ip still answers while run() works
         cls = ray.remote(max_restarts=0, max_concurrency=2)(RealignWorker)
         self.actors = [
             cls.options(num_cpus=cpus, num_gpus=gpus, resources=res or None,
@@ -192,10 +187,10 @@ class RayLauncher(Launcher):
     def network(self) -> Network:
         import ray
         self._reserve()
-        master_addr, master_port = ray.get([self.actors[0].node_ip.remote(),
-                                            self.actors[0].free_port.remote()])
+        # port 0: rank 0 serves the world's store on a port its system assigns
+        master_addr = ray.get(self.actors[0].node_ip.remote())
         me = ray.util.get_node_ip_address()
-        return Network(master_addr=master_addr, master_port=master_port,
+        return Network(master_addr=master_addr, master_port=0,
                        bind_host=me, advertise_host=me, controller_port=0)
 
     def start(self, envs: list[dict[str, str]], log_paths: list[str]) -> None:

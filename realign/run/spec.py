@@ -61,6 +61,11 @@ class RunSpec(BaseModel):
         """The compiled program of the plan (what every worker executes each step)."""
         return compile_program(self.plan)
 
+    def collective_timeout_s(self) -> float:
+        """How long a worker waits on its peers: ``run.collective_timeout_s``, or long
+        enough for the plan (:meth:`Program.collective_timeout_s`)."""
+        return self.config.run.collective_timeout_s or self.program().collective_timeout_s()
+
     # ---- the file ------------------------------------------------------------------
     def save(self) -> Path:
         """Write ``RUN/run_spec.json`` atomically."""

@@ -22,7 +22,6 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -54,12 +53,6 @@ class RankContext:
     store: dict = field(default_factory=dict)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _resolve(fn: Callable | str) -> Callable:
     if isinstance(fn, str):
         module, name = fn.split(":")
@@ -81,9 +74,11 @@ def _worker(rank: int, world: int, port: int, threads: int, timeout_s: float, de
     cuda = device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s),
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout,
+                          wait_for_workers=False)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store,
+                            rank=rank, world_size=world, timeout=timeout,
                             device_id=torch.device("cuda", rank) if cuda else None)
     ctx = RankContext(rank, world)
     outbox.put((rank, "ready", pickle.dumps(None)))
@@ -111,7 +106,13 @@ class LocalWorld:
             raise ValueError(f"LocalWorld device must be 'cpu' or 'cuda', not {device!r}")
         self.n, self.threads, self.timeout_s = n, threads, timeout_s
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        # the world's store lives here, on a port the system assigns as it binds it (a
+        # port chosen first and bound later by a rank can be taken in between)
+        import torch.distributed as dist
+        self._store = dist.TCPStore("127.0.0.1", 0, n, is_master=True,
+                                    timeout=datetime.timedelta(seconds=timeout_s),
+                                    wait_for_workers=False)
+        port = self._store.port
         self._out = ctx.Queue()
         self._ins = [ctx.Queue() for _ in range(n)]
         self._procs = [ctx.Process(target=_worker, daemon=True,

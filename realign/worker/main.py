@@ -17,10 +17,13 @@ from multiprocessing.connection import Client
 def serve(conn, rank: int, world: int) -> None:
     from realign.run.spec import RunSpec
     from realign.runtime.polled_wait import polled_waits
+    from realign.worker.rendezvous import join_store
     from realign.worker.session import Session
     msg = conn.recv()
     assert msg[0] == "setup", msg
-    session = Session(RunSpec.model_validate_json(msg[1]), rank, world, resume_dir=msg[2])
+    spec = RunSpec.model_validate_json(msg[1])
+    store = join_store(conn, rank, world, spec.collective_timeout_s())
+    session = Session(spec, rank, world, store, resume_dir=msg[2])
     conn.send(("ready", rank))
     # gloo on CPU: poll collectives rather than sleep in them (see polled_wait.py)
     with polled_waits() if session.dev.kind == "cpu" else contextlib.nullcontext():

@@ -57,7 +57,8 @@ def check_optimizer_shapes(optimizer, name: str) -> None:
 
 
 class Session:
-    def __init__(self, spec: RunSpec, rank: int, world: int, resume_dir: str | None = None):
+    def __init__(self, spec: RunSpec, rank: int, world: int, store,
+                 resume_dir: str | None = None):
         self.rank, self.world = rank, world
         cfg = self.cfg = spec.config
         self.spec = spec
@@ -71,9 +72,9 @@ class Session:
             if short:
                 raise UserError(f"{short}; free the GPU or plan for less memory",
                                 field="plan")
-        timeout = datetime.timedelta(seconds=cfg.run.collective_timeout_s
-                                     or self.program.collective_timeout_s())
-        dist.init_process_group(self.dev.backend, rank=rank, world_size=world, timeout=timeout,
+        timeout = datetime.timedelta(seconds=spec.collective_timeout_s())
+        dist.init_process_group(self.dev.backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout,
                                 device_id=self.dev.device if self.dev.kind == "cuda" else None)
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = load_tokenizer(self.paths["actor" if "actor" in self.paths else "reward"])
