@@ -72,7 +72,7 @@ def _evaluation(shape: BatchShape, ev: EvalShape, trained_output: str) -> list[M
     read the trained policy: its training call's output), every ``ev.every`` steps."""
     p, g = shape.prompt_len, shape.gen_len
     common = dict(role="actor", kind="generate", prompt_len=p, gen_len=g, every=ev.every,
-                  input_keys=("eval_prompts", trained_output))
+                  purpose="eval", input_keys=("eval_prompts", trained_output))
     return [MFC(name="actor.eval_greedy", n_seqs=ev.n_prompts, greedy=True,
                 output_keys=("eval_greedy_seqs",), **common),
             MFC(name="actor.eval_sample", n_seqs=ev.n_prompts * ev.samples,

@@ -19,6 +19,9 @@ from planner.errors import PlanError
 from planner.lengths import GenLengths
 
 Kind = Literal["generate", "inference", "train"]
+#: what a call is for: ``step``, the training step (its rollout, scoring and training);
+#: ``eval``, an evaluation on held-out prompts (its output feeds the metrics only)
+Purpose = Literal["step", "eval"]
 
 
 #: The largest staleness bound a graph takes (algorithm.max_staleness).
@@ -49,6 +52,9 @@ class MFC(BaseModel):
                                       "None: the planner chooses.")
     every: int = Field(1, gt=0, description="Runs every this many steps (an evaluation); "
                        "priced at 1/every of its time per step.")
+    purpose: Purpose = Field("step", description="step: part of the training step; eval: an "
+                             "evaluation on held-out prompts (its output reaches the "
+                             "metrics only, whatever its interval).")
     lengths: GenLengths | None = Field(None, description="generate: the distribution of a "
                                        "response's length (gen_len is its cap); inference, "
                                        "train: that of the responses it reads, whose batch "
@@ -62,6 +68,11 @@ class MFC(BaseModel):
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.gen_len
+
+    @property
+    def is_eval(self) -> bool:
+        """An evaluation on held-out prompts (not part of the training step)."""
+        return self.purpose == "eval"
 
     @model_validator(mode="after")
     def _check(self) -> "MFC":
@@ -183,7 +194,7 @@ class DataflowGraph(BaseModel):
         """Whether ``m`` runs ahead of training: in an asynchronous graph, every rollout
         generation (a generate call of every step) makes the next step's samples while
         this step trains."""
-        return self.ahead_steps > 0 and m.kind == "generate" and m.every == 1
+        return self.ahead_steps > 0 and m.kind == "generate" and not m.is_eval
 
     def mfc(self, name: str) -> MFC:
         return next(m for m in self.mfcs if m.name == name)

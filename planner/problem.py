@@ -171,7 +171,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
         by_size.setdefault(mesh.n_gpus, []).append(mesh)
     cands: list[list[Candidate]] = []
     for mfc in graph.mfcs:
-        allowed = (None if split is None or mfc.every > 1 else
+        allowed = (None if split is None or mfc.is_eval else
                    (lambda m: m.first_gpu + m.n_gpus <= split) if graph.is_ahead(mfc) else
                    (lambda m: m.first_gpu >= split))
         rm = models[mfc.role]

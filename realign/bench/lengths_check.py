@@ -18,7 +18,7 @@ def planned(graph: DataflowGraph) -> dict | None:
     """The rollout generation's assumed lengths: ``cap`` (gen_len), ``mean`` and
     ``at_cap`` (the share of responses at the cap); every response at the cap when the
     graph gives no distribution. None when the graph samples no rollout."""
-    gen = next((m for m in graph.mfcs if m.kind == "generate" and m.every == 1
+    gen = next((m for m in graph.mfcs if m.kind == "generate" and not m.is_eval
                 and not m.greedy), None)
     if gen is None:
         return None

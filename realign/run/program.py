@@ -182,8 +182,8 @@ class Program:
 
     @property
     def evaluates(self) -> bool:
-        """Some ops run only on evaluation steps."""
-        return any(op.every > 1 for op in self.ops)
+        """The program evaluates on held-out prompts (on the evaluation steps)."""
+        return any(isinstance(op, Evaluate) for op in self.ops)
 
     def ops_for(self, evaluate: bool, prologue: bool = False, last: bool = False
                 ) -> tuple[Op, ...]:

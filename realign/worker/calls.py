@@ -85,7 +85,7 @@ class Calls:
         if len(op.outputs) > 1:
             out[op.outputs[1]] = logprobs
         prefix = "greedy_" if op.mfc.greedy else ""
-        if op.every > 1:                         # an evaluation's generation
+        if op.mfc.is_eval:                       # an evaluation's generation
             prefix = f"eval.{'greedy' if op.mfc.greedy else 'sample'}_"
         metrics = {f"{prefix}gen_tokens": float(gen.lengths.sum()),
                    f"{prefix}response_len": float(gen.lengths.float().mean()),

@@ -152,3 +152,25 @@ def test_one_sequence_mini_batches_keep_the_synchronous_training_off_data_parall
     assert asyn.asynchronous and asyn.iteration_time_s < sync.iteration_time_s
     # mini-batches of two rows do split over both ranks
     assert train_dp(4)[0] == 2
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_an_evaluation_is_never_the_rollout_whatever_its_interval(every):
+    """Whether a call evaluates is its purpose, not its interval: at eval.interval 1 the
+    held-out generations run every step, and still neither run ahead of training nor
+    stand for the rollout (an asynchronous graph with them plans)."""
+    from planner.algorithms import EvalShape
+    from planner.problem import build_problem
+
+    ev = EvalShape(n_prompts=4, samples=2, every=every)
+    asyn = build_graph("grpo", SHAPE, {"actor"}, max_staleness=1, asynchronous=True,
+                       evaluation=ev)
+    evals = [m for m in asyn.mfcs if m.is_eval]
+    assert [m.name for m in evals] == ["actor.eval_greedy", "actor.eval_sample"]
+    assert all(m.every == every and not asyn.is_ahead(m) for m in evals)
+    assert [m.name for m in asyn.mfcs if asyn.is_ahead(m)] == ["actor.generate"]
+    assert not any(m.is_eval for m in asyn.mfcs if m.name in ("actor.generate", "actor.train"))
+    prob = build_problem(asyn, models("actor"), CostModel(CPU2), n_iters=2, split=1)
+    # the evaluations may run on either side of the split, like any evaluation
+    i = [m.name for m in asyn.mfcs].index("actor.eval_greedy")
+    assert {c.first_gpu for c in prob.cands[i]} == {0, 1}

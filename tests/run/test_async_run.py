@@ -68,6 +68,24 @@ def test_async_run_trains_on_stale_samples_and_resumes_bit_identically(tiny_asse
         assert [row[key] for row in metrics(whole)] == [row[key] for row in metrics(cut)], key
 
 
+def test_an_async_run_evaluates_at_interval_one(tiny_assets, tmp_path):
+    """eval.interval 1: the held-out generations run every step, on the training side,
+    and are not taken for the rollout generated ahead."""
+    from tests.run.test_eval_and_demo import EVAL, eval_rows_are_prefixed
+
+    on_gpu1 = {"mesh": {"first_gpu": 1, "n_gpus": 1}, "layout": {"tp": 1, "pp": 1, "dp": 1}}
+    exp = experiment(tiny_assets, "tiny-grpo-async-cpu", tmp_path, run__steps=3,
+                     eval={**EVAL, "interval": 1},
+                     plan__manual={**ASYNC_MANUAL, "actor.eval_greedy": on_gpu1,
+                                   "actor.eval_sample": on_gpu1})
+    r = run(exp, tmp_path / "run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = metrics(tmp_path / "run")
+    assert [row["step"] for row in got] == [0, 1, 2]
+    assert [row["actor.staleness"] for row in got] == [0.0, 1.0, 1.0]
+    eval_rows_are_prefixed(got, 64)
+
+
 @pytest.mark.parametrize("victim", [0, 1], ids=["generating-worker", "training-worker"])
 def test_a_dead_worker_on_either_side_fails_fast(tiny_assets, tmp_path, victim):
     exp = async_experiment(tiny_assets, tmp_path, run__steps=400)

@@ -68,6 +68,26 @@ def test_evaluation_runs_on_its_steps_and_reaches_the_metrics(tiny_assets, tmp_p
     assert "eval acc" in r.stdout
 
 
+def eval_rows_are_prefixed(rows_: list[dict], n_rollout: int) -> None:
+    """Every row evaluated, its evaluation's metrics under ``eval.`` and the rollout's
+    own lengths untouched by the evaluation's (``n_rollout`` sampled responses)."""
+    for row in rows_:
+        assert row["eval.greedy_gen_tokens"] > 0 and row["eval.sample_gen_tokens"] > 0, row
+        assert not any(k.startswith(("greedy_", "sample_")) for k in row), sorted(row)
+        assert sum(c for _, c in row["response_len_hist"]) == n_rollout
+        assert 0.0 <= row["eval.greedy_accuracy"] <= 1.0
+
+
+def test_evaluation_at_interval_one_runs_every_step(tiny_assets, tmp_path):
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=3,
+                     eval={**EVAL, "interval": 1})
+    r = run(exp, tmp_path / "run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = rows(tmp_path / "run")
+    assert [row["step"] for row in got] == [0, 1, 2]
+    eval_rows_are_prefixed(got, 64)
+
+
 def test_the_demo_learns_its_task(tiny_assets, tmp_path):
     sft = experiment(tiny_assets, "demo-sft", tmp_path)
     r = run(sft, tmp_path / "sft")
