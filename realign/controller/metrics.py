@@ -29,6 +29,35 @@ def _keep_before(path: Path, step: int) -> None:
         os.replace(part, path)
 
 
+def restore(path: Path, steps: int, saved: dict[int, tuple[str, str]]
+            ) -> tuple[list[tuple[int, str]], list[int]]:
+    """Make ``path`` (metrics.jsonl) hold one whole line for each of the first ``steps``
+    steps, in step order: its own line where it has one (the first, if a step appears
+    twice), else the checkpoints' copy (``saved``: step -> (line, checkpoint)); lines of
+    later steps and broken lines are dropped. Returns ((step, checkpoint) restored,
+    steps that neither holds)."""
+    mine: dict[int, str] = {}
+    if path.exists():
+        for ln in path.read_text(errors="replace").splitlines():
+            s = _step_of(ln)
+            if s is not None and s < steps:
+                mine.setdefault(s, ln)
+    restored, lost, lines = [], [], []
+    for s in range(steps):
+        if s in mine:
+            lines.append(mine[s])
+        elif s in saved:
+            lines.append(saved[s][0])
+            restored.append((s, saved[s][1]))
+        else:
+            lost.append(s)
+    if path.exists() or lines:
+        part = path.with_suffix(".part")
+        part.write_text("".join(ln + "\n" for ln in lines))
+        os.replace(part, path)
+    return restored, lost
+
+
 class MetricsLog:
     """``RUN/metrics.jsonl`` (one JSON object per step), ``RUN/timeline.jsonl`` (each
     step's ops with their wall-clock start and end: ``{"step", "events": [[label, kind,
@@ -52,13 +81,14 @@ class MetricsLog:
         self.f = open(self.path, "a")
         self.timeline = open(self.timeline_path, "a")
 
-    def write(self, row: dict, events: list | None = None) -> None:
+    def write(self, row: dict, events: list | None = None) -> str:
         """One JSONL line and one TensorBoard event holding every scalar of the step (one
         event per scalar, as ``add_scalar`` writes, costs ~0.1 ms each: the controller
-        shares the CPU with the workers)."""
+        shares the CPU with the workers). Returns the line (without its newline)."""
         from tensorboardX.proto.summary_pb2 import Summary
 
-        self.f.write(json.dumps(row) + "\n")
+        line = json.dumps(row)
+        self.f.write(line + "\n")
         self.f.flush()
         if events:
             self.timeline.write(json.dumps({"step": row["step"], "events": events}) + "\n")
@@ -67,6 +97,7 @@ class MetricsLog:
                   for k, v in row.items() if k != "step" and isinstance(v, (int, float))]
         self.tb.add_summary(Summary(value=values), row["step"])
         self.tb.flush()
+        return line
 
     def close(self) -> None:
         self.f.close()

@@ -29,6 +29,8 @@ from pathlib import Path
 
 KEEP_LAST = 2
 MANIFEST = "manifest.json"
+#: a checkpoint's copy of the run's metrics lines of the steps it covers
+METRICS = "metrics.jsonl"
 FINAL_MARKER = "realign_final.json"
 _STEP = re.compile(r"step_(\d{6,})")
 _CHUNK = 1 << 22
@@ -116,25 +118,53 @@ def quarantine(folder: Path) -> Path:
 def resume_point(run_dir: Path) -> tuple[tuple[int, Path] | None, list[str]]:
     """(the newest intact checkpoint's (step, folder) or None, what was set aside).
 
-    Newer damaged checkpoints are renamed out of the way (:func:`quarantine`), each
-    noted. When checkpoints exist but none is intact, a :class:`UserError` names the
-    files: the run neither starts over silently nor deletes them."""
+    Damaged checkpoints newer than the one resumed from are renamed out of the way
+    (:func:`quarantine`), each noted. When checkpoints exist but none is intact, a
+    :class:`UserError` names the files and nothing on disk is changed: the run neither
+    starts over silently nor renames or deletes them."""
     from realign.errors import UserError
 
-    notes: list[str] = []
     found = committed(run_dir)
+    damaged: list[tuple[Path, list[str]]] = []
     for step, folder in reversed(found):
         bad = problems(folder)
         if not bad:
+            notes = []
+            for d, why in damaged:
+                moved = quarantine(d)
+                notes.append(f"checkpoint {d.name} is damaged ({'; '.join(why)}); "
+                             f"set aside as {moved.name}")
             return (step, folder), notes
-        moved = quarantine(folder)
-        notes.append(f"checkpoint {folder.name} is damaged ({'; '.join(bad)}); "
-                     f"set aside as {moved.name}")
+        damaged.append((folder, bad))
     if found:
-        raise UserError(f"no intact checkpoint in {run_dir / 'checkpoints'}: "
-                        f"{' / '.join(notes)}. Restore the files, or run in a new run "
+        said = " / ".join(f"checkpoint {d.name} is damaged ({'; '.join(why)})"
+                          for d, why in damaged)
+        raise UserError(f"no intact checkpoint in {run_dir / 'checkpoints'}: {said}. "
+                        "Nothing was changed: restore the files, or run in a new run "
                         "folder to start over", field="run_dir")
-    return None, notes
+    return None, []
+
+
+def saved_metrics(run_dir: Path) -> dict[int, tuple[str, str]]:
+    """step -> (its metrics line, the checkpoint that holds it), from every committed
+    checkpoint whose metrics copy matches its manifest (newer checkpoints win)."""
+    out: dict[int, tuple[str, str]] = {}
+    for _, folder in committed(run_dir):
+        try:
+            info = read_manifest(folder)["files"][METRICS]
+            data = (folder / METRICS).read_bytes()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if bytes_digest(data) != (info.get("size"), info.get("sha256")):
+            continue
+        for line in data.decode(errors="replace").splitlines():
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if isinstance(step, int):
+                out[step] = (line, folder.name)
+    return out
 
 
 #: what a run folder holds, and of which kind (a folder, or a file)

@@ -323,8 +323,31 @@ def test_no_intact_checkpoint_is_an_input_error_naming_the_files(finished_run, t
         (rd / "checkpoints" / step / "rank0.pt").unlink()
     code, text = _rerun(finished_run, rd, capsys)
     assert code == 2 and "no intact checkpoint" in text and "rank0.pt is missing" in text
-    assert not list((rd / "checkpoints").glob("step_??????")), "set aside, not deleted"
-    assert len(list((rd / "checkpoints").glob("step_*.damaged"))) == 2
+    # an exit-2 refusal changes nothing on disk: no checkpoint is renamed or removed
+    assert sorted(p.name for p in (rd / "checkpoints").iterdir()) == ["step_000002",
+                                                                      "step_000004"]
+    assert "Nothing was changed" in text
+
+
+def test_a_damaged_metrics_line_is_restored_from_its_checkpoint(finished_run, tmp_path, capsys):
+    """The last step's metrics line is damaged but the checkpoint after it is intact:
+    the rerun restores the line from the checkpoint (each checkpoint keeps the lines of
+    the steps it covers), so metrics.jsonl has every step exactly once."""
+    rd = _copy(finished_run, tmp_path)
+    want = (rd / "metrics.jsonl").read_text().splitlines()
+    damaged = want[:3] + [want[3][:20]]                    # step 3's line cut off
+    (rd / "metrics.jsonl").write_text("\n".join(damaged) + "\n")
+    code, text = _rerun(finished_run, rd, capsys)
+    assert code == 0 and "already finished" in text, text[-3000:]
+    assert "restored the metrics of step 3 from checkpoint step_000004" in text
+    assert (rd / "metrics.jsonl").read_text().splitlines() == want
+    # a line missing in the middle comes back too, in step order, and a resumed run
+    # (the final model written again) keeps every step exactly once
+    (rd / "metrics.jsonl").write_text("\n".join(want[:1] + want[2:] + want[3:]) + "\n")
+    shutil.rmtree(rd / "final")
+    code, text = _rerun(finished_run, rd, capsys)
+    assert code == 0 and "restored the metrics of step 1 from checkpoint step_000002" in text
+    assert (rd / "metrics.jsonl").read_text().splitlines() == want
 
 
 def test_a_checkpoint_of_another_optimizer_sharding_is_refused_before_workers(
