@@ -96,13 +96,21 @@ def test_the_demo_learns_its_task(tiny_assets, tmp_path):
                       models__actor=str(tmp_path / "sft" / "final" / "actor"))
     r = run(grpo, tmp_path / "grpo")
     assert r.returncode == 0, r.stderr[-3000:]
-    before = [row["eval.greedy_accuracy"] for row in rows(tmp_path / "sft")
-              if "eval.greedy_accuracy" in row]
-    after = [row["eval.greedy_accuracy"] for row in rows(tmp_path / "grpo")
-             if "eval.greedy_accuracy" in row]
-    assert before[0] <= 0.1, before                 # the random model: near 0
-    held = sum(after[-5:]) / 5                      # the last five, not one lucky eval
-    assert after[-1] >= 0.5 and held >= 0.6, after  # learned, on held-out problems
-    # and GRPO itself raised it, well above the SFT policy it started from (over 5 seeds
-    # and 3 SFT learning rates on one CPU: +0.30 to +0.69)
-    assert held >= before[-1] + 0.2, (before, after)
+    # One evaluation of 20 problems moves in steps of 0.05 and swings by up to 0.3
+    # between neighbours, and another CPU's rounding moves the whole curve: every check
+    # below compares averages over the last five evaluations of a stage. The margins
+    # they keep over seven variants standing in for other CPUs (SFT and GRPO learning
+    # rates, seeds; benchmarks/demo/README.md): GRPO's greedy 0.81-0.93 against 0.6, its
+    # gain over SFT +0.36 to +0.43 greedy and +0.28 to +0.37 sampled against 0.15.
+    def last5(run: str, key: str) -> float:
+        got = [row[key] for row in rows(tmp_path / run) if key in row]
+        assert len(got) >= 10, got
+        return sum(got[-5:]) / 5
+
+    untrained = rows(tmp_path / "sft")[0]
+    assert untrained["eval.greedy_accuracy"] <= 0.1, untrained     # random: near 0
+    sft, grpo = last5("sft", "eval.greedy_accuracy"), last5("grpo", "eval.greedy_accuracy")
+    assert grpo >= 0.6, grpo                    # learned, on held-out problems
+    assert grpo >= sft + 0.15, (sft, grpo)      # GRPO itself raised it ...
+    sft_s, grpo_s = last5("sft", "eval.sample_accuracy"), last5("grpo", "eval.sample_accuracy")
+    assert grpo_s >= sft_s + 0.15, (sft_s, grpo_s)  # ... most of all when sampling
