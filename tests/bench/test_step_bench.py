@@ -80,7 +80,7 @@ def test_the_table_reads_a_recorded_comparison_without_a_target():
     import json
 
     from realign.bench import step
-    rec = json.loads((REPO / "benchmarks" / "results" / "step_tiny_grpo.json").read_text())
+    rec = json.loads((REPO / "benchmarks" / "step" / "tiny_grpo_vs_trl_2026-11-22.json").read_text())
     c = rec["summary"]["comparison"]
     text = step._table(rec)
     ratio = c["tokens_per_s_ratio_clean"][c["headline_variant"]]

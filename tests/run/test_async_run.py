@@ -16,7 +16,7 @@ from tests.run.test_run_controller import final_weights, kill_a_worker, metrics,
 pytestmark = pytest.mark.cpu_dist
 
 #: the asynchronous plan of tiny-grpo-async-cpu, placed by hand (the search may prefer
-#: the synchronous plan on this machine)
+#: the synchronous plan on a CPU)
 ASYNC_MANUAL = {
     "actor.generate": {"mesh": {"first_gpu": 0, "n_gpus": 1}, "layout": {"tp": 1, "pp": 1, "dp": 1}},
     "actor.prox_inference": {"mesh": {"first_gpu": 1, "n_gpus": 1},

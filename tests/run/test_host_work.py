@@ -15,7 +15,7 @@ from realign.profile.step_overhead import fit_step_costs, outside_ops_s
 from tests.run.conftest import experiment
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILE = REPO / "benchmarks" / "results" / "profile_cpu.json"
+PROFILE = REPO / "benchmarks" / "profile" / "cpu_2026-11-25_one-pass.json"
 
 
 @pytest.mark.pure
