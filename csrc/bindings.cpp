@@ -1,6 +1,6 @@
 // Python bindings of the search core: module planner._core.
 //
-// planner/core_bridge.py packs a planner.problem.Problem into a _core.Problem and
+// planner/search/core_bridge.py packs a planner.search.problem.Problem into a _core.Problem and
 // wraps simulate / anneal; use it rather than this module directly.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -20,7 +20,7 @@ namespace {
 using IntLists = std::vector<std::vector<i64>>;
 using FloatLists = std::vector<std::vector<double>>;
 using PlaceTuple = std::array<i64, 5>;         // (first_gpu, n_gpus, tp, pp, dp)
-using ReallocModelTuple = std::array<i64, 7>;  // planner.realloc_cost.ReallocModel fields
+using ReallocModelTuple = std::array<i64, 7>;  // planner.cost.realloc_cost.ReallocModel fields
 
 Place place_of(const PlaceTuple& t) { return Place{t[0], t[1], t[2], t[3], t[4]}; }
 
@@ -47,7 +47,7 @@ void check_shape(const std::vector<std::vector<T>>& a, const IntLists& like, con
 }
 
 // Builds and validates a Problem from plain arrays (one list per MFC for the
-// candidate fields). planner.core_bridge.to_core is the caller.
+// candidate fields). planner.search.core_bridge.to_core is the caller.
 Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_per_node,
                      double intra_bytes_per_s, double inter_bytes_per_s, double intra_latency_s,
                      double inter_latency_s, const std::vector<i64>& mfc_model,
@@ -112,7 +112,7 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
     return p;
 }
 
-// _core.simulate: planner.simulator.simulate + memory, with a fresh cache.
+// _core.simulate: planner.search.simulator.simulate + memory, with a fresh cache.
 std::tuple<double, double, double, std::vector<double>> py_simulate(
     const Problem& prob, const std::vector<i64>& assign) {
     check_assign(prob, assign, "assign");
@@ -121,7 +121,7 @@ std::tuple<double, double, double, std::vector<double>> py_simulate(
     return {r.iter_time_s, r.makespan_s, r.overflow_bytes, std::move(r.peak_bytes)};
 }
 
-// _core.realloc_time: planner.realloc_cost.realloc_time with the problem's links.
+// _core.realloc_time: planner.cost.realloc_cost.realloc_time with the problem's links.
 std::tuple<double, i64> py_realloc_time(const Problem& prob, i64 model, const PlaceTuple& src,
                                         const PlaceTuple& dst) {
     if (model < 0 || model >= static_cast<i64>(prob.realloc_models.size()))
@@ -138,7 +138,7 @@ std::tuple<double, i64> py_realloc_time(const Problem& prob, i64 model, const Pl
     return {c.time_s, c.bytes};
 }
 
-// _core.anneal: planner.anneal.anneal; the GIL is released during the walk.
+// _core.anneal: planner.search.anneal.anneal; the GIL is released during the walk.
 std::tuple<std::vector<i64>, double, bool, i64, i64> py_anneal(
     const Problem& prob, const std::vector<i64>& start, i64 n_steps, double t0_frac,
     double t1_frac, i64 restart_every, u64 seed, double time_limit_s) {
@@ -159,11 +159,11 @@ std::tuple<std::vector<i64>, double, bool, i64, i64> py_anneal(
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
-    m.doc() = "realign's C++ search core: the twin of planner.simulator, "
-              "planner.realloc_cost and planner.anneal (bit-identical results).";
+    m.doc() = "realign's C++ search core: the twin of planner.search.simulator, "
+              "planner.cost.realloc_cost and planner.search.anneal (bit-identical results).";
 
     py::class_<Problem>(m, "Problem",
-                        "The search problem in numbers (see planner.core_bridge.to_core).")
+                        "The search problem in numbers (see planner.search.core_bridge.to_core).")
         .def(py::init(&make_problem), py::arg("n_gpus"), py::arg("mem_limit_bytes"),
              py::arg("n_iters"), py::arg("gpus_per_node"), py::arg("intra_bytes_per_s"),
              py::arg("inter_bytes_per_s"), py::arg("intra_latency_s"),
@@ -185,16 +185,16 @@ PYBIND11_MODULE(_core, m) {
         });
 
     m.def("simulate", &py_simulate, py::arg("problem"), py::arg("assign"),
-          "planner.simulator.simulate + memory: "
+          "planner.search.simulator.simulate + memory: "
           "(iter_time_s, makespan_s, overflow_bytes, peak_bytes).");
     m.def("realloc_time", &py_realloc_time, py::arg("problem"), py::arg("model"),
           py::arg("src"), py::arg("dst"),
-          "planner.realloc_cost.realloc_time of model index `model` from place `src` to "
+          "planner.cost.realloc_cost.realloc_time of model index `model` from place `src` to "
           "`dst` ((first_gpu, n_gpus, tp, pp, dp)) with the problem's links: "
           "(seconds, bytes).");
     m.def("anneal", &py_anneal, py::arg("problem"), py::arg("start"), py::arg("n_steps"),
           py::arg("t0_frac"), py::arg("t1_frac"), py::arg("restart_every"), py::arg("seed"),
           py::arg("time_limit_s") = 0.0,
-          "planner.anneal.anneal: (assign, energy, feasible, steps_done, accepted). "
+          "planner.search.anneal.anneal: (assign, energy, feasible, steps_done, accepted). "
           "time_limit_s <= 0: no limit.");
 }

@@ -1,4 +1,4 @@
-// The reallocation cost, a line-by-line twin of planner/realloc_cost.py (its own
+// The reallocation cost, a line-by-line twin of planner/cost/realloc_cost.py (its own
 // file: the rest of the core, in search_core.cpp, only calls realloc_time).
 #include "search_core.hpp"
 
@@ -22,7 +22,7 @@ i64 floordiv(i64 a, i64 b) {
 // int / float; the conversion is exact (hence identical) below 2**53.
 constexpr i64 kExactDoubleLimit = i64{1} << 53;
 
-// planner.realloc_cost._tp_overlap
+// planner.cost.realloc_cost._tp_overlap
 i64 tp_overlap(i64 i, i64 tp_d, i64 k, i64 tp_s) {
     const i64 lo = std::max(i * tp_s, k * tp_d);
     const i64 hi = std::min((i + 1) * tp_s, (k + 1) * tp_d);
@@ -42,7 +42,7 @@ struct Stages {
     }
 };
 
-// planner.realloc_cost._stages_holding("embedding", ...)
+// planner.cost.realloc_cost._stages_holding("embedding", ...)
 Stages embedding_stages(const ReallocModel& m, i64 pp) {
     Stages r = Stages::one(0);
     if (m.head_kind == kHeadLmTied && pp > 1) {
@@ -52,7 +52,7 @@ Stages embedding_stages(const ReallocModel& m, i64 pp) {
     return r;
 }
 
-// planner.realloc_cost._Acc: per-GPU received and sent bytes (0: intra, 1: inter).
+// planner.cost.realloc_cost._Acc: per-GPU received and sent bytes (0: intra, 1: inter).
 // Indexed by GPU; a GPU never charged holds zeros, which change neither the sum
 // nor the max that realloc_time takes over the Python dicts.
 struct Acc {
@@ -64,7 +64,7 @@ struct Acc {
     explicit Acc(i64 n_gpus) : recv(n_gpus, {0, 0}), send(n_gpus, {0.0, 0.0}), local(n_gpus, 0) {}
 };
 
-// planner.realloc_cost._holders: source GPUs at tp rank k (k < 0: any) of stages.
+// planner.cost.realloc_cost._holders: source GPUs at tp rank k (k < 0: any) of stages.
 void holders_of(const Place& src, const Stages& stages, i64 k, std::vector<i64>& out) {
     out.clear();
     for (int q = 0; q < stages.n; ++q) {
@@ -77,7 +77,7 @@ void holders_of(const Place& src, const Stages& stages, i64 k, std::vector<i64>&
     }
 }
 
-// planner.realloc_cost._charge: g receives nbytes, shared evenly by the holders on
+// planner.cost.realloc_cost._charge: g receives nbytes, shared evenly by the holders on
 // its own node if any, else by all holders. Each holder's send is accumulated in
 // charge order, as in Python.
 void charge(Acc& acc, i64 g, i64 nbytes, i64 gpn) {
@@ -134,7 +134,7 @@ void replicated(Acc& acc, const Place& src, const DstGpu& d, i64 nbytes, const S
     charge(acc, d.g, nbytes, gpn);
 }
 
-// planner.realloc_cost.realloc_recv_send
+// planner.cost.realloc_cost.realloc_recv_send
 void realloc_recv_send(Acc& acc, const ReallocModel& m, const Place& src, const Place& dst,
                        i64 gpn) {
     const i64 L = m.n_layers;
@@ -172,7 +172,7 @@ void realloc_recv_send(Acc& acc, const ReallocModel& m, const Place& src, const 
 
 }  // namespace
 
-// planner.realloc_cost.realloc_time
+// planner.cost.realloc_cost.realloc_time
 ReallocCost realloc_time(const ReallocModel& m, const Place& src, const Place& dst,
                          const Links& links) {
     const i64 n = std::max(src.first_gpu + src.n_gpus, dst.first_gpu + dst.n_gpus);

@@ -105,7 +105,7 @@ void check_assign(const Problem& prob, const std::vector<i64>& assign, const cha
                      std::to_string(prob.cands[i].size()) + ")");
 }
 
-// ---- planner.simulator.ReallocCache ----------------------------------------------
+// ---- planner.search.simulator.ReallocCache ----------------------------------------------
 
 ReallocCache::ReallocCache(const Problem& prob) : prob_(prob), tables_(prob.cands.size()) {}
 
@@ -121,9 +121,9 @@ ReallocCost ReallocCache::get(i64 model, i64 train_mfc, i64 src, i64 mfc, i64 ds
     return cost;
 }
 
-// ---- simulator: planner/simulator.py ---------------------------------------------
+// ---- simulator: planner/search/simulator.py ---------------------------------------------
 
-// planner.simulator.needs_realloc
+// planner.search.simulator.needs_realloc
 bool needs_realloc(const Problem& prob, const std::vector<i64>& assign, i64 i) {
     const i64 model = prob.mfc_model[i];
     const i64 t = prob.model_train_mfc[model];
@@ -133,7 +133,7 @@ bool needs_realloc(const Problem& prob, const std::vector<i64>& assign, i64 i) {
     return a.first_gpu != b.first_gpu || a.n_gpus != b.n_gpus || a.tp != b.tp || a.pp != b.pp;
 }
 
-// planner.simulator.memory
+// planner.search.simulator.memory
 double memory(const Problem& prob, const std::vector<i64>& assign,
               std::vector<double>& peak_bytes) {
     const i64 n = prob.n_gpus;
@@ -187,7 +187,7 @@ void occupy_until(std::vector<double>& free, const Place& p, double t) {
     for (i64 g = p.first_gpu; g < p.first_gpu + p.n_gpus; ++g) free[g] = t;
 }
 
-// planner.step_spread.expected_max: Clark's E[max] of two independent normals
+// planner.cost.step_spread.expected_max: Clark's E[max] of two independent normals
 double expected_max(double m1, double s1, double m2, double s2) {
     const double theta = std::sqrt(s1 * s1 + s2 * s2);
     if (theta <= 0.0) return std::max(m1, m2);
@@ -197,7 +197,7 @@ double expected_max(double m1, double s1, double m2, double s2) {
     return m1 * cdf + m2 * (1.0 - cdf) + theta * pdf;
 }
 
-// planner.simulator._slower_side_end: an asynchronous step's expected end
+// planner.search.simulator._slower_side_end: an asynchronous step's expected end
 double slower_side_end(const Problem& prob, const std::vector<i64>& assign,
                        const std::vector<double>& finish) {
     double gen_end = 0.0, train_end = 0.0, gen_var = 0.0, train_sd = 0.0;
@@ -216,7 +216,7 @@ double slower_side_end(const Problem& prob, const std::vector<i64>& assign,
 
 }  // namespace
 
-// planner.simulator.simulate (record=False; the realloc table is not kept)
+// planner.search.simulator.simulate (record=False; the realloc table is not kept)
 SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocCache& cache) {
     const i64 n_mfc = prob.n_mfcs();
     const i64 n_keys = static_cast<i64>(prob.key_send_intra_s.size());
@@ -340,17 +340,17 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
     return res;
 }
 
-// planner.simulator.energy
+// planner.search.simulator.energy
 double energy(const Problem& prob, const SimResult& res) {
     return res.iter_time_s *
            (1.0 + kOverflowPenalty * res.overflow_bytes / prob.mem_limit_bytes);
 }
 
-// ---- annealing: planner/anneal.py ------------------------------------------------
+// ---- annealing: planner/search/anneal.py ------------------------------------------------
 
 namespace {
 
-// One proposal of planner.anneal.anneal: an MFC and a candidate for it (half the
+// One proposal of planner.search.anneal.anneal: an MFC and a candidate for it (half the
 // time one on the same mesh). The random draws happen in the Python order.
 struct Move {
     i64 mfc;
@@ -368,7 +368,7 @@ Move propose(const Problem& prob, const std::vector<i64>& cur, SplitMix64& rng) 
 
 }  // namespace
 
-// planner.anneal.anneal
+// planner.search.anneal.anneal
 AnnealResult anneal(const Problem& prob, const std::vector<i64>& start, const AnnealSettings& s,
                     double time_limit_s) {
     using clock = std::chrono::steady_clock;

@@ -21,13 +21,13 @@ using u64 = std::uint64_t;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// planner.simulator.OVERFLOW_PENALTY
+// planner.search.simulator.OVERFLOW_PENALTY
 constexpr double kOverflowPenalty = 10.0;
 
-// planner.realloc_cost.HEAD_LM_UNTIED / HEAD_LM_TIED / HEAD_VALUE
+// planner.cost.realloc_cost.HEAD_LM_UNTIED / HEAD_LM_TIED / HEAD_VALUE
 enum HeadKind : int { kHeadLmUntied = 0, kHeadLmTied = 1, kHeadValue = 2 };
 
-// planner.realloc_cost.Links
+// planner.cost.realloc_cost.Links
 struct Links {
     i64 gpus_per_node = 1;
     double intra_bytes_per_s = 1.0;
@@ -38,7 +38,7 @@ struct Links {
     double copy_bytes_per_s = kInf;
 };
 
-// planner.realloc_cost.ReallocModel (bytes are exact integers, as in Python)
+// planner.cost.realloc_cost.ReallocModel (bytes are exact integers, as in Python)
 struct ReallocModel {
     i64 n_layers = 1;
     i64 layer_sharded_bytes = 0;
@@ -49,7 +49,7 @@ struct ReallocModel {
     i64 head_bytes = 0;
 };
 
-// planner.realloc_cost.Place: (first_gpu, n_gpus, tp, pp, dp)
+// planner.cost.realloc_cost.Place: (first_gpu, n_gpus, tp, pp, dp)
 struct Place {
     i64 first_gpu = 0;
     i64 n_gpus = 1;
@@ -58,7 +58,7 @@ struct Place {
     i64 dp = 1;
 };
 
-// planner.problem.Candidate (the fields the simulator reads)
+// planner.search.problem.Candidate (the fields the simulator reads)
 struct Candidate {
     Place place;
     double time_s = 0.0;
@@ -68,7 +68,7 @@ struct Candidate {
     double weights_bytes = 0.0;
 };
 
-// planner.problem.Problem in numbers. Built once (see planner/core_bridge.py) and
+// planner.search.problem.Problem in numbers. Built once (see planner/search/core_bridge.py) and
 // checked by validate(); read-only afterwards, so several threads may share it.
 struct Problem {
     i64 n_gpus = 0;
@@ -83,7 +83,7 @@ struct Problem {
     std::vector<ReallocModel> realloc_models;        // per model
     std::vector<std::vector<Candidate>> cands;       // per MFC: its candidates
     std::vector<std::vector<std::vector<i64>>> same_mesh;  // per MFC, per cand
-    // records (planner.problem._add_records): per MFC its (key, producer MFC or -1)
+    // records (planner.search.problem._add_records): per MFC its (key, producer MFC or -1)
     // inputs, its output keys and its `every`; per key one Send's seconds
     std::vector<std::vector<std::array<i64, 2>>> inputs;
     std::vector<std::vector<i64>> outputs;
@@ -98,18 +98,18 @@ struct Problem {
     void validate() const;
 };
 
-// ---- reallocation cost (planner/realloc_cost.py) ---------------------------------
+// ---- reallocation cost (planner/cost/realloc_cost.py) ---------------------------------
 
 struct ReallocCost {
     double time_s = 0.0;
     i64 bytes = 0;
 };
 
-// planner.realloc_cost.realloc_time
+// planner.cost.realloc_cost.realloc_time
 ReallocCost realloc_time(const ReallocModel& m, const Place& src, const Place& dst,
                          const Links& links);
 
-// planner.simulator.ReallocCache: memoised realloc_time keyed by
+// planner.search.simulator.ReallocCache: memoised realloc_time keyed by
 // (model, source cand, MFC, destination cand). The model is fixed by the MFC, so
 // there is one table per MFC keyed by (source cand, destination cand).
 class ReallocCache {
@@ -122,7 +122,7 @@ private:
     std::vector<std::unordered_map<u64, ReallocCost>> tables_;  // per MFC
 };
 
-// ---- simulator (planner/simulator.py) --------------------------------------------
+// ---- simulator (planner/search/simulator.py) --------------------------------------------
 
 struct SimResult {
     double iter_time_s = 0.0;
@@ -133,25 +133,25 @@ struct SimResult {
     bool feasible() const { return overflow_bytes <= 0.0; }
 };
 
-// planner.simulator.needs_realloc
+// planner.search.simulator.needs_realloc
 bool needs_realloc(const Problem& prob, const std::vector<i64>& assign, i64 i);
 
-// planner.simulator.memory: fills peak_bytes and returns the worst overflow.
+// planner.search.simulator.memory: fills peak_bytes and returns the worst overflow.
 double memory(const Problem& prob, const std::vector<i64>& assign,
               std::vector<double>& peak_bytes);
 
-// planner.simulator.simulate (record=False)
+// planner.search.simulator.simulate (record=False)
 SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocCache& cache);
 
-// planner.simulator.energy
+// planner.search.simulator.energy
 double energy(const Problem& prob, const SimResult& res);
 
 // Throws std::invalid_argument unless assign has one valid candidate index per MFC.
 void check_assign(const Problem& prob, const std::vector<i64>& assign, const char* what);
 
-// ---- annealing (planner/anneal.py) -----------------------------------------------
+// ---- annealing (planner/search/anneal.py) -----------------------------------------------
 
-// planner.anneal.SplitMix64
+// planner.search.anneal.SplitMix64
 class SplitMix64 {
 public:
     explicit SplitMix64(u64 seed) : state_(seed) {}
@@ -171,7 +171,7 @@ private:
     u64 state_;
 };
 
-// planner.anneal.AnnealSettings
+// planner.search.anneal.AnnealSettings
 struct AnnealSettings {
     i64 n_steps = 20000;
     double t0_frac = 0.05;
@@ -180,7 +180,7 @@ struct AnnealSettings {
     u64 seed = 0;
 };
 
-// planner.anneal.AnnealResult (steps: the steps actually run)
+// planner.search.anneal.AnnealResult (steps: the steps actually run)
 struct AnnealResult {
     std::vector<i64> assign;
     double energy = kInf;
@@ -189,7 +189,7 @@ struct AnnealResult {
     i64 accepted = 0;
 };
 
-// planner.anneal.anneal. time_limit_s <= 0: no limit; otherwise the walk stops at
+// planner.search.anneal.anneal. time_limit_s <= 0: no limit; otherwise the walk stops at
 // the first check (every kTimeCheckEvery steps) past the limit.
 constexpr i64 kTimeCheckEvery = 256;
 AnnealResult anneal(const Problem& prob, const std::vector<i64>& start,

@@ -14,13 +14,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from planner.cluster import ClusterSpec
-from planner.cost_config import CostModelConfig
+from planner.cost.cost_config import CostModelConfig
 from planner.errors import PlanError
-from planner.graph import DataflowGraph
-from planner.layout import Layout, layout_problems, shard_placement
-from planner.mesh import DeviceMesh
-from planner.model_spec import ModelSpec
+from planner.graph.dataflow import DataflowGraph
+from planner.specs.cluster import ClusterSpec
+from planner.specs.layout import Layout, layout_problems, shard_placement
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import ModelSpec
 
 #: 2: rule rewards in the graph, exact train inputs, fixed micro-batches, waves.
 #: 3: optimizer offload per train call, the profile planned with, cost sources.
@@ -62,7 +62,7 @@ class MFCAllocation(_Frozen):
 
     @property
     def shards(self) -> tuple[int, int, int, int]:
-        """:func:`planner.layout.shard_placement` of this allocation."""
+        """:func:`planner.specs.layout.shard_placement` of this allocation."""
         return shard_placement(self.mesh.first_gpu, self.mesh.n_gpus, self.layout.tp,
                                self.layout.pp)
 
@@ -152,7 +152,7 @@ class ExecutionPlan(_Frozen):
     slower_side_s: float = Field(
         0.0, ge=0, description="Seconds per step included in iteration_time_s because an "
         "asynchronous step lasts the slower of its two sides in each step, whose times "
-        "spread with the generation lengths (planner.step_spread); 0 otherwise.")
+        "spread with the generation lengths (planner.cost.step_spread); 0 otherwise.")
     mem_limit_bytes: float
     peak_mem_bytes: tuple[float, ...] = Field(description="Peak memory of each GPU.")
     search: SearchInfo
@@ -224,7 +224,7 @@ class ExecutionPlan(_Frozen):
 def expected_reallocations(plan: ExecutionPlan) -> list[tuple[str, str]]:
     """(role, MFC) of every call that needs its model's parameters reallocated: a call of
     a trained model whose shard placement differs from its training call's (the rule
-    of :func:`planner.simulator.needs_realloc`)."""
+    of :func:`planner.search.simulator.needs_realloc`)."""
     train = {a.role: a for a in plan.allocations if a.kind == "train"}
     return [(a.role, a.mfc) for a in plan.allocations
             if a.role in train and a.kind != "train" and a.shards != train[a.role].shards]

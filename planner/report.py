@@ -1,7 +1,7 @@
 """Human and machine summaries of an :class:`ExecutionPlan` (table and JSON)."""
 from __future__ import annotations
 
-from planner.padding import rollout_moments
+from planner.graph.padding import rollout_moments
 from planner.plan import ExecutionPlan
 
 GIB = 2 ** 30

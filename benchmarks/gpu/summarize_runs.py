@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from planner.cost_model import CostModel
+from planner.cost.cost_model import CostModel
 from planner.plan import ExecutionPlan
 from realign.bench.plans import summarize_plan
 

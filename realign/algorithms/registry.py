@@ -1,7 +1,7 @@
 """The table of algorithms by name: each entry is its hyper-parameter class, its
 ``prepare`` step and, per trained model role, a factory of the training engine's loss
 function. This is the torch half of an algorithm; its torch-free half (data kind,
-roles, dataflow graph) is :data:`planner.algorithms.ALGORITHMS` under the same name
+roles, dataflow graph) is :data:`planner.graph.algorithms.ALGORITHMS` under the same name
 (:attr:`Algorithm.spec`): ``actor.train`` trains with ``loss_fn("actor", cfg)``,
 ``critic.train`` with ``loss_fn("critic", cfg)``, ``reward.train`` with
 ``loss_fn("reward", cfg)``.
@@ -21,8 +21,8 @@ from typing import Any, Callable, Mapping
 
 from pydantic import ValidationError
 
-from planner.algorithms import ALGORITHMS as SPECS
-from planner.algorithms import AlgorithmSpec, BatchShape
+from planner.graph.algorithms import ALGORITHMS as SPECS
+from planner.graph.algorithms import AlgorithmSpec, BatchShape
 from realign.algorithms import dpo, grpo, ppo, reinforce_pp, remax, rloo, rm, sft
 from realign.algorithms.common import AlgorithmParams, Batch, LossFn
 from realign.errors import UserError
@@ -112,7 +112,7 @@ def _table(*algorithms: Algorithm) -> Mapping[str, Algorithm]:
             raise ValueError(f"algorithm {a.name!r} registered twice")
         if a.name not in SPECS:
             raise ValueError(f"algorithm {a.name!r} has no torch-free half in "
-                             "planner.algorithms")
+                             "planner.graph.algorithms")
         table[a.name] = a
     return MappingProxyType(table)
 

@@ -11,7 +11,7 @@ Pure functions over a plan's graph and metrics rows.
 """
 from __future__ import annotations
 
-from planner.graph import DataflowGraph
+from planner.graph.dataflow import DataflowGraph
 
 
 def planned(graph: DataflowGraph) -> dict | None:

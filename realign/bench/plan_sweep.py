@@ -30,11 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_sweep(sweep: dict, limit: int | None = None, progress=None) -> dict:
-    from planner.algorithms import BatchShape, build_graph
-    from planner.cluster import ClusterSpec, resolve_device
-    from planner.model_spec import model_presets
-    from planner.problem import RoleModel, head_of
-    from planner.search import SearchSettings, search
+    from planner.graph.algorithms import BatchShape, build_graph
+    from planner.search.problem import RoleModel, head_of
+    from planner.search.search import SearchSettings, search
+    from planner.specs.cluster import ClusterSpec, resolve_device
+    from planner.specs.model_spec import model_presets
 
     presets = model_presets()
     device = resolve_device(sweep["device"])

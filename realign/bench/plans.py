@@ -3,7 +3,7 @@ on this machine and hold every estimate against its measurement.
 
 1. The profile: ``--profile FILE``, or ``realign profile`` runs first (its table is kept
    in the result folder). Every plan is priced with it.
-2. The plans (:func:`planner.variants.bench_plans`): the searched plan, every heuristic
+2. The plans (:func:`planner.search.variants.bench_plans`): the searched plan, every heuristic
    that fits, and hand-made variants (mesh splits, TP/PP/DP, micro-batches), ``--plans``
    of them, all distinct.
 3. Each round runs every plan once (rounds alternate the plans, so a slow spell of the
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"must be >= 1, got {getattr(args, name)}", field=f"--{name}")
     if args.warmup < 0:
         raise UserError(f"must be >= 0, got {args.warmup}", field="--warmup")
-    from planner.variants import bench_plans
+    from planner.search.variants import bench_plans
     from realign.config.loading import load_experiment
     from realign.config.planning import (
         cost_config,

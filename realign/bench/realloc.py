@@ -5,7 +5,7 @@ measures the planned executor (:func:`realign.realloc.executor.reallocate`) and 
 naive way (:func:`realign.realloc.naive.naive_reallocate`: gather the full weights on
 one rank, send them whole to every destination), and reports bytes moved, the lower
 bound (bytes each destination rank lacks locally, summed), the planner's priced bytes
-(:mod:`planner.realloc_cost`), median and raw times, and the speed-up. Every result
+(:mod:`planner.cost.realloc_cost`), median and raw times, and the speed-up. Every result
 is checked bit for bit against the reference weights.
 
 Timing: per run, all ranks meet at a barrier, each times its own call, and the run's
@@ -23,11 +23,11 @@ import sys
 import time
 from pathlib import Path
 
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from planner.model_spec import ModelSpec, resolve_model
-from planner.param_layout import all_tensors
-from planner.transfer import Placement
+from planner.cost.transfer import Placement
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import ModelSpec, resolve_model
+from planner.specs.param_layout import all_tensors
 
 WORLD = 4
 #: The default benchmark model: ~32M parameters (128 MB in float32), LLaMA-shaped
@@ -143,7 +143,7 @@ def _environment(threads: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.realloc_cost import ReallocModel, realloc_recv_send
+    from planner.cost.realloc_cost import ReallocModel, realloc_recv_send
     from realign.errors import UserError
     from realign.realloc.checks import check_reallocation, lower_bound_bytes
     from realign.runtime.local_world import LocalWorld

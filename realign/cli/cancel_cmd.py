@@ -13,7 +13,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from realign.launch.jobs import backend, find
+    from realign.launch.backends import backend
+    from realign.launch.jobs import find
     from realign.run.checkpoint import latest
 
     job = find(args.job)

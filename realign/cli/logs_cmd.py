@@ -11,7 +11,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from realign.launch.jobs import backend, find, print_logs
+    from realign.launch.backends import backend
+    from realign.launch.jobs import find, print_logs
 
     job = find(args.job)
     b = backend(job.backend)

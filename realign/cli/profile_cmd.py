@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.cluster import device_presets
+    from planner.specs.cluster import device_presets
     from realign.errors import UserError
     from realign.profile.passes import SPEED_WARN, speed_moved
     from realign.profile.run import default_settings, profile_machine

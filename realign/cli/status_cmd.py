@@ -12,7 +12,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from realign.launch.jobs import backend, find, format_status, progress
+    from realign.launch.backends import backend
+    from realign.launch.jobs import find, format_status, progress
 
     job = find(args.job)
     state = backend(job.backend).status(job)

@@ -22,7 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from realign.config.loading import load_experiment
-    from realign.launch.jobs import backend, remember
+    from realign.launch.backends import backend
+    from realign.launch.jobs import remember
 
     name = args.launcher or load_experiment(args.experiment)[0].launcher.type
     args.launcher = name

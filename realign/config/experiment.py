@@ -11,13 +11,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.algorithms import Algorithm, BatchShape
-from planner.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, DeviceSpec, resolve_device
-from planner.cost_config import CostModelConfig
-from planner.graph import MAX_STALENESS
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from planner.search import SearchSettings
+from planner.cost.cost_config import CostModelConfig
+from planner.graph.algorithms import Algorithm, BatchShape
+from planner.graph.dataflow import MAX_STALENESS
+from planner.search.search import SearchSettings
+from planner.specs.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, DeviceSpec, resolve_device
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
 from realign.data.config import DatasetConfig
 from realign.runtime.settings import Sampling, TrainConfig
 

@@ -15,9 +15,9 @@ import statistics
 import time
 from pathlib import Path
 
-from planner.algorithms import algorithm_spec
-from planner.cost_config import CostModelConfig
-from planner.model_spec import model_presets
+from planner.cost.cost_config import CostModelConfig
+from planner.graph.algorithms import algorithm_spec
+from planner.specs.model_spec import model_presets
 from realign.config.experiment import ExperimentConfig
 
 #: timed repetitions (the median counts)

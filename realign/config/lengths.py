@@ -3,16 +3,16 @@
 
 ``algorithm.gen_len`` and ``algorithm.prompt_len`` are caps; the runtime pads a batch
 only to its longest row, so a plan prices the lengths the rows have
-(:mod:`planner.padding`)."""
+(:mod:`planner.graph.padding`)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from planner.algorithms import algorithm_spec
 from planner.errors import PlanError
-from planner.lengths import GenLengths
-from planner.model_spec import model_presets
+from planner.graph.algorithms import algorithm_spec
+from planner.graph.lengths import GenLengths
+from planner.specs.model_spec import model_presets
 from realign.config.experiment import ExperimentConfig
 
 

@@ -3,16 +3,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.algorithms import PROXIMAL_MFC, EvalShape, algorithm_spec, build_graph
-from planner.cost_config import CostModelConfig
+from planner.cost.cost_config import CostModelConfig
+from planner.cost.profile import ProfileTable
 from planner.errors import InfeasibleError, PlanError
-from planner.graph import DataflowGraph
-from planner.lengths import GenLengths
-from planner.model_spec import model_presets, model_spec_from_hf_config
+from planner.graph.algorithms import PROXIMAL_MFC, EvalShape, algorithm_spec, build_graph
+from planner.graph.dataflow import DataflowGraph
+from planner.graph.lengths import GenLengths
 from planner.plan import ExecutionPlan, ModeResult
-from planner.problem import RoleModel, head_of
-from planner.profile import ProfileTable
-from planner.search import SearchSettings, search
+from planner.search.problem import RoleModel, head_of
+from planner.search.search import SearchSettings, search
+from planner.specs.model_spec import model_presets, model_spec_from_hf_config
 from realign.config.experiment import ExperimentConfig
 from realign.config.host_work import resolve_host_work
 from realign.config.lengths import data_prompt_lengths, recorded_lengths
@@ -232,8 +232,8 @@ def priced_with(cfg: ExperimentConfig, profile_src: str | Path | None) -> Experi
 
 def resolve_plan(cfg: ExperimentConfig, base: Path, models: dict[str, RoleModel]) -> ExecutionPlan:
     """The plan ``realign run`` executes: a saved file, manual allocations, or a search."""
-    from planner.layout import Allocation
-    from planner.manual import check_plan_matches, manual_plan
+    from planner.search.manual import check_plan_matches, manual_plan
+    from planner.specs.layout import Allocation
 
     cluster = cfg.cluster.spec()
     if cfg.plan.file and cfg.plan.manual:

@@ -5,31 +5,28 @@ chooses how the workers start there."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
-#: launcher name -> "module:class" (imported only when chosen)
-LAUNCHERS = {
-    "local": "realign.launch.local_launcher:LocalLauncher",
-    "slurm-step": "realign.launch.slurm_launcher:SlurmStepLauncher",
-    "ray": "realign.launch.ray_launcher:RayLauncher",
-}
+from realign.errors import UserError
+from realign.launch.local_launcher import LocalLauncher
+from realign.launch.ray_launcher import RayLauncher
+from realign.launch.slurm_launcher import SlurmStepLauncher
+
+#: launcher name -> its class (each imports its cluster's client only when it starts)
+LAUNCHERS = {"local": LocalLauncher, "slurm-step": SlurmStepLauncher, "ray": RayLauncher}
 
 
 def make_launcher(name: str, spec):
     """The launcher ``name`` for the prepared run ``spec`` (its experiment's options)."""
     if name not in LAUNCHERS:
-        from realign.errors import UserError
         raise UserError(f"unknown launcher {name!r}; allowed: {', '.join(LAUNCHERS)}",
                         field="--launcher")
-    module, cls = LAUNCHERS[name].split(":")
-    return getattr(importlib.import_module(module), cls).for_run(spec)
+    return LAUNCHERS[name].for_run(spec)
 
 
 def main(argv: list[str] | None = None) -> int:
     from realign.controller.controller import Controller
-    from realign.errors import UserError
     from realign.run.spec import RunSpec
 
     p = argparse.ArgumentParser(prog="python -m realign.controller.main")

@@ -1,8 +1,8 @@
 """Batch jobs: ``realign submit / status / logs / cancel`` across back ends.
 
 A :class:`JobBackend` submits a prepared run folder to a scheduler (Slurm, Ray, a
-detached local process) and answers for the job afterwards. Back ends live in the
-explicit :data:`BACKENDS` table (name -> "module:Class", imported only when used).
+detached local process) and answers for the job afterwards. Back ends are named in
+the explicit table :data:`realign.launch.backends.BACKENDS`.
 A submitted job is remembered in the *job index*: one small JSON file per job under
 ``$REALIGN_HOME/jobs/`` (default ``~/.cache/realign/jobs/``) naming its back end, id
 and run folder, so ``realign status JOB`` works from any directory.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import abc
 import argparse
-import importlib
 import json
 import os
 import re
@@ -24,13 +23,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from realign.errors import UserError
-
-#: back end name (the experiment's ``launcher.type``) -> "module:Class"
-BACKENDS: dict[str, str] = {
-    "slurm": "realign.launch.slurm_backend:SlurmBackend",
-    "local": "realign.launch.local_backend:LocalJobBackend",
-    "ray": "realign.launch.ray_backend:RayJobBackend",
-}
 
 #: states after which a job does nothing more
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
@@ -104,14 +96,6 @@ def wait_finished(status, timeout_s: float, poll_s: float = 0.5) -> "JobState":
 def _rank_key(name: str) -> int:
     m = re.search(r"(\d+)", name)
     return int(m.group(1)) if m else -1
-
-
-def backend(name: str) -> JobBackend:
-    if name not in BACKENDS:
-        raise UserError(f"unknown launcher {name!r}; allowed: {', '.join(BACKENDS)}",
-                        field="launcher.type")
-    module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
 
 
 # ---- the job index -------------------------------------------------------------------

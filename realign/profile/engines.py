@@ -4,7 +4,7 @@ two transfers between workers: a parameter reallocation and a record send.
 
 The probes span what the engines' fixed costs scale with (layers, width, vocabulary,
 tokens per micro-batch, micro-batches, waves, generated tokens), so that
-:mod:`realign.profile.run` can fit each cost (:class:`planner.profile.EngineCosts`)
+:mod:`realign.profile.run` can fit each cost (:class:`planner.cost.profile.EngineCosts`)
 through the cost model's own formulas. They are a fixed grid: never the models of an
 experiment, so a profile holds for every experiment on the machine.
 """
@@ -16,9 +16,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from planner.model_spec import ModelSpec
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import ModelSpec
 from realign.profile.micro import device_of, sync
 
 #: (layers, hidden, vocabulary) of the probe models; head size 16, two query heads per
@@ -152,7 +152,7 @@ def time_inference(ctx, dims, lay, b: int, s: int, m: int, reps: int = REPS_PER_
 def time_train(ctx, dims, lay, b: int, s: int, m: int, reps: int = REPS_PER_PASS
                ) -> list[float] | None:
     """Seconds of ``reps`` optimizer steps with GRPO's actor loss (clipped surrogate)."""
-    from planner.algorithms import BatchShape
+    from planner.graph.algorithms import BatchShape
     from realign.algorithms import registry
     from realign.runtime.engines.train import TrainEngine
     from realign.runtime.settings import TrainConfig

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.profile import CollectiveCurve, TransferCosts, size_envelope
-from planner.rates import alg_factor
+from planner.cost.profile import CollectiveCurve, TransferCosts, size_envelope
+from planner.cost.rates import alg_factor
 
 
 def fit_relative(A: list[list[float]], y: list[float], base: list[float] | None = None,
@@ -73,7 +73,7 @@ def _nonneg_lstsq(a: np.ndarray, t: np.ndarray, b: np.ndarray, weight: np.ndarra
 def fit_collective(op: str, group_size: int, points: list[tuple[float, float]],
                    inter_node: bool = False) -> CollectiveCurve:
     """``latency_s + alg_factor x bytes / bytes_per_s`` through the measured
-    (bytes, seconds) points' :func:`~planner.profile.size_envelope` (relative least
+    (bytes, seconds) points' :func:`~planner.cost.profile.size_envelope` (relative least
     squares, both terms >= 0); the curve keeps the measured points."""
     f = alg_factor(op, group_size)
     env = size_envelope(points)

@@ -10,7 +10,7 @@ bandwidth, caches). Steps, with a progress bar:
    two of workers, and point to point) by message size, fitted to latency +
    bytes / bandwidth;
 4. realign's engines on probe models (:mod:`realign.profile.engines`): scoring,
-   training, generation; their fixed costs (:class:`planner.profile.EngineCosts`) are
+   training, generation; their fixed costs (:class:`planner.cost.profile.EngineCosts`) are
    fitted through the cost model itself: the cost model is linear in each fixed cost,
    so pricing each probe with each cost set to 1 (the rest 0) gives the design matrix
    of a non-negative least-squares fit on relative errors (on a GPU, where a pass
@@ -35,16 +35,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.cluster import ClusterSpec, resolve_device
-from planner.cost_config import CostModelConfig
-from planner.cost_model import CostModel
-from planner.engine_terms import FIXED, HOST_FIXED
-from planner.graph import MFC
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from planner.profile import EngineCosts, GemmGrid, ProbePoint, ProfileTable, Provenance
-from planner.rates import Rates
-from planner.realloc_cost import ReallocModel, realloc_recv_send
+from planner.cost.cost_config import CostModelConfig
+from planner.cost.cost_model import CostModel
+from planner.cost.engine_terms import FIXED, HOST_FIXED
+from planner.cost.profile import EngineCosts, GemmGrid, ProbePoint, ProfileTable, Provenance
+from planner.cost.rates import Rates
+from planner.cost.realloc_cost import ReallocModel, realloc_recv_send
+from planner.graph.dataflow import MFC
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
 from realign.profile import engines as E
 from realign.profile.fit import fit_collective, fit_relative, fit_transfer
 from realign.profile.passes import DEFAULT_PASSES, cellwise, pass_time_ratios, pooled_median
@@ -240,7 +240,7 @@ def fit_engines(base: ProfileTable, s: ProfileSettings, kind: str, cases: list,
 
     On a device that runs kernels asynchronously (a GPU) the probe models are so small
     that the host paces every probe: the fit explains each measured time by the host's
-    fixed costs (:data:`~planner.engine_terms.HOST_FIXED`) alone, and the costs that
+    fixed costs (:data:`~planner.cost.engine_terms.HOST_FIXED`) alone, and the costs that
     price device memory traffic keep their analytic values (the measured bandwidth);
     fitted to these probes they would take up host time and then charge it per token
     and per parameter of far larger models."""

@@ -21,7 +21,7 @@ import os
 import statistics
 from pathlib import Path
 
-from planner.profile import StepCosts
+from planner.cost.profile import StepCosts
 
 #: steps of each run, and the first ones left out (start-up, first-call costs)
 STEPS = 30

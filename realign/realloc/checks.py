@@ -12,10 +12,10 @@ from collections.abc import Mapping
 
 import torch
 
-from planner.layout import coords_of_rank
-from planner.model_spec import ModelSpec
-from planner.param_layout import stage_tensors
-from planner.transfer import Placement
+from planner.cost.transfer import Placement
+from planner.specs.layout import coords_of_rank
+from planner.specs.model_spec import ModelSpec
+from planner.specs.param_layout import stage_tensors
 from realign.errors import UserError
 
 HEADS = ("lm", "value")

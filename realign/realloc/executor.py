@@ -1,4 +1,4 @@
-"""The parameter reallocation executor: carries out :func:`planner.transfer.transfer_plan`
+"""The parameter reallocation executor: carries out :func:`planner.cost.transfer.transfer_plan`
 over torch.distributed point-to-point messages (gloo on CPU, NCCL on GPU).
 
 Why not ``megatron.core.resharding.swap_model_weights`` (megatron-core 0.16.1), which
@@ -16,7 +16,7 @@ it cannot do what a reallocation needs:
 * every rank of the world must call it (world-wide gather, broadcast, barrier).
 
 So this executor follows the planner's transfer plan, the one source of truth the
-planner also prices (:mod:`planner.realloc_cost`): a destination slice that a rank
+planner also prices (:mod:`planner.cost.realloc_cost`): a destination slice that a rank
 already holds is copied locally, every other destination slice is sent exactly once,
 and the bytes on the wire equal the lower bound (the bytes each destination lacks).
 
@@ -40,7 +40,7 @@ How it runs, on every rank of the world that calls it:
    this call, as ``batch_isend_irecv`` requires);
 4. do the local copies while messages fly, then unpack each received buffer.
 
-Shards are dicts ``{logical name -> tensor}`` in :mod:`planner.param_layout`'s layout
+Shards are dicts ``{logical name -> tensor}`` in :mod:`planner.specs.param_layout`'s layout
 (see :mod:`realign.realloc.slices`); destination tensors are written in place with
 ``copy_`` (views of a model's parameters are fine) and must not share storage with
 the source tensors. Source tensors are only read: a trained copy keeps its values
@@ -60,10 +60,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from planner.layout import coords_of_rank
-from planner.model_spec import ModelSpec
-from planner.param_layout import LogicalTensor, stage_tensors
-from planner.transfer import Placement, SliceCopy, TransferPlan, transfer_plan
+from planner.cost.transfer import Placement, SliceCopy, TransferPlan, transfer_plan
+from planner.specs.layout import coords_of_rank
+from planner.specs.model_spec import ModelSpec
+from planner.specs.param_layout import LogicalTensor, stage_tensors
 from realign.realloc.checks import ReallocError, check_reallocation, check_shards, expected_shards
 from realign.realloc.slices import pack, shard_view, unpack
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from planner.layout import coords_of_rank
-from planner.model_spec import ModelSpec
-from planner.param_layout import LogicalTensor, all_tensors, stage_tensors
-from planner.transfer import Placement
+from planner.cost.transfer import Placement
+from planner.specs.layout import coords_of_rank
+from planner.specs.model_spec import ModelSpec
+from planner.specs.param_layout import LogicalTensor, all_tensors, stage_tensors
 from realign.realloc.checks import check_reallocation
 from realign.realloc.executor import Shards
 from realign.realloc.slices import pack, unpack

@@ -1,7 +1,7 @@
 """Local views of logical shards, and packing slices into one flat message.
 
 Pure tensor arithmetic (no processes). A rank holds, per model replica, a dict
-``{logical tensor name -> local shard}`` in :mod:`planner.param_layout`'s layout:
+``{logical tensor name -> local shard}`` in :mod:`planner.specs.param_layout`'s layout:
 a replicated tensor whole; a TP-sharded tensor as the concatenation, in part order,
 of the ranges :meth:`LogicalTensor.shard_ranges` gives, along ``shard_dim``.
 
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from planner.param_layout import LogicalTensor
+from planner.specs.param_layout import LogicalTensor
 
 
 def local_range(t: LogicalTensor, tp_rank: int, tp: int, start: int, stop: int

@@ -9,10 +9,10 @@ import zlib
 
 import torch
 
-from planner.layout import coords_of_rank
-from planner.model_spec import ModelSpec
-from planner.param_layout import all_tensors, stage_tensors
-from planner.transfer import Placement
+from planner.cost.transfer import Placement
+from planner.specs.layout import coords_of_rank
+from planner.specs.model_spec import ModelSpec
+from planner.specs.param_layout import all_tensors, stage_tensors
 from realign.realloc.slices import make_shard
 
 

@@ -62,7 +62,7 @@ def _check_weights(paths: dict[str, Path]) -> None:
     """Every model folder holds a supported architecture and weights whose headers
     match its config.json (every tensor there, of the right shape): read from the
     safetensors headers, before any worker starts."""
-    from planner.problem import head_of
+    from planner.search.problem import head_of
     from realign.runtime.hf_checkpoint import HFReader, check_checkpoint, spec_from_hf
 
     for role, path in paths.items():

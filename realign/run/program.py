@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from planner.graph import MFC
+from planner.graph.dataflow import MFC
 from planner.plan import ExecutionPlan, MFCAllocation
 
 #: The shortest collective timeout (torch's default for NCCL and gloo is 10 minutes).
@@ -231,7 +231,7 @@ def compile_program(plan: ExecutionPlan) -> Program:
     """The replicas to build and the ops of one step, from ``plan`` (consistent by
     construction: :func:`planner.plan.plan_problems`).
 
-    An asynchronous plan's step (the simulator's order, :mod:`planner.simulator`):
+    An asynchronous plan's step (the simulator's order, :mod:`planner.search.simulator`):
     first the reallocations of the weights its rollout generation runs with, then the
     sends of the rollout the previous step made (held by the generating mesh) to every
     mesh that reads it, then the other MFCs in graph order, then the generation of the

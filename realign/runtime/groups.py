@@ -2,7 +2,7 @@
 
 A replica on mesh ``m`` with layout ``L`` occupies world ranks
 ``m.first_gpu .. m.first_gpu + m.n_gpus - 1`` (one process per GPU, world rank =
-global GPU index); inside the mesh, ranks follow :mod:`planner.layout` (tp fastest,
+global GPU index); inside the mesh, ranks follow :mod:`planner.specs.layout` (tp fastest,
 then dp, then pp). Example, tp-dp-pp 2-1-2 on GPUs 4-7 of an 8-rank world:
 TP groups [[4,5],[6,7]], PP groups [[4,6],[5,7]], embedding groups [[4,6],[5,7]].
 
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from planner.layout import Layout, coords_of_rank, model_layout_problems, rank_of_coords
-from planner.mesh import DeviceMesh
-from planner.model_spec import ModelSpec
+from planner.specs.layout import Layout, coords_of_rank, model_layout_problems, rank_of_coords
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import ModelSpec
 from realign.errors import UserError
 
 

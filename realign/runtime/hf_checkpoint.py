@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from planner.errors import PlanError
-from planner.model_spec import ModelSpec, model_spec_from_hf_config
-from planner.param_layout import LogicalTensor, stage_tensors
+from planner.specs.model_spec import ModelSpec, model_spec_from_hf_config
+from planner.specs.param_layout import LogicalTensor, stage_tensors
 from realign.errors import UserError
 
 SINGLE = "model.safetensors"

@@ -4,7 +4,7 @@ adapter from local megatron parameters to the planner's logical tensors.
 
 megatron's local (non-TE) layer spec holds the parameters unless
 ``train.transformer_engine`` opts in to TE's spec (CUDA only). The vocabulary is padded to
-:attr:`planner.model_spec.ModelSpec.padded_vocab` (the same for every TP).
+:attr:`planner.specs.model_spec.ModelSpec.padded_vocab` (the same for every TP).
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from planner.layout import stage_layers
-from planner.model_spec import ModelSpec
-from planner.param_layout import stage_tensors
+from planner.specs.layout import stage_layers
+from planner.specs.model_spec import ModelSpec
+from planner.specs.param_layout import stage_tensors
 from realign.runtime.device import DeviceInfo
 from realign.runtime.groups import ReplicaGroups
 
@@ -208,7 +208,7 @@ def logical_shards(model: torch.nn.Module, layout, pp_rank: int,
                    spec: ModelSpec | None = None, head: Head | None = None
                    ) -> dict[str, torch.Tensor]:
     """Each local parameter of a stage's megatron model under the planner's logical
-    name (:func:`planner.param_layout.stage_tensors`). Values are the parameters'
+    name (:func:`planner.specs.param_layout.stage_tensors`). Values are the parameters'
     data tensors themselves: writing into them updates the model.
 
     ``model`` is a :class:`ModelShard` (spec and head taken from it) or a bare

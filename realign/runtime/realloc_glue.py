@@ -5,7 +5,7 @@ replica's placement is its mesh shifted to its world ranks (world rank = global 
 index, as :mod:`realign.runtime.groups` lays replicas out), its shards are
 :func:`realign.runtime.model.logical_shards` (views of the parameters, so the
 destination model is written in place), and the bytes moved are exactly those the
-planner prices (:func:`planner.transfer.transfer_plan`).
+planner prices (:func:`planner.cost.transfer.transfer_plan`).
 
 Typical use in an RLHF iteration: the actor trains at A, is reallocated into a
 generation copy at B, B generates, then :func:`release_copy` frees B's storage;
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from planner.mesh import DeviceMesh
-from planner.model_spec import ModelSpec
-from planner.transfer import Placement
+from planner.cost.transfer import Placement
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import ModelSpec
 from realign.realloc import offload
 from realign.realloc.executor import ReallocStats, reallocate
 from realign.runtime.groups import ReplicaGroups

@@ -1,5 +1,5 @@
 """What each kind of MFC does on the ranks of its mesh, with records in and out. The
-graph's call (:class:`~planner.graph.MFC`, carried by the program's ``Call``) says
+graph's call (:class:`~planner.graph.dataflow.MFC`, carried by the program's ``Call``) says
 what: its keys, batch shape and options; the allocation says how (micro-batches).
 
 * ``generate``: the actor samples ``n_seqs / prompts`` responses to each of the

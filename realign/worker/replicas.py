@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from planner.model_spec import ModelSpec
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import ModelSpec
 from realign.realloc import offload
 from realign.run.program import Program, Replica
 from realign.runtime.device import DeviceInfo

@@ -8,8 +8,8 @@ import pickle
 import pytest
 import torch
 
-from planner.algorithms import ALGORITHMS as SPECS
-from planner.algorithms import BatchShape, build_graph
+from planner.graph.algorithms import ALGORITHMS as SPECS
+from planner.graph.algorithms import BatchShape, build_graph
 from realign.algorithms import registry
 from realign.algorithms.registry import ALGORITHMS, Algorithm
 from realign.errors import UserError

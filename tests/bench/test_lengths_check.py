@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from planner.algorithms import BatchShape, build_graph
-from planner.lengths import GenLengths
+from planner.graph.algorithms import BatchShape, build_graph
+from planner.graph.lengths import GenLengths
 from realign.bench.lengths_check import compare, lines, measured, planned
 
 pytestmark = pytest.mark.pure

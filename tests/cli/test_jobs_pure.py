@@ -11,7 +11,7 @@ import pytest
 
 from realign.config.experiment import SlurmLauncherConfig
 from realign.errors import UserError
-from realign.launch import jobs
+from realign.launch import backends, jobs
 from realign.launch.slurm_backend import batch_script, partition_nodes
 from realign.launch.slurm_common import job_ports, parse_kv
 
@@ -33,7 +33,7 @@ def test_job_index_round_trip_and_clear_miss(tmp_path, monkeypatch):
 
 def test_backend_table_rejects_unknown_names():
     with pytest.raises(UserError, match="unknown launcher 'pbs'; allowed: slurm, local"):
-        jobs.backend("pbs")
+        backends.backend("pbs")
 
 
 def test_progress_and_status_text_from_the_run_folder(tmp_path):

@@ -36,8 +36,8 @@ def world():
 def replica(world, tmp_path_factory):
     from tiny_hf import make_tiny
 
-    from planner.layout import Layout
-    from planner.mesh import DeviceMesh
+    from planner.specs.layout import Layout
+    from planner.specs.mesh import DeviceMesh
     from realign.runtime.device import init_device
     from realign.runtime.groups import build_replica_groups
     from realign.runtime.hf_checkpoint import load_hf_weights, spec_from_hf
@@ -153,8 +153,8 @@ def test_training_state_offload_frees_gpu_memory_between_calls(replica, optimize
 
 
 def _fresh(path):
-    from planner.layout import Layout
-    from planner.mesh import DeviceMesh
+    from planner.specs.layout import Layout
+    from planner.specs.mesh import DeviceMesh
     from realign.runtime.device import init_device
     from realign.runtime.groups import build_replica_groups
     from realign.runtime.hf_checkpoint import load_hf_weights, spec_from_hf

@@ -15,10 +15,10 @@ pytestmark = [pytest.mark.gpu,
 def _rank(rank: int, port: int, out) -> None:
     import torch.distributed as dist
 
-    from planner.layout import Layout
-    from planner.mesh import DeviceMesh
-    from planner.model_spec import model_presets
-    from planner.transfer import Placement
+    from planner.cost.transfer import Placement
+    from planner.specs.layout import Layout
+    from planner.specs.mesh import DeviceMesh
+    from planner.specs.model_spec import model_presets
     from realign.realloc.executor import allocate_shards, reallocate
     from realign.realloc.synthetic import full_weights, shards_of
     from realign.runtime.device import init_device

@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
 from realign.realloc import offload
 from realign.runtime.device import init_device
 from realign.runtime.engines.generate import GenerateEngine

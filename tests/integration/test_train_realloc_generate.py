@@ -115,7 +115,7 @@ def test_released_copy_frees_its_storage(runs, pair):
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[_id(p) for p in PAIRS])
 def test_bytes_moved_equal_planner_closed_form(runs, pair, tiny_llama):
-    from planner.realloc_cost import ReallocModel, realloc_recv_send
+    from planner.cost.realloc_cost import ReallocModel, realloc_recv_send
     from realign.runtime.hf_checkpoint import spec_from_hf
 
     (a_first, *a_lay), (b_first, *b_lay), gpn = pair

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from planner.cluster import ClusterSpec, resolve_device
-from planner.cost_model import CostModel
-from planner.engine_terms import DEVICE_FIXED, FIXED, HOST_FIXED, Work, overlapped, stage_pass
-from planner.layout import Layout
-from planner.profile import EngineCosts, GemmGrid, ProfileTable
-from planner.rates import Rates
+from planner.cost.cost_model import CostModel
+from planner.cost.engine_terms import DEVICE_FIXED, FIXED, HOST_FIXED, Work, overlapped, stage_pass
+from planner.cost.profile import EngineCosts, GemmGrid, ProfileTable
+from planner.cost.rates import Rates
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.layout import Layout
 from tests.planner.test_cost_model import DEV, EXACT, HID_S, TOY, VOCAB_S, H, approx, mesh, mfc
 
 pytestmark = pytest.mark.pure

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from planner.algorithms import PROXIMAL_MFC, BatchShape, build_graph
-from planner.cluster import ClusterSpec, resolve_device
-from planner.cost_model import CostModel
+from planner.cost.cost_model import CostModel
 from planner.errors import PlanError
-from planner.model_spec import model_presets
-from planner.problem import RoleModel, async_splits, build_problem, head_of
+from planner.graph.algorithms import PROXIMAL_MFC, BatchShape, build_graph
 from planner.report import async_speedup, modes_lines, table
-from planner.search import SearchSettings, search
-from planner.simulator import ReallocCache, simulate
+from planner.search.problem import RoleModel, async_splits, build_problem, head_of
+from planner.search.search import SearchSettings, search
+from planner.search.simulator import ReallocCache, simulate
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.model_spec import model_presets
 
 pytestmark = pytest.mark.pure
 
@@ -159,8 +159,8 @@ def test_an_evaluation_is_never_the_rollout_whatever_its_interval(every):
     """Whether a call evaluates is its purpose, not its interval: at eval.interval 1 the
     held-out generations run every step, and still neither run ahead of training nor
     stand for the rollout (an asynchronous graph with them plans)."""
-    from planner.algorithms import EvalShape
-    from planner.problem import build_problem
+    from planner.graph.algorithms import EvalShape
+    from planner.search.problem import build_problem
 
     ev = EvalShape(n_prompts=4, samples=2, every=every)
     asyn = build_graph("grpo", SHAPE, {"actor"}, max_staleness=1, asynchronous=True,

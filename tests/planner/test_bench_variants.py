@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from planner.algorithms import BatchShape, build_graph
-from planner.cluster import ClusterSpec, resolve_device
-from planner.model_spec import model_presets
-from planner.problem import RoleModel, head_of
-from planner.variants import bench_plans, signature
+from planner.graph.algorithms import BatchShape, build_graph
+from planner.search.problem import RoleModel, head_of
+from planner.search.variants import bench_plans, signature
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.model_spec import model_presets
 
 pytestmark = pytest.mark.pure
 

@@ -1,8 +1,8 @@
 """The C++ search core against its Python twin, bit for bit (STYLE rule 10).
 
 Random small problems (algorithm, batch shape, models, device, cluster shape) are
-fed to both :mod:`planner._core` and the Python reference (planner.simulator,
-planner.realloc_cost, planner.anneal); every number must be *equal*, not close.
+fed to both :mod:`planner._core` and the Python reference (planner.search.simulator,
+planner.cost.realloc_cost, planner.search.anneal); every number must be *equal*, not close.
 """
 from __future__ import annotations
 
@@ -14,18 +14,18 @@ import time
 import pytest
 
 import planner
-from planner.algorithms import ALGORITHMS as SPECS
-from planner.algorithms import BatchShape, build_graph
-from planner.anneal import AnnealSettings, anneal
-from planner.cluster import ClusterSpec, resolve_device
-from planner.core_bridge import core_anneal, core_simulate, load_core, to_core
-from planner.cost_model import CostModel
+from planner.cost.cost_model import CostModel
+from planner.cost.realloc_cost import realloc_time
 from planner.errors import PlanError
-from planner.lengths import GenLengths
-from planner.model_spec import model_presets
-from planner.problem import Problem, RoleModel, build_problem, head_of
-from planner.realloc_cost import realloc_time
-from planner.simulator import energy, needs_realloc, simulate
+from planner.graph.algorithms import ALGORITHMS as SPECS
+from planner.graph.algorithms import BatchShape, build_graph
+from planner.graph.lengths import GenLengths
+from planner.search.anneal import AnnealSettings, anneal
+from planner.search.core_bridge import core_anneal, core_simulate, load_core, to_core
+from planner.search.problem import Problem, RoleModel, build_problem, head_of
+from planner.search.simulator import energy, needs_realloc, simulate
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.model_spec import model_presets
 
 pytestmark = pytest.mark.pure
 

@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import pytest
 
-from planner.cluster import ClusterSpec, DeviceSpec
-from planner.cost_config import CostModelConfig
-from planner.cost_model import CostModel
-from planner.graph import MFC
-from planner.layout import Layout
-from planner.lengths import GenLengths
-from planner.mesh import DeviceMesh
-from planner.model_spec import ModelSpec
-from planner.profile import EngineCosts, ProfileTable
+from planner.cost.cost_config import CostModelConfig
+from planner.cost.cost_model import CostModel
+from planner.cost.profile import EngineCosts, ProfileTable
+from planner.graph.dataflow import MFC
+from planner.graph.lengths import GenLengths
+from planner.specs.cluster import ClusterSpec, DeviceSpec
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import ModelSpec
 
 pytestmark = pytest.mark.pure
 

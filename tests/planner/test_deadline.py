@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from planner import search as search_mod
-from planner.algorithms import BatchShape, build_graph
-from planner.cluster import MAX_NODES, ClusterSpec, resolve_device
-from planner.cost_model import CostModel
-from planner.deadline import Deadline
+from planner.cost.cost_model import CostModel
 from planner.errors import PlanError
-from planner.model_spec import model_presets
-from planner.problem import RoleModel, build_problem, head_of
-from planner.search import SearchSettings, search
+from planner.graph.algorithms import BatchShape, build_graph
+from planner.search import search as search_mod
+from planner.search.deadline import Deadline
+from planner.search.problem import RoleModel, build_problem, head_of
+from planner.search.search import SearchSettings, search
+from planner.specs.cluster import MAX_NODES, ClusterSpec, resolve_device
+from planner.specs.model_spec import model_presets
 
 pytestmark = pytest.mark.pure
 

@@ -1,4 +1,4 @@
-"""planner.engine_terms (one micro-batch through one pipeline stage) and the two ways
+"""planner.cost.engine_terms (one micro-batch through one pipeline stage) and the two ways
 the cost model composes stages (pipelined, decode_iteration), against hand computation.
 
 Toy device: 1e12 FLOP/s and 1e12 B/s of memory (so a GEMM of two or more rows of
@@ -20,13 +20,13 @@ import math
 
 import pytest
 
-from planner.cluster import ClusterSpec, DeviceSpec
-from planner.cost_config import CostModelConfig
-from planner.cost_model import decode_iteration, pipelined
-from planner.engine_terms import Work, expected_max_normal, lagged, layer_gemms, rank_lag, stage_pass
-from planner.model_spec import ModelSpec
-from planner.profile import EngineCosts
-from planner.rates import Rates
+from planner.cost.cost_config import CostModelConfig
+from planner.cost.cost_model import decode_iteration, pipelined
+from planner.cost.engine_terms import Work, expected_max_normal, lagged, layer_gemms, rank_lag, stage_pass
+from planner.cost.profile import EngineCosts
+from planner.cost.rates import Rates
+from planner.specs.cluster import ClusterSpec, DeviceSpec
+from planner.specs.model_spec import ModelSpec
 
 pytestmark = pytest.mark.pure
 

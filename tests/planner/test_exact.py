@@ -3,7 +3,7 @@
 Random small instances (algorithm, models, batch shape, cluster of at most 16 GPUs,
 a random subset of the meshes so the space stays at most 3000 assignments; half of
 them with a memory limit that many assignments overflow) are solved by trying every
-assignment with planner.simulator.simulate; branch and bound must return the same
+assignment with planner.search.simulator.simulate; branch and bound must return the same
 optimal iteration time, exactly. search() must reach it too, and is never slower
 than a heuristic.
 """
@@ -16,19 +16,19 @@ import random
 
 import pytest
 
-from planner.algorithms import ALGORITHMS as SPECS
-from planner.algorithms import BatchShape, build_graph
-from planner.cluster import ClusterSpec, resolve_device
-from planner.cost_config import CostModelConfig
-from planner.cost_model import CostModel
+from planner.cost.cost_config import CostModelConfig
+from planner.cost.cost_model import CostModel
 from planner.errors import PlanError
-from planner.exact import branch_and_bound
-from planner.heuristics import HEURISTICS
-from planner.mesh import enumerate_meshes
-from planner.model_spec import model_presets
-from planner.problem import Problem, RoleModel, build_problem, head_of
-from planner.search import SearchSettings, search
-from planner.simulator import ReallocCache, simulate
+from planner.graph.algorithms import ALGORITHMS as SPECS
+from planner.graph.algorithms import BatchShape, build_graph
+from planner.search.exact import branch_and_bound
+from planner.search.heuristics import HEURISTICS
+from planner.search.problem import Problem, RoleModel, build_problem, head_of
+from planner.search.search import SearchSettings, search
+from planner.search.simulator import ReallocCache, simulate
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.mesh import enumerate_meshes
+from planner.specs.model_spec import model_presets
 
 pytestmark = pytest.mark.pure
 

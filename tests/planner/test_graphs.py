@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from planner.algorithms import ALGORITHMS, DATASET_KEYS, BatchShape, build_graph
 from planner.errors import PlanError
-from planner.graph import MFC, DataflowGraph
+from planner.graph.algorithms import ALGORITHMS, DATASET_KEYS, BatchShape, build_graph
+from planner.graph.dataflow import MFC, DataflowGraph
 
 pytestmark = pytest.mark.pure
 

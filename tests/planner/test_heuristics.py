@@ -6,14 +6,14 @@ import dataclasses
 
 import pytest
 
-from planner.algorithms import BatchShape, build_graph
-from planner.cluster import ClusterSpec, resolve_device
-from planner.cost_model import CostModel
-from planner.heuristics import HEURISTICS, deepspeed_chat, megatron, not_applicable, openrlhf
-from planner.mesh import enumerate_meshes
-from planner.model_spec import model_presets
-from planner.problem import Problem, RoleModel, build_problem, head_of
-from planner.simulator import needs_realloc, simulate
+from planner.cost.cost_model import CostModel
+from planner.graph.algorithms import BatchShape, build_graph
+from planner.search.heuristics import HEURISTICS, deepspeed_chat, megatron, not_applicable, openrlhf
+from planner.search.problem import Problem, RoleModel, build_problem, head_of
+from planner.search.simulator import needs_realloc, simulate
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.mesh import enumerate_meshes
+from planner.specs.model_spec import model_presets
 
 pytestmark = pytest.mark.pure
 

@@ -1,4 +1,4 @@
-"""planner.lengths against hand computation: a wave of ``b`` rows decodes until its
+"""planner.graph.lengths against hand computation: a wave of ``b`` rows decodes until its
 longest row stops, rounded up to the next stop check (every STOP_CHECK_EVERY = 8
 tokens), at most ``gen_len``.
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from planner.cost_config import STOP_CHECK_EVERY
-from planner.graph import MFC
-from planner.lengths import (
+from planner.graph.dataflow import MFC
+from planner.graph.lengths import (
+    STOP_CHECK_EVERY,
     GenLengths,
     expected_call_tokens,
     expected_max_std_normal,

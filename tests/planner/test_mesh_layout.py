@@ -5,10 +5,10 @@ import itertools
 
 import pytest
 
-from planner.cluster import ClusterSpec, resolve_device
 from planner.errors import PlanError
-from planner.graph import MFC
-from planner.layout import (
+from planner.graph.dataflow import MFC
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.layout import (
     Allocation,
     Layout,
     check_allocation,
@@ -23,8 +23,8 @@ from planner.layout import (
     stage_layers,
     tp_groups,
 )
-from planner.mesh import DeviceMesh, enumerate_meshes
-from planner.model_spec import ModelSpec, model_presets
+from planner.specs.mesh import DeviceMesh, enumerate_meshes
+from planner.specs.model_spec import ModelSpec, model_presets
 
 pytestmark = pytest.mark.pure
 
@@ -244,7 +244,7 @@ def test_check_allocation_raises_with_the_field():
 def test_shard_placement_is_mesh_tp_and_pp_only():
     """The one reallocation rule's key: candidates (the simulator's) and plan
     allocations (the run's) compute it alike; micro-batches do not enter it."""
-    from planner.problem import Candidate
+    from planner.search.problem import Candidate
 
     def cand(first, n, tp, pp, mb):
         return Candidate(first, n, tp, pp, n // (tp * pp), mb, 1.0, 0.0, 0.0, 0.0)

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from planner.algorithms import BatchShape, build_graph
-from planner.cluster import ClusterSpec, resolve_device
-from planner.cost_config import CostModelConfig
-from planner.cost_model import CostModel
+from planner.cost.cost_config import CostModelConfig
+from planner.cost.cost_model import CostModel
 from planner.errors import InfeasibleError
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from planner.model_spec import model_presets
+from planner.graph.algorithms import BatchShape, build_graph
 from planner.plan import ExecutionPlan
-from planner.problem import RoleModel, head_of
-from planner.search import SearchSettings, search
+from planner.search.problem import RoleModel, head_of
+from planner.search.search import SearchSettings, search
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import model_presets
 
 pytestmark = pytest.mark.pure
 
@@ -120,7 +120,7 @@ def test_the_run_program_carries_offload_and_recompute_to_the_train_call():
 
 
 def test_state_transfer_is_the_kept_state_down_and_up():
-    from planner.profile import ProfileTable
+    from planner.cost.profile import ProfileTable
     cluster = ClusterSpec(n_nodes=1, gpus_per_node=1, device=A100)
     cm = CostModel(cluster)
     # 1.2e10 bytes of main weights and moments, up before the call and down after it
@@ -153,8 +153,8 @@ def test_state_offload_keeps_only_the_weights_resident(optimizer_offload):
 
 
 def test_state_offload_options_and_manual_plans():
-    from planner.layout import Allocation
-    from planner.manual import manual_plan
+    from planner.search.manual import manual_plan
+    from planner.specs.layout import Allocation
     graph, models, cluster = sft("llama2-7b", 8)
     train = graph.mfcs[-1]
     assert CostModel(cluster).state_offload_options(train) == (False, True)

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from planner.algorithms import BatchShape, EvalShape, build_graph
-from planner.cluster import ClusterSpec, resolve_device
-from planner.cost_model import CostModel
+from planner.cost.cost_model import CostModel
 from planner.errors import PlanError
-from planner.graph import MFC
-from planner.layout import Layout
-from planner.lengths import GenLengths
-from planner.mesh import DeviceMesh
-from planner.model_spec import model_presets
-from planner.padding import longest_prompt, padded_len, padded_moments
+from planner.graph.algorithms import BatchShape, EvalShape, build_graph
+from planner.graph.dataflow import MFC
+from planner.graph.lengths import GenLengths
+from planner.graph.padding import longest_prompt, padded_len, padded_moments
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import model_presets
 
 pytestmark = pytest.mark.pure
 
@@ -105,7 +105,7 @@ def test_prompt_lengths_must_have_the_prompt_cap():
 
 
 def test_a_plan_priced_with_other_lengths_runs_the_same_calls():
-    from planner.manual import executed, graph_diff
+    from planner.search.manual import executed, graph_diff
     priced = build_graph("grpo", SHAPE, {"actor"}, prompt_lengths=FOUR_OR_SIX,
                          lengths=GenLengths(max_len=4, mean=2))
     plain = build_graph("grpo", SHAPE, {"actor"})

@@ -6,17 +6,17 @@ import json
 
 import pytest
 
-from planner.algorithms import BatchShape, build_graph
-from planner.cluster import ClusterSpec, resolve_device
-from planner.cost_config import CostModelConfig
-from planner.cost_model import CostModel
+from planner.cost.cost_config import CostModelConfig
+from planner.cost.cost_model import CostModel
 from planner.errors import InfeasibleError, PlanError
-from planner.heuristics import openrlhf
-from planner.model_spec import model_presets
+from planner.graph.algorithms import BatchShape, build_graph
 from planner.plan import PLAN_SCHEMA_VERSION, ExecutionPlan, SearchInfo
-from planner.plan_build import build_plan
-from planner.problem import RoleModel, build_problem, head_of
-from planner.search import SearchSettings, search
+from planner.search.heuristics import openrlhf
+from planner.search.plan_build import build_plan
+from planner.search.problem import RoleModel, build_problem, head_of
+from planner.search.search import SearchSettings, search
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.model_spec import model_presets
 
 pytestmark = pytest.mark.pure
 
@@ -101,9 +101,9 @@ def test_a_malformed_plan_names_the_problem(plan, mutate, snippet):
 def _realloc_plan():
     """Generation on GPUs 0-1 at TP2, the reference on GPU 2, training on GPUs 2-3 at
     DP2 (fixed by hand: what the cases below break must not move with the costs)."""
-    from planner.layout import Allocation, Layout
-    from planner.manual import manual_plan
-    from planner.mesh import DeviceMesh
+    from planner.search.manual import manual_plan
+    from planner.specs.layout import Allocation, Layout
+    from planner.specs.mesh import DeviceMesh
     graph, models, cluster = experiment("grpo", ("actor", "ref"), "tiny-llama-8l", 1, 4)
     allocs = {"actor.generate": Allocation(mesh=DeviceMesh(first_gpu=0, n_gpus=2),
                                            layout=Layout(tp=2), micro_batches=1),

@@ -1,4 +1,4 @@
-"""planner.profile (the measured table: JSON round trip, schema check, GEMM grid and
+"""planner.cost.profile (the measured table: JSON round trip, schema check, GEMM grid and
 collective curves) and realign.profile.fit (the fits ``realign profile`` writes it
 with), against hand computation and synthetic data made from known constants.
 
@@ -19,8 +19,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from planner.errors import PlanError
-from planner.profile import (
+from planner.cost.profile import (
     PROFILE_SCHEMA_VERSION,
     CollectiveCurve,
     EngineCosts,
@@ -31,6 +30,7 @@ from planner.profile import (
     TransferCosts,
     size_envelope,
 )
+from planner.errors import PlanError
 from realign.profile.fit import fit_collective, fit_relative, fit_transfer
 
 pytestmark = pytest.mark.pure

@@ -1,4 +1,4 @@
-"""planner.rates against hand computation: the GEMM roofline (with the width
+"""planner.cost.rates against hand computation: the GEMM roofline (with the width
 half-efficiency curve and the memory bound), hierarchical collectives, latencies, the
 engines' preset fixed costs, record sends, and a profile's measurements overriding
 the preset (``Rates.sources`` says which).
@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from planner.cluster import ClusterSpec, DeviceSpec, resolve_device
-from planner.cost_config import CostModelConfig
-from planner.profile import (
+from planner.cost.cost_config import CostModelConfig
+from planner.cost.profile import (
     CollectiveCurve,
     EngineCosts,
     GemmGrid,
@@ -26,7 +25,8 @@ from planner.profile import (
     StepCosts,
     TransferCosts,
 )
-from planner.rates import Rates
+from planner.cost.rates import Rates
+from planner.specs.cluster import ClusterSpec, DeviceSpec, resolve_device
 
 pytestmark = pytest.mark.pure
 

@@ -1,4 +1,4 @@
-"""planner.realloc_cost's time model against hand computation: a GPU is busy receiving
+"""planner.cost.realloc_cost's time model against hand computation: a GPU is busy receiving
 on its links plus writing its destination shard (received and local slices) at the copy
 rate, a sender is busy sending; the busiest GPU, one message latency when anything
 crosses a wire, and the fixed cost per reallocation.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.realloc_cost import HEAD_LM_UNTIED, Links, ReallocModel, realloc_time
+from planner.cost.realloc_cost import HEAD_LM_UNTIED, Links, ReallocModel, realloc_time
 
 pytestmark = pytest.mark.pure
 

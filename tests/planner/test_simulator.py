@@ -8,12 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from planner.algorithms import BatchShape, build_graph
-from planner.cluster import ClusterSpec, DeviceSpec, resolve_device
-from planner.cost_model import CostModel
-from planner.graph import MFC, DataflowGraph
-from planner.model_spec import model_presets
-from planner.problem import (
+from planner.cost.cost_model import CostModel
+from planner.cost.realloc_cost import Links, ReallocModel, realloc_time
+from planner.graph.algorithms import BatchShape, build_graph
+from planner.graph.dataflow import MFC, DataflowGraph
+from planner.search.problem import (
     Candidate,
     Problem,
     RoleModel,
@@ -21,8 +20,9 @@ from planner.problem import (
     build_problem,
     head_of,
 )
-from planner.realloc_cost import Links, ReallocModel, realloc_time
-from planner.simulator import OVERFLOW_PENALTY, energy, needs_realloc, simulate
+from planner.search.simulator import OVERFLOW_PENALTY, energy, needs_realloc, simulate
+from planner.specs.cluster import ClusterSpec, DeviceSpec, resolve_device
+from planner.specs.model_spec import model_presets
 
 pytestmark = pytest.mark.pure
 

@@ -8,17 +8,17 @@ from dataclasses import replace
 
 import pytest
 
-from planner.algorithms import BatchShape, build_graph
-from planner.cluster import ClusterSpec, resolve_device
-from planner.cost_config import CostModelConfig
-from planner.cost_model import CostModel
-from planner.layout import Allocation, Layout
-from planner.manual import manual_plan
-from planner.mesh import DeviceMesh
-from planner.model_spec import model_presets
-from planner.problem import RoleModel, build_problem, head_of, host_s, step_overhead_s
-from planner.profile import ProfileTable, StepCosts
-from planner.simulator import simulate
+from planner.cost.cost_config import CostModelConfig
+from planner.cost.cost_model import CostModel
+from planner.cost.profile import ProfileTable, StepCosts
+from planner.graph.algorithms import BatchShape, build_graph
+from planner.search.manual import manual_plan
+from planner.search.problem import RoleModel, build_problem, head_of, host_s, step_overhead_s
+from planner.search.simulator import simulate
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.layout import Allocation, Layout
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import model_presets
 
 pytestmark = pytest.mark.pure
 

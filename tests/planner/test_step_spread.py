@@ -7,16 +7,16 @@ from dataclasses import replace
 
 import pytest
 
-from planner.algorithms import BatchShape, build_graph
-from planner.cluster import ClusterSpec, resolve_device
-from planner.cost_model import CostModel
-from planner.layout import Layout
-from planner.lengths import GenLengths, longest_moments
-from planner.mesh import DeviceMesh
-from planner.model_spec import model_presets
-from planner.problem import RoleModel, build_problem, head_of
-from planner.simulator import ReallocCache, simulate
-from planner.step_spread import call_time_sd, expected_max
+from planner.cost.cost_model import CostModel
+from planner.cost.step_spread import call_time_sd, expected_max
+from planner.graph.algorithms import BatchShape, build_graph
+from planner.graph.lengths import GenLengths, longest_moments
+from planner.search.problem import RoleModel, build_problem, head_of
+from planner.search.simulator import ReallocCache, simulate
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import model_presets
 
 pytestmark = pytest.mark.pure
 
@@ -108,7 +108,7 @@ def test_the_asynchronous_step_ends_at_the_expected_slower_side():
 
 def test_plans_say_what_the_slower_side_per_step_adds():
     from planner.report import modes_lines
-    from planner.search import SearchSettings, search
+    from planner.search.search import SearchSettings, search
     from realign.config.planning import compare_modes
     actor = {"actor": RoleModel("actor", TINY, head_of("actor"))}
     quick = SearchSettings(time_limit_s=10)

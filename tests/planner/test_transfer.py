@@ -4,7 +4,7 @@ and against a lower bound computed here, independently, from the parameter layou
 For random placement pairs (meshes on 1-2 nodes of 2/4/8 GPUs, every valid tp/pp/dp,
 LLaMA / tied Qwen / 8-layer models, LM and value heads):
 * per destination GPU, (intra, inter) bytes received are identical in
-  planner.realloc_cost and planner.transfer;
+  planner.cost.realloc_cost and planner.cost.transfer;
 * bytes moved equal the lower bound (each destination's needed bytes it lacks locally);
 * the copies cover every destination slice exactly once, never send a receiver what it
   held, always come from a GPU that holds the slice, and from the receiver's node
@@ -17,14 +17,14 @@ from collections import defaultdict
 
 import pytest
 
-from planner.cluster import ClusterSpec, resolve_device
-from planner.graph import MFC
-from planner.layout import Layout, enumerate_layouts
-from planner.mesh import DeviceMesh, enumerate_meshes
-from planner.model_spec import ModelSpec, model_presets
-from planner.param_layout import LogicalTensor, stage_tensors
-from planner.realloc_cost import ReallocModel, realloc_recv_send
-from planner.transfer import Placement, transfer_plan
+from planner.cost.realloc_cost import ReallocModel, realloc_recv_send
+from planner.cost.transfer import Placement, transfer_plan
+from planner.graph.dataflow import MFC
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.layout import Layout, enumerate_layouts
+from planner.specs.mesh import DeviceMesh, enumerate_meshes
+from planner.specs.model_spec import ModelSpec, model_presets
+from planner.specs.param_layout import LogicalTensor, stage_tensors
 
 pytestmark = pytest.mark.pure
 

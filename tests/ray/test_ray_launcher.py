@@ -164,7 +164,8 @@ def status(job: str) -> dict:
 def wait_for(job: str, cond, timeout: float = RUN_TIMEOUT_S) -> None:
     """Poll the job's state in this process (a ``realign status`` per second would take
     CPU from the job on 2 cores); ``cond(state, steps_done)``."""
-    from realign.launch.jobs import backend, find, progress
+    from realign.launch.backends import backend
+    from realign.launch.jobs import find, progress
     record = find(job)
     b = backend("ray")
     deadline = time.monotonic() + timeout

@@ -7,10 +7,10 @@ import functools
 import torch
 import torch.distributed as dist
 
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from planner.model_spec import model_presets
-from planner.transfer import Placement
+from planner.cost.transfer import Placement
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import model_presets
 from realign.realloc import offload as off
 from realign.realloc.executor import DIRECT_MIN_BYTES, allocate_shards, reallocate
 from realign.realloc.naive import naive_reallocate

@@ -9,9 +9,9 @@ from collections import defaultdict
 import pytest
 import realloc_rank_cases as rc
 
-from planner.model_spec import model_presets
-from planner.realloc_cost import ReallocModel, realloc_recv_send
-from planner.transfer import transfer_plan
+from planner.cost.realloc_cost import ReallocModel, realloc_recv_send
+from planner.cost.transfer import transfer_plan
+from planner.specs.model_spec import model_presets
 from realign.realloc.checks import lower_bound_bytes
 from realign.realloc.executor import messages
 from realign.runtime.local_world import LocalWorld, RankFailure

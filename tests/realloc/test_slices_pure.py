@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from planner.model_spec import model_presets
-from planner.param_layout import LogicalTensor, all_tensors
-from planner.transfer import Placement, transfer_plan
+from planner.cost.transfer import Placement, transfer_plan
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import model_presets
+from planner.specs.param_layout import LogicalTensor, all_tensors
 from realign.realloc import offload as off
 from realign.realloc.checks import (
     ReallocError,
@@ -85,7 +85,7 @@ def test_rank_schedule_orders_match_between_peers():
 
 
 def test_messages_pack_small_slices_and_send_large_ones_alone():
-    from planner.transfer import SliceCopy
+    from planner.cost.transfer import SliceCopy
     def sc(dim, nbytes):
         return SliceCopy(0, 1, "t", "t", dim, 0, 1, nbytes)
     a, b, c, d, e = sc(1, 4096), sc(0, 2 << 20), sc(0, 8192), sc(None, 3 << 20), sc(1, 5 << 20)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from planner.algorithms import BatchShape, build_graph
-from planner.cluster import ClusterSpec, resolve_device
-from planner.layout import Allocation, Layout
-from planner.manual import manual_plan
-from planner.mesh import DeviceMesh
-from planner.model_spec import model_presets
-from planner.problem import RoleModel
+from planner.graph.algorithms import BatchShape, build_graph
+from planner.search.manual import manual_plan
+from planner.search.problem import RoleModel
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.layout import Allocation, Layout
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import model_presets
 from realign.run.program import Call, Realloc, Release, RuleReward, Send, compile_program
 
 pytestmark = pytest.mark.pure

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.profile import PROFILE_SCHEMA_VERSION, ProfileTable
+from planner.cost.profile import PROFILE_SCHEMA_VERSION, ProfileTable
 from realign.cli.main import main
 from tests.run.conftest import experiment
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from planner.cluster import ClusterSpec, resolve_device
-from planner.cost_config import CostModelConfig
-from planner.cost_model import CostModel
-from planner.graph import MFC
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from planner.profile import EngineCosts, GemmGrid, ProfileTable
+from planner.cost.cost_config import CostModelConfig
+from planner.cost.cost_model import CostModel
+from planner.cost.profile import EngineCosts, GemmGrid, ProfileTable
+from planner.graph.dataflow import MFC
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
 from realign.profile import engines as E
 from realign.profile.run import ProfileSettings, _probes, fit_engines
 

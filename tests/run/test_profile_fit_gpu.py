@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from planner.cluster import ClusterSpec, resolve_device
-from planner.cost_config import CostModelConfig
-from planner.cost_model import CostModel
-from planner.engine_terms import DEVICE_FIXED, HOST_FIXED
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from planner.profile import EngineCosts, GemmGrid, ProfileTable
-from planner.rates import Rates
+from planner.cost.cost_config import CostModelConfig
+from planner.cost.cost_model import CostModel
+from planner.cost.engine_terms import DEVICE_FIXED, HOST_FIXED
+from planner.cost.profile import EngineCosts, GemmGrid, ProfileTable
+from planner.cost.rates import Rates
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
 from realign.profile import engines as E
 from realign.profile.run import ProfileSettings, _probes, fit_engines
 

@@ -8,15 +8,15 @@ import json
 
 import pytest
 
-from planner.algorithms import BatchShape, build_graph
-from planner.cluster import ClusterSpec, resolve_device
 from planner.errors import PlanError
-from planner.layout import Allocation, Layout
-from planner.manual import manual_plan
-from planner.mesh import DeviceMesh
-from planner.model_spec import model_presets
+from planner.graph.algorithms import BatchShape, build_graph
 from planner.plan import ExecutionPlan, MFCAllocation, Reallocation
-from planner.problem import RoleModel, head_of
+from planner.search.manual import manual_plan
+from planner.search.problem import RoleModel, head_of
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.layout import Allocation, Layout
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import model_presets
 from realign.run.program import (
     MIN_COLLECTIVE_TIMEOUT_S,
     TIMEOUT_SAFETY,
@@ -220,7 +220,7 @@ def test_an_evaluation_runs_after_training_on_evaluation_steps_only():
     the training call (they read its output, so they see the trained policy), priced at
     1/every of their time per step; their ops (and their reallocations and releases)
     run only on evaluation steps, and each is scored by an Evaluate op."""
-    from planner.algorithms import EvalShape
+    from planner.graph.algorithms import EvalShape
     from realign.run.program import Evaluate
 
     spec = model_presets()["tiny-llama"]

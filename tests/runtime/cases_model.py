@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from tiny_hf import hf_model
 
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from planner.param_layout import stage_tensors
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
+from planner.specs.param_layout import stage_tensors
 from realign.runtime.device import init_device
 from realign.runtime.engines.inference import InferenceEngine
 from realign.runtime.groups import build_replica_groups

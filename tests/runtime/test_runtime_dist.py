@@ -146,12 +146,12 @@ def test_waves_end_at_stop_tokens_across_the_pipeline(world2, tiny_models):
 def test_peak_kv_cache_is_the_cost_models(world2, tiny_models, tp, pp, dp, waves):
     """The runtime's measured peak KV-cache bytes (the waves in flight) are exactly the
     cost model's figure for the same call, layout and micro-batches."""
-    from planner.cluster import ClusterSpec, resolve_device
-    from planner.cost_config import CostModelConfig
-    from planner.cost_model import CostModel
-    from planner.graph import MFC
-    from planner.layout import Layout
-    from planner.model_spec import ModelSpec
+    from planner.cost.cost_config import CostModelConfig
+    from planner.cost.cost_model import CostModel
+    from planner.graph.dataflow import MFC
+    from planner.specs.cluster import ClusterSpec, resolve_device
+    from planner.specs.layout import Layout
+    from planner.specs.model_spec import ModelSpec
 
     n_prompts, prompt_len, n = 8, 6, 5
     cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=2, device=resolve_device("cpu")),

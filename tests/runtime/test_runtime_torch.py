@@ -11,10 +11,10 @@ import shutil
 import pytest
 import torch
 
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from planner.model_spec import ModelSpec
-from planner.param_layout import stage_tensors
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import ModelSpec
+from planner.specs.param_layout import stage_tensors
 from realign.errors import UserError
 from realign.runtime.groups import check_replica, grid_rank_enum
 from realign.runtime.model import global_name

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from planner.cost_config import KV_CACHE_BLOCK_TOKENS
+from planner.cost.cost_config import KV_CACHE_BLOCK_TOKENS
 from realign.runtime.model import TE_NAMES, ModelShard
 
 #: cached attention spans whole blocks of this many keys (16 fp32 = one AVX-512 vector);

@@ -6,7 +6,7 @@ cache holds the waves in flight only. ``g = min(waves, pp)`` waves are in flight
 together, pipelined over the stages: while the last stage picks a wave's next token,
 the first stage already runs the next wave's step. Groups of ``g`` waves run one after
 another. With pp = 1 the waves simply run in turn. (The cost model prices exactly
-this: :meth:`planner.cost_model.CostModel.kv_cache_bytes` and its generate terms.)
+this: :meth:`planner.cost.cost_model.CostModel.kv_cache_bytes` and its generate terms.)
 
 The pipeline is point to point, never collective, so stages do not wait for each other
 more than the data requires: stage ``s`` sends a wave's hidden states to ``s + 1``; the
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from planner.cost_config import STOP_CHECK_EVERY
+from planner.graph.lengths import STOP_CHECK_EVERY
 from realign.data.collate import pad_right
 from realign.runtime.engines.decoder import StageDecoder
 from realign.runtime.model import ModelShard

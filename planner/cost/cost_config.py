@@ -1,0 +1,77 @@
+"""Settings of the analytic cost model (every default documented, units in names)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: Generation's KV cache holds whole blocks of this many positions (realign's decoder
+#: attends over whole 16-key blocks, see ``realign/runtime/engines/decoder.py``;
+#: vLLM's paged cache also defaults to 16-token blocks).
+KV_CACHE_BLOCK_TOKENS = 16
+
+
+class CostModelConfig(BaseModel):
+    """Efficiencies and training precision the analytic cost model assumes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    matmul_efficiency: float | None = Field(
+        None, gt=0, le=1, description="Fraction of peak FLOP/s that large GEMMs reach; "
+        "None: the device preset's (cited there).")
+    gemm_half_width: float = Field(
+        128.0, ge=0, description="GEMM width (sqrt of the weight's rows x columns per GPU) at "
+        "which a GEMM reaches half of matmul_efficiency (SMs left idle by few output tiles); "
+        "0 ignores the width.")
+    mem_bw_efficiency: float | None = Field(
+        None, gt=0, le=1, description="Fraction of peak memory bandwidth that streaming "
+        "reaches; None: the device preset's.")
+    link_efficiency: float | None = Field(
+        None, gt=0, le=1, description="Fraction of link bandwidth (intra- and inter-node) that "
+        "collectives and copies reach; None: the device preset's.")
+    elementwise_passes: float = Field(
+        20.0, ge=0, description="Element reads and writes per token, hidden unit and layer "
+        "of a forward besides the GEMMs (two norms, RoPE, gated activation, residuals), "
+        "priced at the memory bandwidth when no profile measured them (x3 in training).")
+    param_dtype_bytes: int = Field(2, gt=0, description="Bytes per weight in compute (bf16: 2).")
+    grad_dtype_bytes: int = Field(4, gt=0, description="Bytes per main gradient (megatron keeps fp32: 4).")
+    optimizer_state_bytes_per_param: int = Field(
+        12, gt=0, description="fp32 master weight + Adam m + v: 12 bytes per parameter.")
+    optimizer_step_bytes_per_param: int = Field(
+        30, gt=0, description="Memory traffic of one Adam step per parameter (reads and writes).")
+    distributed_optimizer: bool = Field(
+        True, description="Shard optimizer state over the data-parallel ranks (ZeRO-1).")
+    optimizer_offload: Literal["never", "auto", "always"] = Field(
+        "auto", description="Optimizer state (fp32 main weights' host copy, Adam m and v) "
+        "in host memory, stepped by the CPU: 'auto' lets the search choose it per trained "
+        "model where it pays (it frees GPU memory and costs the gradient and weight "
+        "transfers and the host's Adam step); 'never'; 'always' (where the device offers "
+        "it: its host_adam_params_per_s is set). The runtime executes it with "
+        "megatron-core's HybridDeviceOptimizer (CUDA, distributed optimizer).")
+    train_state_offload: Literal["never", "auto", "always"] = Field(
+        "auto", description="Between its train calls a trained model keeps only its "
+        "weights on the GPU: its gradients are freed and the optimizer state the GPU "
+        "holds (fp32 main weights, and Adam m and v unless optimizer_offload keeps them on "
+        "the host) waits in host memory, so other calls get that memory; each train call "
+        "pays the state's transfer up and down. 'auto' lets the search choose it per "
+        "trained model (where the device has memory of its own: its "
+        "host_adam_params_per_s is set); 'never'; 'always' (any device, cpu included).")
+    activation_recompute: bool = Field(
+        False, description="Full activation recomputation in training (one extra forward).")
+    mem_usable_fraction: float = Field(
+        0.9, gt=0, le=1, description="Part of device memory a plan may use (rest: context, fragmentation).")
+    kv_cache_block_tokens: int = Field(
+        KV_CACHE_BLOCK_TOKENS, gt=0, description="Positions per KV-cache block: a generated "
+        "sequence's cache is allocated for prompt_len + gen_len rounded up to whole blocks.")
+    max_micro_batches: int = Field(
+        64, gt=0, description="Largest micro-batch count the search considers.")
+    reward_s_per_seq: float | None = Field(
+        None, ge=0, description="Host seconds a rule reward takes to decode and score one "
+        "generated sequence (each rank that generated scores them all, after the "
+        "generation). None: timed on this host with the experiment's reward function, "
+        "tokenizer and data when the plan uses a profile, else 0 (not priced).")
+    batch_s: float | None = Field(
+        None, ge=0, description="Host seconds a worker takes to prepare one step's batch "
+        "from the dataset (an asynchronous step prepares two: its own and the next "
+        "one's). None: timed on this host with the experiment's data and tokenizer when "
+        "the plan uses a profile, else 0 (not priced).")

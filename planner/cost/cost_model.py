@@ -1,0 +1,405 @@
+"""The cost model: time and memory of one MFC under one allocation, as realign's
+engines execute it.
+
+Time (seconds) composes passes of one micro-batch through one pipeline stage
+(:func:`planner.cost.engine_terms.stage_pass`: GEMMs, attention, TP collectives and the
+engine's fixed costs) with the rates of :class:`planner.cost.rates.Rates` (a profile's
+measurements where it has them, the device preset's otherwise). Per data-parallel
+rank, with ``m`` micro-batches, ``pp`` stages and the slot of a micro-batch = the
+slowest stage's pass plus its point-to-point send:
+
+* inference: ``call + (m + pp - 1) slots`` (the first micro-batch fills the pipeline),
+  then the results gathered over DP (all-gather) and broadcast from the last stage;
+* train, per optimizer step: ``call + (m + pp - 1) slots`` of forward + backward, the
+  DP gradient reduction in fp32 (all-reduce, or with the distributed optimizer a
+  reduce-scatter plus an all-gather of the new weights), the global grad-norm
+  all-reduces (model-parallel group), and the optimizer's ``param_s`` per local
+  parameter; times mini-batches x epochs;
+* generate, in waves (:mod:`realign.runtime.engines.waves`): ``g = min(m, pp)`` waves
+  in flight, ``ceil(m / g)`` groups one after another. A group: its waves' caches
+  zeroed, ``(g + pp - 1)`` prefill slots, then per decode step ``pp`` slots (a wave
+  passes every stage; ``g <= pp`` waves share them). Decode steps: the expected length
+  of a wave's longest sequence minus one (the prefill yields the first token), from
+  the generation-length distribution (:mod:`planner.graph.lengths`); then the output
+  gathered over DP.
+
+A wave prefills its prompts padded to its longest, and inference and training of a
+rollout read its rows padded to the batch's longest: they are priced at the expected
+padded lengths (:mod:`planner.graph.padding`), their memory at the caps ``prompt_len`` and
+``gen_len`` (a step may reach them).
+
+On a device that runs kernels asynchronously (``DeviceSpec.async_kernels``: GPUs) the
+host's fixed costs and the device's work of one stage pass overlap: the pass costs the
+longer of the two (:func:`planner.cost.engine_terms.overlapped`); the per-call and per-step
+costs still add.
+
+Memory (bytes per GPU): weights ``param_dtype x params/tp`` of the heaviest stage;
+training adds fp32 main grads and optimizer state (divided by dp with the
+distributed optimizer) and 1F1B activations for ``min(pp, m)`` micro-batches in
+flight (with ``activation_recompute`` only each layer's input, plus one layer's
+full activations); with optimizer offload the GPU keeps only the fp32 main-weight
+shard of the optimizer state, and the step adds the transfers and the host's Adam
+(:meth:`CostModel.offload_step_s`); with training-state offload the gradients and the
+optimizer state the GPU keeps are there only during the train call (transient, not
+resident: between calls the state waits in host memory and the gradients are freed),
+and the call adds the state's two transfers (:meth:`CostModel.state_transfer_s`);
+inference adds one micro-batch's layer activations and fp32 logits;
+generation adds the KV cache of the waves in flight (``g`` waves of ``b`` sequences,
+each allocated for ``prompt_len + gen_len`` positions rounded up to whole
+``kv_cache_block_tokens`` blocks) and the logits of one step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from planner.cost.cost_config import CostModelConfig
+from planner.cost.engine_terms import Work, lagged, overlapped, stage_pass
+from planner.cost.profile import ProfileTable
+from planner.cost.rates import Rates
+from planner.graph.dataflow import MFC
+from planner.graph.lengths import expected_call_tokens
+from planner.graph.padding import longest_prompt, padded_len
+from planner.specs.cluster import ClusterSpec
+from planner.specs.layout import Layout, dp_groups, pp_groups, tp_groups
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class MFCCost:
+    """Time and memory of one MFC under one allocation."""
+
+    time_s: float
+    terms_s: dict[str, float]          #: time by term (gemm, tp_comm, fixed, bubble, ...)
+    weights_bytes: float               #: this layout's weights on the heaviest GPU
+    #: state kept between calls (train: weights+grads+optimizer; with state offload: weights)
+    resident_bytes: float
+    activation_bytes: float            #: transient working memory during the call
+    host_bytes: float = 0.0            #: host memory per GPU held for it (offloaded state)
+
+
+def group_nodes(group: list[int], mesh: DeviceMesh, gpus_per_node: int) -> int:
+    """How many nodes the mesh ranks of ``group`` live on."""
+    return len({(mesh.first_gpu + r) // gpus_per_node for r in group})
+
+
+class CostModel:
+    """Time and memory of MFCs on a cluster (rates: device preset, or a profile)."""
+
+    def __init__(self, cluster: ClusterSpec, config: CostModelConfig | None = None,
+                 profile: ProfileTable | None = None):
+        self.cluster = cluster
+        self.config = config or CostModelConfig()
+        self.profile = profile
+        self.rates = Rates(cluster, self.config, profile)
+
+    @property
+    def mem_limit_bytes(self) -> float:
+        return self.cluster.device.mem_bytes * self.config.mem_usable_fraction
+
+    # ---- sizes -------------------------------------------------------------------
+    @staticmethod
+    def stage_params(spec: ModelSpec, head: str, layout: Layout) -> float:
+        """Parameters on one GPU of the heaviest pipeline stage."""
+        tp, pp = layout.tp, layout.pp
+        per_layer = spec.layer_sharded_params() / tp + spec.layer_replicated_params()
+        body = spec.n_layers // pp * per_layer
+        first = body + spec.embedding_params() / tp
+        if head == "value":
+            head_p = spec.hidden
+        elif spec.tied_embeddings and pp == 1:
+            head_p = 0.0
+        else:
+            head_p = spec.embedding_params() / tp
+        last = body + spec.hidden + head_p
+        return first + spec.hidden + head_p if pp == 1 else max(first, last)
+
+    def _act_bytes_per_token_layer(self, spec: ModelSpec, tp: int) -> float:
+        """Stored activations of one token in one layer (flash attention)."""
+        dt = self.config.param_dtype_bytes
+        sharded = spec.qkv_out + spec.n_heads * spec.kv_channels + 3 * spec.ffn_hidden
+        return dt * (5 * spec.hidden + sharded / tp)
+
+    def kv_cache_bytes(self, spec: ModelSpec, mfc: MFC, layout: Layout, waves: int) -> float:
+        """Peak KV-cache bytes per GPU of a generation run as ``waves`` waves: the
+        ``min(waves, pp)`` waves in flight, each ``n_seqs / (dp waves)`` sequences of
+        ``prompt_len + gen_len`` positions rounded up to whole cache blocks, keys and
+        values of the stage's ``L / pp`` layers for its ``n_kv_heads / tp`` heads.
+
+        Example: 2 layers, 2 KV heads of 16, fp32, 64 sequences at dp 1 in 2 waves,
+        8 + 4 tokens (one 16-token block): 32 sequences x 2 layers x (2 x 2 x 16 x 4) bytes
+        x 16 positions = 262144 bytes.
+        """
+        tp, pp = layout.tp, layout.pp
+        in_flight = min(waves, pp) * mfc.n_seqs / layout.dp / waves
+        return in_flight * self._wave_kv_bytes_per_seq(spec, mfc, tp, pp)
+
+    def _wave_kv_bytes_per_seq(self, spec: ModelSpec, mfc: MFC, tp: int, pp: int) -> float:
+        block = self.config.kv_cache_block_tokens
+        positions = -(-(mfc.prompt_len + mfc.gen_len) // block) * block
+        per_token_layer = 2 * (spec.n_kv_heads / tp) * spec.kv_channels * self.config.param_dtype_bytes
+        return spec.n_layers / pp * per_token_layer * positions
+
+    # ---- helpers -----------------------------------------------------------------
+    def _nodes(self, mesh: DeviceMesh, layout: Layout) -> tuple[int, int, int]:
+        """Nodes spanned by one TP, DP and PP group."""
+        gpn = self.cluster.gpus_per_node
+        return (group_nodes(tp_groups(layout)[0], mesh, gpn),
+                group_nodes(dp_groups(layout)[0], mesh, gpn),
+                group_nodes(pp_groups(layout)[0], mesh, gpn))
+
+    def _stages(self, spec: ModelSpec, head: str, kind: str, rows: float, ctx: float,
+                out_rows: float, layout: Layout, tp_nodes: int, msg: Work,
+                back: Work | None = None) -> list[tuple[Work, int]]:
+        """(work, how many stages do it) of one micro-batch's pass through each stage:
+        the first (embedding), the middle ones, the last (head); every stage but the
+        last also sends ``msg`` on, and with ``back`` the last sends that back (decode:
+        the chosen tokens)."""
+        tp, pp = layout.tp, layout.pp
+        layers = spec.n_layers // pp
+        r = self.rates
+
+        def stage(first: bool, last: bool) -> Work:
+            w = stage_pass(r, spec, head, kind, rows, ctx, out_rows, tp, layers, first, last,
+                           tp_nodes)
+            if kind == "train" and self.config.activation_recompute:
+                # the backward first runs each layer's forward again (no head, no
+                # embedding): its GEMMs, attention and TP collectives
+                again = stage_pass(r, spec, head, "inference", rows, ctx, 0.0, tp, layers,
+                                   False, False, tp_nodes)
+                again.counts = {k: v for k, v in again.counts.items()
+                                if k in ("layer_s", "collective_s", "kernel_extra")}
+                w.add(again)
+            if not last:
+                w.add(msg)
+            elif back is not None and pp > 1:
+                w.add(back)
+            if self.cluster.device.async_kernels:
+                w = overlapped(w, r.engine(kind))
+            return w
+        if pp == 1:
+            return [(stage(True, True), 1)]
+        out = [(stage(True, False), 1)]
+        if pp > 2:
+            out.append((stage(False, False), pp - 2))
+        out.append((stage(False, True), 1))
+        return out
+
+    # ---- the MFC cost ------------------------------------------------------------
+    def offload_options(self, mfc: MFC) -> tuple[bool, ...]:
+        """The optimizer-offload settings to price for ``mfc``: only training has
+        optimizer state; the device must offer it (``host_adam_params_per_s``) and the
+        distributed optimizer must shard it (megatron offloads only that)."""
+        mode = self.config.optimizer_offload
+        if (mfc.kind != "train" or mode == "never" or not self.config.distributed_optimizer
+                or self.cluster.device.host_adam_params_per_s is None):
+            return (False,)
+        return (True,) if mode == "always" else (False, True)
+
+    def state_offload_options(self, mfc: MFC) -> tuple[bool, ...]:
+        """The training-state-offload settings to price for ``mfc`` (train only):
+        'auto' offers it where the device has memory of its own beside the host's (it
+        offers optimizer offload: ``host_adam_params_per_s``); 'always' everywhere (the
+        runtime executes it on any device; on the cpu device the "host" is the same
+        memory, so it frees nothing there)."""
+        mode = self.config.train_state_offload
+        if mfc.kind != "train" or mode == "never":
+            return (False,)
+        if mode == "always":
+            return (True,)
+        return (False,) if self.cluster.device.host_adam_params_per_s is None else (False, True)
+
+    def mfc_cost(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
+                 layout: Layout, micro_batches: int, offload: bool = False,
+                 state_offload: bool = False) -> MFCCost:
+        if (offload or state_offload) and mfc.kind != "train":
+            raise ValueError("optimizer and training-state offload apply to train MFCs only")
+        if mfc.kind == "generate":
+            terms = self._generate_terms(mfc, spec, head, mesh, layout, micro_batches)
+        elif mfc.kind == "train":
+            terms = self._train_terms(mfc, spec, head, mesh, layout, micro_batches, offload)
+        else:
+            terms = self._inference_terms(mfc, spec, head, mesh, layout, micro_batches)
+        weights, resident, act, host = self._memory(mfc, spec, head, layout, micro_batches,
+                                                    offload)
+        if state_offload:
+            # everything but the weights is there only while the call runs; what is
+            # kept (not the gradients: zeroed each step anyway) goes down and up again
+            kept = resident - weights - self.stage_params(spec, head, layout) * (
+                self.config.grad_dtype_bytes)
+            terms["state_offload"] = self.state_transfer_s(kept)
+            act += resident - weights
+            resident = weights
+            host += kept
+        return MFCCost(time_s=sum(terms.values()), terms_s=terms, weights_bytes=weights,
+                       resident_bytes=resident, activation_bytes=act, host_bytes=host)
+
+    def state_transfer_s(self, kept_bytes: float) -> float:
+        """Seconds one train call with training-state offload adds: the optimizer
+        state the GPU keeps during the call (``kept_bytes`` per GPU: the fp32 main
+        weights and Adam's moments, or only the main weights under optimizer offload)
+        comes up from host memory before the call and goes down after it over the host
+        link (``host_link_bytes_per_s``: the profile's, else the device preset's); the
+        gradients are freed, not moved.
+
+        Example: 1.2e10 bytes at 25 GB/s: 2 x 0.48 = 0.96 s."""
+        return 2 * kept_bytes / self.rates.host_link_bytes_per_s
+
+    def offload_step_s(self, shard_params: float) -> float:
+        """Seconds one optimizer step with offloaded state adds for a GPU whose
+        optimizer shard holds ``shard_params`` parameters: its fp32 gradients down and
+        its fp32 main weights back up over the host link (``host_link_bytes_per_s``),
+        and the host's Adam step (``host_adam_params_per_s``); nothing overlaps.
+
+        Example: 1e9 parameters, 25 GB/s, 5e8 params/s: 8e9 / 25e9 + 2 = 2.32 s.
+        """
+        dev = self.cluster.device
+        moved = (self.config.grad_dtype_bytes + 4) * shard_params
+        return (moved / self.rates.host_link_bytes_per_s
+                + shard_params / dev.host_adam_params_per_s)
+
+    def _inference_terms(self, mfc, spec, head, mesh, layout, m) -> dict[str, float]:
+        r, dt = self.rates, self.config.param_dtype_bytes
+        pp, dp = layout.pp, layout.dp
+        tpn, dpn, ppn = self._nodes(mesh, layout)
+        n_local = mfc.n_seqs / dp
+        b, s = n_local / m, padded_len(mfc)     # the batch padded to its longest
+        costs = r.engine("inference")
+        # per micro-batch and stage boundary: its hidden states to the next stage
+        msg = _msg(r.collective_s("p2p", b * s * spec.hidden * dt, 2, ppn))
+        stages = self._stages(spec, head, "inference", b * s, s / 2, b * s, layout, tpn, msg)
+        out_cols = s - 1 if head == "lm" else s
+        call = Work(seconds={"dp_comm": (
+            r.collective_s("all_gather", mfc.n_seqs * out_cols * 4, dp, dpn)
+            + (r.collective_s("broadcast", n_local * out_cols * 4, pp, ppn) if pp > 1 else 0.0))},
+            counts={"call_s": 1.0, "collective_s": float((dp > 1) + (pp > 1))})
+        return lagged(pipelined(stages, m, costs).add(call), layout.world).terms(costs)
+
+    def _train_terms(self, mfc, spec, head, mesh, layout, m, offload=False) -> dict[str, float]:
+        r, cfg, dt = self.rates, self.config, self.config.param_dtype_bytes
+        tp, pp, dp = layout.tp, layout.pp, layout.dp
+        tpn, dpn, ppn = self._nodes(mesh, layout)
+        steps = mfc.n_minibatches * mfc.n_epochs
+        b, s = mfc.n_seqs / mfc.n_minibatches / dp / m, padded_len(mfc)
+        costs = r.engine("train")
+        # per micro-batch and stage boundary: activations forward, their gradients back
+        msg = _msg(r.collective_s("p2p", b * s * spec.hidden * dt, 2, ppn), 2)
+        stages = self._stages(spec, head, "train", b * s, s / 2, b * s, layout, tpn, msg)
+        p_gpu = self.stage_params(spec, head, layout)
+        grad_bytes = cfg.grad_dtype_bytes * p_gpu
+        if cfg.distributed_optimizer:   # reduce-scatter grads, all-gather new weights
+            sync = (r.collective_s("reduce_scatter", grad_bytes, dp, dpn)
+                    + r.collective_s("all_gather", dt * p_gpu, dp, dpn))
+            n_sync = 2 * (dp > 1)
+        else:
+            sync = r.collective_s("all_reduce", grad_bytes, dp, dpn)
+            n_sync = 1 * (dp > 1)
+        # the global grad norm: an all-reduce over the model-parallel ranks (and the
+        # DP ranks when the gradients are sharded), twice (norm, then clipping's check)
+        mp = tp * pp * (dp if cfg.distributed_optimizer else 1)
+        mp_nodes = max(tpn, ppn, dpn if cfg.distributed_optimizer else 1)
+        norm = 2 * r.collective_s("all_reduce", 8, mp, mp_nodes) if mp > 1 else 0.0
+        shard = p_gpu / (dp if cfg.distributed_optimizer else 1)
+        per_step = Work(seconds={"dp_grad_sync": sync + norm},
+                        counts={"call_s": 1.0, "collective_s": float(n_sync + 2 * (mp > 1)),
+                                "param_s": 0.0 if offload else shard})
+        if offload:     # the host steps the shard instead of the GPU
+            per_step.add(Work(seconds={"optimizer_offload": self.offload_step_s(shard)}))
+        step = lagged(pipelined(stages, m, costs).add(per_step), layout.world)
+        return Work().add(step, steps).terms(costs)
+
+    def _generate_terms(self, mfc, spec, head, mesh, layout, m) -> dict[str, float]:
+        r, dt = self.rates, self.config.param_dtype_bytes
+        tp, pp, dp = layout.tp, layout.pp, layout.dp
+        tpn, dpn, ppn = self._nodes(mesh, layout)
+        n_local = mfc.n_seqs / dp
+        b = n_local / m                    # sequences per wave
+        g = min(m, pp)                     # waves in flight together
+        groups = math.ceil(m / g)          # groups of waves, one after another
+        P, h = longest_prompt(mfc, b), spec.hidden     # a wave's prompts padded to its longest
+        pre_c, dec_c = r.engine("prefill"), r.engine("decode")
+        pre = self._stages(spec, head, "prefill", b * P, P / 2, b, layout, tpn,
+                           _msg(r.collective_s("p2p", b * P * h * dt, 2, ppn)))
+        tokens = expected_call_tokens(mfc, b, groups, dp)   # the slowest DP rank's
+        steps = max(0.0, tokens - 1.0)     # the prefill yields the first token
+        # per step: the hidden state to the next stage, the chosen tokens back
+        dec = self._stages(spec, head, "decode", b, P + tokens / 2, b, layout, tpn,
+                           _msg(r.collective_s("p2p", b * h * dt, 2, ppn)),
+                           back=_msg(r.collective_s("p2p", 2 * b * 8, 2, ppn)))
+        alloc = Work(seconds={"kv_alloc": g * r.mem_s(
+            b * self._wave_kv_bytes_per_seq(spec, mfc, tp, pp))})
+        n = mfc.gen_len
+        call = Work(seconds={"dp_comm": r.collective_s("all_gather", mfc.n_seqs * (2 * n + 1) * 8,
+                                                       dp, dpn)},
+                    counts={"call_s": 1.0, "collective_s": float(dp > 1)})
+        ranks = layout.world
+        terms = {f"prefill_{k}": v for k, v in lagged(Work().add(
+            pipelined(pre, g, pre_c).add(alloc), groups), ranks).terms(pre_c).items()}
+        for k, v in lagged(Work().add(decode_iteration(dec, g, dec_c), groups * steps),
+                           ranks).terms(dec_c).items():
+            terms[f"decode_{k}"] = v
+        for k, v in call.terms(pre_c).items():
+            terms[k] = terms.get(k, 0.0) + v
+        return terms
+
+    # ---- memory --------------------------------------------------------------------
+    def _memory(self, mfc, spec, head, layout, m, offload=False
+                ) -> tuple[float, float, float, float]:
+        cfg = self.config
+        tp, pp, dp = layout.tp, layout.pp, layout.dp
+        dt = cfg.param_dtype_bytes
+        p_gpu = self.stage_params(spec, head, layout)
+        weights = dt * p_gpu
+        logit_cols = spec.padded_vocab / tp if head == "lm" else 1.0
+        if mfc.kind == "generate":
+            b = mfc.n_seqs / dp / m
+            act = (self.kv_cache_bytes(spec, mfc, layout, m) + 4.0 * b * logit_cols * 2
+                   + b * mfc.prompt_len * self._act_bytes_per_token_layer(spec, tp))
+            return weights, weights, act, 0.0
+        train = mfc.kind == "train"
+        seqs = mfc.n_seqs / (mfc.n_minibatches if train else 1) / dp
+        tok = seqs / m * mfc.seq_len
+        act_layer = tok * self._act_bytes_per_token_layer(spec, tp)
+        if not train:
+            return weights, weights, 2 * act_layer + 2 * 4.0 * tok * logit_cols, 0.0
+        in_flight = min(pp, m)
+        per_layer = (tok * spec.hidden * dt) if cfg.activation_recompute else act_layer
+        act = in_flight * spec.n_layers / pp * per_layer + (
+            act_layer if cfg.activation_recompute else 0)
+        act += 2 * 4.0 * tok * logit_cols
+        shard = p_gpu / (dp if cfg.distributed_optimizer else 1)
+        if offload:
+            # megatron's HybridDeviceOptimizer: the GPU keeps the fp32 main-weight shard
+            # (4 bytes); the host its fp32 copy, Adam's m and v and pinned fp32 grads
+            resident = weights + p_gpu * cfg.grad_dtype_bytes + 4 * shard
+            host = (cfg.optimizer_state_bytes_per_param + cfg.grad_dtype_bytes) * shard
+            return weights, resident, act, host
+        resident = weights + p_gpu * cfg.grad_dtype_bytes + cfg.optimizer_state_bytes_per_param * shard
+        return weights, resident, act, 0.0
+
+
+def _msg(seconds: float, n: int = 1) -> Work:
+    """``n`` point-to-point messages of ``seconds`` each."""
+    return Work(seconds={"pp_comm": n * seconds}, counts={"collective_s": float(n)})
+
+
+def pipelined(stages: list[tuple[Work, int]], m: float, costs) -> Work:
+    """``m`` micro-batches through the pipeline: the first crosses every stage, each
+    further one adds the slowest stage's time (it paces the pipeline)."""
+    out = Work()
+    for w, k in stages:
+        out.add(w, k)
+    slowest = max((w for w, _ in stages), key=lambda w: w.total(costs))
+    return out.add(slowest, m - 1)
+
+
+def decode_iteration(stages: list[tuple[Work, int]], g: int, costs) -> Work:
+    """One decode step of a group of ``g`` waves: a wave's token crosses every stage
+    before its next step starts, and each stage serves all ``g`` waves in turn, so the
+    step takes the longer of one crossing and ``g`` passes of the slowest stage."""
+    crossing = Work()
+    for w, k in stages:
+        crossing.add(w, k)
+    slowest = max((w for w, _ in stages), key=lambda w: w.total(costs))
+    return crossing if crossing.total(costs) >= g * slowest.total(costs) else Work().add(slowest, g)

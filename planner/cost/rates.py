@@ -1,0 +1,176 @@
+"""The rates the cost model prices with: GEMM speed, memory bandwidth, collectives,
+transfers and the fixed costs of realign's engines, each taken from a measured
+:class:`~planner.cost.profile.ProfileTable` where it has the term, else derived from the
+device preset (whose numbers cite ``docs/gpu-facts.md``). :attr:`Rates.sources`
+says which, per term, so a plan can show what was measured.
+
+Analytic terms (no profile):
+
+* GEMM ``[M, K] x [K, N]`` (units: seconds): a roofline, ``max(F / (R w/(w + w_half)),
+  B / B_mem)`` with ``F = 2 M K N`` FLOPs (x3 forward + backward), ``R`` = peak FLOP/s x
+  ``matmul_efficiency``, ``w = sqrt(K N)`` and ``B = (K N + M (K + N))`` elements x dtype
+  bytes (x3 in training). A GEMM of few rows is memory-bound: batch-1 decode streams its
+  weights at the memory bandwidth, it is not priced as compute.
+* collectives on ``n`` ranks over ``N`` nodes (``k = n / N`` per node), ``S`` the
+  tensor's bytes, ``B_i`` / ``B_x`` the intra-node link and one device's share of its
+  node's NICs, ``l_i`` / ``l_x`` their message latencies. Within a node, rings:
+  all-reduce ``2 (k-1)/k S / B_i + 2 ceil(log2 k) l_i``, all-gather and reduce-scatter
+  half of that, broadcast ``S / B_i + ceil(log2 k) l_i``, p2p ``S / B_i + l_i``. Across
+  nodes, hierarchical as NCCL runs them: a stage inside each node and a ring over the
+  nodes, pipelined chunk by chunk, so the slower stage paces it: all-reduce
+  ``max(2 (k-1)/k S / B_i, 2 (N-1)/N (S/k) / B_x)`` plus both stages' latencies (each
+  device's NIC carries 1/k of the data). With 8 H100 per node and 8 NICs of 400 Gb/s
+  this gives a bus bandwidth of ~390 GB/s for 2 nodes, against the ~320-380 GB/s
+  measured (docs/gpu-facts.md §4); one flat ring at the NIC rate would give ~45.
+* engine fixed costs: per layer and micro-batch from the device preset, the work
+  besides GEMMs as ``elementwise_passes`` memory passes per token and hidden unit, the
+  optimizer as ``optimizer_step_bytes_per_param`` of memory traffic per parameter.
+"""
+from __future__ import annotations
+
+import math
+
+from planner.cost.cost_config import CostModelConfig
+from planner.cost.profile import EngineCosts, ProfileTable, TransferCosts
+from planner.specs.cluster import ClusterSpec
+
+#: bytes of the logits per (row, vocabulary column) and the memory passes of a
+#: log-softmax over them (read, exponentiate, write)
+LOGIT_BYTES, LOGIT_PASSES = 4, 3
+
+
+def alg_factor(op: str, n: int) -> float:
+    """Algorithm bytes per tensor byte (nccl-tests' busbw factors, docs/gpu-facts.md §4)."""
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    return 1.0
+
+
+class Rates:
+    """Resolved rates of one cluster under one cost configuration and profile."""
+
+    def __init__(self, cluster: ClusterSpec, config: CostModelConfig,
+                 profile: ProfileTable | None = None):
+        self.cluster, self.config, self.profile = cluster, config, profile
+        dev = cluster.device
+        self.sources: dict[str, str] = {}
+        preset = f"device preset {dev.name}"
+        self.dtype_bytes = config.param_dtype_bytes
+        self.peak_rate = dev.peak_flops * (config.matmul_efficiency or dev.matmul_efficiency)
+        mem = profile.mem_bytes_per_s if profile and profile.mem_bytes_per_s else None
+        self.mem_bytes_per_s = mem or dev.mem_bw_bytes_per_s * (
+            config.mem_bw_efficiency or dev.mem_bw_efficiency)
+        self.sources["memory bandwidth"] = "profile" if mem else preset
+        self.sources["gemm"] = "profile" if profile and profile.gemm else preset
+        link = profile.host_link_bytes_per_s if profile else None
+        #: host <-> device bytes/s (optimizer and training-state offload)
+        self.host_link_bytes_per_s = link or dev.host_link_bytes_per_s
+        self.sources["host link"] = "profile" if link else preset
+        self.intra_bytes_per_s = dev.intra_node_bytes_per_s * (
+            config.link_efficiency or dev.intra_link_efficiency)
+        self.inter_bytes_per_s = cluster.inter_node_bytes_per_gpu_s * (
+            config.link_efficiency or dev.inter_link_efficiency)
+        for kind in ("train", "inference", "prefill", "decode"):
+            self.sources[f"engine {kind}"] = (
+                "profile" if profile and kind in profile.engines else preset)
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p"):
+            for inter in (False, True):
+                where = "across nodes" if inter else "within a node"
+                got = profile is not None and any(
+                    c.op == op and c.inter_node == inter for c in profile.collectives)
+                self.sources[f"{op} {where}"] = "profile" if got else preset
+        self.sources["reallocation"] = "profile" if profile and profile.realloc else preset
+        self.sources["record send"] = "profile" if profile and profile.send else preset
+        self.sources["step overhead"] = "profile" if profile and profile.step else "not priced"
+
+    # ---- compute and memory --------------------------------------------------------
+    def gemm_s(self, rows: float, k: float, n: float, train: bool = False) -> float:
+        """Seconds of ``[rows, k] x [k, n]`` (forward, or forward + backward): its FLOPs at
+        the GEMM rate (a profile's measured grid, else the preset's peak with the width
+        curve), but never faster than its bytes (weights once, activations in and out;
+        x3 in training) at the memory bandwidth. The grid times each GEMM with its
+        weights hot in cache; a model's pass reads every layer's weights once, so a
+        small-row GEMM of a model larger than the cache streams them (decode waves)."""
+        if rows <= 0 or k <= 0 or n <= 0:
+            return 0.0
+        flops = (6.0 if train else 2.0) * rows * k * n
+        width = math.sqrt(k * n)
+        nbytes = (3.0 if train else 1.0) * (k * n + rows * (k + n)) * self.dtype_bytes
+        if self.profile is not None and self.profile.gemm is not None:
+            rate = self.profile.gemm.rate(rows, width, train)
+        else:
+            rate = self.peak_rate
+            if self.config.gemm_half_width > 0:
+                rate *= width / (width + self.config.gemm_half_width)
+        return max(flops / rate, nbytes / self.mem_bytes_per_s)
+
+    def mem_s(self, nbytes: float) -> float:
+        return nbytes / self.mem_bytes_per_s
+
+    # ---- collectives ---------------------------------------------------------------
+    def collective_s(self, op: str, nbytes: float, n: int, nodes: int = 1) -> float:
+        """Seconds of collective ``op`` on a tensor of ``nbytes`` over ``n`` ranks that
+        span ``nodes`` nodes (``p2p``: one message between two ranks)."""
+        if op != "p2p" and n <= 1:
+            return 0.0
+        inter = nodes > 1
+        if self.profile is not None:
+            c = self.profile.collective(op, 2 if op == "p2p" else n, inter)
+            if c is not None:
+                return c.time_s(nbytes, alg_factor(op, n))
+        dev = self.cluster.device
+        li, lx = dev.intra_node_latency_s, dev.inter_node_latency_s
+        if op == "p2p":
+            return nbytes / (self.inter_bytes_per_s if inter else self.intra_bytes_per_s) + (
+                lx if inter else li)
+        k = max(1, n // max(1, nodes))
+        steps = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}[op]
+        if op == "broadcast":
+            intra = nbytes / self.intra_bytes_per_s if k > 1 else 0.0
+            inter_t = nbytes / self.inter_bytes_per_s if inter else 0.0
+        else:
+            intra = alg_factor(op, k) * nbytes / self.intra_bytes_per_s if k > 1 else 0.0
+            inter_t = (alg_factor(op, nodes) * nbytes / k / self.inter_bytes_per_s
+                       if inter else 0.0)
+        lat = steps * (math.ceil(math.log2(k)) * li if k > 1 else 0.0)
+        if inter:
+            lat += steps * math.ceil(math.log2(nodes)) * lx
+        return max(intra, inter_t) + lat
+
+    # ---- realign's engines -----------------------------------------------------------
+    def engine(self, kind: str) -> EngineCosts:
+        """Fixed costs of the ``train`` | ``inference`` | ``prefill`` | ``decode`` engine."""
+        if self.profile is not None and kind in self.profile.engines:
+            return self.profile.engines[kind]
+        dev, cfg = self.cluster.device, self.config
+        train = kind == "train"
+        mem = self.mem_bytes_per_s
+        return EngineCosts(
+            call_s=dev.call_overhead_s,
+            microbatch_s=dev.microbatch_overhead_s,
+            layer_s=(dev.decode_layer_overhead_s if kind == "decode"
+                     else (3.0 if train else 1.0) * dev.layer_overhead_s),
+            token_hidden_s=(3.0 if train else 1.0) * cfg.elementwise_passes * self.dtype_bytes / mem,
+            token_vocab_s=(2.0 if train else 1.0) * LOGIT_PASSES * LOGIT_BYTES / mem,
+            token_s=0.0,
+            param_s=((cfg.optimizer_step_bytes_per_param + cfg.grad_dtype_bytes) / mem
+                     if train else 0.0))
+
+    # ---- transfers -------------------------------------------------------------------
+    def send_costs(self) -> TransferCosts:
+        """A record sent between meshes (pickled metadata + its tensors, point to point)."""
+        if self.profile is not None and self.profile.send is not None:
+            return self.profile.send
+        dev = self.cluster.device
+        return TransferCosts(fixed_s=dev.intra_node_latency_s, per_tensor_s=0.0,
+                             bytes_per_s=self.intra_bytes_per_s)
+
+    def send_s(self, nbytes: float, tensors: int) -> float:
+        c = self.send_costs()
+        return c.fixed_s + c.per_tensor_s * tensors + nbytes / c.bytes_per_s
+
+    def realloc_costs(self) -> TransferCosts | None:
+        """Measured reallocation costs (None: link rates and latencies alone)."""
+        return self.profile.realloc if self.profile is not None else None

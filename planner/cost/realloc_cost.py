@@ -1,0 +1,183 @@
+"""Closed-form bytes and time of a parameter reallocation, fast enough for search.
+
+Computes, for every destination GPU, the bytes it lacks locally and whether a holder
+sits on its own node, with the same slice arithmetic and the same sender rule as
+:func:`planner.cost.transfer.transfer_plan` (a test checks the per-GPU byte counts are
+identical), but aggregated per pipeline-stage overlap instead of per tensor. The C++
+core (``csrc/realloc_cost.cpp``) has a line-by-line twin of :func:`realloc_time`.
+
+Time model (receiver- and sender-bound, links full duplex): a GPU receiving
+``intra`` bytes from its own node and ``inter`` bytes from other nodes is busy
+``intra/intra_bw + inter/inter_bw`` on the wire, plus ``(received + local) /
+copy_bw`` for writing its destination shard (received slices are unpacked, slices it
+already held are copied locally: both pass through memory once); each lacking piece
+is charged evenly to the holders the transfer plan may pick from (own-node holders
+when any exist), and a sender is busy likewise on the wire. The reallocation takes
+the busiest GPU's time, plus one message latency when anything crosses the wire,
+plus ``fixed_s`` (the executor's fixed work and the synchronisation of the ranks;
+process groups are made once at start-up, never per reallocation). A reallocation
+whose every slice is already local still pays ``fixed_s`` and its copies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.specs.model_spec import ModelSpec
+
+HEAD_LM_UNTIED, HEAD_LM_TIED, HEAD_VALUE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class ReallocModel:
+    """A model's parameter bytes by kind, the numbers the closed form needs."""
+
+    n_layers: int
+    layer_sharded_bytes: int      #: TP-split bytes of one layer (full, unsharded)
+    layer_replicated_bytes: int   #: bytes every TP rank of a stage holds per layer
+    embedding_bytes: int          #: vocab-parallel embedding (full)
+    final_norm_bytes: int
+    head_kind: int                #: HEAD_LM_UNTIED | HEAD_LM_TIED | HEAD_VALUE
+    head_bytes: int               #: output layer (untied, sharded) or value head (replicated)
+
+    @staticmethod
+    def of(spec: ModelSpec, head: str, dtype_bytes: int) -> "ReallocModel":
+        kind = (HEAD_VALUE if head == "value"
+                else HEAD_LM_TIED if spec.tied_embeddings else HEAD_LM_UNTIED)
+        return ReallocModel(
+            n_layers=spec.n_layers,
+            layer_sharded_bytes=spec.layer_sharded_params() * dtype_bytes,
+            layer_replicated_bytes=spec.layer_replicated_params() * dtype_bytes,
+            embedding_bytes=spec.embedding_params() * dtype_bytes,
+            final_norm_bytes=spec.hidden * dtype_bytes,
+            head_kind=kind,
+            head_bytes=(spec.head_params(head) * dtype_bytes if kind != HEAD_LM_TIED else 0),
+        )
+
+
+@dataclass(frozen=True)
+class Links:
+    """Link rates the time model uses (from the cluster's device spec)."""
+
+    gpus_per_node: int
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+    intra_latency_s: float
+    inter_latency_s: float
+    fixed_s: float = 0.0               #: per reallocation (executor work, synchronisation)
+    copy_bytes_per_s: float = float("inf")   #: writing the destination shards (memory)
+
+
+# A placement in numbers: (first_gpu, n_gpus, tp, pp, dp).
+Place = tuple[int, int, int, int, int]
+
+
+def _tp_overlap(i: int, tp_d: int, k: int, tp_s: int) -> int:
+    """Overlap of shard i of tp_d and shard k of tp_s, in units of 1/(tp_d*tp_s)."""
+    lo = max(i * tp_s, k * tp_d)
+    hi = min((i + 1) * tp_s, (k + 1) * tp_d)
+    return hi - lo if hi > lo else 0
+
+
+class _Acc:
+    """Per-GPU received and sent bytes (index 0: intra-node, 1: inter-node)."""
+
+    def __init__(self) -> None:
+        self.recv: dict[int, list[int]] = {}
+        self.send: dict[int, list[float]] = {}
+        self.local: dict[int, int] = {}       #: bytes a destination GPU copies locally
+
+
+def _charge(acc: _Acc, g: int, holders: list[int], nbytes: int, gpn: int) -> None:
+    node = g // gpn
+    near = [h for h in holders if h // gpn == node]
+    inter = 0 if near else 1
+    acc.recv.setdefault(g, [0, 0])[inter] += nbytes
+    pool = near if near else holders
+    share = nbytes / len(pool)
+    for h in pool:
+        acc.send.setdefault(h, [0.0, 0.0])[inter] += share
+
+
+def _stages_holding(content: str, m: ReallocModel, pp: int, layer: int = -1) -> list[int]:
+    if content == "layer":
+        return [layer // (m.n_layers // pp)]
+    if content == "embedding":
+        return [0, pp - 1] if (m.head_kind == HEAD_LM_TIED and pp > 1) else [0]
+    return [pp - 1]  # final norm, output layer, value head
+
+
+def _holders(src: Place, stages: list[int], k: int) -> list[int]:
+    """Source GPUs at tp rank k (k < 0: any tp rank) of the given stages."""
+    first, _n, tp, _pp, dp = src
+    ks = range(tp) if k < 0 else (k,)
+    return [first + kk + tp * (d + dp * j) for j in stages for kk in ks for d in range(dp)]
+
+
+def realloc_recv_send(m: ReallocModel, src: Place, dst: Place, gpn: int) -> _Acc:
+    """Bytes each GPU receives and sends when moving ``m`` from ``src`` to ``dst``."""
+    acc = _Acc()
+    s_first, s_n, tp_s, pp_s, dp_s = src
+    d_first, d_n, tp_d, pp_d, dp_d = dst
+    L = m.n_layers
+    unit = tp_d * tp_s
+    for r in range(d_n):
+        g = d_first + r
+        i = r % tp_d
+        j = r // (tp_d * dp_d)
+        local = s_first <= g < s_first + s_n
+        k_g = (g - s_first) % tp_s if local else -1
+        j_g = (g - s_first) // (tp_s * dp_s) if local else -1
+
+        def sharded(nbytes: int, stages: list[int]) -> None:
+            for k in range(tp_s):
+                ov = _tp_overlap(i, tp_d, k, tp_s)
+                if ov == 0:
+                    continue
+                if local and k_g == k and j_g in stages:
+                    acc.local[g] = acc.local.get(g, 0) + nbytes * ov // unit
+                    continue
+                _charge(acc, g, _holders(src, stages, k), nbytes * ov // unit, gpn)
+
+        def replicated(nbytes: int, stages: list[int]) -> None:
+            if local and j_g in stages:
+                acc.local[g] = acc.local.get(g, 0) + nbytes
+                return
+            _charge(acc, g, _holders(src, stages, -1), nbytes, gpn)
+
+        if j == 0:
+            sharded(m.embedding_bytes, _stages_holding("embedding", m, pp_s))
+        d_lo, d_hi = j * (L // pp_d), (j + 1) * (L // pp_d)
+        per_s = L // pp_s
+        for js in range(d_lo // per_s, (d_hi - 1) // per_s + 1):
+            c = min(d_hi, (js + 1) * per_s) - max(d_lo, js * per_s)
+            sharded(m.layer_sharded_bytes * c, [js])
+            replicated(m.layer_replicated_bytes * c, [js])
+        if j == pp_d - 1:
+            replicated(m.final_norm_bytes, [pp_s - 1])
+            if m.head_kind == HEAD_LM_UNTIED:
+                sharded(m.head_bytes, [pp_s - 1])
+            elif m.head_kind == HEAD_VALUE:
+                replicated(m.head_bytes, [pp_s - 1])
+            elif pp_d > 1:
+                sharded(m.embedding_bytes, _stages_holding("embedding", m, pp_s))
+    return acc
+
+
+def realloc_time(m: ReallocModel, src: Place, dst: Place, links: Links) -> tuple[float, int]:
+    """(seconds, bytes moved) to reallocate ``m`` from ``src`` to ``dst``."""
+    acc = realloc_recv_send(m, src, dst, links.gpus_per_node)
+    worst, total, any_inter = 0.0, 0, False
+    for g in sorted(set(acc.recv) | set(acc.local)):
+        a, b = acc.recv.get(g, [0, 0])
+        c = acc.local.get(g, 0)
+        total += a + b
+        any_inter = any_inter or b > 0
+        worst = max(worst, a / links.intra_bytes_per_s + b / links.inter_bytes_per_s
+                    + (a + b + c) / links.copy_bytes_per_s)
+    for h in sorted(acc.send):
+        a, b = acc.send[h]
+        worst = max(worst, a / links.intra_bytes_per_s + b / links.inter_bytes_per_s)
+    lat = 0.0
+    if total > 0:
+        lat = links.inter_latency_s if any_inter else links.intra_latency_s
+    return links.fixed_s + worst + lat, total

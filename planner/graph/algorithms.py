@@ -1,0 +1,335 @@
+"""The torch-free half of every algorithm: the data it trains on, the model roles it
+needs and the dataflow graph of one iteration, built from the batch shape. The other
+half (hyper-parameters, the ``prepare`` step, the losses) is
+``realign/algorithms/<name>.py``, linked to this one by name
+(``realign.algorithms.registry``), so the planner reads its part without torch.
+
+PPO / GRPO / ReMax / REINFORCE++ / RLOO generate with the actor and score with the
+reference and the reward; DPO scores preference pairs with the reference; SFT and
+reward modelling are a single training call. The reward is a model call when a
+``reward`` model is configured, else a rule function on the generated text
+(:class:`~planner.graph.dataflow.RuleReward`, part of the graph). The reference is optional for
+the RL algorithms: without a ``ref`` model the graph has no reference call, which is
+right only when the KL coefficient is 0 (realign's run checks that against the
+hyper-parameters).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner.errors import PlanError
+from planner.graph.dataflow import MFC, DataflowGraph, Evaluation, RuleReward
+from planner.graph.lengths import GenLengths
+
+Algorithm = Literal["ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft", "rm"]
+DataKind = Literal["prompts", "preferences", "sft"]
+
+#: The graph key each kind of dataset fills (the graph's one dataset key).
+DATASET_KEYS: Mapping[str, str] = MappingProxyType(
+    {"prompts": "prompts", "preferences": "pairs", "sft": "examples"})
+
+
+class BatchShape(BaseModel):
+    """The shape of one training step's batch."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompts_per_step: int = Field(512, gt=0, le=1 << 24,
+                                  description="Prompts (or pairs, or examples) per step.")
+    samples_per_prompt: int = Field(1, gt=0, le=1 << 12, description="Responses sampled per "
+                                    "prompt (GRPO/RLOO group size).")
+    prompt_len: int = Field(128, gt=0, le=1 << 22,
+                            description="Prompt tokens per sequence (padded bound).")
+    gen_len: int = Field(256, gt=0, le=1 << 22,
+                         description="Generated / response tokens per sequence, at most.")
+    gen_len_mean: float | None = Field(
+        None, gt=0, description="Expected response length when responses stop at the end "
+        "token (gen_len is then the cap): the plan prices each wave's straggler tail, as "
+        "if each token stopped a response with one fixed chance and responses past the cap "
+        "were cut at it. None: every response runs to gen_len.")
+    ppo_minibatches: int = Field(4, gt=0, le=1 << 20,
+                                 description="Optimizer steps per epoch over the batch.")
+    ppo_epochs: int = Field(1, gt=0, le=1 << 20, description="Epochs over each batch.")
+
+
+class EvalShape(BaseModel):
+    """The shape of an evaluation on held-out prompts (the experiment's ``eval`` section)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n_prompts: int = Field(gt=0, le=1 << 20, description="Held-out prompts per evaluation.")
+    samples: int = Field(4, gt=0, le=1 << 10, description="Sampled responses per prompt (k "
+                         "of pass@k); a greedy response is made too.")
+    every: int = Field(10, gt=0, description="Steps between evaluations.")
+
+
+def _evaluation(shape: BatchShape, ev: EvalShape, trained_output: str) -> list[MFC]:
+    """A greedy and a sampled generation on the held-out prompts, after training (they
+    read the trained policy: its training call's output), every ``ev.every`` steps."""
+    p, g = shape.prompt_len, shape.gen_len
+    common = dict(role="actor", kind="generate", prompt_len=p, gen_len=g, every=ev.every,
+                  purpose="eval", input_keys=("eval_prompts", trained_output))
+    return [MFC(name="actor.eval_greedy", n_seqs=ev.n_prompts, greedy=True,
+                output_keys=("eval_greedy_seqs",), **common),
+            MFC(name="actor.eval_sample", n_seqs=ev.n_prompts * ev.samples,
+                output_keys=("eval_sample_seqs",), **common)]
+
+
+EVALUATIONS = (Evaluation(seqs_key="eval_greedy_seqs", name="greedy"),
+               Evaluation(seqs_key="eval_sample_seqs", name="sample"))
+
+
+def _rollout(shape: BatchShape, n: int, with_reward_model: bool, with_ref: bool
+             ) -> tuple[list[MFC], list[RuleReward]]:
+    """actor.generate, then the reward (a model call, or a rule on the text) and the
+    reference (if one) scoring."""
+    p, g = shape.prompt_len, shape.gen_len
+    calls = [MFC(name="actor.generate", role="actor", kind="generate", n_seqs=n,
+                 prompt_len=p, gen_len=g, input_keys=("prompts",),
+                 output_keys=("seqs", "logprobs"))]
+    rules = []
+    if with_reward_model:
+        calls.append(MFC(name="reward.inference", role="reward", kind="inference", n_seqs=n,
+                         prompt_len=p, gen_len=g, input_keys=("seqs",), output_keys=("rewards",)))
+    else:
+        rules.append(RuleReward(seqs_key="seqs", out_key="rewards"))
+    if with_ref:
+        calls.append(MFC(name="ref.inference", role="ref", kind="inference", n_seqs=n,
+                         prompt_len=p, gen_len=g, input_keys=("seqs",),
+                         output_keys=("ref_logprobs",)))
+    return calls, rules
+
+
+def _actor_train(shape: BatchShape, n: int, inputs: tuple[str, ...], group_size: int = 1) -> MFC:
+    return MFC(name="actor.train", role="actor", kind="train", n_seqs=n,
+               prompt_len=shape.prompt_len, gen_len=shape.gen_len, input_keys=inputs,
+               output_keys=("actor_stats",), n_minibatches=shape.ppo_minibatches,
+               n_epochs=shape.ppo_epochs, group_size=group_size)
+
+
+Built = tuple[list[MFC], list[RuleReward]]
+
+
+def ppo(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
+    n = shape.prompts_per_step * shape.samples_per_prompt
+    p, g = shape.prompt_len, shape.gen_len
+    calls, rules = _rollout(shape, n, with_reward_model, with_ref)
+    calls.append(MFC(name="critic.inference", role="critic", kind="inference", n_seqs=n,
+                     prompt_len=p, gen_len=g, input_keys=("seqs",), output_keys=("values",)))
+    ins = ("seqs", "logprobs") + (("ref_logprobs",) if with_ref else ()) + ("values", "rewards")
+    calls.append(_actor_train(shape, n, ins))
+    calls.append(MFC(name="critic.train", role="critic", kind="train", n_seqs=n, prompt_len=p,
+                     gen_len=g, input_keys=ins, output_keys=("critic_stats",),
+                     n_minibatches=shape.ppo_minibatches, n_epochs=shape.ppo_epochs))
+    return calls, rules
+
+
+def critic_free(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
+    """GRPO, REINFORCE++ and RLOO share one graph; they differ in the advantage."""
+    n = shape.prompts_per_step * shape.samples_per_prompt
+    calls, rules = _rollout(shape, n, with_reward_model, with_ref)
+    ins = ("seqs", "logprobs") + (("ref_logprobs",) if with_ref else ()) + ("rewards",)
+    return calls + [_actor_train(shape, n, ins)], rules
+
+
+def remax(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
+    """ReMax: a sampled and a greedy rollout; the greedy reward is the baseline."""
+    n = shape.prompts_per_step * shape.samples_per_prompt
+    p, g = shape.prompt_len, shape.gen_len
+    calls, rules = _rollout(shape, n, with_reward_model, with_ref)
+    calls.insert(1, MFC(name="actor.greedy_generate", role="actor", kind="generate",
+                        n_seqs=shape.prompts_per_step, prompt_len=p, gen_len=g,
+                        input_keys=("prompts",), output_keys=("greedy_seqs",), greedy=True))
+    if with_reward_model:
+        calls.insert(3, MFC(name="reward.greedy_inference", role="reward", kind="inference",
+                            n_seqs=shape.prompts_per_step, prompt_len=p, gen_len=g,
+                            input_keys=("greedy_seqs",), output_keys=("greedy_rewards",)))
+    else:
+        rules.append(RuleReward(seqs_key="greedy_seqs", out_key="greedy_rewards"))
+    ins = (("seqs", "logprobs") + (("ref_logprobs",) if with_ref else ())
+           + ("rewards", "greedy_rewards"))
+    return calls + [_actor_train(shape, n, ins)], rules
+
+
+def dpo(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
+    """DPO: the reference scores chosen and rejected responses, the actor trains."""
+    n = 2 * shape.prompts_per_step
+    p, g = shape.prompt_len, shape.gen_len
+    return [
+        MFC(name="ref.inference", role="ref", kind="inference", n_seqs=n, prompt_len=p,
+            gen_len=g, input_keys=("pairs",), output_keys=("ref_logprobs",)),
+        _actor_train(shape, n, ("pairs", "ref_logprobs"), group_size=2),   # whole pairs
+    ], []
+
+
+def sft(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
+    return [_actor_train(shape, shape.prompts_per_step, ("examples",))], []
+
+
+def rm(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
+    """Reward modelling: pairwise Bradley-Terry on chosen/rejected responses."""
+    return [MFC(name="reward.train", role="reward", kind="train",
+                n_seqs=2 * shape.prompts_per_step, prompt_len=shape.prompt_len,
+                gen_len=shape.gen_len, input_keys=("pairs",), output_keys=("reward_stats",),
+                n_minibatches=shape.ppo_minibatches, n_epochs=shape.ppo_epochs,
+                group_size=2)], []
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """What the planner (and the run's checks) know of one algorithm."""
+
+    name: str
+    data_kind: DataKind                      #: what each line of its training data holds
+    required_roles: tuple[str, ...]          #: model roles it cannot do without
+    optional_roles: tuple[str, ...]          #: roles it uses when configured
+    builder: Callable[[BatchShape, bool, bool], Built]   #: (shape, with RM, with ref)
+
+    @property
+    def dataset_key(self) -> str:
+        """The graph key its dataset fills."""
+        return DATASET_KEYS[self.data_kind]
+
+    @property
+    def generates(self) -> bool:
+        """It samples responses to prompts and is rewarded for them (RL)."""
+        return self.data_kind == "prompts"
+
+
+def _table(*specs: AlgorithmSpec) -> Mapping[str, AlgorithmSpec]:
+    table: dict[str, AlgorithmSpec] = {}
+    for a in specs:
+        if a.name in table:
+            raise ValueError(f"algorithm {a.name!r} listed twice")
+        table[a.name] = a
+    return MappingProxyType(table)
+
+
+_RL_OPTIONAL = ("ref", "reward")
+
+#: Every algorithm by name (the names of ``realign.algorithms.registry.ALGORITHMS``).
+ALGORITHMS: Mapping[str, AlgorithmSpec] = _table(
+    AlgorithmSpec("ppo", "prompts", ("actor", "critic", "reward"), ("ref",), ppo),
+    AlgorithmSpec("grpo", "prompts", ("actor",), _RL_OPTIONAL, critic_free),
+    AlgorithmSpec("remax", "prompts", ("actor",), _RL_OPTIONAL, remax),
+    AlgorithmSpec("reinforce_pp", "prompts", ("actor",), _RL_OPTIONAL, critic_free),
+    AlgorithmSpec("rloo", "prompts", ("actor",), _RL_OPTIONAL, critic_free),
+    AlgorithmSpec("dpo", "preferences", ("actor", "ref"), (), dpo),
+    AlgorithmSpec("sft", "sft", ("actor",), (), sft),
+    AlgorithmSpec("rm", "preferences", ("reward",), (), rm),
+)
+
+
+def algorithm_spec(name: str) -> AlgorithmSpec:
+    if name not in ALGORITHMS:
+        raise PlanError(f"unknown algorithm {name!r}; allowed: {', '.join(ALGORITHMS)}",
+                        field="algorithm.name")
+    return ALGORITHMS[name]
+
+
+def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
+                train_micro_batches: int | None = None,
+                evaluation: EvalShape | None = None,
+                lengths: GenLengths | None = None, max_staleness: int = 0,
+                asynchronous: bool = False,
+                prompt_lengths: GenLengths | None = None) -> DataflowGraph:
+    """The dataflow graph of ``algorithm`` for the configured model ``roles``.
+    ``train_micro_batches``: every train call runs with exactly this many micro-batches
+    (``train.micro_batches``); None lets the planner choose. ``evaluation``: the actor
+    generates on held-out prompts after training, every ``evaluation.every`` steps.
+    ``lengths``: the response-length distribution of every generate call (a recorded
+    one); default: from ``shape.gen_len_mean``, or none (every response runs to
+    ``gen_len``). ``prompt_lengths``: the distribution of the training prompts'
+    lengths (``prompt_len`` is its cap); None: every prompt is ``prompt_len`` long.
+    ``max_staleness``: the staleness bound the run enforces;
+    ``asynchronous`` (needs a bound of at least 1): rollout generation runs one step
+    ahead of training, and the actor's current policy scores the rollout before it
+    trains (:func:`_proximal`)."""
+    if asynchronous and max_staleness < 1:
+        raise PlanError("asynchronous execution needs max_staleness >= 1",
+                        field="algorithm.max_staleness")
+    if shape.gen_len_mean is not None and shape.gen_len_mean > shape.gen_len:
+        raise PlanError(f"gen_len_mean {shape.gen_len_mean} exceeds gen_len {shape.gen_len}",
+                        field="algorithm.gen_len_mean")
+    if lengths is None and shape.gen_len_mean is not None:
+        lengths = GenLengths(max_len=shape.gen_len, mean=shape.gen_len_mean)
+    if prompt_lengths is not None and prompt_lengths.max_len != shape.prompt_len:
+        raise PlanError(f"the prompt lengths are capped at {prompt_lengths.max_len}, "
+                        f"prompt_len is {shape.prompt_len}", field="algorithm.prompt_len")
+    spec = algorithm_spec(algorithm)
+    missing = [r for r in spec.required_roles if r not in roles]
+    if missing:
+        raise PlanError(f"{algorithm} needs the model role(s) {', '.join(missing)}",
+                        field="models")
+    with_rm = "reward" in roles and spec.generates
+    calls, rules = spec.builder(shape, with_rm, "ref" in roles)
+    used = {m.role for m in calls}
+    assert used <= set(spec.required_roles) | set(spec.optional_roles), used
+    extra = sorted(roles - used)
+    if extra:
+        raise PlanError(f"{algorithm} does not use the model role(s) {', '.join(extra)}; "
+                        f"remove them", field="models")
+    if train_micro_batches is not None:
+        calls = [m.model_copy(update={"micro_batches": train_micro_batches})
+                 if m.kind == "train" else m for m in calls]
+    evaluations: tuple[Evaluation, ...] = ()
+    if evaluation is not None:
+        actor_train = next((m for m in calls if m.kind == "train" and m.role == "actor"), None)
+        if actor_train is None:
+            raise PlanError(f"{algorithm} trains no actor, so there is no policy to "
+                            "evaluate; remove the eval section", field="eval")
+        calls += _evaluation(shape, evaluation, actor_train.output_keys[0])
+        evaluations = EVALUATIONS
+    if lengths is not None or prompt_lengths is not None:
+        calls = _with_lengths(calls, lengths, prompt_lengths)
+    if asynchronous:
+        if not spec.generates:
+            raise PlanError(f"{algorithm} generates nothing, so it has nothing to run "
+                            "ahead; set algorithm.max_staleness to 0", field="algorithm.max_staleness")
+        calls = _proximal(calls)
+    return DataflowGraph(algorithm=algorithm, mfcs=tuple(calls), rule_rewards=tuple(rules),
+                         evaluations=evaluations, max_staleness=max_staleness,
+                         ahead_steps=1 if asynchronous else 0)
+
+
+def _with_lengths(calls: list[MFC], lengths: GenLengths | None,
+                  prompt_lengths: GenLengths | None) -> list[MFC]:
+    """``lengths`` (responses) on every generate call, ``prompt_lengths`` on those
+    that read the training prompts, and both of a generate call's on every call that
+    scores or trains the sequences it generates (priced at the batch's padded
+    length: :mod:`planner.graph.padding`)."""
+    made: dict[str, dict] = {}
+    out = []
+    for m in calls:
+        if m.kind == "generate":
+            update = {"lengths": lengths,
+                      "prompt_lengths": prompt_lengths if m.input_keys[0] == "prompts" else None}
+            made[m.output_keys[0]] = update
+            out.append(m.model_copy(update=update))
+        elif m.input_keys and m.input_keys[0] in made:
+            out.append(m.model_copy(update=made[m.input_keys[0]]))
+        else:
+            out.append(m)
+    return out
+
+
+#: The call that scores an asynchronous rollout with the actor's current policy.
+PROXIMAL_MFC = "actor.prox_inference"
+
+
+def _proximal(calls: list[MFC]) -> list[MFC]:
+    """An asynchronous graph: before the actor trains, its current policy (the
+    proximal policy of the decoupled PPO loss) scores the rollout that an older policy
+    generated (``prox_logprobs``), and the actor's train call reads them."""
+    i = next(i for i, m in enumerate(calls) if m.kind == "train" and m.role == "actor")
+    t = calls[i]
+    prox = MFC(name=PROXIMAL_MFC, role="actor", kind="inference", n_seqs=t.n_seqs,
+               prompt_len=t.prompt_len, gen_len=t.gen_len, input_keys=("seqs",),
+               output_keys=("prox_logprobs",), lengths=t.lengths,
+               prompt_lengths=t.prompt_lengths)
+    trained = t.model_copy(update={"input_keys": t.input_keys + ("prox_logprobs",)})
+    return calls[:i] + [prox, trained] + calls[i + 1:]

@@ -1,0 +1,99 @@
+"""The bridge to the C++ search core ``planner._core`` (built from ``csrc/``).
+
+:func:`to_core` packs a :class:`planner.search.problem.Problem` into plain arrays once;
+:func:`core_simulate` and :func:`core_anneal` then run the C++ twins of
+:func:`planner.search.simulator.simulate` and :func:`planner.search.anneal.anneal`, which return
+bit-identical numbers (``tests/planner/test_core_twin.py`` checks it).
+
+The extension is imported lazily, and a missing one is an error that says how to
+build it: there is no silent fallback to the (much slower) Python twin.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from planner.search.anneal import MASK64, AnnealResult, AnnealSettings
+from planner.search.problem import Problem
+from planner.search.simulator import SimResult
+
+
+def load_core() -> ModuleType:
+    """The compiled module ``planner._core``; ImportError saying how to build it."""
+    try:
+        from planner import _core
+    except ImportError as exc:
+        raise ImportError(
+            "the C++ search core planner._core is not built: run `make install` "
+            "(or `make core` to rebuild it in place after editing csrc/)") from exc
+    return _core
+
+
+def to_core(prob: Problem) -> Any:
+    """Pack ``prob`` into a ``planner._core.Problem`` (validated on construction)."""
+    core = load_core()
+    links = prob.links
+    cands = prob.cands
+    return core.Problem(
+        n_gpus=prob.n_gpus,
+        mem_limit_bytes=float(prob.mem_limit_bytes),
+        n_iters=prob.n_iters,
+        gpus_per_node=links.gpus_per_node,
+        intra_bytes_per_s=float(links.intra_bytes_per_s),
+        inter_bytes_per_s=float(links.inter_bytes_per_s),
+        intra_latency_s=float(links.intra_latency_s),
+        inter_latency_s=float(links.inter_latency_s),
+        mfc_model=list(prob.mfc_model),
+        mfc_is_train=[bool(t) for t in prob.mfc_is_train],
+        deps=[list(d) for d in prob.deps],
+        model_train_mfc=list(prob.model_train_mfc),
+        realloc_models=[(m.n_layers, m.layer_sharded_bytes, m.layer_replicated_bytes,
+                         m.embedding_bytes, m.final_norm_bytes, m.head_kind, m.head_bytes)
+                        for m in prob.realloc_models],
+        cand_first_gpu=[[c.first_gpu for c in cs] for cs in cands],
+        cand_n_gpus=[[c.n_gpus for c in cs] for cs in cands],
+        cand_tp=[[c.tp for c in cs] for cs in cands],
+        cand_pp=[[c.pp for c in cs] for cs in cands],
+        cand_dp=[[c.dp for c in cs] for cs in cands],
+        cand_time_s=[[float(c.time_s) for c in cs] for cs in cands],
+        cand_resident_bytes=[[float(c.resident_bytes) for c in cs] for cs in cands],
+        cand_activation_bytes=[[float(c.activation_bytes) for c in cs] for cs in cands],
+        cand_weights_bytes=[[float(c.weights_bytes) for c in cs] for cs in cands],
+        same_mesh=prob.same_mesh,
+        realloc_fixed_s=float(links.fixed_s),
+        copy_bytes_per_s=float(links.copy_bytes_per_s),
+        inputs=[[list(kp) for kp in ins] for ins in prob.inputs],
+        outputs=[list(o) for o in prob.outputs],
+        mfc_every=list(prob.mfc_every),
+        ahead=[bool(a) for a in (prob.ahead or [False] * len(cands))],
+        key_send_intra_s=[float(a) for a, _ in prob.key_send_s],
+        key_send_inter_s=[float(b) for _, b in prob.key_send_s],
+        step_overhead_s=float(prob.step_overhead_s),
+        cand_time_sd_s=[[float(c.time_sd_s) for c in cs] for cs in cands],
+    )
+
+
+def core_simulate(prob: Problem, assign: list[int], core_prob: Any = None) -> SimResult:
+    """:func:`planner.search.simulator.simulate` in C++ (no events, no realloc table).
+
+    Pass ``core_prob`` (from :func:`to_core`) to skip packing ``prob`` again.
+    """
+    core = load_core()
+    cp = core_prob if core_prob is not None else to_core(prob)
+    iter_time_s, makespan_s, overflow_bytes, peak_bytes = core.simulate(cp, list(assign))
+    return SimResult(iter_time_s, makespan_s, overflow_bytes, peak_bytes)
+
+
+def core_anneal(prob: Problem, start: list[int], settings: AnnealSettings,
+                time_limit_s: float = 0.0, core_prob: Any = None) -> AnnealResult:
+    """:func:`planner.search.anneal.anneal` in C++ (the GIL is released while it runs).
+
+    ``time_limit_s`` > 0 stops the walk early (checked every 256 steps); the result's
+    ``steps`` is the number of steps actually run.
+    """
+    core = load_core()
+    cp = core_prob if core_prob is not None else to_core(prob)
+    assign, e, feasible, steps, accepted = core.anneal(
+        cp, list(start), settings.n_steps, settings.t0_frac, settings.t1_frac,
+        settings.restart_every, settings.seed & MASK64, time_limit_s)
+    return AnnealResult(list(assign), e, feasible, steps, accepted)

@@ -1,0 +1,216 @@
+"""Hand-written plans of the kind people run today, built in the search's own
+candidate space so they are priced by the same simulator and seed the search.
+
+* ``megatron``: symmetric. Every MFC runs on all GPUs, one layout per model chosen
+  as a Megatron user would (the smallest model-parallel size that fits, TP up to a
+  node before PP), so nothing is ever reallocated.
+* ``deepspeed-chat``: all MFCs on all GPUs; training is data-parallel (ZeRO-style,
+  smallest TP that fits), actor generation switches to intra-node TP (the "hybrid
+  engine"), paying a reallocation each iteration.
+* ``openrlhf``: disaggregated. Generation, actor training, critic, reference and
+  reward each get their own GPUs (or, in the colocated variant, reference with the
+  actor and reward with the critic); the best power-of-two split is chosen, each MFC
+  with its fastest layout on its GPUs.
+
+Each builder returns an assignment (candidate index per MFC) or None when the
+heuristic has no plan that fits in memory.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+from planner.search.deadline import Deadline
+from planner.search.problem import Problem
+from planner.search.simulator import ReallocCache, energy, simulate
+
+Assignment = list[int]
+
+
+def _on_mesh(prob: Problem, i: int, first: int, n: int) -> list[int]:
+    return [j for j, c in enumerate(prob.cands[i]) if c.first_gpu == first and c.n_gpus == n]
+
+
+def _mp_order(prob: Problem, i: int, js: list[int]) -> list[tuple[int, int]]:
+    """Distinct (tp, pp) of candidates, in a Megatron user's order of preference."""
+    tps = sorted({(prob.cands[i][j].tp, prob.cands[i][j].pp) for j in js},
+                 key=lambda t: (t[0] * t[1], t[1]))
+    return tps
+
+
+def _fit_micro_batches(prob: Problem, choice: list[list[int]],
+                       deadline: Deadline | None = None) -> Assignment | None:
+    """Pick one option per MFC (they differ in micro-batches) that fits in memory.
+
+    Memory is resident state + the largest activation of any call on a GPU, so for
+    each activation cap every MFC takes its fastest option under the cap; the best
+    feasible cap wins. Exact when every call shares one mesh (times add up there).
+    """
+    caps = sorted({prob.cands[i][j].activation_bytes for i, js in enumerate(choice) for j in js})
+    cache = ReallocCache(prob)
+    best, best_e = None, float("inf")
+    seen: set[tuple[int, ...]] = set()
+    for cap in reversed(caps):
+        if deadline is not None and deadline.passed():
+            break
+        assign = []
+        for i, js in enumerate(choice):
+            under = [j for j in js if prob.cands[i][j].activation_bytes <= cap]
+            if not under:
+                break
+            assign.append(min(under, key=lambda j: (prob.cands[i][j].time_s, j)))
+        if len(assign) < len(choice) or tuple(assign) in seen:
+            continue
+        seen.add(tuple(assign))
+        res = simulate(prob, assign, cache)
+        if res.feasible and energy(prob, res) < best_e:
+            best, best_e = assign, energy(prob, res)
+    return best
+
+
+def megatron(prob: Problem, deadline: Deadline | None = None) -> Assignment | None:
+    n = prob.n_gpus
+    full = [_on_mesh(prob, i, 0, n) for i in range(len(prob.cands))]
+    if any(not js for js in full):
+        return None
+    n_models = len(prob.models)
+    mfcs_of = [[i for i in range(len(prob.cands)) if prob.mfc_model[i] == m] for m in range(n_models)]
+    # options per model: (tp, pp) that every MFC of the model has on the full mesh
+    options = []
+    for m in range(n_models):
+        common = None
+        for i in mfcs_of[m]:
+            s = set(_mp_order(prob, i, full[i]))
+            common = s if common is None else common & s
+        opts = sorted(common or [], key=lambda t: (t[0] * t[1], t[1]))
+        if not opts:
+            return None
+        options.append(opts)
+    # Like a user tuning by hand: start at the smallest model-parallel sizes, raise
+    # the heaviest model's until the plan fits, then a few steps more, keep the best.
+    level = [0] * n_models
+    best, best_e, extra = None, float("inf"), 0
+    while extra <= 3:
+        choice = []
+        for i in range(len(prob.cands)):
+            tp, pp = options[prob.mfc_model[i]][level[prob.mfc_model[i]]]
+            choice.append([j for j in full[i] if (prob.cands[i][j].tp, prob.cands[i][j].pp) == (tp, pp)])
+        assign = _fit_micro_batches(prob, choice)
+        if assign is not None:
+            e = energy(prob, simulate(prob, assign))
+            if e < best_e:
+                best, best_e = assign, e
+            extra += 1
+        bumpable = [m for m in range(n_models) if level[m] + 1 < len(options[m])]
+        if not bumpable:
+            break
+        heaviest = max(bumpable, key=lambda m: max(
+            prob.cands[i][choice[i][0]].resident_bytes for i in mfcs_of[m]))
+        level[heaviest] += 1
+    return best
+
+
+def deepspeed_chat(prob: Problem, deadline: Deadline | None = None) -> Assignment | None:
+    n, gpn = prob.n_gpus, prob.cluster.gpus_per_node
+    choice = []
+    for i in range(len(prob.cands)):
+        js = [j for j in _on_mesh(prob, i, 0, n) if prob.cands[i][j].pp == 1]
+        if not js:
+            return None
+        kind = prob.graph.mfcs[i].kind
+        if kind == "generate":
+            tp = max(prob.cands[i][j].tp for j in js if prob.cands[i][j].tp <= gpn)
+            choice.append([j for j in js if prob.cands[i][j].tp == tp])
+        else:
+            choice.append(js)
+    # training and scoring: smallest TP at which the whole plan fits
+    tps = sorted({prob.cands[i][j].tp for i, js in enumerate(choice) for j in js})
+    for tp in tps:
+        narrowed = []
+        for i, js in enumerate(choice):
+            if prob.graph.mfcs[i].kind == "generate":
+                narrowed.append(js)
+                continue
+            at = [j for j in js if prob.cands[i][j].tp == tp]
+            narrowed.append(at or js)
+        assign = _fit_micro_batches(prob, narrowed)
+        if assign is not None:
+            return assign
+    return None
+
+
+def _pool_keys(prob: Problem, colocate: bool) -> list[str]:
+    roles = {m.role for m in prob.graph.mfcs}
+    keys = []
+    for m in prob.graph.mfcs:
+        if m.kind == "generate":
+            keys.append("gen")
+        elif colocate and m.role == "ref":
+            keys.append("actor")
+        elif colocate and m.role == "reward" and "critic" in roles:
+            keys.append("critic")
+        else:
+            keys.append(m.role)
+    return keys
+
+
+def _pow2_splits(n: int, parts: int, gpn: int) -> list[tuple[int, ...]]:
+    sizes = [s for s in (2 ** k for k in range(0, 12))
+             if s <= n and (s < gpn and gpn % s == 0 or s % gpn == 0)]
+    return [c for c in itertools.product(sizes, repeat=parts) if sum(c) == n]
+
+
+def openrlhf(prob: Problem, deadline: Deadline | None = None) -> Assignment | None:
+    best, best_e = None, float("inf")
+    cache = ReallocCache(prob)
+    for colocate in (False, True):
+        keys = _pool_keys(prob, colocate)
+        pools = list(dict.fromkeys(keys))
+        for split in _pow2_splits(prob.n_gpus, len(pools), prob.cluster.gpus_per_node):
+            if deadline is not None and deadline.passed():
+                return best
+            # place pools largest first: power-of-two blocks stay aligned
+            order = sorted(range(len(pools)), key=lambda p: -split[p])
+            first, where = 0, {}
+            for p in order:
+                where[pools[p]] = (first, split[p])
+                first += split[p]
+            choice = [_on_mesh(prob, i, *where[keys[i]]) for i in range(len(prob.cands))]
+            if any(not js for js in choice):
+                continue
+            assign = _fit_micro_batches(prob, choice, deadline)
+            if assign is None:
+                continue
+            e = energy(prob, simulate(prob, assign, cache))
+            if e < best_e:
+                best, best_e = assign, e
+    return best
+
+
+#: the heuristics that run every MFC on all GPUs
+ALL_GPUS = ("megatron", "deepspeed-chat")
+
+
+def not_applicable(name: str, prob: Problem) -> str | None:
+    """Why heuristic ``name`` cannot express a plan of ``prob`` at all (None: it can,
+    and when it has no plan, nothing it builds fits in memory): the all-GPU heuristics
+    need every MFC on the whole cluster, which an asynchronous graph's generation made
+    ahead (on GPUs of its own) and the calls beside it cannot have."""
+    if name not in ALL_GPUS:
+        return None
+    lacking = [m.name for i, m in enumerate(prob.graph.mfcs)
+               if not _on_mesh(prob, i, 0, prob.n_gpus)]
+    if not lacking:
+        return None
+    if prob.graph.ahead_steps > 0:
+        return ("it runs every call on all GPUs; an asynchronous plan generates ahead on "
+                "GPUs of its own")
+    return f"it runs every call on all GPUs; {lacking[0]} has no layout on all {prob.n_gpus}"
+
+
+#: name -> builder(problem, deadline) (a builder past the deadline returns what it has)
+HEURISTICS: dict[str, Callable[..., Assignment | None]] = {
+    "megatron": megatron,
+    "deepspeed-chat": deepspeed_chat,
+    "openrlhf": openrlhf,
+}

@@ -1,0 +1,262 @@
+"""search(): graph + models + cluster + cost model -> ExecutionPlan.
+
+Pure: no I/O, no environment variables. Steps:
+1. price every candidate allocation of every MFC (:mod:`planner.search.problem`);
+2. build the hand-written heuristic plans (:mod:`planner.search.heuristics`) in that space;
+3. search from them: exact branch and bound when the space is small, else
+   simulated annealing in the C++ core, one chain per heuristic seed;
+4. the best plan found is never worse than any heuristic (they are its seeds).
+``time_limit_s`` bounds all of it on the wall clock (:class:`~planner.search.deadline.Deadline`):
+a phase that runs out of time stops with what it has (the search keeps the best seed),
+and set-up that cannot finish in time is a :class:`PlanError` naming the setting.
+If nothing fits in memory, :class:`InfeasibleError` says what does not fit and the
+smallest cluster (more nodes of the same kind) that would.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner.cost.cost_config import CostModelConfig
+from planner.cost.cost_model import CostModel
+from planner.cost.profile import ProfileTable
+from planner.errors import InfeasibleError, PlanError
+from planner.graph.dataflow import DataflowGraph
+from planner.plan import ExecutionPlan, HeuristicResult, SearchInfo
+from planner.search.anneal import AnnealSettings
+from planner.search.deadline import Deadline
+from planner.search.exact import branch_and_bound
+from planner.search.heuristics import HEURISTICS, not_applicable
+from planner.search.plan_build import build_plan, describe_candidate
+from planner.search.problem import Problem, RoleModel, async_splits, build_problem
+from planner.search.simulator import ReallocCache, energy, simulate
+from planner.specs.cluster import MAX_NODES, ClusterSpec
+
+
+class SearchSettings(BaseModel):
+    """How to search (the ``plan`` section of an experiment)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["auto", "exact", "anneal"] = Field(
+        "auto", description="auto: exact when the space has at most exact_max_space plans.")
+    time_limit_s: float = Field(20.0, gt=0, le=86400, description="Wall-clock cap on planning, "
+                                "set-up included.")
+    seed: int = Field(0, ge=0, description="Seed of the annealer's random numbers.")
+    anneal_steps: int = Field(300_000, gt=0, description="Annealing steps, split over the seeds.")
+    exact_max_space: int = Field(100_000, gt=0, description="Largest space searched exactly under auto.")
+    exact_max_nodes: int = Field(2_000_000, gt=0, description="Node budget of branch and bound.")
+    n_iters: int = Field(3, gt=0, le=16, description="Iterations simulated per estimate.")
+
+
+def _min_memory_start(prob: Problem) -> list[int]:
+    """Each MFC on its leanest candidate (most GPUs, least memory)."""
+    return [min(range(len(cs)), key=lambda j, cs=cs: (cs[j].resident_bytes + cs[j].activation_bytes,
+                                                      -cs[j].n_gpus, cs[j].time_s))
+            for cs in prob.cands]
+
+
+def _heuristics(prob: Problem, deadline: Deadline | None = None
+                ) -> tuple[dict[str, list[int] | None], set[str]]:
+    """Each heuristic's plan (None: it has none that fits), and the names of those not
+    built because the deadline passed first."""
+    out: dict[str, list[int] | None] = {}
+    skipped: set[str] = set()
+    for name, fn in HEURISTICS.items():
+        if deadline is not None and deadline.passed():
+            out[name] = None
+            skipped.add(name)
+        else:
+            out[name] = fn(prob, deadline)
+    return out, skipped
+
+
+def _anneal(prob: Problem, seeds: list[list[int]], s: SearchSettings, deadline: Deadline
+            ) -> tuple[list[int] | None, float, int]:
+    from planner.search.core_bridge import core_anneal, to_core
+    core = to_core(prob)
+    best, best_e, steps = None, math.inf, 0
+    per = max(1, s.anneal_steps // len(seeds))
+    for k, start in enumerate(seeds):
+        left = deadline.left_s()
+        if left <= 0:
+            break
+        share = left / (len(seeds) - k)
+        r = core_anneal(prob, start, AnnealSettings(n_steps=per, seed=s.seed + k),
+                        time_limit_s=share, core_prob=core)
+        steps += r.steps
+        if r.feasible and r.energy < best_e:
+            best, best_e = r.assign, r.energy
+    return best, best_e, steps
+
+
+def search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
+           cost_config: CostModelConfig | None = None, profile: ProfileTable | None = None,
+           settings: SearchSettings | None = None) -> ExecutionPlan:
+    """The best plan of ``graph``. An asynchronous graph is searched once per way of
+    dividing the cluster between generation and training (:func:`~planner.search.problem.
+    async_splits`, each with an equal share of the time limit); the fastest wins."""
+    if graph.ahead_steps == 0:
+        return _search(name, graph, models, cluster, cost_config, profile, settings)
+    s = settings or SearchSettings()
+    splits = async_splits(cluster)
+    if not splits:
+        raise InfeasibleError(f"an asynchronous plan generates and trains on separate GPUs; "
+                              f"{cluster.describe()} has one", field="cluster")
+    share = s.model_copy(update={"time_limit_s": s.time_limit_s / len(splits)})
+    best, why = None, ""
+    for split in splits:
+        try:
+            plan = _search(name, graph, models, cluster, cost_config, profile, share, split)
+        except InfeasibleError as e:
+            why = e.message
+            continue
+        if best is None or plan.iteration_time_s < best.iteration_time_s:
+            best = plan
+    if best is None:
+        raise InfeasibleError(f"no asynchronous plan fits: {why}", field="cluster")
+    return best
+
+
+def _search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
+            cost_config: CostModelConfig | None = None, profile: ProfileTable | None = None,
+            settings: SearchSettings | None = None, split: int | None = None) -> ExecutionPlan:
+    s = settings or SearchSettings()
+    cost_config = cost_config or CostModelConfig()
+    t0 = time.perf_counter()
+    # the phases stop at 90 % of the limit: building the plan from the result takes the rest
+    deadline = Deadline(t0 + 0.9 * s.time_limit_s, s.time_limit_s)
+    cost = CostModel(cluster, cost_config, profile)
+    try:
+        prob = build_problem(graph, models, cost, n_iters=s.n_iters, deadline=deadline,
+                             split=split)
+    except PlanError as e:
+        if e.field == "plan.time_limit_s":
+            raise
+        if split is not None:
+            raise InfeasibleError(f"{e.message} (generation on GPUs below {split})",
+                                  field="cluster") from None
+        raise InfeasibleError(f"{e.message}. "
+                              f"{_suggest(graph, models, cluster, cost_config, profile, deadline)}",
+                              field="cluster") from None
+    heur, skipped = _heuristics(prob, deadline)
+    cache = ReallocCache(prob)
+    heur_e = {n: (energy(prob, simulate(prob, a, cache)) if a is not None else None)
+              for n, a in heur.items()}
+    seeds = sorted((a for a in heur.values() if a is not None),
+                   key=lambda a: energy(prob, simulate(prob, a, cache)))
+    unique: list[list[int]] = []
+    for a in seeds:
+        if a not in unique:
+            unique.append(a)
+    unique.append(_min_memory_start(prob))
+    method = s.method
+    if method == "auto":
+        method = "exact" if prob.space_size() <= s.exact_max_space else "anneal"
+    complete = True
+    if method == "exact":
+        incumbent = unique[0] if simulate(prob, unique[0], cache).feasible else None
+        r = branch_and_bound(prob, incumbent, s.exact_max_nodes, deadline)
+        best, steps, complete = r.assign, r.nodes, r.complete
+    else:
+        best, _e, steps = _anneal(prob, unique, s, deadline)
+        complete = False
+    if best is None:        # out of time before the search found one: the best seed that fits
+        fits = [a for a in unique if simulate(prob, a, cache).feasible]
+        best = min(fits, key=lambda a: energy(prob, simulate(prob, a, cache))) if fits else None
+    if best is None:
+        if split is not None:
+            raise InfeasibleError(f"{_what_does_not_fit(prob)} (generation on GPUs below "
+                                  f"{split})", field="cluster")
+        raise InfeasibleError(f"{_what_does_not_fit(prob)}. "
+                              f"{_suggest(graph, models, cluster, cost_config, profile, deadline)}",
+                              field="cluster")
+    # never worse than a heuristic (they seed the search; this makes it explicit)
+    for a in seeds:
+        if energy(prob, simulate(prob, a, cache)) < energy(prob, simulate(prob, best, cache)):
+            best = a
+    elapsed = time.perf_counter() - t0
+    info = SearchInfo(method=method, seed=s.seed, search_time_s=elapsed,
+                      space_size=float(prob.space_size()),
+                      candidates={m.name: len(c) for m, c in zip(graph.mfcs, prob.cands)},
+                      steps=steps, complete=complete)
+    heuristics = tuple(
+        HeuristicResult(name=n, iteration_time_s=heur_e[n], evaluated=n not in skipped,
+                        allocations=({m.name: describe_candidate(prob, i, a[i])
+                                      for i, m in enumerate(graph.mfcs)} if a else {}),
+                        not_applicable=None if a else not_applicable(n, prob))
+        for n, a in heur.items())
+    return build_plan(name, prob, best, cost_config, info, heuristics)
+
+
+def _what_does_not_fit(prob: Problem) -> str:
+    start = _min_memory_start(prob)
+    res = simulate(prob, start)
+    worst = max(range(prob.n_gpus), key=lambda g: res.peak_bytes[g])
+    users = [prob.graph.mfcs[i].name for i in range(len(start))
+             if prob.cands[i][start[i]].first_gpu <= worst
+             < prob.cands[i][start[i]].first_gpu + prob.cands[i][start[i]].n_gpus]
+    gib = 2 ** 30
+    return (f"no plan fits in {prob.mem_limit_bytes / gib:.1f} GiB per GPU on "
+            f"{prob.cluster.describe()}: even with every model spread as thin as it goes, "
+            f"GPU {worst} needs {res.peak_bytes[worst] / gib:.1f} GiB for "
+            f"{', '.join(users)}")
+
+
+#: The annealing run that looks for any plan that fits when sizing a cluster.
+FITS_ANNEAL_STEPS, FITS_ANNEAL_S = 20_000, 5.0
+
+
+def _fits_on(graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
+             cost_config: CostModelConfig, profile: ProfileTable | None,
+             deadline: Deadline | None) -> bool:
+    try:
+        prob = build_problem(graph, models, CostModel(cluster, cost_config, profile), n_iters=1,
+                             deadline=deadline)
+    except PlanError as e:
+        if e.field == "plan.time_limit_s":
+            raise
+        return False
+    start = _min_memory_start(prob)
+    if simulate(prob, start).feasible or any(
+            a is not None for a in _heuristics(prob, deadline)[0].values()):
+        return True
+    # the leanest candidate of each MFC need not make the leanest plan (e.g. an
+    # offloaded optimizer on part of the GPUs): a short annealing run looks further
+    if deadline is None:
+        deadline = Deadline(time.perf_counter() + FITS_ANNEAL_S, FITS_ANNEAL_S)
+    best, _e, _n = _anneal(prob, [start], SearchSettings(anneal_steps=FITS_ANNEAL_STEPS),
+                           deadline)
+    return best is not None
+
+
+_SMALLER = ("use smaller models (models.*) or a smaller batch (algorithm.prompts_per_step, "
+            "samples_per_prompt, prompt_len, gen_len)")
+
+
+def _suggest(graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
+             cost_config: CostModelConfig, profile: ProfileTable | None,
+             deadline: Deadline | None = None) -> str:
+    """The smallest cluster of the same node kind on which a plan fits: double the
+    node count until one fits, then bisect between the last two counts (within
+    :data:`~planner.specs.cluster.MAX_NODES` nodes and the deadline)."""
+    def fits(n: int) -> bool:
+        return _fits_on(graph, models, cluster.model_copy(update={"n_nodes": n}),
+                        cost_config, profile, deadline)
+
+    try:
+        lo, hi = cluster.n_nodes, min(cluster.n_nodes * 2, MAX_NODES)
+        while not (hi > lo and fits(hi)):
+            if hi >= MAX_NODES:
+                return f"No cluster of up to {MAX_NODES} such nodes fits it; {_SMALLER}"
+            lo, hi = hi, min(hi * 2, MAX_NODES)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    except PlanError:
+        return f"(No bigger cluster was tried within plan.time_limit_s); or {_SMALLER}"
+    return (f"The smallest cluster that fits: {hi} nodes x {cluster.gpus_per_node} "
+            f"{cluster.device.name} ({hi * cluster.gpus_per_node} GPUs); or {_SMALLER}")
