@@ -13,7 +13,7 @@ core = Pybind11Extension(
     depends=["csrc/search_core.hpp"],
     cxx_std=17,
     # -ffp-contract=off: no fused multiply-add, so the C++ core rounds exactly like
-    # its Python twin (planner/anneal.py); a test compares them bit for bit.
+    # its Python twin (planner/search/anneal.py); a test compares them bit for bit.
     extra_compile_args=["-O2", "-ffp-contract=off"],
 )
 
