@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from planner.cost.cost_config import CostModelConfig
-from planner.errors import PlanError
+from planner.errors import PlanError, from_validation
 from planner.graph.dataflow import DataflowGraph
 from planner.specs.cluster import ClusterSpec
 from planner.specs.layout import Layout, layout_problems, shard_placement
@@ -201,10 +201,8 @@ class ExecutionPlan(_Frozen):
         try:
             return ExecutionPlan.model_validate_json(text)
         except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"])
-            raise PlanError(f"{source} is not a valid execution plan: {loc}: {err['msg']}",
-                            field="plan") from None
+            raise from_validation(e, ExecutionPlan, context=f"{source} is not a valid "
+                                  "execution plan: ", field="plan", cls=PlanError) from None
         except PlanError as e:
             raise PlanError(f"{source} is not a consistent execution plan: {e.message}",
                             field="plan") from None

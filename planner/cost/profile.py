@@ -28,7 +28,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from planner.errors import PlanError
+from planner.errors import PlanError, from_validation
 
 #: 2: measured GEMM grid, engine fixed costs, collectives, transfers (1 held rates only).
 PROFILE_SCHEMA_VERSION = 2
@@ -285,7 +285,5 @@ class ProfileTable(_Frozen):
         try:
             return ProfileTable.model_validate_json(raw).model_copy(update={"source": str(p)})
         except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"])
-            raise PlanError(f"{p} is not a profile table: {loc}: {err['msg']}",
-                            field="plan.profile") from None
+            raise from_validation(e, ProfileTable, context=f"{p} is not a profile table: ",
+                                  field="plan.profile", cls=PlanError) from None

@@ -39,8 +39,9 @@ class Allocation(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mesh: DeviceMesh
-    layout: Layout
+    mesh: DeviceMesh = Field(description="{first_gpu, n_gpus}: a power-of-two slice of a "
+                             "node or whole consecutive nodes.")
+    layout: Layout = Field(description="{tp, pp, dp} with tp*pp*dp = mesh GPUs.")
     micro_batches: int = Field(1, gt=0, description="Micro-batches per (mini-)batch and replica.")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from planner.errors import PlanError
+from planner.errors import PlanError, from_validation
 
 #: Megatron pads the vocabulary; realign pads to a multiple of this for every layout,
 #: so the padded size does not depend on TP (any TP that divides 128 works).
@@ -167,10 +167,8 @@ def model_spec_from_hf_config(path: str | Path, name: str | None = None) -> Mode
     try:
         return ModelSpec(**fields)
     except ValidationError as e:
-        err = e.errors()[0]
-        key = _HF_KEYS.get(str(err["loc"][0]) if err["loc"] else "", "?")
-        raise PlanError(f"{p}: {key} {err['msg'].lower()} (got {err.get('input')!r})",
-                        field="model") from None
+        raise from_validation(e, ModelSpec, context=f"{p}: ", field="model", cls=PlanError,
+                              renames=_HF_KEYS) from None
     except PlanError as e:
         raise PlanError(f"{p}: {e.message}", field="model") from None
 

@@ -1,6 +1,7 @@
 """RLHF algorithms as pure torch functions: one small module per algorithm.
 
-Each module holds the algorithm's hyper-parameters (a pydantic config), the
+Each algorithm's hyper-parameters are typed in :mod:`realign.algorithms.params` (torch-free,
+so a prepared run carries them to every process); its module holds the
 ``prepare(batch, cfg)`` step that turns scored rollouts into training targets
 (advantages, returns, masks) on the controller, and the loss functions the training
 engine calls per micro-batch: ``loss_fn(outputs, micro_batch) -> (loss, metrics)``.

@@ -7,25 +7,16 @@ Shapes: ``b`` sequences of ``s`` tokens; per-token log-probs, advantages and mas
 """
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
+from realign.algorithms.params import KLEstimator, LossAgg
 from realign.errors import UserError
 
 Batch = dict[str, torch.Tensor]
 #: The training engine's loss: ``loss_fn(outputs, micro_batch) -> (loss, metrics)``.
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
-LossAgg = Literal["token_mean", "seq_mean_token_mean"]
-
-
-class AlgorithmParams(BaseModel):
-    """Base of the algorithms' hyper-parameter models (an experiment's
-    ``algorithm.params``): unknown keys are errors, values are frozen."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 def require(batch: Batch, *keys: str) -> None:

@@ -14,23 +14,12 @@ pairs).
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 
-from realign.algorithms.common import AlgorithmParams, Batch, batch_mask, pairs, require, sequence_logprob
-
-
-class DPOConfig(AlgorithmParams):
-    """DPO / IPO hyper-parameters."""
-
-    beta: float = Field(0.1, gt=0, description="beta: strength of the KL constraint to "
-                        "the reference.")
-    loss: Literal["sigmoid", "ipo"] = Field("sigmoid", description="sigmoid (DPO) or ipo.")
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Probability that a "
-                                   "preference label is flipped (sigmoid loss only).")
+from realign.algorithms.common import Batch, batch_mask, pairs, require, sequence_logprob
+from realign.algorithms.params import DPOConfig
 
 
 def preference_loss(chosen_logratio: torch.Tensor, rejected_logratio: torch.Tensor,

@@ -13,13 +13,9 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from pydantic import Field
 
 from realign.algorithms.common import (
-    AlgorithmParams,
     Batch,
-    KLEstimator,
-    LossAgg,
     aggregate,
     batch_mask,
     broadcast_to_tokens,
@@ -28,25 +24,7 @@ from realign.algorithms.common import (
     policy_surrogate,
     require,
 )
-
-
-class GRPOConfig(AlgorithmParams):
-    """GRPO hyper-parameters."""
-
-    samples_per_prompt: int = Field(8, ge=2, description="G: responses per prompt, on "
-                                    "consecutive rows (must equal the batch's).")
-    clip_ratio: float = Field(0.2, gt=0, description="epsilon of the clipped surrogate.")
-    behave_weight_cap: float = Field(5.0, gt=0, description="Asynchronous runs: cap of the "
-                                     "behaviour importance weight pi_prox/pi_behaviour "
-                                     "of the decoupled PPO loss.")
-    kl_coef: float = Field(0.04, ge=0, description="beta: weight of the KL loss to the "
-                           "reference (the paper's 0.04).")
-    kl_estimator: KLEstimator = Field("k3", description="KL estimator of the KL loss.")
-    eps: float = Field(1e-6, gt=0, description="Added to the group std.")
-    loss_agg: LossAgg = Field("seq_mean_token_mean", description="Per-sequence token mean "
-                              "then mean (the paper) or one mean over all tokens.")
-    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
-    minibatches: int = Field(1, gt=0, description="Optimizer steps per pass.")
+from realign.algorithms.params import GRPOConfig
 
 
 def group_advantages(rewards: torch.Tensor, samples_per_prompt: int,

@@ -20,12 +20,9 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from pydantic import Field
 
 from realign.algorithms.common import (
-    AlgorithmParams,
     Batch,
-    KLEstimator,
     batch_mask,
     kl_penalty,
     last_token_scores,
@@ -36,28 +33,7 @@ from realign.algorithms.common import (
     rollout_ref_logprobs,
     token_kl,
 )
-
-
-class PPOConfig(AlgorithmParams):
-    """PPO hyper-parameters."""
-
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
-    kl_coef: float = Field(0.05, ge=0, description="beta: weight of KL(pi || pi_ref).")
-    kl_in_reward: bool = Field(True, description="Subtract beta * KL from the per-token "
-                               "reward (InstructGPT); else add beta * KL to the actor loss.")
-    kl_estimator: KLEstimator = Field("k1", description="KL estimator (k1 in the reward; "
-                                      "k3 is the usual choice as a loss).")
-    clip_ratio: float = Field(0.2, gt=0, description="epsilon of the clipped surrogate.")
-    behave_weight_cap: float = Field(5.0, gt=0, description="Asynchronous runs: cap of the "
-                                     "behaviour importance weight pi_prox/pi_behaviour "
-                                     "of the decoupled PPO loss.")
-    value_clip: float = Field(0.2, gt=0, description="Clip range of the critic's values "
-                              "around the old values.")
-    normalize_advantages: bool = Field(True, description="Whiten advantages over the "
-                                       "batch's response tokens.")
-    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
-    minibatches: int = Field(4, gt=0, description="Optimizer steps per pass.")
+from realign.algorithms.params import KLEstimator, PPOConfig
 
 
 def token_rewards(rewards: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,

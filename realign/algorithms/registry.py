@@ -19,21 +19,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from pydantic import ValidationError
-
 from planner.graph.algorithms import ALGORITHMS as SPECS
 from planner.graph.algorithms import AlgorithmSpec, BatchShape
 from realign.algorithms import dpo, grpo, ppo, reinforce_pp, remax, rloo, rm, sft
-from realign.algorithms.common import AlgorithmParams, Batch, LossFn
+from realign.algorithms.common import Batch, LossFn
+from realign.algorithms.params import AlgorithmParams, make_params
 from realign.errors import UserError
-
-#: Config fields the batch shape sets (experiment ``algorithm.<shape field>``), so they
-#: are written once: config field -> BatchShape field.
-SHAPE_FIELDS: Mapping[str, str] = MappingProxyType({
-    "samples_per_prompt": "samples_per_prompt",
-    "ppo_epochs": "ppo_epochs",
-    "minibatches": "ppo_minibatches",
-})
 
 
 @dataclass(frozen=True)
@@ -66,27 +57,9 @@ class Algorithm:
                             "without one", field="models.ref")
 
     def make_config(self, params: Mapping[str, Any], shape: BatchShape) -> AlgorithmParams:
-        """The config from the experiment's ``algorithm.params`` plus the fields the batch
-        shape owns (:data:`SHAPE_FIELDS`); :class:`UserError` naming the field if invalid."""
-        for name, shape_name in SHAPE_FIELDS.items():
-            if name in params:
-                raise UserError(f"set {shape_name} on the algorithm, not in params",
-                                field=f"algorithm.params.{name}")
-        from_shape = {name: getattr(shape, shape_name) for name, shape_name in
-                      SHAPE_FIELDS.items() if name in self.config.model_fields}
-        try:
-            return self.config(**params, **from_shape)
-        except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"])
-            field = (f"algorithm.{SHAPE_FIELDS[loc]}" if loc in from_shape
-                     else f"algorithm.params.{loc}")
-            if err["type"] == "extra_forbidden":
-                allowed = [k for k in self.config.model_fields if k not in SHAPE_FIELDS]
-                raise UserError(f"unknown hyper-parameter of {self.name}; allowed: "
-                                f"{', '.join(allowed)}", field=field) from None
-            raise UserError(f"{err['msg']} (got {err.get('input')!r}) for {self.name}",
-                            field=field) from None
+        """The typed parameters from the experiment's ``algorithm.params`` and the batch
+        shape (:func:`realign.algorithms.params.make_params`)."""
+        return make_params(self.name, params, shape)
 
     def loss_fn(self, role: str, cfg: AlgorithmParams) -> LossFn:
         """The loss function that trains model ``role`` under ``cfg``."""

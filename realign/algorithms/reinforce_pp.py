@@ -12,10 +12,8 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from pydantic import Field
 
 from realign.algorithms.common import (
-    AlgorithmParams,
     Batch,
     batch_mask,
     discounted_returns,
@@ -24,21 +22,8 @@ from realign.algorithms.common import (
     rollout_ref_logprobs,
     surrogate_actor_loss,
 )
+from realign.algorithms.params import ReinforcePPConfig
 from realign.algorithms.ppo import token_rewards
-
-
-class ReinforcePPConfig(AlgorithmParams):
-    """REINFORCE++ hyper-parameters."""
-
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
-    kl_coef: float = Field(0.01, ge=0, description="beta: per-token KL(pi || pi_ref) "
-                           "penalty in the reward.")
-    clip_ratio: float = Field(0.2, gt=0, description="epsilon of the clipped surrogate.")
-    behave_weight_cap: float = Field(5.0, gt=0, description="Asynchronous runs: cap of the "
-                                     "behaviour importance weight pi_prox/pi_behaviour "
-                                     "of the decoupled PPO loss.")
-    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
-    minibatches: int = Field(1, gt=0, description="Optimizer steps per pass.")
 
 
 @torch.no_grad()

@@ -14,10 +14,8 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from pydantic import Field
 
 from realign.algorithms.common import (
-    AlgorithmParams,
     Batch,
     batch_mask,
     broadcast_to_tokens,
@@ -26,23 +24,8 @@ from realign.algorithms.common import (
     surrogate_actor_loss,
     token_kl,
 )
+from realign.algorithms.params import ReMaxConfig
 from realign.errors import UserError
-
-
-class ReMaxConfig(AlgorithmParams):
-    """ReMax hyper-parameters."""
-
-    samples_per_prompt: int = Field(1, ge=1, description="Sampled responses per prompt "
-                                    "(consecutive rows); each prompt has one greedy "
-                                    "baseline.")
-    kl_coef: float = Field(0.05, ge=0, description="beta: KL(pi || pi_ref) penalty "
-                           "subtracted from the sampled response's reward.")
-    clip_ratio: float = Field(0.2, gt=0, description="epsilon of the clipped surrogate.")
-    behave_weight_cap: float = Field(5.0, gt=0, description="Asynchronous runs: cap of the "
-                                     "behaviour importance weight pi_prox/pi_behaviour "
-                                     "of the decoupled PPO loss.")
-    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
-    minibatches: int = Field(1, gt=0, description="Optimizer steps per pass.")
 
 
 def greedy_baseline_advantages(rewards: torch.Tensor, greedy_rewards: torch.Tensor,

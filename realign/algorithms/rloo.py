@@ -13,10 +13,8 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from pydantic import Field
 
 from realign.algorithms.common import (
-    AlgorithmParams,
     Batch,
     batch_mask,
     broadcast_to_tokens,
@@ -26,21 +24,7 @@ from realign.algorithms.common import (
     surrogate_actor_loss,
     token_kl,
 )
-
-
-class RLOOConfig(AlgorithmParams):
-    """RLOO hyper-parameters."""
-
-    samples_per_prompt: int = Field(4, ge=2, description="k: responses per prompt, on "
-                                    "consecutive rows (must equal the batch's).")
-    kl_coef: float = Field(0.05, ge=0, description="beta: KL(pi || pi_ref) penalty "
-                           "subtracted from each response's reward.")
-    clip_ratio: float = Field(0.2, gt=0, description="epsilon of the clipped surrogate.")
-    behave_weight_cap: float = Field(5.0, gt=0, description="Asynchronous runs: cap of the "
-                                     "behaviour importance weight pi_prox/pi_behaviour "
-                                     "of the decoupled PPO loss.")
-    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
-    minibatches: int = Field(1, gt=0, description="Optimizer steps per pass.")
+from realign.algorithms.params import RLOOConfig
 
 
 def leave_one_out_advantages(rewards: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:

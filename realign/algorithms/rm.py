@@ -12,11 +12,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from realign.algorithms.common import AlgorithmParams, Batch, pairs, require
-
-
-class RMConfig(AlgorithmParams):
-    """Reward-modelling hyper-parameters (none yet; unknown keys are errors)."""
+from realign.algorithms.common import Batch, pairs, require
+from realign.algorithms.params import RMConfig
 
 
 def sequence_scores(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -7,16 +7,9 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from pydantic import Field
 
-from realign.algorithms.common import AlgorithmParams, Batch, LossAgg, aggregate, batch_mask, require
-
-
-class SFTConfig(AlgorithmParams):
-    """SFT hyper-parameters."""
-
-    loss_agg: LossAgg = Field("token_mean", description="One mean over all response "
-                              "tokens, or per-sequence means then their mean.")
+from realign.algorithms.common import Batch, aggregate, batch_mask, require
+from realign.algorithms.params import SFTConfig
 
 
 @torch.no_grad()

@@ -42,12 +42,12 @@ from realign.bench.machine import (
 )
 from realign.bench.trl_peer import (
     SAME_WORK_BETA,
-    hyper_parameters,
     mean_or_none,
     run_trl,
     trl_config,
 )
 from realign.errors import UserError
+from realign.run.spec import RunSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,7 +108,7 @@ def summarize_realign(rows: list[dict], plan: dict, warmup: int) -> dict:
     }
 
 
-def run_realign(args: argparse.Namespace, run_dir: Path) -> dict:
+def run_realign(args: argparse.Namespace, run_dir: Path) -> tuple[dict, RunSpec]:
     from realign.controller.controller import Controller
     from realign.launch.local_launcher import LocalLauncher
     from realign.run.prepare import prepare
@@ -133,7 +133,7 @@ def run_realign(args: argparse.Namespace, run_dir: Path) -> dict:
                  "cost_config": plan_d["cost_config"], "device": plan_d["cluster"]["device"]},
         "summary": summarize_realign(rows, plan_d, args.warmup),
         "raw_steps": rows, "wall_s_with_startup": wall_s,
-    }, cfg
+    }, spec
 
 
 # ---- the study ---------------------------------------------------------------------
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                         "first (or pass --bench-venv, or --skip-trl to measure realign only)",
                         field="--bench-venv")
     from realign.config.loading import load_experiment
-    cfg, base = load_experiment(args.experiment)
+    cfg, _ = load_experiment(args.experiment)
     if cfg.algorithm.name != "grpo" and not args.skip_trl:
         raise UserError(f"the TRL comparison is GRPO only (the experiment runs "
                         f"{cfg.algorithm.name!r}); use --skip-trl", field="algorithm.name")
@@ -169,12 +169,13 @@ def run(args: argparse.Namespace) -> int:
         rnd: dict = {"round": i, "load": {"before_realign": load_snapshot()}}
         with tempfile.TemporaryDirectory(prefix="realign-bench-step-") as tmp:
             run_dir = (args.run_dir / f"round{i}") if args.run_dir else Path(tmp) / "run"
-            rnd["realign"], cfg = run_realign(args, run_dir)
+            rnd["realign"], spec = run_realign(args, run_dir)
+            cfg = spec.config                   # as run (--steps applied)
         if not args.skip_trl:
             threads = rnd["realign"]["total_threads"]
             has_ref = any(a["mfc"].startswith("ref.")
                           for a in rnd["realign"]["plan"]["allocations"])
-            kl = hyper_parameters(cfg).kl_coef
+            kl = spec.params.kl_coef
             variants = {"same-work": kl if kl > 0 or not has_ref else SAME_WORK_BETA,
                         "experiment-beta": kl}
             if variants["same-work"] == kl:     # one and the same TRL run: do it once
@@ -186,8 +187,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"round {i}: TRL GRPOTrainer ({name}, beta={beta}) ...",
                       file=sys.stderr, flush=True)
                 rnd["load"][f"before_trl_{name}"] = load_snapshot()
-                rnd["trl"][name] = run_trl(python, trl_config(cfg, base, args.steps, threads,
-                                                              beta), args.warmup)
+                rnd["trl"][name] = run_trl(python, trl_config(spec, args.steps, threads, beta),
+                                           args.warmup)
             r_tps = rnd["realign"]["summary"]["tokens_per_s"]
             rnd["tokens_per_s_ratio"] = {n: r_tps / v["summary"]["tokens_per_s"]
                                          for n, v in rnd["trl"].items()}

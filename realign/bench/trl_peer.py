@@ -24,17 +24,10 @@ def mean_or_none(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def hyper_parameters(cfg):
-    """The experiment's algorithm hyper-parameters (``algorithm.params`` and the shape)."""
-    from realign.algorithms import registry
-    return registry.get(cfg.algorithm.name).make_config(cfg.algorithm.params,
-                                                        cfg.algorithm.shape())
-
-
-def trl_config(cfg, base: Path, steps: int, threads: int, beta: float) -> dict:
-    """The driver's input: the experiment's settings in TRL's terms."""
+def trl_config(spec, steps: int, threads: int, beta: float) -> dict:
+    """The driver's input: the prepared run's settings in TRL's terms."""
+    cfg, base, p = spec.config, spec.base_dir, spec.params
     alg, data = cfg.algorithm, cfg.data.train
-    p = hyper_parameters(cfg)
     ref = cfg.models.roles()["actor"]
     return {
         "model": str((base / ref).resolve()),
@@ -42,7 +35,7 @@ def trl_config(cfg, base: Path, steps: int, threads: int, beta: float) -> dict:
         "prompt_key": data.prompt_key, "answer_key": data.answer_key,
         "prompts_per_step": alg.prompts_per_step, "samples_per_prompt": alg.samples_per_prompt,
         "max_prompt_len": alg.prompt_len, "max_completion_len": alg.gen_len,
-        "minibatches": p.minibatches, "epochs": p.ppo_epochs,
+        "minibatches": alg.ppo_minibatches, "epochs": alg.ppo_epochs,
         "steps": steps, "threads": threads, "beta": beta,
         "clip_eps": p.clip_ratio, "lr": cfg.train.lr, "adam_eps": cfg.train.adam_eps,
         "max_grad_norm": cfg.train.clip_grad,

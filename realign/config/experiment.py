@@ -12,12 +12,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.cost.cost_config import CostModelConfig
-from planner.graph.algorithms import Algorithm, BatchShape
+from planner.graph.algorithms import Algorithm, BatchShape, algorithm_spec
 from planner.graph.dataflow import MAX_STALENESS
 from planner.search.search import SearchSettings
 from planner.specs.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, DeviceSpec, resolve_device
-from planner.specs.layout import Layout
-from planner.specs.mesh import DeviceMesh
+from planner.specs.layout import Allocation
 from realign.data.config import DatasetConfig
 from realign.runtime.settings import Sampling, TrainConfig
 
@@ -77,15 +76,6 @@ class ClusterConfig(_Strict):
                            nics_per_node=self.nics_per_node)
 
 
-class ManualAllocation(_Strict):
-    """One MFC's allocation written by hand."""
-
-    mesh: DeviceMesh = Field(description="{first_gpu, n_gpus}: a power-of-two slice of a node "
-                                         "or whole consecutive nodes.")
-    layout: Layout = Field(description="{tp, pp, dp} with tp*pp*dp = mesh GPUs.")
-    micro_batches: int = Field(1, gt=0, description="Micro-batches per replica.")
-
-
 class PlanConfig(SearchSettings):
     """How the plan is found (search settings), priced (cost model) and measured."""
 
@@ -99,7 +89,7 @@ class PlanConfig(SearchSettings):
         "algorithm.gen_len_mean prices a mean) instead of algorithm.gen_len_mean.")
     file: str | None = Field(None, description="realign run: execute this saved plan.json "
                                                "instead of searching.")
-    manual: dict[str, ManualAllocation] | None = Field(
+    manual: dict[str, Allocation] | None = Field(
         None, description="realign run: an allocation per MFC (by name) instead of searching.")
 
 
@@ -221,3 +211,15 @@ class ExperimentConfig(_Strict):
     def run_dtype(self) -> str:
         """``dtype``, its unset default resolved for ``device``."""
         return self.dtype or ("bf16" if self.device == "cuda" else "fp32")
+
+    def tokenizer_role(self) -> str:
+        """The model role whose folder holds the tokenizer: the actor's, or the reward
+        model's when there is no actor (reward modelling)."""
+        return "actor" if self.models.actor is not None else "reward"
+
+    def rule_reward_fn(self) -> str | None:
+        """The reward function that scores generated text (``reward.fn``, or its default)
+        when the algorithm generates and no reward model scores; None otherwise."""
+        if not algorithm_spec(self.algorithm.name).generates or self.models.reward is not None:
+            return None
+        return (self.reward or RewardConfig()).fn

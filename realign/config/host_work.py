@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from planner.cost.cost_config import CostModelConfig
-from planner.graph.algorithms import algorithm_spec
 from planner.specs.model_spec import model_presets
 from realign.config.experiment import ExperimentConfig
 
@@ -46,7 +45,7 @@ def time_host_work(cfg: ExperimentConfig, base: Path) -> dict[str, float]:
     from realign.data.step_batch import step_batch
     from realign.data.tokenizer import model_tokenizer, pad_id
 
-    role = "actor" if cfg.models.actor else "reward"
+    role = cfg.tokenizer_role()
     ref = getattr(cfg.models, role)
     if ref is None or ref in model_presets():   # no tokenizer this host could run
         return {"batch_s": 0.0, "reward_s_per_seq": 0.0}
@@ -55,10 +54,10 @@ def time_host_work(cfg: ExperimentConfig, base: Path) -> dict[str, float]:
     data = load_dataset(cfg.data.train, tok, base)
     n = cfg.algorithm.prompts_per_step
     batch_s = _median_s(lambda k: step_batch(data, n, k, pad))
-    # a rule reward scores the generations when no reward model does (as prepare checks)
-    rule = algorithm_spec(cfg.algorithm.name).generates and cfg.models.reward is None
+    fn = cfg.rule_reward_fn()
     return {"batch_s": batch_s,
-            "reward_s_per_seq": _reward_s_per_seq(cfg, base, tok, data, pad) if rule else 0.0}
+            "reward_s_per_seq": 0.0 if fn is None else _reward_s_per_seq(fn, cfg, base, tok,
+                                                                          data, pad)}
 
 
 def _median_s(fn) -> float:
@@ -70,7 +69,8 @@ def _median_s(fn) -> float:
     return statistics.median(times[1:])
 
 
-def _reward_s_per_seq(cfg: ExperimentConfig, base: Path, tok, data, pad: int) -> float:
+def _reward_s_per_seq(fn_ref: str, cfg: ExperimentConfig, base: Path, tok, data, pad: int
+                      ) -> float:
     """Seconds to decode and score one sequence: ``MAX_SEQS`` (at most a step's) of the
     dataset's prompts, each answered with its reference answer's tokens repeated to
     the mean generation length."""
@@ -80,7 +80,7 @@ def _reward_s_per_seq(cfg: ExperimentConfig, base: Path, tok, data, pad: int) ->
     from realign.rewards.registry import load_reward_fn
     from realign.rewards.scoring import decoded_answers, scores
 
-    fn = load_reward_fn(cfg.reward.fn if cfg.reward else "math_verify", base_dir=base)
+    fn = load_reward_fn(fn_ref, base_dir=base)
     a = cfg.algorithm
     n = min(MAX_SEQS, a.prompts_per_step * a.samples_per_prompt)
     examples = [data.examples[i % len(data.examples)] for i in range(n)]

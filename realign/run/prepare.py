@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from planner.errors import from_validation
 from realign.errors import UserError
 from realign.run.checkpoint import save_file
 from realign.run.spec import RunSpec
@@ -31,7 +32,7 @@ def _with_overrides(cfg, steps: int | None, launcher: str | None, plan_file: Pat
         try:
             run = RunConfig.model_validate({**cfg.run.model_dump(), "steps": steps})
         except ValidationError as e:
-            raise UserError(f"{e.errors()[0]['msg']} (got {steps})", field="--steps") from None
+            raise from_validation(e, RunConfig, renames={"steps": "--steps"}) from None
         cfg = cfg.model_copy(update={"run": run})
     if launcher and launcher != cfg.launcher.type:
         from pydantic import TypeAdapter
@@ -72,9 +73,9 @@ def _check_weights(paths: dict[str, Path]) -> None:
             raise UserError(f"{path}: {e.message}", field=f"models.{role}") from None
 
 
-def _check_eval(cfg, base: Path, tok, train) -> None:
+def _check_eval(cfg, base: Path, tok, train) -> int:
     """The held-out prompts: a prompts file with answers, within the prompt length, none
-    of them a training prompt; the verifier loads."""
+    of them a training prompt; the verifier loads. How many each evaluation answers."""
     from realign.data.datasets import load_dataset
     from realign.rewards.registry import load_reward_fn
 
@@ -84,7 +85,8 @@ def _check_eval(cfg, base: Path, tok, train) -> None:
                         "an answer_key)", field="eval.data.kind")
     held = load_dataset(ev.data, tok, base, field="eval.data")
     seen = {tuple(e.prompt_ids): e.line for e in train.examples}
-    for e in held.examples[:ev.max_prompts]:
+    used = held.examples[:ev.max_prompts]
+    for e in used:
         if len(e.prompt_ids) > cfg.algorithm.prompt_len:
             raise UserError(f"{held.path} line {e.line}: the prompt has {len(e.prompt_ids)} "
                             f"tokens, more than algorithm.prompt_len = "
@@ -94,6 +96,7 @@ def _check_eval(cfg, base: Path, tok, train) -> None:
                             f"{train.path} line {seen[tuple(e.prompt_ids)]}: a held-out set "
                             "never overlaps the training prompts", field="eval.data")
     load_reward_fn(ev.verifier, field="eval.verifier", base_dir=base)
+    return len(used)
 
 
 def _run_folder(cfg, run_dir: str | None) -> Path:
@@ -142,10 +145,11 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
                             "(max_position_embeddings)", field="algorithm.gen_len")
     params = algo.make_config(cfg.algorithm.params, cfg.algorithm.shape())
     algo.check_roles(params, set(paths))
-    if algo.spec.generates and "reward" not in paths:
+    reward_fn = cfg.rule_reward_fn()
+    if reward_fn is not None:
         from realign.rewards.registry import load_reward_fn
-        load_reward_fn(cfg.reward.fn if cfg.reward else "math_verify", base_dir=base)
-    tok = load_tokenizer(paths.get("actor", paths.get("reward")))
+        load_reward_fn(reward_fn, base_dir=base)
+    tok = load_tokenizer(paths[cfg.tokenizer_role()])
     data = load_dataset(cfg.data.train, tok, base, field="data.train")
     too_long = [e for e in data.examples if len(e.prompt_ids) > cfg.algorithm.prompt_len]
     if too_long:
@@ -156,14 +160,16 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     if cfg.train.transformer_engine and cfg.device != "cuda":
         raise UserError("Transformer-Engine runs on CUDA only; leave it off on cpu",
                         field="train.transformer_engine")
-    if cfg.eval is not None:
-        _check_eval(cfg, base, tok, data)
+    eval_prompts = _check_eval(cfg, base, tok, data) if cfg.eval is not None else None
     if cfg.device == "cpu" and cfg.cluster.device != "cpu":
         raise UserError("device 'cpu' needs cluster.device 'cpu' (the plan must be for the "
                         "machine that runs it)", field="cluster.device")
     plan = resolve_plan(cfg, base, models)
     spec = RunSpec(config=cfg, plan=plan, paths=paths, base_dir=base,
-                   run_dir=_run_folder(cfg, run_dir))
+                   run_dir=_run_folder(cfg, run_dir), params=params,
+                   tokenizer_role=cfg.tokenizer_role(), reward_fn=reward_fn,
+                   verifier=cfg.eval.verifier if cfg.eval is not None else None,
+                   eval_prompts=eval_prompts)
     spec.program()                               # the plan compiles (before any write)
     timeline = render(plan)
     try:

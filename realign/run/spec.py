@@ -1,9 +1,13 @@
 """RunSpec: a prepared run, everything the controller and its workers need, already
-checked (``RUN/run_spec.json``).
+checked and resolved (``RUN/run_spec.json``).
 
 Typed and whole: the experiment config and the execution plan are values inside it
 (not JSON inside JSON), so the launchers, the job index and the controller read a
-run folder through one :meth:`RunSpec.load` and never parse the file by hand.
+run folder through one :meth:`RunSpec.load` and never parse the file by hand. What
+:func:`realign.run.prepare.prepare` decided is in it too (the algorithm's typed
+hyper-parameters, the reward function, the verifier, the tokenizer's role, the
+held-out prompts; each call's purpose is its MFC's in the plan's graph): workers,
+controller, launchers and benchmarks read these and decide nothing again.
 """
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from planner.errors import from_validation
 from planner.plan import ExecutionPlan
+from realign.algorithms.params import AnyParams
 from realign.config.experiment import ExperimentConfig
 from realign.errors import UserError
 from realign.run.program import Program, compile_program
@@ -31,6 +37,19 @@ class RunSpec(BaseModel):
     base_dir: Path = Field(description="The experiment YAML's folder (relative paths in "
                                        "the config are resolved against it).")
     run_dir: Path = Field(description="The run folder.")
+    # ---- resolved by prepare() ----
+    params: AnyParams = Field(description="The algorithm's hyper-parameters, typed: "
+                              "algorithm.params with the batch shape's fields.")
+    tokenizer_role: str = Field(description="The model role whose folder holds the "
+                                "tokenizer every process uses.")
+    reward_fn: str | None = Field(description="The reward function the rule rewards call "
+                                  "(reward.fn or its default); None: no rule reward (a "
+                                  "reward model scores, or nothing is generated).")
+    verifier: str | None = Field(description="What counts as correct in evaluations "
+                                 "(eval.verifier); None: no eval section.")
+    eval_prompts: int | None = Field(description="How many held-out prompts each "
+                                     "evaluation answers (the first of eval.data); None: "
+                                     "no eval section.")
 
     # ---- derived -------------------------------------------------------------------
     @property
@@ -86,9 +105,7 @@ class RunSpec(BaseModel):
         try:
             return cls.model_validate_json(p.read_bytes())
         except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"])
-            raise UserError(f"{p} is not a prepared run of this realign ({loc}: "
-                            f"{err['msg']}); prepare it again", field="run_dir") from None
+            raise from_validation(e, cls, context=f"{p} is not a prepared run of this "
+                                  "realign (prepare it again): ", field="run_dir") from None
         except UserError as e:        # the plan inside is inconsistent
             raise UserError(f"{p}: {e.message}; prepare it again", field="run_dir") from None

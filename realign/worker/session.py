@@ -21,7 +21,6 @@ from realign.data.step_batch import prompts_record, step_batch
 from realign.data.tokenizer import load_tokenizer, pad_id
 from realign.errors import UserError
 from realign.run import checkpoint
-from realign.run.program import RuleReward
 from realign.run.spec import RunSpec
 from realign.runtime.device import init_device
 from realign.runtime.hf_checkpoint import read_hf_config, save_hf_checkpoint, spec_from_hf
@@ -77,28 +76,26 @@ class Session:
                                 timeout=timeout,
                                 device_id=self.dev.device if self.dev.kind == "cuda" else None)
         torch.manual_seed(cfg.run.seed)
-        self.tokenizer = load_tokenizer(self.paths["actor" if "actor" in self.paths else "reward"])
+        self.tokenizer = load_tokenizer(self.paths[spec.tokenizer_role])
         self.pad = pad_id(self.tokenizer)
         self.dataset = load_dataset(cfg.data.train, self.tokenizer, spec.base_dir)
         self.eval_record = None
         if cfg.eval is not None:
             held = load_dataset(cfg.eval.data, self.tokenizer, spec.base_dir, field="eval.data")
-            self.eval_record = prompts_record(held.examples[:cfg.eval.max_prompts], self.pad)
+            self.eval_record = prompts_record(held.examples[:spec.eval_prompts], self.pad)
         self.algo = registry.get(cfg.algorithm.name)
-        params = self.algo.make_config(cfg.algorithm.params, cfg.algorithm.shape())
         from realign.rewards.registry import load_reward_fn
         reward_fn = verifier = None
-        if any(isinstance(op, RuleReward) for op in self.program.ops):
-            reward_fn = load_reward_fn(cfg.reward.fn if cfg.reward else "math_verify",
-                                       base_dir=spec.base_dir)
-        if cfg.eval is not None:
-            verifier = load_reward_fn(cfg.eval.verifier, field="eval.verifier",
+        if spec.reward_fn is not None:
+            reward_fn = load_reward_fn(spec.reward_fn, base_dir=spec.base_dir)
+        if spec.verifier is not None:
+            verifier = load_reward_fn(spec.verifier, field="eval.verifier",
                                       base_dir=spec.base_dir)
         self.specs = {r: spec_from_hf(p) for r, p in self.paths.items()}
         self.hosted = build_replicas(self.program, self.specs, self.paths, self.dev,
                                      cfg.run.seed, use_te=cfg.train.transformer_engine)
         dist.barrier()              # every world rank's groups exist before any traffic
-        self.calls = Calls(specs=self.specs, algorithm=self.algo, algo_params=params,
+        self.calls = Calls(specs=self.specs, algorithm=self.algo, algo_params=spec.params,
                            train_cfg=cfg.train, sampling=cfg.sampling,
                            tokenizer=self.tokenizer, pad_id=self.pad,
                            eos_id=self.tokenizer.eos_token_id, reward_fn=reward_fn,

@@ -100,7 +100,7 @@ def test_remax_greedy_baseline_per_prompt_and_per_sample():
 
 def test_remax_prepare_consumes_greedy_rewards():
     b = _batch([3, 0], lengths=[4, 5], prompt_lengths=[3, 2], greedy_rewards=t([1, 1]))
-    out = remax.prepare(b, remax.ReMaxConfig(kl_coef=0.0))
+    out = remax.prepare(b, remax.ReMaxConfig(samples_per_prompt=1, kl_coef=0.0))
     assert "greedy_rewards" not in out
     assert out["advantages"].tolist() == [[0, 0, 2, 0], [0, -1, -1, -1]]
 

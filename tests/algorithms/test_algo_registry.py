@@ -34,7 +34,7 @@ def test_lookup_errors():
         registry.get("trpo")
     grpo = registry.get("grpo")
     with pytest.raises(UserError, match="trains no 'critic'"):
-        grpo.critic_loss_fn(grpo.config())
+        grpo.critic_loss_fn(grpo.config(samples_per_prompt=2))
     with pytest.raises(TypeError, match="GRPOConfig"):
         grpo.actor_loss_fn(registry.get("ppo").config())
 
@@ -42,7 +42,11 @@ def test_lookup_errors():
 def test_make_config_takes_shape_fields_from_the_batch_shape():
     shape = BatchShape(samples_per_prompt=4, ppo_epochs=2, ppo_minibatches=8)
     cfg = registry.get("ppo").make_config({"kl_coef": 0.1}, shape)
-    assert (cfg.kl_coef, cfg.ppo_epochs, cfg.minibatches) == (0.1, 2, 8)
+    # epochs and mini-batches are the batch shape's alone: the train calls carry them
+    # (the trainer reads them there), the parameters do not repeat them
+    assert cfg.kl_coef == 0.1 and not {"ppo_epochs", "minibatches"} & set(type(cfg).model_fields)
+    train = build_graph("ppo", shape, {"actor", "critic", "ref", "reward"}).mfc("actor.train")
+    assert (train.n_epochs, train.n_minibatches) == (2, 8)
     assert registry.get("grpo").make_config({}, shape).samples_per_prompt == 4
     with pytest.raises(UserError, match="set ppo_minibatches on the algorithm") as e:
         registry.get("ppo").make_config({"minibatches": 2}, shape)

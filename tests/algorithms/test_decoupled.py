@@ -4,6 +4,7 @@ is on-policy, its gradient, and its use by every actor loss."""
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -196,6 +197,8 @@ def test_actor_loss_with_prox_descends(mod, cfg, extra):
 @pytest.mark.parametrize("config", [grpo.GRPOConfig, ppo.PPOConfig, rloo.RLOOConfig,
                                     remax.ReMaxConfig, reinforce_pp.ReinforcePPConfig])
 def test_behave_weight_cap_defaults_to_5_and_must_be_positive(config):
+    if "samples_per_prompt" in config.model_fields:      # the batch shape's, no default
+        config = partial(config, samples_per_prompt=2)
     assert config().behave_weight_cap == 5.0
     assert config(behave_weight_cap=1.5).behave_weight_cap == 1.5
     for bad in (0, -1.0):

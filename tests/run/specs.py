@@ -6,6 +6,7 @@ from pathlib import Path
 
 import yaml
 
+from realign.algorithms.params import make_params
 from realign.config.experiment import ExperimentConfig
 from realign.config.planning import plan_experiment
 from realign.run.spec import RunSpec
@@ -21,5 +22,8 @@ def planned_spec(run_dir: Path, name: str = "tiny-grpo-cpu", **changes) -> RunSp
     raw.update(changes)
     cfg = ExperimentConfig.model_validate(raw)
     plan = plan_experiment(cfg, REPO / "experiments")
+    params = make_params(cfg.algorithm.name, cfg.algorithm.params, cfg.algorithm.shape())
     return RunSpec(config=cfg, plan=plan, paths={r: REPO / "x" / r for r in raw["models"]},
-                   base_dir=REPO / "experiments", run_dir=run_dir)
+                   base_dir=REPO / "experiments", run_dir=run_dir, params=params,
+                   tokenizer_role=cfg.tokenizer_role(), reward_fn=cfg.rule_reward_fn(),
+                   verifier=None, eval_prompts=None)
