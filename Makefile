@@ -20,7 +20,7 @@ install: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0+cpu
 	$(BIN)/pip install --quiet pybind11 numpy networkx pydantic PyYAML \
 	    megatron-core einops psutil safetensors transformers tokenizers tensorboardX pytest pytest-xdist \
-	    "ray[default]" ruff import-linter pillow
+	    "ray[default]" ruff import-linter mypy pillow
 	$(BIN)/pip install --quiet --no-build-isolation --no-deps -e .
 	$(BIN)/python -c "import planner._core, realign; print('realign installed')"
 
@@ -35,10 +35,12 @@ services:
 	bash tests/slurm/install_slurm.sh || echo "services: Slurm unavailable, the slurm tests will skip"
 	bash tests/browser/install_chromium.sh || echo "services: Chromium unavailable, the browser test will skip"
 
-# Style and layering: ruff's rules and the import contracts (pyproject.toml).
+# Style, layering and types: ruff's rules, the import contracts and mypy on the planner
+# and the run wing (pyproject.toml).
 lint:
 	$(BIN)/ruff check --no-cache realign planner tests benchmarks setup.py
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 test: lint services
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)

@@ -72,9 +72,11 @@ def _schema_path(model: Any, loc: tuple[Any, ...]) -> tuple[list[str], Any]:
     return path, cur
 
 
-def from_validation(e: "ValidationError", model: Any = None, *, prefix: str = "",
-                    context: str = "", field: str | None = None, cls: type[UserError] = UserError,
-                    unknown: str = "Extra inputs are not permitted: an unknown key", hidden: tuple[str, ...] = (),
+def from_validation(e: ValidationError, model: Any = None, *, prefix: str = "",
+                    context: str = "", field: str | None = None,
+                    cls: type[UserError] = UserError,
+                    unknown: str = "Extra inputs are not permitted: an unknown key",
+                    hidden: tuple[str, ...] = (),
                     renames: Mapping[str, str] | None = None) -> UserError:
     """The user error for a pydantic ``ValidationError``: each problem as ``<field path>:
     <what is wrong>`` (an unknown key lists the allowed ones, a missing one says so, a bad

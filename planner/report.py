@@ -43,16 +43,15 @@ def async_speedup(plan: ExecutionPlan) -> float | None:
     """Best synchronous over best asynchronous estimated iteration time (None unless
     both were planned and fit)."""
     t = {m.mode: m.iteration_time_s for m in plan.modes}
-    if t.get("synchronous") and t.get("asynchronous"):
-        return t["synchronous"] / t["asynchronous"]
-    return None
+    sync, asyn = t.get("synchronous"), t.get("asynchronous")
+    return sync / asyn if sync and asyn else None
 
 
 def modes_lines(plan: ExecutionPlan) -> list[str]:
     """The best synchronous and asynchronous plans side by side, with the speed-up."""
     if not plan.modes:
         return []
-    names = list(max((m.allocations for m in plan.modes), key=len))
+    names = list(max(plan.modes, key=lambda m: len(m.allocations)).allocations)
     rows = [("", *(f"{m.mode}{' (chosen)' if m.chosen else ''}" for m in plan.modes))]
     rows.append(("iteration s", *(f"{m.iteration_time_s:.3f}" if m.iteration_time_s is not None
                                    else "does not fit" for m in plan.modes)))

@@ -55,8 +55,9 @@ from dataclasses import dataclass
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.engine_terms import Work, lagged, overlapped, stage_pass
-from planner.cost.profile import ProfileTable
+from planner.cost.profile import EngineCosts, ProfileTable
 from planner.cost.rates import Rates
+from planner.errors import PlanError
 from planner.graph.dataflow import MFC
 from planner.graph.lengths import expected_call_tokens
 from planner.graph.padding import longest_prompt, padded_len
@@ -106,6 +107,7 @@ class CostModel:
         per_layer = spec.layer_sharded_params() / tp + spec.layer_replicated_params()
         body = spec.n_layers // pp * per_layer
         first = body + spec.embedding_params() / tp
+        head_p: float
         if head == "value":
             head_p = spec.hidden
         elif spec.tied_embeddings and pp == 1:
@@ -254,12 +256,16 @@ class CostModel:
 
         Example: 1e9 parameters, 25 GB/s, 5e8 params/s: 8e9 / 25e9 + 2 = 2.32 s.
         """
-        dev = self.cluster.device
+        adam = self.cluster.device.host_adam_params_per_s
+        if adam is None:
+            raise PlanError(f"{self.cluster.device.name} has no host Adam rate "
+                            "(host_adam_params_per_s), so optimizer offload cannot be "
+                            "priced on it", field="plan.cost.optimizer_offload")
         moved = (self.config.grad_dtype_bytes + 4) * shard_params
-        return (moved / self.rates.host_link_bytes_per_s
-                + shard_params / dev.host_adam_params_per_s)
+        return moved / self.rates.host_link_bytes_per_s + shard_params / adam
 
-    def _inference_terms(self, mfc, spec, head, mesh, layout, m) -> dict[str, float]:
+    def _inference_terms(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
+                         layout: Layout, m: int) -> dict[str, float]:
         r, dt = self.rates, self.config.param_dtype_bytes
         pp, dp = layout.pp, layout.dp
         tpn, dpn, ppn = self._nodes(mesh, layout)
@@ -276,7 +282,8 @@ class CostModel:
             counts={"call_s": 1.0, "collective_s": float((dp > 1) + (pp > 1))})
         return lagged(pipelined(stages, m, costs).add(call), layout.world).terms(costs)
 
-    def _train_terms(self, mfc, spec, head, mesh, layout, m, offload=False) -> dict[str, float]:
+    def _train_terms(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
+                     layout: Layout, m: int, offload: bool = False) -> dict[str, float]:
         r, cfg, dt = self.rates, self.config, self.config.param_dtype_bytes
         tp, pp, dp = layout.tp, layout.pp, layout.dp
         tpn, dpn, ppn = self._nodes(mesh, layout)
@@ -309,7 +316,8 @@ class CostModel:
         step = lagged(pipelined(stages, m, costs).add(per_step), layout.world)
         return Work().add(step, steps).terms(costs)
 
-    def _generate_terms(self, mfc, spec, head, mesh, layout, m) -> dict[str, float]:
+    def _generate_terms(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
+                        layout: Layout, m: int) -> dict[str, float]:
         r, dt = self.rates, self.config.param_dtype_bytes
         tp, pp, dp = layout.tp, layout.pp, layout.dp
         tpn, dpn, ppn = self._nodes(mesh, layout)
@@ -344,8 +352,8 @@ class CostModel:
         return terms
 
     # ---- memory --------------------------------------------------------------------
-    def _memory(self, mfc, spec, head, layout, m, offload=False
-                ) -> tuple[float, float, float, float]:
+    def _memory(self, mfc: MFC, spec: ModelSpec, head: str, layout: Layout, m: int,
+                offload: bool = False) -> tuple[float, float, float, float]:
         cfg = self.config
         tp, pp, dp = layout.tp, layout.pp, layout.dp
         dt = cfg.param_dtype_bytes
@@ -384,7 +392,7 @@ def _msg(seconds: float, n: int = 1) -> Work:
     return Work(seconds={"pp_comm": n * seconds}, counts={"collective_s": float(n)})
 
 
-def pipelined(stages: list[tuple[Work, int]], m: float, costs) -> Work:
+def pipelined(stages: list[tuple[Work, int]], m: float, costs: EngineCosts) -> Work:
     """``m`` micro-batches through the pipeline: the first crosses every stage, each
     further one adds the slowest stage's time (it paces the pipeline)."""
     out = Work()
@@ -394,7 +402,7 @@ def pipelined(stages: list[tuple[Work, int]], m: float, costs) -> Work:
     return out.add(slowest, m - 1)
 
 
-def decode_iteration(stages: list[tuple[Work, int]], g: int, costs) -> Work:
+def decode_iteration(stages: list[tuple[Work, int]], g: int, costs: EngineCosts) -> Work:
     """One decode step of a group of ``g`` waves: a wave's token crosses every stage
     before its next step starts, and each stage serves all ``g`` waves in turn, so the
     step takes the longer of one crossing and ``g`` passes of the slowest stage."""

@@ -67,7 +67,7 @@ class Work:
         return self
 
     def fixed_s(self, costs: EngineCosts) -> float:
-        return sum(n * getattr(costs, k) for k, n in self.counts.items())
+        return sum(n * float(getattr(costs, k)) for k, n in self.counts.items())
 
     def total(self, costs: EngineCosts) -> float:
         return sum(self.seconds.values()) + self.fixed_s(costs)

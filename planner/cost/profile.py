@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -73,7 +73,7 @@ class GemmGrid(_Frozen):
         i0, i1, a = _bracket(self.rows, rows)
         j0, j1, b = _bracket(self.widths, width)
 
-        def lg(i, j):
+        def lg(i: int, j: int) -> float:
             return math.log(grid[i][j])
         v = ((1 - a) * ((1 - b) * lg(i0, j0) + b * lg(i0, j1))
              + a * ((1 - b) * lg(i1, j0) + b * lg(i1, j1)))
@@ -129,7 +129,7 @@ class EngineCosts(_Frozen):
                            "never writes the scores out (the analytic default).")
 
 
-def size_envelope(points) -> list[tuple[float, float]]:
+def size_envelope(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """(bytes, seconds) points sorted by size, each time lowered to the least time of
     any larger message: moving more bytes never takes less time, so a point slower
     than a larger one was slowed by something else (on a shared machine a neighbour

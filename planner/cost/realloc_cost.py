@@ -175,8 +175,9 @@ def realloc_time(m: ReallocModel, src: Place, dst: Place, links: Links) -> tuple
         worst = max(worst, a / links.intra_bytes_per_s + b / links.inter_bytes_per_s
                     + (a + b + c) / links.copy_bytes_per_s)
     for h in sorted(acc.send):
-        a, b = acc.send[h]
-        worst = max(worst, a / links.intra_bytes_per_s + b / links.inter_bytes_per_s)
+        out_intra, out_inter = acc.send[h]
+        worst = max(worst, out_intra / links.intra_bytes_per_s
+                    + out_inter / links.inter_bytes_per_s)
     lat = 0.0
     if total > 0:
         lat = links.inter_latency_s if any_inter else links.intra_latency_s

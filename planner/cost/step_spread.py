@@ -20,6 +20,7 @@ after the other: the expected sum is the sum of the expectations, nothing to add
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from planner.graph.dataflow import MFC, DataflowGraph
 from planner.graph.lengths import wave_token_moments
@@ -27,6 +28,9 @@ from planner.graph.padding import padded_moments
 from planner.specs.layout import Layout
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from planner.cost.cost_model import CostModel
 
 SQRT2 = math.sqrt(2.0)
 SQRT_2PI = math.sqrt(2.0 * math.pi)
@@ -57,7 +61,7 @@ def rollout_of(graph: DataflowGraph) -> MFC | None:
                  and m.lengths is not None), None)
 
 
-def call_time_sd(cost, graph: DataflowGraph, mfc: MFC, spec: ModelSpec, head: str,
+def call_time_sd(cost: CostModel, graph: DataflowGraph, mfc: MFC, spec: ModelSpec, head: str,
                  mesh: DeviceMesh, layout: Layout, micro_batches: int, offload: bool = False,
                  state_offload: bool = False) -> float:
     """Standard deviation, over steps, of one call of ``mfc`` (seconds): 0 outside an
@@ -75,8 +79,8 @@ def call_time_sd(cost, graph: DataflowGraph, mfc: MFC, spec: ModelSpec, head: st
         at = ({"gen_len": tokens} if mfc.kind == "generate"
               else {"prompt_len": tokens, "gen_len": 0, "prompt_lengths": None})
         short = mfc.model_copy(update={**at, "lengths": None})
-        return cost.mfc_cost(short, spec, head, mesh, layout, micro_batches, offload,
-                             state_offload).time_s
+        return float(cost.mfc_cost(short, spec, head, mesh, layout, micro_batches, offload,
+                                   state_offload).time_s)
 
     if mfc.name == rollout.name:
         rows = mfc.n_seqs / layout.dp / micro_batches

@@ -80,6 +80,7 @@ def _pmf(n: int, mean: float | None, histogram: tuple[tuple[int, float], ...]
             p[x - 1] += w
         total = sum(p)
         return tuple(v / total for v in p)
+    assert mean is not None            # GenLengths holds a mean or a histogram
     return censored_geometric(mean, n)
 
 

@@ -10,6 +10,7 @@ build it: there is no silent fallback to the (much slower) Python twin.
 """
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 from typing import Any
 
@@ -21,12 +22,11 @@ from planner.search.simulator import SimResult
 def load_core() -> ModuleType:
     """The compiled module ``planner._core``; ImportError saying how to build it."""
     try:
-        from planner import _core
+        return importlib.import_module("planner._core")
     except ImportError as exc:
         raise ImportError(
             "the C++ search core planner._core is not built: run `make install` "
             "(or `make core` to rebuild it in place after editing csrc/)") from exc
-    return _core
 
 
 def to_core(prob: Problem) -> Any:

@@ -38,7 +38,7 @@ def branch_and_bound(prob: Problem, incumbent: list[int] | None = None,
         r = simulate(prob, incumbent, cache)
         if r.feasible:
             best, best_t = list(incumbent), r.iter_time_s
-    order = [sorted(range(len(cs)), key=lambda j, cs=cs: (cs[j].time_s, j)) for cs in prob.cands]
+    order = [sorted(range(len(cs)), key=lambda j: (cs[j].time_s, j)) for cs in prob.cands]
     # Area bound: every MFC occupies (time x GPUs) of the cluster each iteration.
     area = [[c.time_s * c.n_gpus for c in cs] for cs in prob.cands]
     rest_min = [0.0] * (n + 1)

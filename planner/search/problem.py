@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from itertools import product
+from typing import Callable
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.cost_model import CostModel
@@ -15,7 +16,7 @@ from planner.cost.realloc_cost import Links, ReallocModel
 from planner.cost.step_spread import call_time_sd
 from planner.errors import PlanError
 from planner.graph.dataflow import MFC, DataflowGraph
-from planner.graph.records import record_sizes
+from planner.graph.records import RecordSize, record_sizes
 from planner.search.deadline import Deadline
 from planner.specs.cluster import ClusterSpec
 from planner.specs.layout import Layout, enumerate_layouts, shard_placement
@@ -292,13 +293,14 @@ def _add_records(prob: Problem, graph: DataflowGraph, models: dict[str, RoleMode
     """The record bookkeeping the simulator needs to price Sends."""
     rates, dev = cost.rates, cost.cluster.device
 
-    def send_s(size) -> tuple[float, float]:
+    def send_s(size: RecordSize) -> tuple[float, float]:
         intra = rates.send_s(size.nbytes, size.tensors)
         return intra, intra + size.nbytes / rates.inter_bytes_per_s + dev.inter_node_latency_s
     add_records(prob, graph, {r: m.head for r, m in models.items()}, send_s)
 
 
-def add_records(prob: Problem, graph: DataflowGraph, heads: dict[str, str], send_s) -> None:
+def add_records(prob: Problem, graph: DataflowGraph, heads: dict[str, str],
+                send_s: Callable[[RecordSize], tuple[float, float]]) -> None:
     """Fill ``prob``'s record fields: ``send_s(RecordSize) -> (within a node, across
     nodes)`` seconds of one Send."""
     sizes = record_sizes(graph, heads)

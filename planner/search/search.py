@@ -54,8 +54,8 @@ class SearchSettings(BaseModel):
 
 def _min_memory_start(prob: Problem) -> list[int]:
     """Each MFC on its leanest candidate (most GPUs, least memory)."""
-    return [min(range(len(cs)), key=lambda j, cs=cs: (cs[j].resident_bytes + cs[j].activation_bytes,
-                                                      -cs[j].n_gpus, cs[j].time_s))
+    return [min(range(len(cs)), key=lambda j: (cs[j].resident_bytes + cs[j].activation_bytes,
+                                               -cs[j].n_gpus, cs[j].time_s))
             for cs in prob.cands]
 
 

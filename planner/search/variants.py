@@ -11,7 +11,7 @@ dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.cost_model import CostModel
@@ -58,7 +58,12 @@ def _layouts(mesh: DeviceMesh, models: dict[str, RoleModel], mfc: MFC,
     return enumerate_layouts(mesh, models[mfc.role].spec, mfc, cluster)
 
 
-def _uniform(graph: DataflowGraph, models, cluster, where, layout_of, many: bool,
+#: which layout an MFC takes among those it allows (None: none suits)
+LayoutChoice = Callable[[MFC, list[Layout]], "Layout | None"]
+
+
+def _uniform(graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
+             where: Callable[[MFC], DeviceMesh], layout_of: LayoutChoice, many: bool,
              upto: int | None = None) -> dict[str, Allocation] | None:
     """One allocation per MFC: mesh ``where(mfc)``, layout ``layout_of(mfc, layouts)``,
     the fewest (or, with ``many``, the most; with ``upto``, the most up to that many)
@@ -78,7 +83,7 @@ def _uniform(graph: DataflowGraph, models, cluster, where, layout_of, many: bool
     return out
 
 
-def _pick(tp: int, pp: int):
+def _pick(tp: int, pp: int) -> LayoutChoice:
     def f(_m: MFC, lays: list[Layout]) -> Layout | None:
         return next((x for x in lays if (x.tp, x.pp) == (tp, pp)), None)
     return f
@@ -127,8 +132,10 @@ def hand_variants(graph: DataflowGraph, models: dict[str, RoleModel], cluster: C
     longest = max(len(f) for f in families)
     for k in range(longest):
         for fam in families:
-            if k < len(fam) and fam[k][1] is not None:
-                yield fam[k]
+            if k < len(fam):
+                label, allocs = fam[k]
+                if allocs is not None:
+                    yield label, allocs
     # then the micro-batch counts in between, for clusters too small for the above to
     # give enough distinct plans (one GPU: no layouts, no splits)
     for upto in (2, 4):

@@ -47,7 +47,7 @@ class AlgorithmSection(BatchShape):
     params: dict[str, Any] = Field(
         default_factory=dict,
         description="Hyper-parameters of the algorithm (e.g. kl_coef, clip_ratio; see "
-                    "realign/algorithms/<name>.py). Batch-shape fields are set above.")
+                    "realign/algorithms/params.py). Batch-shape fields are set above.")
     max_staleness: int = Field(
         0, ge=0, le=MAX_STALENESS, description="Asynchronous (off-policy) execution: the "
         "most policy versions a trained sample may lag. 0: synchronous. With 1 or more the "

@@ -71,7 +71,8 @@ def bytes_digest(data: bytes) -> tuple[int, str]:
 
 
 def read_manifest(folder: Path) -> dict:
-    return json.loads((folder / MANIFEST).read_text())
+    manifest: dict = json.loads((folder / MANIFEST).read_text())
+    return manifest
 
 
 def problems(folder: Path) -> list[str]:

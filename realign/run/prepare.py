@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 from planner.errors import from_validation
 from realign.errors import UserError
 from realign.run.checkpoint import save_file
 from realign.run.spec import RunSpec
 
+if TYPE_CHECKING:
+    from realign.config.experiment import ExperimentConfig
+    from realign.data.datasets import Dataset
 
-def _with_overrides(cfg, steps: int | None, launcher: str | None, plan_file: Path | None = None):
+
+def _with_overrides(cfg: ExperimentConfig, steps: int | None, launcher: str | None,
+                    plan_file: Path | None = None) -> ExperimentConfig:
     """The config with ``--steps``, ``--launcher`` and a saved plan to run applied
     (validated alike)."""
     if plan_file is not None:
@@ -46,7 +52,7 @@ def _with_overrides(cfg, steps: int | None, launcher: str | None, plan_file: Pat
     return cfg
 
 
-def _checkpoint_folders(cfg, base: Path) -> dict[str, Path]:
+def _checkpoint_folders(cfg: ExperimentConfig, base: Path) -> dict[str, Path]:
     """Model role -> its Hugging Face checkpoint folder (a preset has no weights)."""
     paths = {}
     for role, ref in cfg.models.roles().items():
@@ -73,13 +79,14 @@ def _check_weights(paths: dict[str, Path]) -> None:
             raise UserError(f"{path}: {e.message}", field=f"models.{role}") from None
 
 
-def _check_eval(cfg, base: Path, tok, train) -> int:
+def _check_eval(cfg: ExperimentConfig, base: Path, tok: Any, train: Dataset) -> int:
     """The held-out prompts: a prompts file with answers, within the prompt length, none
     of them a training prompt; the verifier loads. How many each evaluation answers."""
     from realign.data.datasets import load_dataset
     from realign.rewards.registry import load_reward_fn
 
     ev = cfg.eval
+    assert ev is not None             # called for an experiment with an eval section
     if ev.data.kind != "prompts" or ev.data.answer_key is None:
         raise UserError("the held-out set is prompts with reference answers (kind: prompts, "
                         "an answer_key)", field="eval.data.kind")
@@ -99,7 +106,7 @@ def _check_eval(cfg, base: Path, tok, train) -> int:
     return len(used)
 
 
-def _run_folder(cfg, run_dir: str | None) -> Path:
+def _run_folder(cfg: ExperimentConfig, run_dir: str | None) -> Path:
     folder = Path(run_dir or cfg.run.dir.format(name=cfg.name)).resolve()
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{folder} is a file, not a folder", field="--run-dir" if run_dir
@@ -109,7 +116,8 @@ def _run_folder(cfg, run_dir: str | None) -> Path:
 
 def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | None = None,
             launcher: str | None = None, plan_file: Path | None = None,
-            transform=None) -> RunSpec:
+            transform: Callable[[ExperimentConfig], ExperimentConfig] | None = None
+            ) -> RunSpec:
     """Check the experiment, plan it and write the run folder; the prepared run.
 
     ``run_dir``, ``steps``, ``launcher``: the command line's overrides of ``run.dir``,

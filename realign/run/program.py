@@ -313,8 +313,8 @@ def compile_program(plan: ExecutionPlan) -> Program:
         out.append(op)
         if i in last:
             out.append(Release(op.every, last[i], replicas[last[i]].ranks))
-    prologue = tuple(replace(op, ahead=False, **({"sees_update": False}
-                                                 if isinstance(op, Call) else {}))
+    prologue = tuple(replace(op, ahead=False, sees_update=False) if isinstance(op, Call)
+                     else replace(op, ahead=False)
                      for op in out
                      if isinstance(op, (Call, RuleReward)) and op.ahead)
     return Program(tuple(replicas.values()), tuple(out), datasets, plan.cluster.n_gpus,
