@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -19,12 +20,47 @@ from planner.errors import PlanError, from_validation
 VOCAB_PAD_MULTIPLE = 128
 
 
+class RopeScaling(BaseModel):
+    """RoPE scaled beyond the pretraining window (a config.json's ``rope_scaling`` or
+    ``rope_parameters``): the type and the numbers it reads. The frequencies are
+    computed as transformers computes them (realign.runtime.rope)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rope_type: Literal["linear", "llama3", "yarn"] = Field(
+        description="linear (positions divided by factor) | llama3 (LLaMA 3.1+: low and "
+        "high frequencies treated apart) | yarn (frequency ramp and attention factor).")
+    factor: float = Field(gt=0, description="How many times the pretraining window.")
+    original_max_position_embeddings: int | None = Field(
+        None, gt=0, description="The pretraining window (llama3, yarn).")
+    low_freq_factor: float | None = Field(None, gt=0, description="llama3.")
+    high_freq_factor: float | None = Field(None, gt=0, description="llama3.")
+    beta_fast: float | None = Field(None, gt=0, description="yarn.")
+    beta_slow: float | None = Field(None, gt=0, description="yarn.")
+    attention_factor: float | None = Field(None, gt=0, description="yarn: scales the "
+                                           "attention logits' square root.")
+    mscale: float | None = Field(None, description="yarn (DeepSeek form).")
+    mscale_all_dim: float | None = Field(None, description="yarn (DeepSeek form).")
+    truncate: bool | None = Field(None, description="yarn: truncate the correction range.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RopeScaling":
+        if self.rope_type == "llama3" and None in (self.low_freq_factor, self.high_freq_factor,
+                                                   self.original_max_position_embeddings):
+            raise PlanError("rope_type llama3 needs low_freq_factor, high_freq_factor and "
+                            "original_max_position_embeddings", field="model")
+        return self
+
+
 class ModelSpec(BaseModel):
-    """Architecture of a decoder-only transformer (LLaMA / Qwen2 / Mistral family)."""
+    """Architecture of a dense decoder-only transformer of a supported family
+    (:mod:`planner.specs.families`: LLaMA, Mistral, Qwen2, Qwen3)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(description="Preset or user name, used in plans and reports.")
+    family: str = Field("llama", description="config.json's model_type: llama | mistral | "
+                        "qwen2 | qwen3 (its weight names and forward options).")
     n_layers: int = Field(gt=0, description="Number of transformer layers.")
     hidden: int = Field(gt=0, description="Hidden size (model width).")
     n_heads: int = Field(gt=0, description="Attention (query) heads.")
@@ -33,13 +69,22 @@ class ModelSpec(BaseModel):
     vocab_size: int = Field(gt=0, description="Tokenizer vocabulary size (unpadded).")
     tied_embeddings: bool = Field(False, description="Output layer shares the embedding.")
     qkv_bias: bool = Field(False, description="QKV projection has a bias (Qwen2).")
+    qk_norm: bool = Field(False, description="Per-head RMSNorm on queries and keys before "
+                          "RoPE (Qwen3).")
     head_dim: int | None = Field(None, description="Per-head size; default hidden // n_heads.")
     max_seq_len: int = Field(4096, gt=0, description="Longest supported sequence.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    rope_scaling: RopeScaling | None = Field(None, description="RoPE scaled beyond the "
+                                             "pretraining window; None: plain RoPE.")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
+        from planner.specs.families import FAMILIES
+
+        if self.family not in FAMILIES:
+            raise PlanError(f"model family {self.family!r} is not supported (allowed: "
+                            f"{', '.join(FAMILIES)})", field="model")
         if self.head_dim is None and self.hidden % self.n_heads:
             raise PlanError(
                 f"hidden ({self.hidden}) must be divisible by n_heads ({self.n_heads}) "
@@ -76,8 +121,9 @@ class ModelSpec(BaseModel):
         return qkv + proj + mlp
 
     def layer_replicated_params(self) -> int:
-        """Parameters of one layer that every TP rank holds whole (two RMSNorms)."""
-        return 2 * self.hidden
+        """Parameters of one layer that every TP rank holds whole (two RMSNorms, and the
+        per-head query and key norms where the family has them)."""
+        return 2 * self.hidden + (2 * self.kv_channels if self.qk_norm else 0)
 
     def layer_params(self) -> int:
         return self.layer_sharded_params() + self.layer_replicated_params()
@@ -138,26 +184,20 @@ def model_spec_from_hf_config(path: str | Path, name: str | None = None) -> Mode
                 "intermediate_size", "vocab_size"]
     missing = [k for k in required if k not in cfg]
     if missing:
-        raise PlanError(f"{p} lacks the key {missing[0]!r} that a LLaMA-family "
-                        "config.json has", field="model")
-    rope = cfg.get("rope_parameters")
-    rope = rope if isinstance(rope, dict) else {}
-    n_heads = cfg["num_attention_heads"]
-    fields = dict(
-        name=name or p.parent.name or "hf-model",
-        n_layers=cfg["num_hidden_layers"],
-        hidden=cfg["hidden_size"],
-        n_heads=n_heads,
-        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-        ffn_hidden=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"],
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-        head_dim=cfg.get("head_dim"),
-        max_seq_len=cfg.get("max_position_embeddings", 4096),
-        rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-        norm_eps=cfg.get("rms_norm_eps", 1e-5),
-    )
+        raise PlanError(f"{p} lacks the key {missing[0]!r} that a decoder's config.json "
+                        "has", field="model")
+    from planner.specs.families import FAMILIES
+    from planner.specs.families.base import spec_fields
+
+    kind = cfg.get("model_type")
+    if not isinstance(kind, str) or kind not in FAMILIES:
+        raise PlanError(f"{p}: model_type {kind!r} is not supported (allowed: "
+                        f"{', '.join(FAMILIES)})", field="model")
+    try:
+        fields = dict(name=name or p.parent.name or "hf-model",
+                      **spec_fields(cfg, FAMILIES[kind]))
+    except PlanError as e:
+        raise PlanError(f"{p}: {e.message}", field="model") from None
     for key in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size",
                 "head_dim", "max_seq_len"):
         value = fields[key]        # whole numbers only: no 4.5 layers, no "four" heads

@@ -64,6 +64,12 @@ def layer_tensors(spec: ModelSpec, layer: int) -> list[LogicalTensor]:
     if spec.qkv_bias:
         t.append(LogicalTensor(pre + "self_attention.linear_qkv.bias", (spec.qkv_out,), 0, 1,
                                pre + "qkv_bias", layer))
+    if spec.qk_norm:        # per-head norms: one weight of the head size, on every TP rank
+        d = spec.kv_channels
+        t += [LogicalTensor(pre + "self_attention.q_layernorm.weight", (d,), None, 1,
+                            pre + "q_norm", layer),
+              LogicalTensor(pre + "self_attention.k_layernorm.weight", (d,), None, 1,
+                            pre + "k_norm", layer)]
     t += [
         LogicalTensor(pre + "self_attention.linear_proj.weight",
                       (h, spec.n_heads * spec.kv_channels), 1, 1, pre + "proj", layer),

@@ -24,8 +24,10 @@ def load_tokenizer(folder: str | Path, field: str = "models.actor"):
 
     try:
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load the tokenizer of {str(p)!r}: {e}", field=field) from None
+    except Exception as e:  # noqa: BLE001 (transformers raises OSError, ValueError,
+        # KeyError ... for files it cannot read: each is the folder's problem)
+        raise UserError(f"cannot load the tokenizer of {str(p)!r}: {type(e).__name__}: {e}",
+                        field=field) from None
 
 
 def model_tokenizer(ref: str, base: Path, field: str):

@@ -26,13 +26,14 @@ from pathlib import Path
 import torch
 
 from planner.errors import PlanError
+from planner.specs.families import FAMILIES
+from planner.specs.families.base import MODEL_NAMES
 from planner.specs.model_spec import ModelSpec, model_spec_from_hf_config
 from planner.specs.param_layout import LogicalTensor, stage_tensors
 from realign.errors import UserError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-ARCHITECTURES = {"llama", "qwen2", "mistral"}
 
 
 # ---- config -------------------------------------------------------------------------
@@ -45,57 +46,26 @@ def read_hf_config(path: str | Path) -> dict:
 
 
 def spec_from_hf(path: str | Path, name: str | None = None) -> ModelSpec:
-    """The :class:`ModelSpec` of a HF checkpoint folder, after checking that realign
-    supports its architecture (LLaMA / Qwen2 / Mistral, default RoPE, no MLP bias).
-
-    A sliding attention window caps ``max_seq_len`` at the window: within it,
-    attention is the full causal attention realign computes."""
-    cfg = read_hf_config(path)
-    kind = cfg.get("model_type")
-    if kind not in ARCHITECTURES:
-        raise UserError(f"model_type {kind!r} is not supported (allowed: "
-                        f"{', '.join(sorted(ARCHITECTURES))})", field="model.path")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in (None, "default"):
-        raise UserError(f"rope_type {rope_type!r} is not supported (allowed: default)",
-                        field="model.path")
-    if cfg.get("mlp_bias"):
-        raise UserError("mlp_bias=true is not supported (LLaMA-family MLPs have no bias)",
-                        field="model.path")
+    """The :class:`ModelSpec` of a HF checkpoint folder: its family's config mapping
+    (:mod:`planner.specs.families`), which refuses what realign does not run (another
+    ``model_type``, a mixture of experts, an unknown rope scaling, sliding windows on
+    some layers only) and caps ``max_seq_len`` at a sliding window."""
+    read_hf_config(path)                  # a folder without config.json says so
     try:
-        spec = model_spec_from_hf_config(path, name)
+        return model_spec_from_hf_config(path, name)
     except PlanError as e:
-        raise UserError(str(e), field="model.path") from None
-    window = cfg.get("sliding_window")
-    use_window = cfg.get("use_sliding_window", kind == "mistral")
-    if window and use_window and window < spec.max_seq_len:
-        spec = spec.model_copy(update={"max_seq_len": int(window)})
-    return spec
+        raise UserError(e.message, field="model.path") from None
 
 
 # ---- name mapping -------------------------------------------------------------------
 
 def hf_names(t: LogicalTensor, spec: ModelSpec) -> list[str]:
-    """HF tensor names a logical tensor is made of (in concatenation order)."""
+    """HF tensor names a logical tensor is made of (in concatenation order): the
+    family's table (:mod:`planner.specs.families`), read and written alike."""
     if t.layer is not None:
-        pre = f"model.layers.{t.layer}."
         kind = t.content.rsplit(".", 1)[1]
-        return {
-            "ln1": [pre + "input_layernorm.weight"],
-            "ln2": [pre + "post_attention_layernorm.weight"],
-            "qkv": [pre + f"self_attn.{p}_proj.weight" for p in "qkv"],
-            "qkv_bias": [pre + f"self_attn.{p}_proj.bias" for p in "qkv"],
-            "proj": [pre + "self_attn.o_proj.weight"],
-            "fc1": [pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"],
-            "fc2": [pre + "mlp.down_proj.weight"],
-        }[kind]
-    return {
-        "embedding": ["model.embed_tokens.weight"],
-        "final_norm": ["model.norm.weight"],
-        "output": ["lm_head.weight"],
-        "value_head": ["score.weight"],
-    }[t.content]
+        return [f"model.layers.{t.layer}.{n}" for n in FAMILIES[spec.family].layer_names(kind)]
+    return list(MODEL_NAMES[t.content])
 
 
 def hf_shapes(t: LogicalTensor, spec: ModelSpec) -> list[tuple[int, ...]]:

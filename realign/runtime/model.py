@@ -71,6 +71,8 @@ def transformer_config(spec: ModelSpec, groups: ReplicaGroups, device: DeviceInf
     ``persist_layer_norm`` is off, its fused softmax needs apex)."""
     from megatron.core.transformer import TransformerConfig
 
+    from realign.runtime.rope import softmax_scale
+
     return TransformerConfig(
         num_layers=spec.n_layers, hidden_size=spec.hidden,
         num_attention_heads=spec.n_heads, num_query_groups=spec.n_kv_heads,
@@ -88,16 +90,18 @@ def transformer_config(spec: ModelSpec, groups: ReplicaGroups, device: DeviceInf
         masked_softmax_fusion=use_te, gradient_accumulation_fusion=False,
         persist_layer_norm=use_te, bias_activation_fusion=False,
         attention_softmax_in_fp32=True,
+        qk_layernorm=spec.qk_norm, softmax_scale=softmax_scale(spec),
     )
 
 
-def layer_spec(use_te: bool):
-    """megatron's local layer spec, or Transformer-Engine's (``train.transformer_engine``)."""
+def layer_spec(use_te: bool, qk_norm: bool = False):
+    """megatron's local layer spec, or Transformer-Engine's (``train.transformer_engine``);
+    ``qk_norm``: per-head RMSNorm on queries and keys (``q_layernorm``, ``k_layernorm``)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
 
 
 def check_te(device: DeviceInfo) -> None:
@@ -144,19 +148,24 @@ def build_model(spec: ModelSpec, head: Head, groups: ReplicaGroups, device: Devi
     """
     from megatron.core.models.gpt import GPTModel
 
+    from realign.runtime.rope import scaled_rope
+
     assert groups.member, "only ranks of the replica's mesh build its model"
     ensure_process_state(seed, groups.tp_rank)
     config = transformer_config(spec, groups, device, init_weights, use_te)
     tied = spec.tied_embeddings and head == "lm"
     torch.manual_seed(seed)
     model = GPTModel(
-        config, layer_spec(use_te), vocab_size=spec.padded_vocab,
+        config, layer_spec(use_te, spec.qk_norm), vocab_size=spec.padded_vocab,
         max_sequence_length=spec.max_seq_len,
         pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
         share_embeddings_and_output_weights=tied, position_embedding_type="rope",
         rotary_base=int(spec.rope_theta), pg_collection=groups.pgs)
     if head == "value" and groups.is_last_stage:
         model.output_layer = ValueHead(spec.hidden, device.dtype, device.device)
+    rope = scaled_rope(spec, device.device)
+    if rope is not None:        # the checkpoint's scaled frequencies (realign.runtime.rope)
+        model.rotary_pos_emb.inv_freq = rope[0]
     model.to(device.device)
     # every parameter in the run's dtype: the local spec's torch norms are made in fp32
     # whatever params_dtype says (megatron-LM casts its Float16Module whole; TE's norms

@@ -69,6 +69,44 @@ def runs(world, tiny_llama):
     return get
 
 
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    """LLaMA 3.1 (rope scaling, original window 8) and Qwen3 (q/k norms, head_dim 32,
+    tied embeddings), initialised like ``tiny_llama``."""
+    from tiny_hf import make_tiny
+
+    root = tmp_path_factory.mktemp("families")
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8,
+            "rope_theta": 500000.0}
+    return {"llama31": str(make_tiny(root / "llama31", "llama", seed=7, initializer_range=0.2,
+                                     rope_parameters=rope)),
+            "qwen3": str(make_tiny(root / "qwen3", "qwen3", seed=7, initializer_range=0.2,
+                                   tied=True, head_dim=32))}
+
+
+@pytest.mark.parametrize("model", ["llama31", "qwen3"])
+def test_families_reallocate_exactly(world, family_models, model):
+    """TP2·PP2 -> TP1 (nested, two nodes) for the new families: generation at B equals
+    generation at A, and the executor moves the planner's closed-form bytes (the q/k
+    norms and the tied embedding among them)."""
+    from planner.cost.realloc_cost import ReallocModel, realloc_recv_send
+    from realign.runtime.hf_checkpoint import spec_from_hf
+
+    pair = PAIRS[1]
+    res = world.run("cases_realloc:train_realloc_generate", family_models[model], *pair)
+    for before, after in (("gen_a1", "gen_b1"), ("gen_a2", "gen_b2")):
+        tok_a, lp_a, len_a = _one(res, "in_a", before)
+        tok_b, lp_b, len_b = _one(res, "in_b", after)
+        assert tok_b == tok_a and len_b == len_a
+        assert _max_diff(lp_a, lp_b) <= LOGPROB_TOL
+    (a_first, *a_lay), (b_first, *b_lay), gpn = pair
+    acc = realloc_recv_send(ReallocModel.of(spec_from_hf(family_models[model]), "lm", 4),
+                            (a_first, 4, *a_lay), (b_first, 1, *b_lay), gpn)
+    want = {g: sum(v) for g, v in acc.recv.items() if sum(v)}
+    assert {g: n for g, n in enumerate(r["stats1"][1] for r in res) if n} == want
+
+
 def _one(res, member_key, key):
     """The value every member of a replica returned (they must agree)."""
     vals = [r[key] for r in res if r[member_key]]

@@ -167,6 +167,20 @@ CASES = [
          lambda e: e.run(models__actor=e.model_copy(
              _config(lambda c: c.update(model_type="gpt2")))), 2,
          ("models.actor", "model_type 'gpt2' is not supported")),
+    Case("a mixture of experts",
+         lambda e: e.run(models__actor=e.model_copy(
+             _config(lambda c: c.update(num_local_experts=8)))), 2,
+         ("models.actor", "a mixture of experts (8 experts) is not supported")),
+    Case("a rope scaling realign does not compute",
+         lambda e: e.run(models__actor=e.model_copy(
+             _config(lambda c: c.update(rope_scaling={"rope_type": "longrope",
+                                                      "factor": 4.0})))), 2,
+         ("models.actor", "rope_type 'longrope' is not supported", "llama3, yarn")),
+    Case("sliding windows on some layers only",
+         lambda e: e.run(models__actor=e.model_copy(
+             _config(lambda c: c.update(use_sliding_window=True, sliding_window=16,
+                                        layer_types=["sliding_attention", "full_attention"])))),
+         2, ("models.actor", "sliding windows on some layers only")),
     Case("a model folder without weights",
          lambda e: e.run(models__actor=e.model_copy(
              lambda d: (d / "model.safetensors").unlink())), 2,

@@ -120,9 +120,15 @@ def test_checkpoint_problems_are_user_errors(tiny_models, tmp_path):
     with pytest.raises(UserError, match="k_proj.weight' has shape \\(32, 64\\) but "
                                         "config.json implies \\(64, 64\\)"):
         check_checkpoint(HFReader(bad), spec_from_hf(bad), "lm")
+    # a rope scaling realign does not compute, and a llama3 one without its numbers
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 8.0}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="rope_type 'dynamic' is not supported \\(allowed: "
+                                        "default, linear, llama3, yarn\\)"):
+        spec_from_hf(bad)
     cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UserError, match="rope_type 'llama3' is not supported"):
+    with pytest.raises(UserError, match="llama3 needs low_freq_factor"):
         spec_from_hf(bad)
     cfg["model_type"] = "gpt2"
     (bad / "config.json").write_text(json.dumps(cfg))

@@ -12,11 +12,11 @@ TINY = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_la
 
 def make_tiny(path: str | Path, kind: str = "llama", head: str = "lm", tied: bool = False,
               seed: int = 0, **overrides) -> Path:
-    """Save a tiny random ``kind`` (llama | qwen2 | mistral) model with an LM head or a
-    one-label sequence-classification (value) head into ``path``; returns the path."""
+    """Save a tiny random ``kind`` (llama | qwen2 | qwen3 | mistral) model with an LM head
+    or a one-label sequence-classification (value) head into ``path``; returns the path."""
     import transformers as tf
 
-    cfg_cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config,
+    cfg_cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
                "mistral": tf.MistralConfig}[kind]
     fields = dict(TINY, tie_word_embeddings=tied, **overrides)
     if kind == "qwen2":
@@ -27,7 +27,8 @@ def make_tiny(path: str | Path, kind: str = "llama", head: str = "lm", tied: boo
         cfg.pad_token_id = 0
     torch.manual_seed(seed)
     model_cls = {("llama", "lm"): tf.LlamaForCausalLM, ("qwen2", "lm"): tf.Qwen2ForCausalLM,
-                 ("mistral", "lm"): tf.MistralForCausalLM,
+                 ("mistral", "lm"): tf.MistralForCausalLM, ("qwen3", "lm"): tf.Qwen3ForCausalLM,
+                 ("qwen3", "value"): tf.Qwen3ForSequenceClassification,
                  ("llama", "value"): tf.LlamaForSequenceClassification,
                  ("qwen2", "value"): tf.Qwen2ForSequenceClassification,
                  ("mistral", "value"): tf.MistralForSequenceClassification}[(kind, head)]

@@ -53,6 +53,8 @@ class LayerWeights:
     ln2: torch.Tensor
     fc1: torch.Tensor
     fc2: torch.Tensor
+    q_norm: torch.Tensor | None = None      #: per-head query RMSNorm (Qwen3)
+    k_norm: torch.Tensor | None = None
 
 
 def layer_weights(layer: torch.nn.Module) -> LayerWeights:
@@ -62,7 +64,9 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights:
         ln1=p["input_layernorm.weight"], qkv=p["self_attention.linear_qkv.weight"],
         qkv_bias=p.get("self_attention.linear_qkv.bias"),
         proj=p["self_attention.linear_proj.weight"], ln2=p["pre_mlp_layernorm.weight"],
-        fc1=p["mlp.linear_fc1.weight"], fc2=p["mlp.linear_fc2.weight"])
+        fc1=p["mlp.linear_fc1.weight"], fc2=p["mlp.linear_fc2.weight"],
+        q_norm=p.get("self_attention.q_layernorm.weight"),
+        k_norm=p.get("self_attention.k_layernorm.weight"))
 
 
 @dataclass
@@ -217,7 +221,11 @@ class StageDecoder:
         eps, d, ng, r = self.spec.norm_eps, self.d, self.n_groups, self.per_group
         y = F.rms_norm(x, (h,), w.ln1, eps)
         qkv = F.linear(self._copy(y), w.qkv, w.qkv_bias).view(b, s, ng, r + 2, d)
-        qk = rotate(qkv[:, :, :, :r + 1], cos.unsqueeze(3), sin.unsqueeze(3))  # one RoPE
+        qk = qkv[:, :, :, :r + 1]
+        if w.q_norm is not None:        # per-head norms on queries and keys, before RoPE
+            qk = torch.cat([F.rms_norm(qk[:, :, :, :r], (d,), w.q_norm, eps),
+                            F.rms_norm(qk[:, :, :, r:], (d,), w.k_norm, eps)], dim=3)
+        qk = rotate(qk, cos.unsqueeze(3), sin.unsqueeze(3))                      # one RoPE
         q, k, v = qk[:, :, :, :r].reshape(b, s, ng * r, d), qk[:, :, :, r], qkv[:, :, :, r + 1]
         keys, values = attend(i, k.transpose(1, 2), v.transpose(1, 2))
         o = F.scaled_dot_product_attention(
