@@ -1,6 +1,8 @@
 """Supervised fine-tuning: the negative log-likelihood of the response tokens given
 the prompt, L = -1/|M| sum_{t in M} log pi(y_t | y_<t, x), with M the response
-positions (``loss_mask``, from ``prompt_lengths``; prompt and padding don't count).
+positions (``loss_mask``, from ``prompt_lengths``) and, in a conversation, the
+positions of its earlier assistant turns (``assistant_mask``); the rest of the prompt
+and padding don't count.
 """
 from __future__ import annotations
 
@@ -14,8 +16,12 @@ from realign.algorithms.params import SFTConfig
 
 @torch.no_grad()
 def prepare(batch: Batch, cfg: SFTConfig) -> Batch:
-    """Adds ``loss_mask`` [b, s-1]: 1 on the log-prob positions of response tokens."""
-    return {**batch, "loss_mask": batch_mask(batch)}
+    """Adds ``loss_mask`` [b, s-1]: 1 on the log-prob positions of response tokens and
+    of the earlier assistant turns' tokens (position t scores token t + 1)."""
+    mask = batch_mask(batch)
+    if "assistant_mask" in batch:
+        mask = torch.maximum(mask, batch["assistant_mask"][:, 1:].to(mask.dtype))
+    return {**batch, "loss_mask": mask}
 
 
 def actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg: SFTConfig

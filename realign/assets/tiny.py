@@ -60,6 +60,10 @@ TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 SMALL_LLAMA = dict(TINY_LLAMA, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=4)
 
+#: LLaMA 3.1's rope scaling with the pretraining window shrunk to 8 positions
+TINY_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+
 EVAL_FRACTION = 0.2
 
 
@@ -100,6 +104,14 @@ def _model_config(kind: str, vocab_size: int, head: str, arch: dict | None = Non
     if kind == "qwen2":
         cfg = tf.Qwen2Config(**fields, rope_parameters={"rope_type": "default",
                                                         "rope_theta": 10000.0})
+    elif kind == "qwen3":           # Qwen3's shape: q/k norms, head_dim != hidden / heads
+        fields.update(head_dim=2 * fields["hidden_size"] // fields["num_attention_heads"],
+                      tie_word_embeddings=True)
+        cfg = tf.Qwen3Config(**fields, rope_parameters={
+            "rope_type": "default", "rope_theta": 1e6})
+    elif kind == "llama31":         # LLaMA 3.1's rope scaling; the task's 12 tokens run
+        cfg = tf.LlamaConfig(**fields, rope_parameters=dict(   # past its window of 8
+            TINY_LLAMA31_ROPE, rope_theta=500000.0))
     else:
         cfg = tf.LlamaConfig(**fields)
     if head == "value":
@@ -109,16 +121,17 @@ def _model_config(kind: str, vocab_size: int, head: str, arch: dict | None = Non
 
 def make_model(folder: str | Path, kind: str = "llama", head: str = "lm", seed: int = 0,
                tokenizer=None, arch: dict | None = None) -> Path:
-    """Save a tiny random ``kind`` (llama | qwen2) model with an LM head (``lm``) or a
-    one-label sequence-classification head (``value``), and the tiny tokenizer, into
-    ``folder``; returns the folder. ``arch``: architecture numbers (default
-    :data:`TINY_LLAMA`)."""
+    """Save a tiny random ``kind`` (llama | llama31 | qwen2 | qwen3) model with an LM head
+    (``lm``) or a one-label sequence-classification head (``value``), and the tiny
+    tokenizer, into ``folder``; returns the folder. ``arch``: architecture numbers
+    (default :data:`TINY_LLAMA`)."""
     import torch
     import transformers as tf
 
     tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
     cfg = _model_config(kind, len(tokenizer), head, arch)
-    cls = {("llama", "lm"): tf.LlamaForCausalLM, ("qwen2", "lm"): tf.Qwen2ForCausalLM,
+    cls = {("llama", "lm"): tf.LlamaForCausalLM, ("llama31", "lm"): tf.LlamaForCausalLM,
+           ("qwen2", "lm"): tf.Qwen2ForCausalLM, ("qwen3", "lm"): tf.Qwen3ForCausalLM,
            ("llama", "value"): tf.LlamaForSequenceClassification,
            ("qwen2", "value"): tf.Qwen2ForSequenceClassification}[(kind, head)]
     # fork_rng: the caller's global RNG state is left as it was
@@ -171,12 +184,14 @@ def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
 # ---- everything --------------------------------------------------------------------
 
 def make_tiny_assets(out_dir: str | Path, seed: int = 0, qwen2: bool = True,
-                     max_operand: int = 9, small: bool = True) -> dict[str, Path]:
+                     max_operand: int = 9, small: bool = True, families: bool = True
+                     ) -> dict[str, Path]:
     """Write the tiny tokenizer, models and datasets into ``out_dir`` (created if
     needed; existing files of the same names are overwritten). Returns the paths by
     name: ``actor``, ``ref`` (= actor), ``reward``, ``critic`` (= reward),
-    ``qwen2_actor`` (when ``qwen2``), ``small_actor`` and ``small_reward`` (when
-    ``small``), ``math_train``, ``math_eval``, ``prefs``, ``sft``.
+    ``qwen2_actor`` (when ``qwen2``), ``llama31_actor`` and ``qwen3_actor`` (when
+    ``families``), ``small_actor`` and ``small_reward`` (when ``small``), ``math_train``,
+    ``math_eval``, ``prefs``, ``sft``.
     ``max_operand`` (1..9) bounds the operands of the arithmetic task."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,6 +203,11 @@ def make_tiny_assets(out_dir: str | Path, seed: int = 0, qwen2: bool = True,
     paths["critic"] = paths["reward"]
     if qwen2:
         paths["qwen2_actor"] = make_model(out / "qwen2_actor", "qwen2", "lm", seed=seed + 2,
+                                          tokenizer=tok)
+    if families:            # this year's families: LLaMA 3.1's rope scaling, Qwen3
+        paths["llama31_actor"] = make_model(out / "llama31_actor", "llama31", "lm",
+                                            seed=seed, tokenizer=tok)
+        paths["qwen3_actor"] = make_model(out / "qwen3_actor", "qwen3", "lm", seed=seed,
                                           tokenizer=tok)
     if small:
         paths["small_actor"] = make_model(out / "small_actor", "llama", "lm", seed=seed + 3,

@@ -5,7 +5,8 @@
 * preferences: two rows per pair, interleaved — row ``2i`` is pair ``i``'s prompt +
   chosen response, row ``2i+1`` its prompt + rejected response — with
   ``prompt_lengths`` (the loss covers positions ``prompt_lengths <= t < lengths``);
-* SFT: prompt + response rows with ``prompt_lengths``.
+* SFT: prompt + response rows with ``prompt_lengths`` and ``assistant_mask`` [b, s]
+  (1 on the tokens of a conversation's earlier assistant turns, inside the prompt).
 """
 from __future__ import annotations
 
@@ -47,9 +48,14 @@ def collate_preferences(examples: Sequence[PreferenceExample], pad_id: int) -> B
 
 def collate_sft(examples: Sequence[SFTExample], pad_id: int) -> Batch:
     tokens, lengths = pad_right([e.prompt_ids + e.response_ids for e in examples], pad_id)
+    assistant = torch.zeros(tokens.shape, dtype=torch.long)      # int64, as every key
+    for i, e in enumerate(examples):
+        for a, b in e.assistant_spans:
+            assistant[i, a:b] = 1
     return {"tokens": tokens, "lengths": lengths,
             "prompt_lengths": torch.tensor([len(e.prompt_ids) for e in examples],
-                                           dtype=torch.long)}
+                                           dtype=torch.long),
+            "assistant_mask": assistant}
 
 
 def response_mask(batch: Batch) -> torch.Tensor:

@@ -2,7 +2,7 @@
 holds, which keys to read, and the length limits (in tokens)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -14,11 +14,12 @@ class DatasetConfig(BaseModel):
 
     * ``prompts`` (PPO, GRPO, ...): ``{prompt_key: str | messages, answer_key: ...}``;
     * ``preferences`` (DPO, reward modelling): ``{prompt_key, chosen_key, rejected_key}``;
-    * ``sft``: ``{prompt_key, response_key}``, or ``{messages_key: [...]}`` whose last
-      message is the assistant's response.
+    * ``sft``: ``{prompt_key, response_key}``, or ``{messages_key: [...]}``: a
+      conversation whose last message is the assistant's response; the loss covers every
+      assistant turn of it and nothing else.
 
     A prompt is a string, or a list of ``{"role", "content"}`` messages rendered with
-    the tokenizer's chat template.
+    the tokenizer's chat template (``chat_template_kwargs`` passed to it).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -38,6 +39,9 @@ class DatasetConfig(BaseModel):
     messages_key: str = Field(
         "messages", description="sft: key of a chat (list of {role, content}) used when a "
                                 "line has no prompt_key; its last message is the response.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra variables of the tokenizer's chat "
+        "template, e.g. {enable_thinking: false} for Qwen3's thinking switch.")
     max_prompt_len: int = Field(256, gt=0, description="Longest prompt in tokens (special "
                                 "tokens included); a longer prompt is an error.")
     max_response_len: int = Field(

@@ -49,10 +49,13 @@ class PreferenceExample:
 
 @dataclass(frozen=True)
 class SFTExample:
-    """A prompt and the response to imitate."""
+    """A prompt and the response to imitate; ``assistant_spans``: token ranges
+    ``[start, end)`` of ``prompt_ids`` that are earlier assistant turns of a
+    conversation (trained on too), empty for a single response."""
     line: int
     prompt_ids: list[int]
     response_ids: list[int]
+    assistant_spans: tuple[tuple[int, int], ...] = ()
 
 
 Example = Union[PromptExample, PreferenceExample, SFTExample]
@@ -152,7 +155,8 @@ def _preferences(c: DatasetConfig, tok, rows, lines: _Lines) -> list[PreferenceE
 
 
 def _sft(c: DatasetConfig, tok, rows, lines: _Lines) -> list[SFTExample]:
-    prompts, responses, keys = [], [], []
+    prompts: list[Prompt] = []
+    responses, keys = [], []
     for n, o in rows:
         if c.prompt_key in o or c.messages_key not in o:
             prompts.append(lines.prompt(o, c.prompt_key, n))
@@ -168,7 +172,40 @@ def _sft(c: DatasetConfig, tok, rows, lines: _Lines) -> list[SFTExample]:
         keys.append(c.messages_key)
     ids = _encode_prompts(tok, prompts, rows, c, lines)
     out = _encode_responses(tok, responses, rows, c, keys, lines)
-    return [SFTExample(n, i, r) for (n, _), i, r in zip(rows, ids, out)]
+    spans = [(_assistant_spans(tok, p, i, c, lines, n) if not isinstance(p, str) else ())
+             for (n, _), p, i in zip(rows, prompts, ids)]
+    return [SFTExample(n, i, r, s) for (n, _), i, r, s in zip(rows, ids, out, spans)]
+
+
+def _assistant_spans(tok, chat: Messages, ids: list[int], c: DatasetConfig, lines: _Lines,
+                     line: int) -> tuple[tuple[int, int], ...]:
+    """Token ranges of ``ids`` (the rendered ``chat``) that are its assistant turns: from
+    the end of the conversation before the turn (rendered with the generation prompt)
+    to the end of the conversation up to it (the turn's end-of-turn tokens included, so
+    the model learns where a turn stops). Templates render a conversation's start the
+    same whatever follows it (checked: otherwise the turns' tokens are not known)."""
+    spans = []
+    for j, m in enumerate(chat):
+        if m["role"] != "assistant":
+            continue
+        if j == 0:
+            raise lines.error("a conversation starts with a user (or system) message, not "
+                              "an assistant one", line, c.messages_key)
+        start = _render_ids(tok, chat[:j], True, c)
+        end = _render_ids(tok, chat[:j + 1], False, c)
+        if ids[:len(start)] != start or ids[:len(end)] != end or len(end) <= len(start):
+            raise lines.error("the tokenizer's chat template renders the earlier turns "
+                              "otherwise once later ones follow, so the tokens of the earlier "
+                              "assistant turns cannot be told apart for the loss; give one "
+                              "assistant turn per line", line, c.messages_key)
+        spans.append((len(start), len(end)))
+    return tuple(spans)
+
+
+def _render_ids(tok, chat: Messages, generation_prompt: bool, c: DatasetConfig) -> list[int]:
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation_prompt,
+                                   **c.chat_template_kwargs)
+    return list(tok([text], add_special_tokens=False)["input_ids"][0])
 
 
 # ---- tokenization ------------------------------------------------------------------
@@ -187,7 +224,8 @@ def _encode_prompts(tok, prompts: list[Prompt], rows, c: DatasetConfig,
             raise lines.error("chat messages need a tokenizer with a chat template; this one "
                               "has none (give prompts as strings)", rows[chats[0]][0],
                               c.prompt_key)
-        texts = [tok.apply_chat_template(prompts[i], tokenize=False, add_generation_prompt=True)
+        texts = [tok.apply_chat_template(prompts[i], tokenize=False, add_generation_prompt=True,
+                                         **c.chat_template_kwargs)
                  for i in chats]
         for i, e in zip(chats, tok(texts, add_special_tokens=False)["input_ids"]):
             out[i] = list(e)

@@ -61,6 +61,49 @@ def test_chat_prompts_use_the_template(tmp_path, tokenizer):
     assert tokenizer.decode(sft[1].response_ids) == "2</s>"
 
 
+@pytest.mark.torch
+def test_a_conversation_trains_every_assistant_turn_and_nothing_else(tmp_path, tokenizer):
+    from realign.algorithms.sft import prepare
+    from realign.data.collate import collate_sft
+
+    chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]
+    f = _write(tmp_path / "multi.jsonl", [{"messages": chat},
+                                          {"prompt": "3+3=", "response": "6"}])
+    ds = load_dataset(DatasetConfig(path=str(f), kind="sft"), tokenizer)
+    e = ds[0]
+    assert tokenizer.decode(e.prompt_ids) == "<s>user: 1+1=\nassistant: 2\nuser: 2+2=\nassistant: "
+    assert tokenizer.decode(e.response_ids) == "4</s>"
+    (a, b), = e.assistant_spans
+    assert tokenizer.decode(e.prompt_ids[a:b]) == "2\n"      # the turn and its end
+    assert ds[1].assistant_spans == ()
+    batch = prepare(collate_sft([e, ds[1]], tokenizer.pad_token_id), None)
+    # log-prob position t scores token t + 1: the trained tokens are the earlier turn's
+    # and the response's, nothing of the users' turns
+    trained = [t + 1 for t in range(batch["loss_mask"].shape[1]) if batch["loss_mask"][0, t]]
+    want = list(range(a, b)) + list(range(len(e.prompt_ids), len(e.prompt_ids) + 2))
+    assert trained == want
+    assert batch["loss_mask"][1].sum() == 2                   # "6</s>"
+
+
+@pytest.mark.torch
+def test_chat_template_kwargs_reach_the_template(tmp_path, tokenizer):
+    """Qwen3's thinking switch is a template variable: the data option passes it."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}{% if enable_thinking is defined and "
+                         "not enable_thinking %}no {% endif %}ok{% endif %}")
+    f = _write(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": "1+1="}],
+                                       "answer": 2}])
+    on = load_dataset(DatasetConfig(path=str(f), kind="prompts"), tok)
+    off = load_dataset(DatasetConfig(path=str(f), kind="prompts",
+                                     chat_template_kwargs={"enable_thinking": False}), tok)
+    assert tok.decode(on[0].prompt_ids) == "1+1=ok"
+    assert tok.decode(off[0].prompt_ids) == "1+1=no ok"
+
+
 # ---- errors (torch-free, a character tokenizer) ------------------------------------
 
 def _err(tmp_path, char_tok, lines, kind="prompts", **cfg) -> DataError:
@@ -138,6 +181,24 @@ def test_chat_needs_a_template(tmp_path, char_tok):
     e = _err(tmp_path, char_tok, [{"prompt": "a", "answer": "1"},
                                   {"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}])
     assert (e.line, e.key) == (2, "prompt") and "chat template" in str(e)
+
+
+@pytest.mark.pure
+def test_a_template_that_rewrites_earlier_turns_cannot_train_them(tmp_path):
+    """A template that renders a turn otherwise once later ones follow (here: it numbers
+    turns from the end) leaves the earlier assistant turns' tokens unknown: refused,
+    naming the line."""
+    from tests.data.conftest import CharTokenizer
+
+    class FromTheEnd(CharTokenizer):
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+            n = len(messages)
+            return "".join(f"{n - i}{m['role']}: {m['content']}\n" for i, m in enumerate(messages))
+
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    e = _err(tmp_path, FromTheEnd(chat_template="x"), [{"messages": chat}], kind="sft")
+    assert (e.line, e.key) == (1, "messages") and "one assistant turn per line" in str(e)
 
 
 @pytest.mark.pure
