@@ -5,11 +5,13 @@ Loading: each rank reads only the slices its shard needs (``safe_open(...).get_s
 All metadata checks (architecture, shapes against the config) run before any
 collective, from the safetensors headers alone.
 
-Name and layout mapping (HF -> megatron local spec, per layer ``i``):
+Name and layout mapping (HF -> megatron local spec, per layer ``i``; the HF names are
+the family's table, :mod:`planner.specs.families`):
 
 * ``q_proj``, ``k_proj``, ``v_proj`` -> ``linear_qkv``: megatron groups the rows per
   KV head: ``[q heads of group 0; k0; v0; q heads of group 1; k1; v1; ...]``, so a TP
   rank's contiguous row range is whole KV groups (biases likewise);
+* ``q_norm``, ``k_norm`` (Qwen3) -> ``q_layernorm``, ``k_layernorm`` (whole on every rank);
 * ``gate_proj``, ``up_proj`` -> ``linear_fc1`` = ``[gate; up]``, split part by part;
 * ``o_proj`` -> ``linear_proj``, ``down_proj`` -> ``linear_fc2`` (column-sharded);
 * ``input_layernorm`` / ``post_attention_layernorm`` -> ``input_layernorm`` /
