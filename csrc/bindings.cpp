@@ -109,6 +109,7 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
     }
     p.same_mesh = same_mesh;
     p.validate();
+    p.index_places();
     return p;
 }
 
@@ -138,22 +139,39 @@ std::tuple<double, i64> py_realloc_time(const Problem& prob, i64 model, const Pl
     return {c.time_s, c.bytes};
 }
 
-// _core.anneal: planner.search.anneal.anneal; the GIL is released during the walk.
-std::tuple<std::vector<i64>, double, bool, i64, i64> py_anneal(
-    const Problem& prob, const std::vector<i64>& start, i64 n_steps, double t0_frac,
-    double t1_frac, i64 restart_every, u64 seed, double time_limit_s) {
+// _core.anneal / Simulator.anneal: planner.search.anneal.anneal; the GIL is released
+// during the walk. `cache`: the simulator's (null: a fresh one).
+std::tuple<std::vector<i64>, double, bool, i64, i64> anneal_with(
+    const Problem& prob, ReallocCache* cache, const std::vector<i64>& start, i64 n_steps,
+    double t0_frac, double t1_frac, i64 restart_every, u64 seed, double time_limit_s,
+    i64 patience) {
     check_assign(prob, start, "start");
     if (n_steps < 0) throw std::invalid_argument("n_steps: must be >= 0");
     if (!(t0_frac > 0.0) || !(t1_frac > 0.0))
         throw std::invalid_argument("t0_frac, t1_frac: must be > 0");
     if (restart_every < 0) throw std::invalid_argument("restart_every: must be >= 0");
-    AnnealSettings s{n_steps, t0_frac, t1_frac, restart_every, seed};
+    if (patience < 0) throw std::invalid_argument("patience: must be >= 0");
+    AnnealSettings s{n_steps, t0_frac, t1_frac, restart_every, seed, patience};
     AnnealResult r;
     {
         py::gil_scoped_release release;
-        r = anneal(prob, start, s, time_limit_s);
+        r = anneal(prob, start, s, time_limit_s, cache);
     }
     return {std::move(r.assign), r.energy, r.feasible, r.steps, r.accepted};
+}
+
+std::tuple<std::vector<i64>, double, bool, i64, i64> py_anneal(
+    const Problem& prob, const std::vector<i64>& start, i64 n_steps, double t0_frac,
+    double t1_frac, i64 restart_every, u64 seed, double time_limit_s, i64 patience) {
+    return anneal_with(prob, nullptr, start, n_steps, t0_frac, t1_frac, restart_every, seed,
+                       time_limit_s, patience);
+}
+
+std::tuple<double, double, double, std::vector<double>> sim_simulate(
+    Simulator& sim, const std::vector<i64>& assign) {
+    check_assign(sim.prob, assign, "assign");
+    SimResult r = simulate(sim.prob, assign, sim.cache);
+    return {r.iter_time_s, r.makespan_s, r.overflow_bytes, std::move(r.peak_bytes)};
 }
 
 }  // namespace
@@ -194,7 +212,25 @@ PYBIND11_MODULE(_core, m) {
           "(seconds, bytes).");
     m.def("anneal", &py_anneal, py::arg("problem"), py::arg("start"), py::arg("n_steps"),
           py::arg("t0_frac"), py::arg("t1_frac"), py::arg("restart_every"), py::arg("seed"),
-          py::arg("time_limit_s") = 0.0,
+          py::arg("time_limit_s") = 0.0, py::arg("patience") = 0,
           "planner.search.anneal.anneal: (assign, energy, feasible, steps_done, accepted). "
-          "time_limit_s <= 0: no limit.");
+          "time_limit_s <= 0: no limit; patience > 0: stop after that many steps without "
+          "a better plan.");
+
+    py::class_<Simulator>(m, "Simulator",
+                          "A problem's simulator whose reallocation cache lasts across calls.")
+        .def(py::init<const Problem&>(), py::arg("problem"), py::keep_alive<1, 2>())
+        .def("simulate", &sim_simulate, py::arg("assign"),
+             "as _core.simulate, with the cache: (iter_time_s, makespan_s, overflow_bytes, "
+             "peak_bytes).")
+        .def("anneal",
+             [](Simulator& sim, const std::vector<i64>& start, i64 n_steps, double t0_frac,
+                double t1_frac, i64 restart_every, u64 seed, double time_limit_s,
+                i64 patience) {
+                 return anneal_with(sim.prob, &sim.cache, start, n_steps, t0_frac, t1_frac,
+                                    restart_every, seed, time_limit_s, patience);
+             },
+             py::arg("start"), py::arg("n_steps"), py::arg("t0_frac"), py::arg("t1_frac"),
+             py::arg("restart_every"), py::arg("seed"), py::arg("time_limit_s") = 0.0,
+             py::arg("patience") = 0, "as _core.anneal, with the cache.");
 }

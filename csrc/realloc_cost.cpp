@@ -55,13 +55,33 @@ Stages embedding_stages(const ReallocModel& m, i64 pp) {
 // planner.cost.realloc_cost._Acc: per-GPU received and sent bytes (0: intra, 1: inter).
 // Indexed by GPU; a GPU never charged holds zeros, which change neither the sum
 // nor the max that realloc_time takes over the Python dicts.
+// _Acc.far: the bytes per holder of a slice group (stages, tp rank) that reached
+// GPUs on other nodes, in the order the groups first appear.
+struct FarGroup {
+    Stages stages;
+    i64 k;
+    double per_holder;
+};
+
 struct Acc {
     std::vector<std::array<i64, 2>> recv;
     std::vector<std::array<double, 2>> send;
     std::vector<i64> local;    // bytes a destination GPU copies locally
     std::vector<i64> holders;  // scratch for _holders
+    std::vector<FarGroup> far;
+    // group (stages, k) -> its index in far (-1: none yet): slot j * (tp + 1) + k + 1 for
+    // one stage j, pp * (tp + 1) + k + 1 for the tied embedding's two stages
+    std::vector<i64> far_slot;
+    i64 src_tp = 1;
 
-    explicit Acc(i64 n_gpus) : recv(n_gpus, {0, 0}), send(n_gpus, {0.0, 0.0}), local(n_gpus, 0) {}
+    Acc(i64 n_gpus, i64 tp, i64 pp)
+        : recv(n_gpus, {0, 0}), send(n_gpus, {0.0, 0.0}), local(n_gpus, 0),
+          far_slot((pp + 1) * (tp + 1), -1), src_tp(tp) {}
+
+    i64& slot(const Stages& stages, i64 k, i64 pp) {
+        const i64 row = stages.n == 1 ? stages.s[0] : pp;
+        return far_slot[row * (src_tp + 1) + k + 1];
+    }
 };
 
 // planner.cost.realloc_cost._holders: source GPUs at tp rank k (k < 0: any) of stages.
@@ -77,25 +97,46 @@ void holders_of(const Place& src, const Stages& stages, i64 k, std::vector<i64>&
     }
 }
 
-// planner.cost.realloc_cost._charge: g receives nbytes, shared evenly by the holders on
-// its own node if any, else by all holders. Each holder's send is accumulated in
-// charge order, as in Python.
-void charge(Acc& acc, i64 g, i64 nbytes, i64 gpn) {
-    const std::vector<i64>& holders = acc.holders;
-    if (holders.empty()) throw std::logic_error("realloc_time: a slice has no holder");
+// planner.cost.realloc_cost._charge: g receives nbytes of a slice of group (stages, k),
+// shared evenly by the holders on its own node if any (each holder's send accumulated
+// in charge order, as in Python), else by all holders (summed per group, added to them
+// at the end). The holders are those of holders_of(src, stages, k): per stage an
+// arithmetic progression, so the ones on g's node are found without visiting the rest.
+void charge(Acc& acc, const Place& src, const Stages& stages, i64 k, i64 g, i64 nbytes,
+            i64 gpn) {
     if (nbytes >= kExactDoubleLimit) throw std::overflow_error("realloc_time: byte count >= 2**53");
-    // h // gpn == g // gpn, as a range test (GPU indices are >= 0).
     const i64 node_lo = g / gpn * gpn, node_hi = node_lo + gpn;
-    auto near = [&](i64 h) { return node_lo <= h && h < node_hi; };
+    // per stage: holders start + stride * q for q in [0, count)
+    const i64 stride = k < 0 ? 1 : src.tp;
+    const i64 count = k < 0 ? src.tp * src.dp : src.dp;
     i64 n_near = 0;
-    for (i64 h : holders)
-        if (near(h)) ++n_near;
-    const int inter = n_near > 0 ? 0 : 1;
-    acc.recv[g][inter] += nbytes;
-    const i64 pool = n_near > 0 ? n_near : static_cast<i64>(holders.size());
-    const double share = static_cast<double>(nbytes) / static_cast<double>(pool);
-    for (i64 h : holders)
-        if (n_near == 0 || near(h)) acc.send[h][inter] += share;
+    std::array<std::array<i64, 3>, 2> near{};   // per stage: start, first q, end q
+    for (int q = 0; q < stages.n; ++q) {
+        const i64 start = src.first_gpu + (k < 0 ? 0 : k) + src.tp * src.dp * stages.s[q];
+        // q with node_lo <= start + stride * q < node_hi
+        const i64 q_lo = std::max<i64>(0, node_lo <= start ? 0 : (node_lo - start + stride - 1) / stride);
+        const i64 q_hi = std::min<i64>(count, node_hi <= start ? 0 : (node_hi - start + stride - 1) / stride);
+        near[q] = {start, q_lo, std::max(q_lo, q_hi)};
+        n_near += near[q][2] - near[q][1];
+    }
+    if (count * stages.n == 0) throw std::logic_error("realloc_time: a slice has no holder");
+    if (n_near > 0) {
+        acc.recv[g][0] += nbytes;
+        const double share = static_cast<double>(nbytes) / static_cast<double>(n_near);
+        for (int q = 0; q < stages.n; ++q)
+            for (i64 t = near[q][1]; t < near[q][2]; ++t)
+                acc.send[near[q][0] + stride * t][0] += share;
+        return;
+    }
+    acc.recv[g][1] += nbytes;
+    const double per_holder = static_cast<double>(nbytes) / static_cast<double>(count * stages.n);
+    i64& at = acc.slot(stages, k, src.pp);
+    if (at >= 0) {
+        acc.far[at].per_holder += per_holder;
+        return;
+    }
+    at = static_cast<i64>(acc.far.size());
+    acc.far.push_back({stages, k, per_holder});
 }
 
 // The per-destination-GPU context of realloc_recv_send's closures.
@@ -118,8 +159,7 @@ void sharded(Acc& acc, const Place& src, const Place& dst, const DstGpu& d, i64 
             acc.local[d.g] += nbytes * ov / unit;
             continue;
         }
-        holders_of(src, stages, k, acc.holders);
-        charge(acc, d.g, nbytes * ov / unit, gpn);
+        charge(acc, src, stages, k, d.g, nbytes * ov / unit, gpn);
     }
 }
 
@@ -130,8 +170,7 @@ void replicated(Acc& acc, const Place& src, const DstGpu& d, i64 nbytes, const S
         acc.local[d.g] += nbytes;
         return;
     }
-    holders_of(src, stages, -1, acc.holders);
-    charge(acc, d.g, nbytes, gpn);
+    charge(acc, src, stages, -1, d.g, nbytes, gpn);
 }
 
 // planner.cost.realloc_cost.realloc_recv_send
@@ -168,6 +207,10 @@ void realloc_recv_send(Acc& acc, const ReallocModel& m, const Place& src, const 
                 sharded(acc, src, dst, d, m.embedding_bytes, embedding_stages(m, src.pp), gpn);
         }
     }
+    for (const FarGroup& f : acc.far) {
+        holders_of(src, f.stages, f.k, acc.holders);
+        for (i64 h : acc.holders) acc.send[h][1] += f.per_holder;
+    }
 }
 
 }  // namespace
@@ -176,7 +219,7 @@ void realloc_recv_send(Acc& acc, const ReallocModel& m, const Place& src, const 
 ReallocCost realloc_time(const ReallocModel& m, const Place& src, const Place& dst,
                          const Links& links) {
     const i64 n = std::max(src.first_gpu + src.n_gpus, dst.first_gpu + dst.n_gpus);
-    Acc acc(n);
+    Acc acc(n, src.tp, src.pp);
     realloc_recv_send(acc, m, src, dst, links.gpus_per_node);
     double worst = 0.0;
     i64 total = 0;

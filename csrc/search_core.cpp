@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <iterator>
+#include <map>
 #include <stdexcept>
 #include <string>
 
@@ -105,13 +106,29 @@ void check_assign(const Problem& prob, const std::vector<i64>& assign, const cha
                      std::to_string(prob.cands[i].size()) + ")");
 }
 
+void Problem::index_places() {
+    place_id.assign(cands.size(), {});
+    n_places.assign(cands.size(), 0);
+    for (size_t i = 0; i < cands.size(); ++i) {
+        std::map<std::array<i64, 4>, i64> ids;
+        place_id[i].reserve(cands[i].size());
+        for (const Candidate& c : cands[i]) {
+            const std::array<i64, 4> key{c.place.first_gpu, c.place.n_gpus, c.place.tp, c.place.pp};
+            place_id[i].push_back(ids.emplace(key, static_cast<i64>(ids.size())).first->second);
+        }
+        n_places[i] = static_cast<i64>(ids.size());
+    }
+}
+
 // ---- planner.search.simulator.ReallocCache ----------------------------------------------
 
 ReallocCache::ReallocCache(const Problem& prob) : prob_(prob), tables_(prob.cands.size()) {}
 
 ReallocCost ReallocCache::get(i64 model, i64 train_mfc, i64 src, i64 mfc, i64 dst) {
     auto& table = tables_[mfc];
-    const u64 key = static_cast<u64>(src) * prob_.cands[mfc].size() + static_cast<u64>(dst);
+    const u64 key = static_cast<u64>(prob_.place_id[train_mfc][src]) *
+                        static_cast<u64>(prob_.n_places[mfc]) +
+                    static_cast<u64>(prob_.place_id[mfc][dst]);
     auto hit = table.find(key);
     if (hit != table.end()) return hit->second;
     const ReallocCost cost = realloc_time(prob_.realloc_models[model],
@@ -216,6 +233,62 @@ double slower_side_end(const Problem& prob, const std::vector<i64>& assign,
 
 }  // namespace
 
+namespace {
+
+// A set of GPUs as sorted, disjoint, non-touching intervals [lo, hi): who holds a record.
+// Holders are whole meshes and unions of meshes, so a few intervals stand for what the
+// Python twin keeps as a sorted tuple of GPUs (same sets, same results).
+using Spans = std::vector<std::pair<i64, i64>>;
+
+i64 span_count(const Spans& s) {
+    i64 n = 0;
+    for (const auto& [a, b] : s) n += b - a;
+    return n;
+}
+
+// [lo, hi) minus `have`
+void span_minus(i64 lo, i64 hi, const Spans& have, Spans& out) {
+    out.clear();
+    i64 at = lo;
+    for (const auto& [a, b] : have) {
+        if (b <= at) continue;
+        if (a >= hi) break;
+        if (a > at) out.emplace_back(at, a);
+        at = std::max(at, b);
+        if (at >= hi) break;
+    }
+    if (at < hi) out.emplace_back(at, hi);
+}
+
+// the first `k` GPUs of `s`
+void span_prefix(const Spans& s, i64 k, Spans& out) {
+    out.clear();
+    for (const auto& [a, b] : s) {
+        if (k <= 0) break;
+        const i64 take = std::min(k, b - a);
+        out.emplace_back(a, a + take);
+        k -= take;
+    }
+}
+
+// the union of two span sets, merged into sorted, disjoint, non-touching intervals
+void span_union(const Spans& x, const Spans& y, Spans& out) {
+    out.clear();
+    auto push = [&](std::pair<i64, i64> iv) {
+        if (!out.empty() && iv.first <= out.back().second)
+            out.back().second = std::max(out.back().second, iv.second);
+        else
+            out.push_back(iv);
+    };
+    size_t i = 0, j = 0;
+    while (i < x.size() || j < y.size()) {
+        if (j == y.size() || (i < x.size() && x[i].first <= y[j].first)) push(x[i++]);
+        else push(y[j++]);
+    }
+}
+
+}  // namespace
+
 // planner.search.simulator.simulate (record=False; the realloc table is not kept)
 SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocCache& cache) {
     const i64 n_mfc = prob.n_mfcs();
@@ -223,9 +296,9 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
     const i64 gpn = prob.links.gpus_per_node;
     std::vector<double> free(prob.n_gpus, 0.0);
     std::vector<double> prev_finish(n_mfc, 0.0), finish(n_mfc, 0.0);
-    std::vector<std::vector<i64>> holders(n_keys);
+    std::vector<Spans> holders(n_keys);
     std::vector<bool> held(n_keys, false);
-    std::vector<i64> lack, occ, merged;
+    Spans lack, first, occ, merged;
     std::vector<i64> order, ahead;
     for (i64 i = 0; i < n_mfc; ++i)
         if (!prob.ahead[i]) order.push_back(i); else ahead.push_back(i);
@@ -252,28 +325,24 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
     auto send = [&](i64 i, i64 key) {
         const Candidate& c = prob.cands[i][assign[i]];
         const i64 lo = c.place.first_gpu, hi = c.place.first_gpu + c.place.n_gpus;
-        const std::vector<i64>& have = holders[key];
-        lack.clear();
-        for (i64 g = lo; g < hi; ++g)
-            if (!std::binary_search(have.begin(), have.end(), g)) lack.push_back(g);
+        const Spans& have = holders[key];
+        span_minus(lo, hi, have, lack);          // the mesh's GPUs that lack the record
         if (lack.empty()) return 0.0;
-        occ.assign(have.begin(), have.begin() + std::min(lack.size(), have.size()));
-        occ.insert(occ.end(), lack.begin(), lack.end());
-        std::sort(occ.begin(), occ.end());
-        occ.erase(std::unique(occ.begin(), occ.end()), occ.end());
-        const bool inter = occ.front() / gpn != occ.back() / gpn;
+        // occupied: as many holders as receivers (the first ones) and the receivers
+        span_prefix(have, std::min(span_count(lack), span_count(have)), first);
+        span_union(first, lack, occ);
+        const bool inter = occ.front().first / gpn != (occ.back().second - 1) / gpn;
         const double dur = (inter ? prob.key_send_inter_s[key] : prob.key_send_intra_s[key]) /
                            static_cast<double>(prob.mfc_every[i]);
         double s_start = 0.0;
-        for (i64 g : occ)
-            if (free[g] > s_start) s_start = free[g];
+        for (const auto& [a, b] : occ)
+            for (i64 g = a; g < b; ++g)
+                if (free[g] > s_start) s_start = free[g];
         const double s_end = s_start + dur;
-        for (i64 g : occ) free[g] = s_end;
+        for (const auto& [a, b] : occ) std::fill(free.begin() + a, free.begin() + b, s_end);
         if (prob.mfc_every[i] == 1) {
-            merged.clear();
-            std::set_union(have.begin(), have.end(), lack.begin(), lack.end(),
-                           std::back_inserter(merged));
-            holders[key] = merged;
+            span_union(have, lack, merged);
+            holders[key].swap(merged);
         }
         return s_end;
     };
@@ -288,8 +357,7 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
             // generates with next are reallocated first
             const Place& p = prob.cands[i][assign[i]].place;
             for (i64 key : prob.outputs[i]) {
-                holders[key].clear();
-                for (i64 g = p.first_gpu; g < p.first_gpu + p.n_gpus; ++g) holders[key].push_back(g);
+                holders[key].assign(1, {p.first_gpu, p.first_gpu + p.n_gpus});
                 held[key] = true;
             }
             if (needs_realloc(prob, assign, i)) ahead_ready[i] = realloc(it, i);
@@ -324,8 +392,7 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
             occupy_until(free, c.place, end);
             finish[i] = end;
             for (i64 key : prob.outputs[i]) {
-                holders[key].clear();
-                for (i64 g = lo; g < hi; ++g) holders[key].push_back(g);
+                holders[key].assign(1, {lo, hi});
                 held[key] = true;
             }
             if (end > makespan) makespan = end;
@@ -370,11 +437,12 @@ Move propose(const Problem& prob, const std::vector<i64>& cur, SplitMix64& rng) 
 
 // planner.search.anneal.anneal
 AnnealResult anneal(const Problem& prob, const std::vector<i64>& start, const AnnealSettings& s,
-                    double time_limit_s) {
+                    double time_limit_s, ReallocCache* shared) {
     using clock = std::chrono::steady_clock;
     const auto t_start = clock::now();
     SplitMix64 rng(s.seed);
-    ReallocCache cache(prob);
+    ReallocCache own(prob);
+    ReallocCache& cache = shared != nullptr ? *shared : own;
     std::vector<i64> cur = start;
     const SimResult res = simulate(prob, cur, cache);
     double cur_e = energy(prob, res);
@@ -384,10 +452,12 @@ AnnealResult anneal(const Problem& prob, const std::vector<i64>& start, const An
     const double t1 = s.t1_frac * cur_e;
     i64 accepted = 0;
     i64 step = 0;
+    i64 improved_at = 0;     // the step of the last better plan (the start: 0)
     for (; step < s.n_steps; ++step) {
         if (time_limit_s > 0.0 && step > 0 && step % kTimeCheckEvery == 0 &&
             std::chrono::duration<double>(clock::now() - t_start).count() >= time_limit_s)
             break;
+        if (s.patience > 0 && step - improved_at >= s.patience) break;     // converged
         if (s.restart_every > 0 && step > 0 && step % s.restart_every == 0 && best_e < kInf) {
             cur = best;
             cur_e = best_e;
@@ -406,6 +476,7 @@ AnnealResult anneal(const Problem& prob, const std::vector<i64>& start, const An
             if (r.feasible() && e < best_e) {
                 best_e = e;
                 best = cur;
+                improved_at = step;
             }
         } else {
             cur[mv.mfc] = old;

@@ -83,6 +83,10 @@ struct Problem {
     std::vector<ReallocModel> realloc_models;        // per model
     std::vector<std::vector<Candidate>> cands;       // per MFC: its candidates
     std::vector<std::vector<std::vector<i64>>> same_mesh;  // per MFC, per cand
+    // per MFC, per cand: the index of its placement (first_gpu, n_gpus, tp, pp) among the
+    // MFC's distinct placements, and their number (index_places() fills them)
+    std::vector<std::vector<i64>> place_id;
+    std::vector<i64> n_places;
     // records (planner.search.problem._add_records): per MFC its (key, producer MFC or -1)
     // inputs, its output keys and its `every`; per key one Send's seconds
     std::vector<std::vector<std::array<i64, 2>>> inputs;
@@ -96,6 +100,8 @@ struct Problem {
 
     // Throws std::invalid_argument naming the offending field and value.
     void validate() const;
+    // Fills place_id and n_places from cands.
+    void index_places();
 };
 
 // ---- reallocation cost (planner/cost/realloc_cost.py) ---------------------------------
@@ -110,8 +116,9 @@ ReallocCost realloc_time(const ReallocModel& m, const Place& src, const Place& d
                          const Links& links);
 
 // planner.search.simulator.ReallocCache: memoised realloc_time keyed by
-// (model, source cand, MFC, destination cand). The model is fixed by the MFC, so
-// there is one table per MFC keyed by (source cand, destination cand).
+// (model, source placement, destination placement): candidates that differ only in
+// micro-batches or offload share one entry. The model is fixed by the MFC, so there is
+// one table per MFC keyed by (source placement, destination placement).
 class ReallocCache {
 public:
     explicit ReallocCache(const Problem& prob);
@@ -178,6 +185,7 @@ struct AnnealSettings {
     double t1_frac = 1e-4;
     i64 restart_every = 5000;
     u64 seed = 0;
+    i64 patience = 0;   // > 0: stop once this many steps found no better plan (converged)
 };
 
 // planner.search.anneal.AnnealResult (steps: the steps actually run)
@@ -192,7 +200,17 @@ struct AnnealResult {
 // planner.search.anneal.anneal. time_limit_s <= 0: no limit; otherwise the walk stops at
 // the first check (every kTimeCheckEvery steps) past the limit.
 constexpr i64 kTimeCheckEvery = 256;
+// `cache`: reallocation times kept across calls (null: one of its own).
 AnnealResult anneal(const Problem& prob, const std::vector<i64>& start,
-                    const AnnealSettings& s, double time_limit_s);
+                    const AnnealSettings& s, double time_limit_s,
+                    ReallocCache* cache = nullptr);
+
+// A problem's simulator with its reallocation cache kept from call to call (the
+// search prices the heuristics, the seeds and every annealing chain through one).
+struct Simulator {
+    explicit Simulator(const Problem& p) : prob(p), cache(p) {}
+    const Problem& prob;
+    ReallocCache cache;
+};
 
 }  // namespace realign_core

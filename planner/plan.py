@@ -109,6 +109,8 @@ class SearchInfo(_Frozen):
     candidates: dict[str, int] = Field(description="Candidate allocations per MFC.")
     steps: int = Field(description="Annealing steps or branch-and-bound nodes.")
     complete: bool = Field(description="exact: the whole space was searched.")
+    converged: bool = Field(False, description="anneal: every seed's walk converged (its "
+                            "last chains gained < 0.1 %) before the steps or the time ran out.")
 
 
 class ModeResult(_Frozen):

@@ -62,7 +62,7 @@ from planner.graph.dataflow import MFC
 from planner.graph.lengths import expected_call_tokens
 from planner.graph.padding import longest_prompt, padded_len
 from planner.specs.cluster import ClusterSpec
-from planner.specs.layout import Layout, dp_groups, pp_groups, tp_groups
+from planner.specs.layout import Layout
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
 
@@ -94,6 +94,10 @@ class CostModel:
         self.config = config or CostModelConfig()
         self.profile = profile
         self.rates = Rates(cluster, self.config, profile)
+        #: one pass of a micro-batch through a stage, by everything it depends on: the
+        #: search prices many candidates whose passes are alike (the same rows per
+        #: replica on meshes of other sizes); the Works kept here are only read
+        self._stage_memo: dict[tuple, Work] = {}
 
     @property
     def mem_limit_bytes(self) -> float:
@@ -147,9 +151,12 @@ class CostModel:
     def _nodes(self, mesh: DeviceMesh, layout: Layout) -> tuple[int, int, int]:
         """Nodes spanned by one TP, DP and PP group."""
         gpn = self.cluster.gpus_per_node
-        return (group_nodes(tp_groups(layout)[0], mesh, gpn),
-                group_nodes(dp_groups(layout)[0], mesh, gpn),
-                group_nodes(pp_groups(layout)[0], mesh, gpn))
+        # the first group of each kind (meshes are aligned, so every group of a kind
+        # spans as many nodes): TP ranks 0.., DP ranks 0, tp, 2 tp.., PP 0, tp dp, ...
+        tp, dp, pp = layout.tp, layout.dp, layout.pp
+        return (group_nodes(list(range(tp)), mesh, gpn),
+                group_nodes(list(range(0, tp * dp, tp)), mesh, gpn),
+                group_nodes(list(range(0, tp * dp * pp, tp * dp)), mesh, gpn))
 
     def _stages(self, spec: ModelSpec, head: str, kind: str, rows: float, ctx: float,
                 out_rows: float, layout: Layout, tp_nodes: int, msg: Work,
@@ -161,8 +168,17 @@ class CostModel:
         tp, pp = layout.tp, layout.pp
         layers = spec.n_layers // pp
         r = self.rates
+        signature = (spec, head, kind, rows, ctx, out_rows, tp, pp, tp_nodes,
+                     _signature(msg), _signature(back) if back is not None else None)
 
         def stage(first: bool, last: bool) -> Work:
+            key = (signature, first, last)
+            hit = self._stage_memo.get(key)
+            if hit is None:
+                hit = self._stage_memo[key] = make(first, last)
+            return hit
+
+        def make(first: bool, last: bool) -> Work:
             w = stage_pass(r, spec, head, kind, rows, ctx, out_rows, tp, layers, first, last,
                            tp_nodes)
             if kind == "train" and self.config.activation_recompute:
@@ -385,6 +401,11 @@ class CostModel:
             return weights, resident, act, host
         resident = weights + p_gpu * cfg.grad_dtype_bytes + cfg.optimizer_state_bytes_per_param * shard
         return weights, resident, act, 0.0
+
+
+def _signature(w: Work) -> tuple:
+    """A Work's contents as a hashable value."""
+    return tuple(sorted(w.seconds.items())), tuple(sorted(w.counts.items()))
 
 
 def _msg(seconds: float, n: int = 1) -> Work:

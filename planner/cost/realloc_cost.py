@@ -79,23 +79,35 @@ def _tp_overlap(i: int, tp_d: int, k: int, tp_s: int) -> int:
 
 
 class _Acc:
-    """Per-GPU received and sent bytes (index 0: intra-node, 1: inter-node)."""
+    """Per-GPU received and sent bytes (index 0: intra-node, 1: inter-node).
+
+    A slice that reaches a GPU from another node is shared by every holder of it; such
+    shares are summed per holder group (``far``: (stages, tp rank) -> bytes per
+    holder, in the order the groups first appear) and added to the group's holders once
+    at the end, so a charge costs the holders on the receiver's node, not all of them
+    (at 1024 GPUs a group holds up to 128 GPUs, and every receiver charged each)."""
 
     def __init__(self) -> None:
         self.recv: dict[int, list[int]] = {}
         self.send: dict[int, list[float]] = {}
         self.local: dict[int, int] = {}       #: bytes a destination GPU copies locally
+        self.far: dict[tuple[tuple[int, ...], int], float] = {}
 
 
-def _charge(acc: _Acc, g: int, holders: list[int], nbytes: int, gpn: int) -> None:
+def _charge(acc: _Acc, g: int, group: tuple[tuple[int, ...], int], holders: list[int],
+            nbytes: int, gpn: int) -> None:
+    """``g`` receives ``nbytes`` of a slice held by ``holders`` (the holders of
+    ``group``), shared evenly by those on ``g``'s node, or else by all of them."""
     node = g // gpn
     near = [h for h in holders if h // gpn == node]
-    inter = 0 if near else 1
-    acc.recv.setdefault(g, [0, 0])[inter] += nbytes
-    pool = near if near else holders
-    share = nbytes / len(pool)
-    for h in pool:
-        acc.send.setdefault(h, [0.0, 0.0])[inter] += share
+    if near:
+        acc.recv.setdefault(g, [0, 0])[0] += nbytes
+        share = nbytes / len(near)
+        for h in near:
+            acc.send.setdefault(h, [0.0, 0.0])[0] += share
+    else:
+        acc.recv.setdefault(g, [0, 0])[1] += nbytes
+        acc.far[group] = acc.far.get(group, 0.0) + nbytes / len(holders)
 
 
 def _stages_holding(content: str, m: ReallocModel, pp: int, layer: int = -1) -> list[int]:
@@ -136,13 +148,14 @@ def realloc_recv_send(m: ReallocModel, src: Place, dst: Place, gpn: int) -> _Acc
                 if local and k_g == k and j_g in stages:
                     acc.local[g] = acc.local.get(g, 0) + nbytes * ov // unit
                     continue
-                _charge(acc, g, _holders(src, stages, k), nbytes * ov // unit, gpn)
+                _charge(acc, g, (tuple(stages), k), _holders(src, stages, k),
+                        nbytes * ov // unit, gpn)
 
         def replicated(nbytes: int, stages: list[int]) -> None:
             if local and j_g in stages:
                 acc.local[g] = acc.local.get(g, 0) + nbytes
                 return
-            _charge(acc, g, _holders(src, stages, -1), nbytes, gpn)
+            _charge(acc, g, (tuple(stages), -1), _holders(src, stages, -1), nbytes, gpn)
 
         if j == 0:
             sharded(m.embedding_bytes, _stages_holding("embedding", m, pp_s))
@@ -160,6 +173,9 @@ def realloc_recv_send(m: ReallocModel, src: Place, dst: Place, gpn: int) -> _Acc
                 replicated(m.head_bytes, [pp_s - 1])
             elif pp_d > 1:
                 sharded(m.embedding_bytes, _stages_holding("embedding", m, pp_s))
+    for (stages, k), per_holder in acc.far.items():
+        for h in _holders(src, list(stages), k):
+            acc.send.setdefault(h, [0.0, 0.0])[1] += per_holder
     return acc
 
 

@@ -10,7 +10,9 @@ One step: pick an MFC, propose a new candidate for it (half the time one on the
 same mesh, i.e. a layout change; otherwise any candidate), simulate, and accept by
 the Metropolis rule at a temperature that falls geometrically from
 ``t0_frac * E0`` to ``t1_frac * E0``. Every ``restart_every`` steps the walk
-returns to the best feasible assignment found so far.
+returns to the best feasible assignment found so far. With ``patience`` > 0 it stops
+once that many steps have found no better plan (converged: an anytime search that
+ends when more steps no longer pay, not at the time limit).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class AnnealSettings:
     t1_frac: float = 1e-4
     restart_every: int = 5000
     seed: int = 0
+    patience: int = 0
 
 
 @dataclass
@@ -59,9 +62,10 @@ class AnnealResult:
     accepted: int
 
 
-def anneal(prob: Problem, start: list[int], s: AnnealSettings) -> AnnealResult:
+def anneal(prob: Problem, start: list[int], s: AnnealSettings,
+           cache: ReallocCache | None = None) -> AnnealResult:
     rng = SplitMix64(s.seed)
-    cache = ReallocCache(prob)
+    cache = cache if cache is not None else ReallocCache(prob)
     cur = list(start)
     res = simulate(prob, cur, cache)
     cur_e = energy(prob, res)
@@ -71,7 +75,12 @@ def anneal(prob: Problem, start: list[int], s: AnnealSettings) -> AnnealResult:
     t1 = s.t1_frac * cur_e
     n_mfc = len(prob.cands)
     accepted = 0
+    improved_at = 0                  # the step of the last better plan (the start: 0)
+    steps = s.n_steps
     for step in range(s.n_steps):
+        if s.patience > 0 and step - improved_at >= s.patience:
+            steps = step                                                     # converged
+            break
         if s.restart_every > 0 and step > 0 and step % s.restart_every == 0 and best_e < math.inf:
             cur = list(best)
             cur_e = best_e
@@ -94,6 +103,7 @@ def anneal(prob: Problem, start: list[int], s: AnnealSettings) -> AnnealResult:
             if r.feasible and e < best_e:
                 best_e = e
                 best = list(cur)
+                improved_at = step
         else:
             cur[i] = old
-    return AnnealResult(best, best_e, best_e < math.inf, s.n_steps, accepted)
+    return AnnealResult(best, best_e, best_e < math.inf, steps, accepted)

@@ -95,5 +95,27 @@ def core_anneal(prob: Problem, start: list[int], settings: AnnealSettings,
     cp = core_prob if core_prob is not None else to_core(prob)
     assign, e, feasible, steps, accepted = core.anneal(
         cp, list(start), settings.n_steps, settings.t0_frac, settings.t1_frac,
-        settings.restart_every, settings.seed & MASK64, time_limit_s)
+        settings.restart_every, settings.seed & MASK64, time_limit_s, settings.patience)
     return AnnealResult(list(assign), e, feasible, steps, accepted)
+
+
+class CoreSimulator:
+    """:func:`planner.search.simulator.simulate` and :func:`core_anneal` in C++ over one
+    packed problem and one reallocation cache that lasts from call to call (the search
+    prices its heuristics, its seeds and every annealing chain through it)."""
+
+    def __init__(self, prob: Problem):
+        self.prob = prob
+        self.core_prob = to_core(prob)
+        self._sim = load_core().Simulator(self.core_prob)
+
+    def __call__(self, assign: list[int]) -> SimResult:
+        iter_time_s, makespan_s, overflow_bytes, peak_bytes = self._sim.simulate(list(assign))
+        return SimResult(iter_time_s, makespan_s, overflow_bytes, peak_bytes)
+
+    def anneal(self, start: list[int], settings: AnnealSettings,
+               time_limit_s: float = 0.0) -> AnnealResult:
+        assign, e, feasible, steps, accepted = self._sim.anneal(
+            list(start), settings.n_steps, settings.t0_frac, settings.t1_frac,
+            settings.restart_every, settings.seed & MASK64, time_limit_s, settings.patience)
+        return AnnealResult(list(assign), e, feasible, steps, accepted)

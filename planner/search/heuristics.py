@@ -13,7 +13,9 @@ candidate space so they are priced by the same simulator and seed the search.
   with its fastest layout on its GPUs.
 
 Each builder returns an assignment (candidate index per MFC) or None when the
-heuristic has no plan that fits in memory.
+heuristic has no plan that fits in memory. ``sim`` prices an assignment (the search
+passes the C++ core's simulator, :class:`~planner.search.core_bridge.CoreSimulator`;
+by default :func:`~planner.search.simulator.simulate`, its Python twin).
 """
 from __future__ import annotations
 
@@ -22,13 +24,21 @@ from typing import Callable
 
 from planner.search.deadline import Deadline
 from planner.search.problem import Problem
-from planner.search.simulator import ReallocCache, energy, simulate
+from planner.search.simulator import ReallocCache, SimResult, energy, simulate
 
 Assignment = list[int]
+#: prices an assignment (same results as planner.search.simulator.simulate)
+Sim = Callable[[Assignment], SimResult]
+
+
+def python_sim(prob: Problem) -> Sim:
+    """The Python twin, with one reallocation cache for all its calls."""
+    cache = ReallocCache(prob)
+    return lambda assign: simulate(prob, assign, cache)
 
 
 def _on_mesh(prob: Problem, i: int, first: int, n: int) -> list[int]:
-    return [j for j, c in enumerate(prob.cands[i]) if c.first_gpu == first and c.n_gpus == n]
+    return prob.on_mesh[i].get((first, n), [])
 
 
 def _mp_order(prob: Problem, i: int, js: list[int]) -> list[tuple[int, int]]:
@@ -38,8 +48,8 @@ def _mp_order(prob: Problem, i: int, js: list[int]) -> list[tuple[int, int]]:
     return tps
 
 
-def _fit_micro_batches(prob: Problem, choice: list[list[int]],
-                       deadline: Deadline | None = None) -> Assignment | None:
+def _fit_micro_batches(prob: Problem, choice: list[list[int]], deadline: Deadline | None,
+                       sim: Sim) -> Assignment | None:
     """Pick one option per MFC (they differ in micro-batches) that fits in memory.
 
     Memory is resident state + the largest activation of any call on a GPU, so for
@@ -47,7 +57,6 @@ def _fit_micro_batches(prob: Problem, choice: list[list[int]],
     feasible cap wins. Exact when every call shares one mesh (times add up there).
     """
     caps = sorted({prob.cands[i][j].activation_bytes for i, js in enumerate(choice) for j in js})
-    cache = ReallocCache(prob)
     best, best_e = None, float("inf")
     seen: set[tuple[int, ...]] = set()
     for cap in reversed(caps):
@@ -62,13 +71,15 @@ def _fit_micro_batches(prob: Problem, choice: list[list[int]],
         if len(assign) < len(choice) or tuple(assign) in seen:
             continue
         seen.add(tuple(assign))
-        res = simulate(prob, assign, cache)
+        res = sim(assign)
         if res.feasible and energy(prob, res) < best_e:
             best, best_e = assign, energy(prob, res)
     return best
 
 
-def megatron(prob: Problem, deadline: Deadline | None = None) -> Assignment | None:
+def megatron(prob: Problem, deadline: Deadline | None = None, sim: Sim | None = None
+             ) -> Assignment | None:
+    sim = sim or python_sim(prob)
     n = prob.n_gpus
     full = [_on_mesh(prob, i, 0, n) for i in range(len(prob.cands))]
     if any(not js for js in full):
@@ -95,9 +106,9 @@ def megatron(prob: Problem, deadline: Deadline | None = None) -> Assignment | No
         for i in range(len(prob.cands)):
             tp, pp = options[prob.mfc_model[i]][level[prob.mfc_model[i]]]
             choice.append([j for j in full[i] if (prob.cands[i][j].tp, prob.cands[i][j].pp) == (tp, pp)])
-        assign = _fit_micro_batches(prob, choice)
+        assign = _fit_micro_batches(prob, choice, None, sim)
         if assign is not None:
-            e = energy(prob, simulate(prob, assign))
+            e = energy(prob, sim(assign))
             if e < best_e:
                 best, best_e = assign, e
             extra += 1
@@ -110,7 +121,9 @@ def megatron(prob: Problem, deadline: Deadline | None = None) -> Assignment | No
     return best
 
 
-def deepspeed_chat(prob: Problem, deadline: Deadline | None = None) -> Assignment | None:
+def deepspeed_chat(prob: Problem, deadline: Deadline | None = None, sim: Sim | None = None
+                   ) -> Assignment | None:
+    sim = sim or python_sim(prob)
     n, gpn = prob.n_gpus, prob.cluster.gpus_per_node
     choice = []
     for i in range(len(prob.cands)):
@@ -133,7 +146,7 @@ def deepspeed_chat(prob: Problem, deadline: Deadline | None = None) -> Assignmen
                 continue
             at = [j for j in js if prob.cands[i][j].tp == tp]
             narrowed.append(at or js)
-        assign = _fit_micro_batches(prob, narrowed)
+        assign = _fit_micro_batches(prob, narrowed, None, sim)
         if assign is not None:
             return assign
     return None
@@ -160,9 +173,10 @@ def _pow2_splits(n: int, parts: int, gpn: int) -> list[tuple[int, ...]]:
     return [c for c in itertools.product(sizes, repeat=parts) if sum(c) == n]
 
 
-def openrlhf(prob: Problem, deadline: Deadline | None = None) -> Assignment | None:
+def openrlhf(prob: Problem, deadline: Deadline | None = None, sim: Sim | None = None
+             ) -> Assignment | None:
+    sim = sim or python_sim(prob)
     best, best_e = None, float("inf")
-    cache = ReallocCache(prob)
     for colocate in (False, True):
         keys = _pool_keys(prob, colocate)
         pools = list(dict.fromkeys(keys))
@@ -178,10 +192,10 @@ def openrlhf(prob: Problem, deadline: Deadline | None = None) -> Assignment | No
             choice = [_on_mesh(prob, i, *where[keys[i]]) for i in range(len(prob.cands))]
             if any(not js for js in choice):
                 continue
-            assign = _fit_micro_batches(prob, choice, deadline)
+            assign = _fit_micro_batches(prob, choice, deadline, sim)
             if assign is None:
                 continue
-            e = energy(prob, simulate(prob, assign, cache))
+            e = energy(prob, sim(assign))
             if e < best_e:
                 best, best_e = assign, e
     return best
@@ -208,7 +222,7 @@ def not_applicable(name: str, prob: Problem) -> str | None:
     return f"it runs every call on all GPUs; {lacking[0]} has no layout on all {prob.n_gpus}"
 
 
-#: name -> builder(problem, deadline) (a builder past the deadline returns what it has)
+#: name -> builder(problem, deadline, sim) (a builder past the deadline returns what it has)
 HEURISTICS: dict[str, Callable[..., Assignment | None]] = {
     "megatron": megatron,
     "deepspeed-chat": deepspeed_chat,

@@ -89,6 +89,8 @@ class Problem:
     cands: list[list[Candidate]]
     n_iters: int = 3
     same_mesh: list[list[list[int]]] = field(default_factory=list)
+    #: per MFC: (first_gpu, n_gpus) of a mesh -> its candidates on it
+    on_mesh: list[dict[tuple[int, int], list[int]]] = field(default_factory=list)
     #: records: per MFC the (key, producing MFC or -1 for the dataset) it reads, the keys
     #: it writes (a rule reward's with the MFC whose sequences it scores), its
     #: ``every``, and per key one Send's seconds (within a node, across nodes)
@@ -285,6 +287,7 @@ def assemble(graph: DataflowGraph, models: dict[str, RoleModel], cost: CostModel
         for j, c in enumerate(cs):
             groups.setdefault((c.first_gpu, c.n_gpus), []).append(j)
         prob.same_mesh.append([groups[(c.first_gpu, c.n_gpus)] for c in cs])
+        prob.on_mesh.append(groups)
     return prob
 
 

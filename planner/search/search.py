@@ -4,7 +4,10 @@ Pure: no I/O, no environment variables. Steps:
 1. price every candidate allocation of every MFC (:mod:`planner.search.problem`);
 2. build the hand-written heuristic plans (:mod:`planner.search.heuristics`) in that space;
 3. search from them: exact branch and bound when the space is small, else
-   simulated annealing in the C++ core, one chain per heuristic seed;
+   simulated annealing in the C++ core from each seed, anytime: each seed's walk runs
+   chains of doubling length, each from the best it has found, until
+   ``anneal_patience`` chains in a row improve it by less than 0.1 % (converged), the
+   steps (``anneal_steps``) or the time are spent;
 4. the best plan found is never worse than any heuristic (they are its seeds).
 ``time_limit_s`` bounds all of it on the wall clock (:class:`~planner.search.deadline.Deadline`):
 a phase that runs out of time stops with what it has (the search keeps the best seed),
@@ -27,12 +30,13 @@ from planner.errors import InfeasibleError, PlanError
 from planner.graph.dataflow import DataflowGraph
 from planner.plan import ExecutionPlan, HeuristicResult, SearchInfo
 from planner.search.anneal import AnnealSettings
+from planner.search.core_bridge import CoreSimulator
 from planner.search.deadline import Deadline
 from planner.search.exact import branch_and_bound
-from planner.search.heuristics import HEURISTICS, not_applicable
+from planner.search.heuristics import HEURISTICS, Sim, not_applicable
 from planner.search.plan_build import build_plan, describe_candidate
 from planner.search.problem import Problem, RoleModel, async_splits, build_problem
-from planner.search.simulator import ReallocCache, energy, simulate
+from planner.search.simulator import energy, simulate
 from planner.specs.cluster import MAX_NODES, ClusterSpec
 
 
@@ -46,7 +50,12 @@ class SearchSettings(BaseModel):
     time_limit_s: float = Field(20.0, gt=0, le=86400, description="Wall-clock cap on planning, "
                                 "set-up included.")
     seed: int = Field(0, ge=0, description="Seed of the annealer's random numbers.")
-    anneal_steps: int = Field(300_000, gt=0, description="Annealing steps, split over the seeds.")
+    anneal_steps: int = Field(2_000_000, gt=0, description="Most annealing steps in all "
+                              "(the walks usually converge well before).")
+    anneal_start_steps: int = Field(5000, gt=0, description="Length of each seed's first "
+                                    "annealing chain; each further chain is twice as long.")
+    anneal_patience: int = Field(1, gt=0, description="Chains in a row that improve a seed's "
+                                 "best by less than 0.1 % before its walk counts as converged.")
     exact_max_space: int = Field(100_000, gt=0, description="Largest space searched exactly under auto.")
     exact_max_nodes: int = Field(2_000_000, gt=0, description="Node budget of branch and bound.")
     n_iters: int = Field(3, gt=0, le=16, description="Iterations simulated per estimate.")
@@ -59,7 +68,7 @@ def _min_memory_start(prob: Problem) -> list[int]:
             for cs in prob.cands]
 
 
-def _heuristics(prob: Problem, deadline: Deadline | None = None
+def _heuristics(prob: Problem, deadline: Deadline | None = None, sim: Sim | None = None
                 ) -> tuple[dict[str, list[int] | None], set[str]]:
     """Each heuristic's plan (None: it has none that fits), and the names of those not
     built because the deadline passed first."""
@@ -70,27 +79,55 @@ def _heuristics(prob: Problem, deadline: Deadline | None = None
             out[name] = None
             skipped.add(name)
         else:
-            out[name] = fn(prob, deadline)
+            out[name] = fn(prob, deadline, sim)
     return out, skipped
 
 
-def _anneal(prob: Problem, seeds: list[list[int]], s: SearchSettings, deadline: Deadline
-            ) -> tuple[list[int] | None, float, int]:
-    from planner.search.core_bridge import core_anneal, to_core
-    core = to_core(prob)
-    best, best_e, steps = None, math.inf, 0
-    per = max(1, s.anneal_steps // len(seeds))
-    for k, start in enumerate(seeds):
-        left = deadline.left_s()
-        if left <= 0:
+#: a chain that improves its seed's best by less than this share has not improved it
+CONVERGED_GAIN = 1e-3
+
+
+def _anneal(sim: CoreSimulator, seeds: list[list[int]], s: SearchSettings,
+            deadline: Deadline) -> tuple[list[int] | None, float, int, bool]:
+    """Anytime annealing from each seed, the seeds' walks taking turns: a walk's next
+    chain starts from its best and is twice as long as the last one, until
+    ``anneal_patience`` chains in a row gain less than :data:`CONVERGED_GAIN` (then the
+    walk has converged), or the steps or the time run out. (best, its energy, steps,
+    every walk converged)."""
+    prob = sim.prob
+    walks = []          # per seed: [best assignment, its energy, next chain length, misses]
+    for a in seeds:
+        r = sim(a)
+        walks.append([list(a), energy(prob, r) if r.feasible else math.inf,
+                      s.anneal_start_steps, 0])
+    steps, chain = 0, 0
+    while steps < s.anneal_steps:
+        live = [w for w in walks if w[3] < s.anneal_patience]
+        if not live:
             break
-        share = left / (len(seeds) - k)
-        r = core_anneal(prob, start, AnnealSettings(n_steps=per, seed=s.seed + k),
-                        time_limit_s=share, core_prob=core)
-        steps += r.steps
-        if r.feasible and r.energy < best_e:
-            best, best_e = r.assign, r.energy
-    return best, best_e, steps
+        for k, w in enumerate(walks):
+            if w[3] >= s.anneal_patience:
+                continue
+            left = deadline.left_s()
+            if left <= 0 or steps >= s.anneal_steps:
+                break
+            n = min(w[2], s.anneal_steps - steps)
+            r = sim.anneal(w[0], AnnealSettings(n_steps=n, seed=s.seed + 1000 * k + chain),
+                           time_limit_s=left)
+            steps += r.steps
+            if r.feasible and r.energy < w[1] * (1 - CONVERGED_GAIN):
+                w[0], w[1], w[3] = r.assign, r.energy, 0
+            else:
+                if r.feasible and r.energy < w[1]:
+                    w[0], w[1] = r.assign, r.energy
+                w[3] += 1
+            w[2] *= 2
+        chain += 1
+        if deadline.left_s() <= 0:
+            break
+    best = min(walks, key=lambda w: w[1])
+    done = all(w[3] >= s.anneal_patience for w in walks)
+    return (best[0] if best[1] < math.inf else None), best[1], steps, done
 
 
 def search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
@@ -142,12 +179,11 @@ def _search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], clust
         raise InfeasibleError(f"{e.message}. "
                               f"{_suggest(graph, models, cluster, cost_config, profile, deadline)}",
                               field="cluster") from None
-    heur, skipped = _heuristics(prob, deadline)
-    cache = ReallocCache(prob)
-    heur_e = {n: (energy(prob, simulate(prob, a, cache)) if a is not None else None)
-              for n, a in heur.items()}
+    sim = CoreSimulator(prob)        # the C++ twin, one reallocation cache for all calls
+    heur, skipped = _heuristics(prob, deadline, sim)
+    heur_e = {n: (energy(prob, sim(a)) if a is not None else None) for n, a in heur.items()}
     seeds = sorted((a for a in heur.values() if a is not None),
-                   key=lambda a: energy(prob, simulate(prob, a, cache)))
+                   key=lambda a: energy(prob, sim(a)))
     unique: list[list[int]] = []
     for a in seeds:
         if a not in unique:
@@ -156,17 +192,17 @@ def _search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], clust
     method = s.method
     if method == "auto":
         method = "exact" if prob.space_size() <= s.exact_max_space else "anneal"
-    complete = True
+    complete, converged = True, False
     if method == "exact":
-        incumbent = unique[0] if simulate(prob, unique[0], cache).feasible else None
+        incumbent = unique[0] if sim(unique[0]).feasible else None
         r = branch_and_bound(prob, incumbent, s.exact_max_nodes, deadline)
         best, steps, complete = r.assign, r.nodes, r.complete
     else:
-        best, _e, steps = _anneal(prob, unique, s, deadline)
+        best, _e, steps, converged = _anneal(sim, unique, s, deadline)
         complete = False
     if best is None:        # out of time before the search found one: the best seed that fits
-        fits = [a for a in unique if simulate(prob, a, cache).feasible]
-        best = min(fits, key=lambda a: energy(prob, simulate(prob, a, cache))) if fits else None
+        fits = [a for a in unique if sim(a).feasible]
+        best = min(fits, key=lambda a: energy(prob, sim(a))) if fits else None
     if best is None:
         if split is not None:
             raise InfeasibleError(f"{_what_does_not_fit(prob)} (generation on GPUs below "
@@ -176,13 +212,13 @@ def _search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], clust
                               field="cluster")
     # never worse than a heuristic (they seed the search; this makes it explicit)
     for a in seeds:
-        if energy(prob, simulate(prob, a, cache)) < energy(prob, simulate(prob, best, cache)):
+        if energy(prob, sim(a)) < energy(prob, sim(best)):
             best = a
     elapsed = time.perf_counter() - t0
     info = SearchInfo(method=method, seed=s.seed, search_time_s=elapsed,
                       space_size=float(prob.space_size()),
                       candidates={m.name: len(c) for m, c in zip(graph.mfcs, prob.cands)},
-                      steps=steps, complete=complete)
+                      steps=steps, complete=complete, converged=converged)
     heuristics = tuple(
         HeuristicResult(name=n, iteration_time_s=heur_e[n], evaluated=n not in skipped,
                         allocations=({m.name: describe_candidate(prob, i, a[i])
@@ -221,15 +257,16 @@ def _fits_on(graph: DataflowGraph, models: dict[str, RoleModel], cluster: Cluste
             raise
         return False
     start = _min_memory_start(prob)
-    if simulate(prob, start).feasible or any(
-            a is not None for a in _heuristics(prob, deadline)[0].values()):
+    sim = CoreSimulator(prob)
+    if sim(start).feasible or any(
+            a is not None for a in _heuristics(prob, deadline, sim)[0].values()):
         return True
     # the leanest candidate of each MFC need not make the leanest plan (e.g. an
     # offloaded optimizer on part of the GPUs): a short annealing run looks further
     if deadline is None:
         deadline = Deadline(time.perf_counter() + FITS_ANNEAL_S, FITS_ANNEAL_S)
-    best, _e, _n = _anneal(prob, [start], SearchSettings(anneal_steps=FITS_ANNEAL_STEPS),
-                           deadline)
+    best, _e, _n, _done = _anneal(sim, [start], SearchSettings(anneal_steps=FITS_ANNEAL_STEPS),
+                                  deadline)
     return best is not None
 
 

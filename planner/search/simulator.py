@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from planner.cost.realloc_cost import realloc_time
+from planner.cost.realloc_cost import Place, realloc_time
 from planner.cost.step_spread import expected_max
 from planner.search.problem import Problem
 
@@ -83,19 +83,20 @@ class SimResult:
 
 
 class ReallocCache:
-    """Memoised reallocation times keyed by (model, source cand, destination cand)."""
+    """Memoised reallocation times keyed by (model, source placement, destination
+    placement): candidates that differ only in micro-batches or offload share one."""
 
     def __init__(self, prob: Problem):
         self.prob = prob
-        self.table: dict[tuple[int, int, int, int], tuple[float, int]] = {}
+        self.table: dict[tuple[int, Place, Place], tuple[float, int]] = {}
 
     def get(self, model: int, train_mfc: int, src: int, mfc: int, dst: int) -> tuple[float, int]:
-        key = (model, src, mfc, dst)
+        p = self.prob
+        a, b = p.cands[train_mfc][src].place, p.cands[mfc][dst].place
+        key = (model, a, b)
         hit = self.table.get(key)
         if hit is None:
-            p = self.prob
-            hit = realloc_time(p.realloc_models[model], p.cands[train_mfc][src].place,
-                               p.cands[mfc][dst].place, p.links)
+            hit = realloc_time(p.realloc_models[model], a, b, p.links)
             self.table[key] = hit
         return hit
 

@@ -42,7 +42,7 @@ def test_a_passed_deadline_stops_the_set_up_and_names_the_setting():
 def test_out_of_search_time_keeps_the_best_seed(monkeypatch):
     graph, models, cluster = ppo(2)
     settings = SearchSettings(method="anneal", time_limit_s=30)
-    monkeypatch.setattr(search_mod, "_anneal", lambda *a: (None, float("inf"), 0))
+    monkeypatch.setattr(search_mod, "_anneal", lambda *a: (None, float("inf"), 0, False))
     plan = search("t", graph, models, cluster, settings=settings)
     fitting = [h.iteration_time_s for h in plan.heuristics if h.iteration_time_s is not None]
     assert fitting and plan.iteration_time_s == pytest.approx(min(fitting))
