@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -87,6 +88,17 @@ def _heuristics(prob: Problem, deadline: Deadline | None = None, sim: Sim | None
 CONVERGED_GAIN = 1e-3
 
 
+@dataclass
+class _Walk:
+    """One seed's annealing walk: its best plan so far, the next chain's length and
+    how many chains in a row gained less than :data:`CONVERGED_GAIN`."""
+
+    best: list[int]
+    energy: float
+    next_steps: int
+    misses: int = 0
+
+
 def _anneal(sim: CoreSimulator, seeds: list[list[int]], s: SearchSettings,
             deadline: Deadline) -> tuple[list[int] | None, float, int, bool]:
     """Anytime annealing from each seed, the seeds' walks taking turns: a walk's next
@@ -95,39 +107,36 @@ def _anneal(sim: CoreSimulator, seeds: list[list[int]], s: SearchSettings,
     walk has converged), or the steps or the time run out. (best, its energy, steps,
     every walk converged)."""
     prob = sim.prob
-    walks = []          # per seed: [best assignment, its energy, next chain length, misses]
+    walks = []
     for a in seeds:
         r = sim(a)
-        walks.append([list(a), energy(prob, r) if r.feasible else math.inf,
-                      s.anneal_start_steps, 0])
+        walks.append(_Walk(list(a), energy(prob, r) if r.feasible else math.inf,
+                           s.anneal_start_steps))
     steps, chain = 0, 0
-    while steps < s.anneal_steps:
-        live = [w for w in walks if w[3] < s.anneal_patience]
-        if not live:
-            break
+    while steps < s.anneal_steps and any(w.misses < s.anneal_patience for w in walks):
         for k, w in enumerate(walks):
-            if w[3] >= s.anneal_patience:
+            if w.misses >= s.anneal_patience:
                 continue
             left = deadline.left_s()
             if left <= 0 or steps >= s.anneal_steps:
                 break
-            n = min(w[2], s.anneal_steps - steps)
-            r = sim.anneal(w[0], AnnealSettings(n_steps=n, seed=s.seed + 1000 * k + chain),
+            n = min(w.next_steps, s.anneal_steps - steps)
+            r = sim.anneal(w.best, AnnealSettings(n_steps=n, seed=s.seed + 1000 * k + chain),
                            time_limit_s=left)
             steps += r.steps
-            if r.feasible and r.energy < w[1] * (1 - CONVERGED_GAIN):
-                w[0], w[1], w[3] = r.assign, r.energy, 0
+            if r.feasible and r.energy < w.energy * (1 - CONVERGED_GAIN):
+                w.best, w.energy, w.misses = r.assign, r.energy, 0
             else:
-                if r.feasible and r.energy < w[1]:
-                    w[0], w[1] = r.assign, r.energy
-                w[3] += 1
-            w[2] *= 2
+                if r.feasible and r.energy < w.energy:
+                    w.best, w.energy = r.assign, r.energy
+                w.misses += 1
+            w.next_steps *= 2
         chain += 1
         if deadline.left_s() <= 0:
             break
-    best = min(walks, key=lambda w: w[1])
-    done = all(w[3] >= s.anneal_patience for w in walks)
-    return (best[0] if best[1] < math.inf else None), best[1], steps, done
+    best = min(walks, key=lambda w: w.energy)
+    done = all(w.misses >= s.anneal_patience for w in walks)
+    return (best.best if best.energy < math.inf else None), best.energy, steps, done
 
 
 def search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
