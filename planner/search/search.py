@@ -109,8 +109,8 @@ def _anneal(sim: CoreSimulator, seeds: list[list[int]], s: SearchSettings,
     prob = sim.prob
     walks = []
     for a in seeds:
-        r = sim(a)
-        walks.append(_Walk(list(a), energy(prob, r) if r.feasible else math.inf,
+        start = sim(a)
+        walks.append(_Walk(list(a), energy(prob, start) if start.feasible else math.inf,
                            s.anneal_start_steps))
     steps, chain = 0, 0
     while steps < s.anneal_steps and any(w.misses < s.anneal_patience for w in walks):
