@@ -25,7 +25,7 @@ from planner.specs.model_spec import ModelSpec
 #: 2: rule rewards in the graph, exact train inputs, fixed micro-batches, waves.
 #: 3: optimizer offload per train call, the profile planned with, cost sources.
 #: 4: asynchronous graphs (generation ahead of training), the sync/async comparison.
-PLAN_SCHEMA_VERSION = 4
+PLAN_SCHEMA_VERSION = 5
 
 
 class _Frozen(BaseModel):
@@ -59,6 +59,9 @@ class MFCAllocation(_Frozen):
         False, description="Train calls: between calls the model keeps only its weights on "
         "the GPU; its gradients are freed and the optimizer state the GPU holds waits in "
         "host memory (plan.cost.train_state_offload).")
+    activation_recompute: bool = Field(
+        False, description="Train calls: each layer keeps only its input and runs its "
+        "forward again in the backward (plan.cost.recompute).")
 
     @property
     def shards(self) -> tuple[int, int, int, int]:
@@ -264,6 +267,9 @@ def plan_problems(plan: ExecutionPlan) -> list[str]:
             out.append(f"{where}: optimizer_offload is for train calls, this is a {a.kind} call")
         if a.train_state_offload and a.kind != "train":
             out.append(f"{where}: train_state_offload is for train calls, this is a "
+                       f"{a.kind} call")
+        if a.activation_recompute and a.kind != "train":
+            out.append(f"{where}: activation_recompute is for train calls, this is a "
                        f"{a.kind} call")
     if out:
         return out

@@ -24,7 +24,8 @@ def summary(plan: ExecutionPlan) -> dict:
              "n_gpus": a.mesh.n_gpus, "tp": a.layout.tp, "pp": a.layout.pp, "dp": a.layout.dp,
              "micro_batches": a.micro_batches, "time_s": a.time_s, "mem_bytes": a.mem_bytes,
              "optimizer_offload": a.optimizer_offload,
-             "train_state_offload": a.train_state_offload, "host_bytes": a.host_bytes}
+             "train_state_offload": a.train_state_offload, "host_bytes": a.host_bytes,
+             "activation_recompute": a.activation_recompute}
             for a in plan.allocations],
         "profile": plan.profile.model_dump() if plan.profile else None,
         "cost_sources": plan.cost_sources,
@@ -129,12 +130,14 @@ def lengths_line(plan: ExecutionPlan) -> str | None:
 def table(plan: ExecutionPlan) -> str:
     """The plan as text. ``*`` marks estimates priced with a profile's rates, ``+off``
     a train call whose optimizer state is offloaded to host memory (Adam stepped there),
-    ``+state`` one whose gradients and GPU optimizer state exist only during the call."""
+    ``+state`` one whose gradients and GPU optimizer state exist only during the call,
+    ``+rc`` one that recomputes each layer's activations in the backward."""
     mark = "*" if plan.profile is not None else ""
     rows = [("MFC", "mesh", "GPUs", "TP", "PP", "DP", "micro", "time s", "mem GiB/GPU")]
     for a in plan.allocations:
         rows.append((a.mfc + (" +off" if a.optimizer_offload else "")
-                     + (" +state" if a.train_state_offload else ""), a.mesh_name,
+                     + (" +state" if a.train_state_offload else "")
+                     + (" +rc" if a.activation_recompute else ""), a.mesh_name,
                      str(a.mesh.n_gpus), str(a.layout.tp), str(a.layout.pp),
                      str(a.layout.dp), str(a.micro_batches), f"{a.time_s:.3f}{mark}",
                      f"{a.mem_bytes / GIB:.1f}"))

@@ -56,8 +56,11 @@ class CostModelConfig(BaseModel):
         "pays the state's transfer up and down. 'auto' lets the search choose it per "
         "trained model (where the device has memory of its own: its "
         "host_adam_params_per_s is set); 'never'; 'always' (any device, cpu included).")
-    activation_recompute: bool = Field(
-        False, description="Full activation recomputation in training (one extra forward).")
+    recompute: Literal["never", "auto", "always"] = Field(
+        "auto", description="Full activation recomputation in a train call (each layer "
+        "keeps only its input and runs its forward again in the backward: one more "
+        "forward of the layers, far less activation memory). 'auto' lets the search "
+        "choose it per train call; 'never'; 'always'.")
     mem_usable_fraction: float = Field(
         0.9, gt=0, le=1, description="Part of device memory a plan may use (rest: context, fragmentation).")
     kv_cache_block_tokens: int = Field(

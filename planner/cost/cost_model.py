@@ -36,7 +36,7 @@ costs still add.
 Memory (bytes per GPU): weights ``param_dtype x params/tp`` of the heaviest stage;
 training adds fp32 main grads and optimizer state (divided by dp with the
 distributed optimizer) and 1F1B activations for ``min(pp, m)`` micro-batches in
-flight (with ``activation_recompute`` only each layer's input, plus one layer's
+flight (with activation recompute only each layer's input, plus one layer's
 full activations); with optimizer offload the GPU keeps only the fp32 main-weight
 shard of the optimizer state, and the step adds the transfers and the host's Adam
 (:meth:`CostModel.offload_step_s`); with training-state offload the gradients and the
@@ -160,7 +160,7 @@ class CostModel:
 
     def _stages(self, spec: ModelSpec, head: str, kind: str, rows: float, ctx: float,
                 out_rows: float, layout: Layout, tp_nodes: int, msg: Work,
-                back: Work | None = None) -> list[tuple[Work, int]]:
+                back: Work | None = None, recompute: bool = False) -> list[tuple[Work, int]]:
         """(work, how many stages do it) of one micro-batch's pass through each stage:
         the first (embedding), the middle ones, the last (head); every stage but the
         last also sends ``msg`` on, and with ``back`` the last sends that back (decode:
@@ -168,7 +168,7 @@ class CostModel:
         tp, pp = layout.tp, layout.pp
         layers = spec.n_layers // pp
         r = self.rates
-        signature = (spec, head, kind, rows, ctx, out_rows, tp, pp, tp_nodes,
+        signature = (spec, head, kind, rows, ctx, out_rows, tp, pp, tp_nodes, recompute,
                      _signature(msg), _signature(back) if back is not None else None)
 
         def stage(first: bool, last: bool) -> Work:
@@ -181,7 +181,7 @@ class CostModel:
         def make(first: bool, last: bool) -> Work:
             w = stage_pass(r, spec, head, kind, rows, ctx, out_rows, tp, layers, first, last,
                            tp_nodes)
-            if kind == "train" and self.config.activation_recompute:
+            if kind == "train" and recompute:
                 # the backward first runs each layer's forward again (no head, no
                 # embedding): its GEMMs, attention and TP collectives
                 again = stage_pass(r, spec, head, "inference", rows, ctx, 0.0, tp, layers,
@@ -215,6 +215,13 @@ class CostModel:
             return (False,)
         return (True,) if mode == "always" else (False, True)
 
+    def recompute_options(self, mfc: MFC) -> tuple[bool, ...]:
+        """The activation-recompute settings to price for ``mfc`` (train only)."""
+        mode = self.config.recompute
+        if mfc.kind != "train" or mode == "never":
+            return (False,)
+        return (True,) if mode == "always" else (False, True)
+
     def state_offload_options(self, mfc: MFC) -> tuple[bool, ...]:
         """The training-state-offload settings to price for ``mfc`` (train only):
         'auto' offers it where the device has memory of its own beside the host's (it
@@ -230,17 +237,19 @@ class CostModel:
 
     def mfc_cost(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
                  layout: Layout, micro_batches: int, offload: bool = False,
-                 state_offload: bool = False) -> MFCCost:
-        if (offload or state_offload) and mfc.kind != "train":
-            raise ValueError("optimizer and training-state offload apply to train MFCs only")
+                 state_offload: bool = False, recompute: bool = False) -> MFCCost:
+        if (offload or state_offload or recompute) and mfc.kind != "train":
+            raise ValueError("optimizer and training-state offload and activation "
+                             "recompute apply to train MFCs only")
         if mfc.kind == "generate":
             terms = self._generate_terms(mfc, spec, head, mesh, layout, micro_batches)
         elif mfc.kind == "train":
-            terms = self._train_terms(mfc, spec, head, mesh, layout, micro_batches, offload)
+            terms = self._train_terms(mfc, spec, head, mesh, layout, micro_batches, offload,
+                                      recompute)
         else:
             terms = self._inference_terms(mfc, spec, head, mesh, layout, micro_batches)
         weights, resident, act, host = self._memory(mfc, spec, head, layout, micro_batches,
-                                                    offload)
+                                                    offload, recompute)
         if state_offload:
             # everything but the weights is there only while the call runs; what is
             # kept (not the gradients: zeroed each step anyway) goes down and up again
@@ -299,7 +308,8 @@ class CostModel:
         return lagged(pipelined(stages, m, costs).add(call), layout.world).terms(costs)
 
     def _train_terms(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
-                     layout: Layout, m: int, offload: bool = False) -> dict[str, float]:
+                     layout: Layout, m: int, offload: bool = False,
+                     recompute: bool = False) -> dict[str, float]:
         r, cfg, dt = self.rates, self.config, self.config.param_dtype_bytes
         tp, pp, dp = layout.tp, layout.pp, layout.dp
         tpn, dpn, ppn = self._nodes(mesh, layout)
@@ -308,7 +318,8 @@ class CostModel:
         costs = r.engine("train")
         # per micro-batch and stage boundary: activations forward, their gradients back
         msg = _msg(r.collective_s("p2p", b * s * spec.hidden * dt, 2, ppn), 2)
-        stages = self._stages(spec, head, "train", b * s, s / 2, b * s, layout, tpn, msg)
+        stages = self._stages(spec, head, "train", b * s, s / 2, b * s, layout, tpn, msg,
+                              recompute=recompute)
         p_gpu = self.stage_params(spec, head, layout)
         grad_bytes = cfg.grad_dtype_bytes * p_gpu
         if cfg.distributed_optimizer:   # reduce-scatter grads, all-gather new weights
@@ -369,7 +380,8 @@ class CostModel:
 
     # ---- memory --------------------------------------------------------------------
     def _memory(self, mfc: MFC, spec: ModelSpec, head: str, layout: Layout, m: int,
-                offload: bool = False) -> tuple[float, float, float, float]:
+                offload: bool = False, recompute: bool = False
+                ) -> tuple[float, float, float, float]:
         cfg = self.config
         tp, pp, dp = layout.tp, layout.pp, layout.dp
         dt = cfg.param_dtype_bytes
@@ -388,9 +400,8 @@ class CostModel:
         if not train:
             return weights, weights, 2 * act_layer + 2 * 4.0 * tok * logit_cols, 0.0
         in_flight = min(pp, m)
-        per_layer = (tok * spec.hidden * dt) if cfg.activation_recompute else act_layer
-        act = in_flight * spec.n_layers / pp * per_layer + (
-            act_layer if cfg.activation_recompute else 0)
+        per_layer = (tok * spec.hidden * dt) if recompute else act_layer
+        act = in_flight * spec.n_layers / pp * per_layer + (act_layer if recompute else 0)
         act += 2 * 4.0 * tok * logit_cols
         shard = p_gpu / (dp if cfg.distributed_optimizer else 1)
         if offload:

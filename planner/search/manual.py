@@ -38,12 +38,12 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
     cands = []
     for m in graph.mfcs:
         a, rm = allocations[m.name], models[m.role]
-        # a hand-made layout has no search to choose offload: 'always' gives it, 'auto'
-        # and 'never' do not
-        off, state_off = (opts[0] if len(opts) == 1 else False for opts in (
-            cost.offload_options(m), cost.state_offload_options(m)))
+        # a hand-made layout has no search to choose offload or recompute: 'always' gives
+        # it, 'auto' and 'never' do not
+        off, state_off, rc = (opts[0] if len(opts) == 1 else False for opts in (
+            cost.offload_options(m), cost.state_offload_options(m), cost.recompute_options(m)))
         c = cost.mfc_cost(m, rm.spec, rm.head, a.mesh, a.layout, a.micro_batches, off,
-                          state_off)
+                          state_off, rc)
         cands.append([Candidate(a.mesh.first_gpu, a.mesh.n_gpus, a.layout.tp, a.layout.pp,
                                 a.layout.dp, a.micro_batches,
                                 (c.time_s + host_s(graph, m, cost_config)) / m.every,
@@ -51,8 +51,8 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
                                 c.activation_bytes, c.weights_bytes, off, c.host_bytes,
                                 state_off,
                                 call_time_sd(cost, graph, m, rm.spec, rm.head, a.mesh,
-                                             a.layout, a.micro_batches, off, state_off)
-                                / m.every)])
+                                             a.layout, a.micro_batches, off, state_off, rc)
+                                / m.every, rc)])
     prob = assemble(graph, models, cost, cands)
     res = simulate(prob, [0] * len(cands))
     if not res.feasible:

@@ -41,7 +41,8 @@ def build_plan(name: str, prob: Problem, assign: list[int], cost_config: CostMod
             mfc=m.name, role=m.role, kind=m.kind, mesh=mesh, mesh_name=mesh.name(gpn),
             layout=c.layout(), micro_batches=c.micro_batches, time_s=c.time_s * m.every,
             mem_bytes=max(res.peak_bytes[g] for g in mesh.gpus), optimizer_offload=c.offload,
-            host_bytes=c.host_bytes, train_state_offload=c.state_offload))
+            host_bytes=c.host_bytes, train_state_offload=c.state_offload,
+            activation_recompute=c.recompute))
     reallocs = []
     for (model, i), (t, nbytes) in sorted(res.realloc.items()):
         src = prob.cands[prob.model_train_mfc[model]][assign[prob.model_train_mfc[model]]]

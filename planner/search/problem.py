@@ -57,6 +57,7 @@ class Candidate:
     #: per step: the spread of its time over steps (asynchronous graphs with a length
     #: distribution: :func:`planner.cost.step_spread.call_time_sd`; 0 otherwise)
     time_sd_s: float = 0.0
+    recompute: bool = False   #: train: each layer's forward again in the backward
 
     @property
     def place(self) -> tuple[int, int, int, int, int]:
@@ -192,9 +193,11 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                 group = []
                 for mb in _micro_batch_options(per_step // lay.dp // mfc.group_size,
                                                cost.config.max_micro_batches, mfc.micro_batches):
-                    for off, state_off in product(cost.offload_options(mfc),
-                                                  cost.state_offload_options(mfc)):
-                        c = cost.mfc_cost(mfc, rm.spec, rm.head, proto, lay, mb, off, state_off)
+                    for off, state_off, rc in product(cost.offload_options(mfc),
+                                                      cost.state_offload_options(mfc),
+                                                      cost.recompute_options(mfc)):
+                        c = cost.mfc_cost(mfc, rm.spec, rm.head, proto, lay, mb, off, state_off,
+                                          rc)
                         own = c.activation_bytes + (
                             c.resident_bytes if (mfc.kind == "train" or not trained) else 0.0)
                         if own <= limit and c.host_bytes > host_limit:
@@ -202,11 +205,11 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                         if own > limit or c.host_bytes > host_limit:
                             continue
                         sd = call_time_sd(cost, graph, mfc, rm.spec, rm.head, proto, lay, mb,
-                                          off, state_off)
+                                          off, state_off, rc)
                         group.append(Candidate(0, size, lay.tp, lay.pp, lay.dp, mb,
                                                (c.time_s + host) / mfc.every, c.resident_bytes,
                                                c.activation_bytes, c.weights_bytes, off,
-                                               c.host_bytes, state_off, sd / mfc.every))
+                                               c.host_bytes, state_off, sd / mfc.every, rc))
                 priced += _pareto(group)
             for mesh in group_meshes:
                 if allowed is None or allowed(mesh):

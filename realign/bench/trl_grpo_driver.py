@@ -85,8 +85,8 @@ def main(cfg_path: str, out_path: str) -> int:
         learning_rate=cfg["lr"], adam_epsilon=cfg["adam_eps"],
         max_grad_norm=cfg["max_grad_norm"], lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0,
-        # realign does not recompute activations (plan cost_config.activation_recompute
-        # is false); TRL 1.16 turns checkpointing on by default
+        # the tiny experiments' plans do not recompute activations (their train calls
+        # fit without it); TRL 1.16 turns checkpointing on by default
         activation_checkpointing=False, gradient_checkpointing=False,
     )
 

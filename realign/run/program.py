@@ -287,7 +287,7 @@ def compile_program(plan: ExecutionPlan) -> Program:
                     holders[k] = tuple(sorted(set(have) | set(lack)))
         ops.append(Call(m.every, m, key, a.micro_batches, ranks, a.mesh_name, a.time_s,
                         a.mem_bytes, a.optimizer_offload, a.host_bytes,
-                        m.kind == "train" and plan.cost_config.activation_recompute,
+                        a.activation_recompute,
                         ahead=is_ahead, sees_update=is_ahead and r is None,
                         train_state_offload=a.train_state_offload))
         for k in m.output_keys:

@@ -147,10 +147,10 @@ def test_kv_cache_is_allocated_in_whole_blocks():
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("distributed", [True, False])
 def test_train_memory_tp2_dp2(recompute, distributed):
-    cfg = EXACT.model_copy(update={"activation_recompute": recompute,
-                                   "distributed_optimizer": distributed})
+    cfg = EXACT.model_copy(update={"distributed_optimizer": distributed})
     m = mfc("train", n_seqs=16, minibatches=2)
-    c = cost_model(cfg).mfc_cost(m, TOY, "lm", mesh(4), Layout(tp=2, dp=2), 2)
+    c = cost_model(cfg).mfc_cost(m, TOY, "lm", mesh(4), Layout(tp=2, dp=2), 2,
+                                 recompute=recompute)
     p = 82496
     shard = 2 if distributed else 1
     assert c.weights_bytes == approx(DT * p)

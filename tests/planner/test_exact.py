@@ -57,9 +57,11 @@ def random_instance(rng: random.Random) -> Problem:
         meshes = enumerate_meshes(cluster)
         subset = rng.sample(meshes, min(len(meshes), rng.randint(2, 4)))
         try:
-            # training-state offload would multiply the train candidates past MAX_SPACE
-            # (candidates are what branch and bound is checked over, not how priced)
-            cost = CostModel(cluster, CostModelConfig(train_state_offload="never"))
+            # training-state offload and recompute would multiply the train candidates
+            # past MAX_SPACE (candidates are what branch and bound is checked over, not
+            # how priced)
+            cost = CostModel(cluster, CostModelConfig(train_state_offload="never",
+                                                      recompute="never"))
             prob = build_problem(build_graph(alg, shape, roles), models, cost,
                                  n_iters=rng.randint(1, 3), meshes=subset)
         except PlanError:
@@ -146,7 +148,7 @@ def test_search_exact_reaches_the_brute_force_optimum():
         BatchShape(prompts_per_step=4, prompt_len=16, gen_len=16, ppo_minibatches=1))
     settings = SearchSettings(method="exact", n_iters=3)
     cfg = CostModelConfig(optimizer_offload="never",     # a space brute force can walk
-                          train_state_offload="never")
+                          train_state_offload="never", recompute="never")
     prob = build_problem(graph, models, CostModel(cluster, cfg), n_iters=settings.n_iters)
     assert 100 <= prob.space_size() <= MAX_SPACE     # search sees the whole mesh space
     best, n_feasible = brute_force(prob)

@@ -100,8 +100,7 @@ def test_activation_recompute_adds_one_forward_of_the_layers_and_saves_memory():
     train, spec = graph.mfcs[-1], models["actor"].spec
     mesh, lay = DeviceMesh(first_gpu=0, n_gpus=8), Layout(tp=8, pp=1, dp=1)
     plain = CostModel(cluster).mfc_cost(train, spec, "lm", mesh, lay, 2)
-    rc = CostModel(cluster, CostModelConfig(activation_recompute=True)).mfc_cost(
-        train, spec, "lm", mesh, lay, 2)
+    rc = CostModel(cluster).mfc_cost(train, spec, "lm", mesh, lay, 2, recompute=True)
     # forward + backward GEMMs are 6 units of work, the recomputed forward 2 more, for
     # the layers (the head is not recomputed): between 1 and 4/3 of the GEMM time
     assert plain.terms_s["gemm"] < rc.terms_s["gemm"] < 4 / 3 * plain.terms_s["gemm"] * 1.0001
@@ -113,7 +112,7 @@ def test_the_run_program_carries_offload_and_recompute_to_the_train_call():
     from realign.run.program import Call, compile_program
     graph, models, cluster = sft("llama2-7b", 1)
     plan = search("offload", graph, models, cluster,
-                  CostModelConfig(activation_recompute=True), settings=FAST)
+                  CostModelConfig(recompute="always"), settings=FAST)
     calls = [op for op in compile_program(plan).ops if isinstance(op, Call)]
     (train,) = [c for c in calls if c.kind == "train"]
     assert train.optimizer_offload and train.activation_recompute

@@ -94,6 +94,8 @@ def _variants(name: str) -> dict[str, object]:
         # a train call parks its training state between calls; another kind is refused
         "train_state_offload": edited(base, lambda r: _alloc(r, name).update(
             train_state_offload=True)),
+        "activation_recompute": edited(base, lambda r: _alloc(r, name).update(
+            activation_recompute=True)),
     }
 
 
