@@ -154,8 +154,11 @@ bool needs_realloc(const Problem& prob, const std::vector<i64>& assign, i64 i) {
 double memory(const Problem& prob, const std::vector<i64>& assign,
               std::vector<double>& peak_bytes) {
     const i64 n = prob.n_gpus;
-    std::vector<double> resident(n, 0.0), transient(n, 0.0);
-    std::vector<std::array<i64, 5>> seen;  // (model, first_gpu, n_gpus, tp, pp)
+    thread_local std::vector<double> resident, transient;   // scratch, as in simulate()
+    thread_local std::vector<std::array<i64, 5>> seen;      // (model, first_gpu, n_gpus, tp, pp)
+    resident.assign(n, 0.0);
+    transient.assign(n, 0.0);
+    seen.clear();
     for (i64 i = 0; i < prob.n_mfcs(); ++i) {
         const Candidate& c = prob.cands[i][assign[i]];
         const i64 model = prob.mfc_model[i];
@@ -294,16 +297,25 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
     const i64 n_mfc = prob.n_mfcs();
     const i64 n_keys = static_cast<i64>(prob.key_send_intra_s.size());
     const i64 gpn = prob.links.gpus_per_node;
-    std::vector<double> free(prob.n_gpus, 0.0);
-    std::vector<double> prev_finish(n_mfc, 0.0), finish(n_mfc, 0.0);
-    std::vector<Spans> holders(n_keys);
-    std::vector<bool> held(n_keys, false);
-    Spans lack, first, occ, merged;
-    std::vector<i64> order, ahead;
+    // Scratch buffers, kept per thread from call to call: a call is a few microseconds,
+    // and a dozen allocations a call were a fifth of it. Each is reset before use.
+    thread_local std::vector<double> free, prev_finish, finish, ahead_ready;
+    thread_local std::vector<Spans> holders;
+    thread_local std::vector<bool> held;
+    thread_local Spans lack, first, occ, merged;
+    thread_local std::vector<i64> order, ahead;
+    free.assign(prob.n_gpus, 0.0);
+    prev_finish.assign(n_mfc, 0.0);
+    finish.assign(n_mfc, 0.0);
+    holders.resize(n_keys);
+    for (Spans& h : holders) h.clear();
+    held.assign(n_keys, false);
+    order.clear();
+    ahead.clear();
     for (i64 i = 0; i < n_mfc; ++i)
         if (!prob.ahead[i]) order.push_back(i); else ahead.push_back(i);
     order.insert(order.end(), ahead.begin(), ahead.end());
-    std::vector<double> ahead_ready(n_mfc, 0.0);
+    ahead_ready.assign(n_mfc, 0.0);
     double makespan = 0.0;
     // the reallocation before MFC i on both placements (step `it`); its end
     auto realloc = [&](i64 it, i64 i) {

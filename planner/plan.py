@@ -113,7 +113,8 @@ class SearchInfo(_Frozen):
     steps: int = Field(description="Annealing steps or branch-and-bound nodes.")
     complete: bool = Field(description="exact: the whole space was searched.")
     converged: bool = Field(False, description="anneal: every seed's walk converged (its "
-                            "last chains gained < 0.1 %) before the steps or the time ran out.")
+                            "last chain gained < 0.5 %, or it fell 2 % behind the best walk) "
+                            "before the steps or the time ran out.")
 
 
 class ModeResult(_Frozen):

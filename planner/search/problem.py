@@ -5,7 +5,7 @@ read the same numbers, so both evaluate plans identically.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import product
 from typing import Callable
 
@@ -58,6 +58,15 @@ class Candidate:
     #: distribution: :func:`planner.cost.step_spread.call_time_sd`; 0 otherwise)
     time_sd_s: float = 0.0
     recompute: bool = False   #: train: each layer's forward again in the backward
+
+    def at(self, first_gpu: int) -> "Candidate":
+        """The same allocation on the mesh of its size that starts at ``first_gpu``
+        (what ``dataclasses.replace`` does, several times faster: the search makes one
+        per mesh and candidate, hundreds of thousands at 1024 GPUs)."""
+        return Candidate(first_gpu, self.n_gpus, self.tp, self.pp, self.dp, self.micro_batches,
+                         self.time_s, self.resident_bytes, self.activation_bytes,
+                         self.weights_bytes, self.offload, self.host_bytes, self.state_offload,
+                         self.time_sd_s, self.recompute)
 
     @property
     def place(self) -> tuple[int, int, int, int, int]:
@@ -213,7 +222,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                 priced += _pareto(group)
             for mesh in group_meshes:
                 if allowed is None or allowed(mesh):
-                    per_mfc += [replace(c, first_gpu=mesh.first_gpu) for c in priced]
+                    per_mfc += [c.at(mesh.first_gpu) for c in priced]
         if not per_mfc:
             raise PlanError(f"{mfc.name} ({rm.spec.name}, {mfc.n_seqs} sequences of "
                             f"{mfc.seq_len} tokens per step) fits on no mesh of the cluster "

@@ -6,8 +6,9 @@ Pure: no I/O, no environment variables. Steps:
 3. search from them: exact branch and bound when the space is small, else
    simulated annealing in the C++ core from each seed, anytime: each seed's walk runs
    chains of doubling length, each from the best it has found, until
-   ``anneal_patience`` chains in a row improve it by less than 0.1 % (converged), the
-   steps (``anneal_steps``) or the time are spent;
+   ``anneal_patience`` chains in a row improve it by less than 0.5 % (converged) or it
+   falls 2 % behind the leading walk, or the steps (``anneal_steps``) or the time are
+   spent;
 4. the best plan found is never worse than any heuristic (they are its seeds).
 ``time_limit_s`` bounds all of it on the wall clock (:class:`~planner.search.deadline.Deadline`):
 a phase that runs out of time stops with what it has (the search keeps the best seed),
@@ -56,7 +57,7 @@ class SearchSettings(BaseModel):
     anneal_start_steps: int = Field(5000, gt=0, description="Length of each seed's first "
                                     "annealing chain; each further chain is twice as long.")
     anneal_patience: int = Field(1, gt=0, description="Chains in a row that improve a seed's "
-                                 "best by less than 0.1 % before its walk counts as converged.")
+                                 "best by less than 0.5 % before its walk counts as converged.")
     exact_max_space: int = Field(100_000, gt=0, description="Largest space searched exactly under auto.")
     exact_max_nodes: int = Field(2_000_000, gt=0, description="Node budget of branch and bound.")
     n_iters: int = Field(3, gt=0, le=16, description="Iterations simulated per estimate.")
@@ -84,8 +85,12 @@ def _heuristics(prob: Problem, deadline: Deadline | None = None, sim: Sim | None
     return out, skipped
 
 
-#: a chain that improves its seed's best by less than this share has not improved it
-CONVERGED_GAIN = 1e-3
+#: a chain that improves its walk's best by less than this share has not improved it:
+#: a doubled chain gains less than the last one did, so the walk has converged
+CONVERGED_GAIN = 5e-3
+#: after a round of chains, a walk whose best is this share above the best walk's is
+#: given up (its seed led elsewhere): the time goes to the walks that lead
+BEHIND_SHARE = 2e-2
 
 
 @dataclass
@@ -104,8 +109,8 @@ def _anneal(sim: CoreSimulator, seeds: list[list[int]], s: SearchSettings,
     """Anytime annealing from each seed, the seeds' walks taking turns: a walk's next
     chain starts from its best and is twice as long as the last one, until
     ``anneal_patience`` chains in a row gain less than :data:`CONVERGED_GAIN` (then the
-    walk has converged), or the steps or the time run out. (best, its energy, steps,
-    every walk converged)."""
+    walk has converged) or it falls :data:`BEHIND_SHARE` behind the leading walk, or
+    the steps or the time run out. (best, its energy, steps, every walk converged)."""
     prob = sim.prob
     walks = []
     for a in seeds:
@@ -132,6 +137,10 @@ def _anneal(sim: CoreSimulator, seeds: list[list[int]], s: SearchSettings,
                 w.misses += 1
             w.next_steps *= 2
         chain += 1
+        lead = min(w.energy for w in walks)
+        for w in walks:
+            if w.energy > lead * (1 + BEHIND_SHARE):
+                w.misses = s.anneal_patience
         if deadline.left_s() <= 0:
             break
     best = min(walks, key=lambda w: w.energy)

@@ -288,3 +288,12 @@ def test_prefix_simulation_is_a_lower_bound():
                 n_strict += part.makespan_s < full.makespan_s
             assert simulate(prob, assign, upto=len(assign)).makespan_s == full.makespan_s
     assert n_checked > 300 and n_strict > 100
+
+
+def test_a_candidate_moved_to_another_mesh_keeps_every_other_field():
+    import dataclasses
+
+    from planner.search.problem import Candidate
+    c = Candidate(*[i + 1 for i in range(10)], True, 7.5, True, 0.25, True)
+    assert c.at(64) == dataclasses.replace(c, first_gpu=64)
+    assert [f.name for f in dataclasses.fields(c)][-1] == "recompute"   # at() lists them all
