@@ -86,10 +86,22 @@ def mfc_times(plan: ExecutionPlan, rows: list[dict]) -> tuple[str, str]:
     fig = _figure("mfc-times", bar_chart("Time per call: estimated and measured", names,
                                          {"estimated": est, "measured median": meas}, "s"),
                   "per MFC: the plan's estimate and the median measured time of one call")
-    table = ("<table><tr><th>MFC</th><th>allocation</th><th>estimated s</th>"
+    table = (f"<p>{escape(priced_with(plan))}</p>"
+             "<table><tr><th>MFC</th><th>allocation</th><th>estimated s</th>"
              "<th>measured median s</th><th>measured/estimated</th><th>calls</th></tr>"
              + "".join(lines) + "</table>")
     return fig, table
+
+
+def priced_with(plan: ExecutionPlan) -> str:
+    """What the estimates were priced with: a measured profile, or the device preset
+    (its numbers a rough rule for the machines the preset names)."""
+    if plan.profile is not None:
+        return (f"Estimates priced with the profile {plan.profile.path or '(unnamed)'}, "
+                f"measured on {plan.profile.host or 'its machine'} on {plan.profile.date}.")
+    return (f"Estimates priced with the {plan.cluster.device.name} device preset, not a "
+            "measurement of this machine: `realign profile` measures it, and plan.profile "
+            "(or realign plan --profile) prices with that table.")
 
 
 def measured_timeline(plan: ExecutionPlan, steps: list[dict]) -> str | None:

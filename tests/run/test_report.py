@@ -66,6 +66,8 @@ def test_the_page_holds_every_picture_and_fetches_nothing(report):
     assert "<script" not in page
     # the numbers behind the pictures: every MFC measured, the reallocation moved bytes
     assert "actor.eval_sample" in page and "actor -&gt; actor.generate" in page
+    # the first estimate a user sees says what priced it (no profile here: the preset)
+    assert "Estimates priced with the cpu device preset, not a measurement" in page
 
 
 @pytest.mark.cpu_dist
