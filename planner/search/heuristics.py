@@ -19,6 +19,7 @@ by default :func:`~planner.search.simulator.simulate`, its Python twin).
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 from typing import Callable
 
@@ -56,18 +57,31 @@ def _fit_micro_batches(prob: Problem, choice: list[list[int]], deadline: Deadlin
     each activation cap every MFC takes its fastest option under the cap; the best
     feasible cap wins. Exact when every call shares one mesh (times add up there).
     """
-    caps = sorted({prob.cands[i][j].activation_bytes for i, js in enumerate(choice) for j in js})
+    # per MFC: its options by activation, and the fastest among the first k of them
+    # (the fastest under a cap is then one bisection: the caps are every activation)
+    acts: list[list[float]] = []
+    fastest: list[list[int]] = []
+    for i, js in enumerate(choice):
+        cs = prob.cands[i]
+        by_act = sorted(js, key=lambda j: cs[j].activation_bytes)
+        acts.append([cs[j].activation_bytes for j in by_act])
+        run: list[int] = []
+        for j in by_act:
+            run.append(j if not run or (cs[j].time_s, j) < (cs[run[-1]].time_s, run[-1])
+                       else run[-1])
+        fastest.append(run)
+    caps = sorted({a for per in acts for a in per})
     best, best_e = None, float("inf")
     seen: set[tuple[int, ...]] = set()
     for cap in reversed(caps):
         if deadline is not None and deadline.passed():
             break
         assign = []
-        for i, js in enumerate(choice):
-            under = [j for j in js if prob.cands[i][j].activation_bytes <= cap]
-            if not under:
+        for i in range(len(choice)):
+            k = bisect.bisect_right(acts[i], cap)
+            if k == 0:
                 break
-            assign.append(min(under, key=lambda j: (prob.cands[i][j].time_s, j)))
+            assign.append(fastest[i][k - 1])
         if len(assign) < len(choice) or tuple(assign) in seen:
             continue
         seen.add(tuple(assign))

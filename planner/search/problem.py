@@ -60,13 +60,17 @@ class Candidate:
     recompute: bool = False   #: train: each layer's forward again in the backward
 
     def at(self, first_gpu: int) -> "Candidate":
-        """The same allocation on the mesh of its size that starts at ``first_gpu``
-        (what ``dataclasses.replace`` does, several times faster: the search makes one
-        per mesh and candidate, hundreds of thousands at 1024 GPUs)."""
-        return Candidate(first_gpu, self.n_gpus, self.tp, self.pp, self.dp, self.micro_batches,
-                         self.time_s, self.resident_bytes, self.activation_bytes,
-                         self.weights_bytes, self.offload, self.host_bytes, self.state_offload,
-                         self.time_sd_s, self.recompute)
+        """The same allocation on the mesh of its size that starts at ``first_gpu``.
+
+        What ``dataclasses.replace`` does, written out: a frozen dataclass's ``__init__``
+        sets its 15 fields one ``object.__setattr__`` at a time, and the search makes one
+        copy per mesh and candidate (420,000 at 1024 GPUs); copying the field dict is
+        several times faster and gives an equal, equally frozen object."""
+        new = object.__new__(Candidate)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields["first_gpu"] = first_gpu
+        return new
 
     @property
     def place(self) -> tuple[int, int, int, int, int]:
