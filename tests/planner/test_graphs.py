@@ -28,7 +28,8 @@ def by_name(g: DataflowGraph) -> dict[str, MFC]:
 
 def test_every_algorithm_is_in_the_table_with_its_data():
     assert set(ALGORITHMS) == {"ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft",
-                               "rm"}
+                               "rm", "rejection_sampling", "online_dpo", "dapo", "gspo",
+                               "dr_grpo"}
     for name, spec in ALGORITHMS.items():
         roles = set(spec.required_roles) | set(spec.optional_roles)
         g = build_graph(name, SHAPE, roles - ({"reward"} if name in ("dpo", "sft") else set()))
