@@ -162,7 +162,8 @@ def ppo(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
 
 
 def critic_free(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
-    """GRPO, REINFORCE++ and RLOO share one graph; they differ in the advantage."""
+    """GRPO, REINFORCE++, RLOO, GSPO and Dr. GRPO share one graph; they differ in the
+    advantage and the loss."""
     n = shape.prompts_per_step * shape.samples_per_prompt
     calls, rules = _rollout(shape, n, with_reward_model, with_ref)
     ins = ("seqs", "logprobs") + (("ref_logprobs",) if with_ref else ()) + ("rewards",)
