@@ -4,9 +4,15 @@ half (hyper-parameters, the ``prepare`` step, the losses) is
 ``realign/algorithms/<name>.py``, linked to this one by name
 (``realign.algorithms.registry``), so the planner reads its part without torch.
 
-PPO / GRPO / ReMax / REINFORCE++ / RLOO generate with the actor and score with the
-reference and the reward; DPO scores preference pairs with the reference; SFT and
-reward modelling are a single training call. The reward is a model call when a
+PPO / GRPO / ReMax / REINFORCE++ / RLOO / GSPO / Dr. GRPO generate with the actor and
+score with the reference and the reward; DPO scores preference pairs with the
+reference; SFT and reward modelling are a single training call. Three graphs train on
+a selection of what they generate, chosen inside the train call from the scores:
+rejection sampling (the best of ``samples_per_prompt`` per prompt: the train call
+trains one sequence per prompt), online DPO (the best and the worst: two) and DAPO
+(its dynamic sampling generates ``prompts_generated`` prompts' groups to train
+``prompts_per_step`` of them: the generate and scoring calls price the
+over-generation, the train call the batch it trains). The reward is a model call when a
 ``reward`` model is configured, else a rule function on the generated text
 (:class:`~planner.graph.dataflow.RuleReward`, part of the graph). The reference is optional for
 the RL algorithms: without a ``ref`` model the graph has no reference call, which is
@@ -15,6 +21,7 @@ hyper-parameters).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Literal, Mapping
@@ -25,12 +32,16 @@ from planner.errors import PlanError
 from planner.graph.dataflow import MFC, DataflowGraph, Evaluation, RuleReward
 from planner.graph.lengths import GenLengths
 
-Algorithm = Literal["ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft", "rm"]
+Algorithm = Literal["ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft", "rm",
+                    "rejection_sampling", "online_dpo", "dapo", "gspo", "dr_grpo"]
 DataKind = Literal["prompts", "preferences", "sft"]
 
 #: The graph key each kind of dataset fills (the graph's one dataset key).
 DATASET_KEYS: Mapping[str, str] = MappingProxyType(
     {"prompts": "prompts", "preferences": "pairs", "sft": "examples"})
+
+#: The largest expected share of dropped groups a plan over-generates for (20x).
+MAX_DROPPED_GROUP_FRAC = 0.95
 
 
 class BatchShape(BaseModel):
@@ -54,6 +65,28 @@ class BatchShape(BaseModel):
     ppo_minibatches: int = Field(4, gt=0, le=1 << 20,
                                  description="Optimizer steps per epoch over the batch.")
     ppo_epochs: int = Field(1, gt=0, le=1 << 20, description="Epochs over each batch.")
+    dropped_group_frac: float | None = Field(
+        None, ge=0, le=MAX_DROPPED_GROUP_FRAC, description="DAPO's dynamic sampling: the "
+        "expected share of prompts whose samples all get the same reward (their groups are "
+        "dropped), measured on earlier steps or given. The step generates "
+        "prompts_generated = ceil(prompts_per_step / (1 - share)) prompts' groups so that "
+        "prompts_per_step are expected to remain, and the plan prices that generation. "
+        "None: no over-generation (0). Only DAPO drops groups.")
+
+    @property
+    def prompts_generated(self) -> int:
+        """The prompts a step draws and generates for (:func:`prompts_generated`)."""
+        return prompts_generated(self.prompts_per_step, self.dropped_group_frac or 0.0)
+
+
+def prompts_generated(prompts_per_step: int, dropped_group_frac: float) -> int:
+    """The prompts to generate for so that ``prompts_per_step`` are expected to remain
+    when a share ``dropped_group_frac`` of the groups is dropped: ceil(P / (1 - f)).
+
+    Example: 16 prompts per step, a quarter of the groups expected constant ->
+    ceil(16 / 0.75) = 22 prompts generated (5.5 expected dropped, 16.5 left); 0 -> 16."""
+    # the small tolerance keeps an exact quotient (16 / 0.5) from rounding up on a float
+    return max(prompts_per_step, math.ceil(prompts_per_step / (1 - dropped_group_frac) - 1e-9))
 
 
 class EvalShape(BaseModel):
@@ -129,7 +162,8 @@ def ppo(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
 
 
 def critic_free(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
-    """GRPO, REINFORCE++ and RLOO share one graph; they differ in the advantage."""
+    """GRPO, REINFORCE++, RLOO, GSPO and Dr. GRPO share one graph; they differ in the
+    advantage and the loss."""
     n = shape.prompts_per_step * shape.samples_per_prompt
     calls, rules = _rollout(shape, n, with_reward_model, with_ref)
     ins = ("seqs", "logprobs") + (("ref_logprobs",) if with_ref else ()) + ("rewards",)
@@ -179,6 +213,37 @@ def rm(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
                 group_size=2)], []
 
 
+def rejection_sampling(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
+    """Best-of-N fine-tuning (RAFT): ``samples_per_prompt`` responses per prompt are
+    scored; the train call keeps each prompt's best and trains SFT on it, so it trains
+    one sequence per prompt (never the N it was given)."""
+    n = shape.prompts_per_step * shape.samples_per_prompt
+    calls, rules = _rollout(shape, n, with_reward_model, False)
+    return calls + [_actor_train(shape, shape.prompts_per_step, ("seqs", "rewards"))], rules
+
+
+def online_dpo(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
+    """Online DPO: ``samples_per_prompt`` responses per prompt, scored by the reward
+    (model or rule) and by the reference; the train call pairs each prompt's best with
+    its worst, so it trains two sequences per prompt (whole pairs per micro-batch)."""
+    n = shape.prompts_per_step * shape.samples_per_prompt
+    calls, rules = _rollout(shape, n, with_reward_model, with_ref)
+    train = _actor_train(shape, 2 * shape.prompts_per_step, ("seqs", "ref_logprobs", "rewards"),
+                         group_size=2)
+    return calls + [train], rules
+
+
+def dapo(shape: BatchShape, with_reward_model: bool, with_ref: bool) -> Built:
+    """DAPO: GRPO's graph with dynamic sampling priced. The rollout and its scoring run
+    on ``prompts_generated`` prompts' groups, the train call on the
+    ``prompts_per_step`` groups it keeps (over-generation from the expected share of
+    constant groups, :attr:`BatchShape.dropped_group_frac`)."""
+    g = shape.samples_per_prompt
+    calls, rules = _rollout(shape, shape.prompts_generated * g, with_reward_model, with_ref)
+    ins = ("seqs", "logprobs") + (("ref_logprobs",) if with_ref else ()) + ("rewards",)
+    return calls + [_actor_train(shape, shape.prompts_per_step * g, ins)], rules
+
+
 @dataclass(frozen=True)
 class AlgorithmSpec:
     """What the planner (and the run's checks) know of one algorithm."""
@@ -188,6 +253,9 @@ class AlgorithmSpec:
     required_roles: tuple[str, ...]          #: model roles it cannot do without
     optional_roles: tuple[str, ...]          #: roles it uses when configured
     builder: Callable[[BatchShape, bool, bool], Built]   #: (shape, with RM, with ref)
+    #: its loss corrects a rollout an older policy made (the decoupled PPO loss), so
+    #: generation may run ahead of training (algorithm.max_staleness >= 1)
+    runs_ahead: bool = True
 
     @property
     def dataset_key(self) -> str:
@@ -221,6 +289,13 @@ ALGORITHMS: Mapping[str, AlgorithmSpec] = _table(
     AlgorithmSpec("dpo", "preferences", ("actor", "ref"), (), dpo),
     AlgorithmSpec("sft", "sft", ("actor",), (), sft),
     AlgorithmSpec("rm", "preferences", ("reward",), (), rm),
+    AlgorithmSpec("rejection_sampling", "prompts", ("actor",), ("reward",), rejection_sampling,
+                  runs_ahead=False),
+    AlgorithmSpec("online_dpo", "prompts", ("actor", "ref"), ("reward",), online_dpo,
+                  runs_ahead=False),
+    AlgorithmSpec("dapo", "prompts", ("actor",), _RL_OPTIONAL, dapo),
+    AlgorithmSpec("gspo", "prompts", ("actor",), _RL_OPTIONAL, critic_free),
+    AlgorithmSpec("dr_grpo", "prompts", ("actor",), _RL_OPTIONAL, critic_free),
 )
 
 
@@ -261,6 +336,14 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
         raise PlanError(f"the prompt lengths are capped at {prompt_lengths.max_len}, "
                         f"prompt_len is {shape.prompt_len}", field="algorithm.prompt_len")
     spec = algorithm_spec(algorithm)
+    if shape.dropped_group_frac and algorithm != "dapo":
+        raise PlanError(f"{algorithm} drops no groups, so it generates for no more prompts "
+                        "than it trains; only dapo takes a dropped_group_frac",
+                        field="algorithm.dropped_group_frac")
+    if max_staleness >= 1 and spec.generates and not spec.runs_ahead:
+        raise PlanError(f"{algorithm} trains on a selection of its rollout with no "
+                        "correction for an older policy's samples; set "
+                        "algorithm.max_staleness to 0", field="algorithm.max_staleness")
     missing = [r for r in spec.required_roles if r not in roles]
     if missing:
         raise PlanError(f"{algorithm} needs the model role(s) {', '.join(missing)}",
@@ -324,10 +407,13 @@ PROXIMAL_MFC = "actor.prox_inference"
 def _proximal(calls: list[MFC]) -> list[MFC]:
     """An asynchronous graph: before the actor trains, its current policy (the
     proximal policy of the decoupled PPO loss) scores the rollout that an older policy
-    generated (``prox_logprobs``), and the actor's train call reads them."""
+    generated (``prox_logprobs``), and the actor's train call reads them. It scores
+    every sequence generated: the train call selects its rows after (DAPO's dynamic
+    sampling trains fewer than were generated)."""
     i = next(i for i, m in enumerate(calls) if m.kind == "train" and m.role == "actor")
     t = calls[i]
-    prox = MFC(name=PROXIMAL_MFC, role="actor", kind="inference", n_seqs=t.n_seqs,
+    rollout = next(m for m in calls if m.kind == "generate" and "seqs" in m.output_keys)
+    prox = MFC(name=PROXIMAL_MFC, role="actor", kind="inference", n_seqs=rollout.n_seqs,
                prompt_len=t.prompt_len, gen_len=t.gen_len, input_keys=("seqs",),
                output_keys=("prox_logprobs",), lengths=t.lengths,
                prompt_lengths=t.prompt_lengths)

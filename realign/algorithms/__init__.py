@@ -3,7 +3,8 @@
 Each algorithm's hyper-parameters are typed in :mod:`realign.algorithms.params` (torch-free,
 so a prepared run carries them to every process); its module holds the
 ``prepare(batch, cfg)`` step that turns scored rollouts into training targets
-(advantages, returns, masks) on the controller, and the loss functions the training
+(advantages, returns, masks; the rows to train when it selects some:
+:mod:`realign.algorithms.selection`) inside the train call, and the loss functions the training
 engine calls per micro-batch: ``loss_fn(outputs, micro_batch) -> (loss, metrics)``.
 :mod:`realign.algorithms.registry` names them. Nothing here starts processes or
 touches process groups.

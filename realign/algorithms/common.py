@@ -1,13 +1,15 @@
 """Pieces every algorithm shares: the response mask, masked statistics, KL estimators,
 discounted returns, sequence-level advantages spread over tokens, the clipped
-surrogate objective and its decoupled form for asynchronous (off-policy) rollouts.
+surrogate objective (symmetric or with its own upper clip) and its decoupled form for
+asynchronous (off-policy) rollouts, the train call's mini-batches and the statistics
+a ``prepare`` step reports.
 
 Shapes: ``b`` sequences of ``s`` tokens; per-token log-probs, advantages and masks are
 [b, s-1] (position ``t`` scores token ``t+1``).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 
@@ -17,6 +19,10 @@ from realign.errors import UserError
 Batch = dict[str, torch.Tensor]
 #: The training engine's loss: ``loss_fn(outputs, micro_batch) -> (loss, metrics)``.
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+#: A reduction of a per-token loss: a named one, or ``fn(per_token, mask) -> scalar``
+Aggregate = Union[LossAgg, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+#: Keys a ``prepare`` step adds for the train call's metrics (scalars), not to train on
+STAT_PREFIX = "stat."
 
 
 def require(batch: Batch, *keys: str) -> None:
@@ -94,10 +100,14 @@ def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Ten
     return kl_penalty(logprobs, ref_logprobs, kind) * mask
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: LossAgg) -> torch.Tensor:
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregate) -> torch.Tensor:
     """Reduce a per-token loss to a scalar: ``token_mean`` averages over all response
     tokens of the micro-batch; ``seq_mean_token_mean`` averages each sequence's tokens,
-    then the sequences that have any (the GRPO paper's 1/G sum_i 1/|o_i| sum_t)."""
+    then the sequences that have any (the GRPO paper's 1/G sum_i 1/|o_i| sum_t); a
+    callable reduces as it says (DAPO's :func:`minibatch_token_mean`, Dr. GRPO's
+    constant normaliser)."""
+    if callable(mode):
+        return mode(per_token, mask)
     if mode == "token_mean":
         return masked_mean(per_token, mask)
     if mode == "seq_mean_token_mean":
@@ -142,16 +152,18 @@ def group_view(x: torch.Tensor, group_size: int, what: str) -> torch.Tensor:
 
 def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
                       advantages: torch.Tensor, mask: torch.Tensor, clip_ratio: float,
-                      agg: LossAgg = "token_mean"
+                      agg: Aggregate = "token_mean", clip_ratio_high: float | None = None
                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped objective (Schulman et al. 2017, eq. 7), as a loss:
     ratio = exp(log pi - log pi_old);
-    L = -min(ratio * A, clip(ratio, 1-eps, 1+eps) * A), aggregated over ``mask``.
+    L = -min(ratio * A, clip(ratio, 1-eps, 1+eps_high) * A), aggregated over ``mask``
+    (``eps_high``: ``clip_ratio_high``, DAPO's clip-higher; None: ``clip_ratio``).
     Metrics: ``clip_frac`` (tokens where the clipped term was chosen), ``approx_kl``
     (mean of log pi_old - log pi), ``ratio`` (mean)."""
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -ratio * advantages
-    clipped = -torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio) * advantages
+    clipped = -torch.clamp(ratio, 1 - clip_ratio, 1 + high) * advantages
     loss = aggregate(torch.max(unclipped, clipped), mask, agg)
     with torch.no_grad():
         metrics = {
@@ -165,12 +177,13 @@ def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
 def decoupled_surrogate(logprobs: torch.Tensor, prox_logprobs: torch.Tensor,
                         behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
                         mask: torch.Tensor, clip_ratio: float, weight_cap: float,
-                        agg: LossAgg = "token_mean"
+                        agg: Aggregate = "token_mean", clip_ratio_high: float | None = None
                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy
     optimization"; AReaL's loss) for a rollout that an older policy generated:
     r = exp(log pi - log pi_prox), w = min(pi_prox / pi_behaviour, weight_cap) (no
-    gradient), L = w * max(-r * A, -clip(r, 1-eps, 1+eps) * A), aggregated over ``mask``.
+    gradient), L = w * max(-r * A, -clip(r, 1-eps, 1+eps_high) * A), aggregated over
+    ``mask`` (``eps_high`` as in :func:`clipped_surrogate`).
 
     Chosen over plain PPO with truncated importance sampling: the trust region stays
     around the current policy (``prox_logprobs``) instead of the stale behaviour policy,
@@ -186,9 +199,10 @@ def decoupled_surrogate(logprobs: torch.Tensor, prox_logprobs: torch.Tensor,
     with torch.no_grad():
         raw_weight = torch.exp(prox_logprobs - behaviour_logprobs)
         weight = torch.clamp(raw_weight, max=weight_cap)
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     ratio = torch.exp(logprobs - prox_logprobs)
     unclipped = -ratio * advantages
-    clipped = -torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio) * advantages
+    clipped = -torch.clamp(ratio, 1 - clip_ratio, 1 + high) * advantages
     loss = aggregate(weight * torch.max(unclipped, clipped), mask, agg)
     with torch.no_grad():
         metrics = {
@@ -202,17 +216,35 @@ def decoupled_surrogate(logprobs: torch.Tensor, prox_logprobs: torch.Tensor,
 
 
 def policy_surrogate(logprobs_new: torch.Tensor, batch: Batch, clip_ratio: float,
-                     agg: LossAgg, weight_cap: float
+                     agg: Aggregate, weight_cap: float, clip_ratio_high: float | None = None,
+                     mask: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss of a batch: :func:`decoupled_surrogate` when an asynchronous
     rollout brings ``prox_logprobs`` (the current policy's, scored before this step's
-    update), else :func:`clipped_surrogate` against the rollout's ``logprobs``."""
-    mask = batch_mask(batch)
+    update), else :func:`clipped_surrogate` against the rollout's ``logprobs``, over
+    ``mask`` (None: the response tokens)."""
+    mask = batch_mask(batch) if mask is None else mask
     if "prox_logprobs" in batch:
         return decoupled_surrogate(logprobs_new, batch["prox_logprobs"], batch["logprobs"],
-                                   batch["advantages"], mask, clip_ratio, weight_cap, agg)
+                                   batch["advantages"], mask, clip_ratio, weight_cap, agg,
+                                   clip_ratio_high)
     return clipped_surrogate(logprobs_new, batch["logprobs"], batch["advantages"], mask,
-                             clip_ratio, agg)
+                             clip_ratio, agg, clip_ratio_high)
+
+
+def clip_sides(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+               clip_ratio: float, clip_ratio_high: float) -> dict[str, torch.Tensor]:
+    """Where each side of the clip binds, as shares of ``mask``: ``clip_frac_low`` (ratio
+    below 1 - clip_ratio with a negative advantage: the update may not lower the
+    probability further) and ``clip_frac_high`` (ratio above 1 + clip_ratio_high with a
+    positive advantage). Example: ratios 0.7, 1.3, 1.3 with advantages -1, 1, -1 and
+    clips 0.2 / 0.28 -> low 1/3, high 1/3 (the third is not clipped: its advantage
+    lowers a grown ratio)."""
+    with torch.no_grad():
+        low = (ratio < 1 - clip_ratio) & (advantages < 0)
+        high = (ratio > 1 + clip_ratio_high) & (advantages > 0)
+        return {"clip_frac_low": masked_mean(low.float(), mask),
+                "clip_frac_high": masked_mean(high.float(), mask)}
 
 
 def sequence_logprob(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -236,3 +268,57 @@ def surrogate_actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg
     ratio (+ behave_weight, behave_weight_capped_frac with ``prox_logprobs``)."""
     return policy_surrogate(logprobs_new, batch, cfg.clip_ratio, "token_mean",
                             cfg.behave_weight_cap)
+
+
+# ---- the train call's mini-batches -------------------------------------------------
+
+def minibatch(batch: Batch, index: int, n_minibatches: int) -> Batch:
+    """The ``index``-th of ``n_minibatches`` equal row slices of a prepared batch (what
+    one optimizer step trains on). When the batch carries a ``loss_mask`` (the tokens
+    its loss counts), every row is also given the mini-batch's totals, for a loss that
+    averages over the whole mini-batch rather than over each micro-batch
+    (:func:`minibatch_token_mean`): ``minibatch_rows`` and ``minibatch_tokens`` (the
+    sum of its ``loss_mask``). Per-row values are [rows], so they split with the rows
+    over data-parallel ranks and micro-batches."""
+    rows = batch["tokens"].shape[0]
+    size = rows // n_minibatches
+    sl = slice(index * size, (index + 1) * size)
+    sub = {k: (v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows
+               else v) for k, v in batch.items()}
+    if "loss_mask" in sub:
+        tokens = float(sub["loss_mask"].sum())
+        sub["minibatch_rows"] = torch.full((size,), float(size))
+        sub["minibatch_tokens"] = torch.full((size,), tokens)
+    return sub
+
+
+def minibatch_token_mean(per_token: torch.Tensor, mask: torch.Tensor, batch: Batch
+                         ) -> torch.Tensor:
+    """A micro-batch's share of the mean over every masked token of its mini-batch:
+    sum(per_token * mask) * (minibatch_rows / rows here) / minibatch_tokens.
+
+    The train engine averages the micro-batches' losses (and the data-parallel ranks'),
+    so a plain token mean per micro-batch weighs a short micro-batch's tokens more
+    than a long one's; scaled this way the average over the P = minibatch_rows / rows
+    equal micro-batches is exactly sum over the mini-batch / its token count (DAPO's
+    token-level loss). Example: a mini-batch of 4 rows with 1, 1, 3, 3 tokens in 2
+    micro-batches, loss 2 on each token of the first and 1 on each of the second: its
+    token mean is (2 * 2 + 6 * 1) / 8 = 1.25; this gives 4 * 2 / 8 = 1 and 6 * 2 / 8 =
+    1.5, mean 1.25, where token means per micro-batch give (2 + 1) / 2 = 1.5."""
+    require(batch, "minibatch_rows", "minibatch_tokens")
+    parts = batch["minibatch_rows"][0] / per_token.shape[0]
+    return (per_token * mask).sum() * parts / batch["minibatch_tokens"][0].clamp(min=1)
+
+
+def with_stats(batch: Batch, **stats: float) -> Batch:
+    """``batch`` with statistics of its preparation for the train call's metrics
+    (``actor.<name>``), under :data:`STAT_PREFIX` keys (taken out again by
+    :func:`pop_stats` before anything trains)."""
+    return {**batch, **{STAT_PREFIX + k: torch.tensor(float(v)) for k, v in stats.items()}}
+
+
+def pop_stats(batch: Batch) -> tuple[Batch, dict[str, float]]:
+    """(the batch without its statistics, the statistics by name) (:func:`with_stats`)."""
+    stats = {k.removeprefix(STAT_PREFIX): float(v) for k, v in batch.items()
+             if k.startswith(STAT_PREFIX)}
+    return {k: v for k, v in batch.items() if not k.startswith(STAT_PREFIX)}, stats

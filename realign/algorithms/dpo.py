@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from realign.algorithms.common import Batch, batch_mask, pairs, require, sequence_logprob
-from realign.algorithms.params import DPOConfig
+from realign.algorithms.params import DPOConfig, PreferenceParams
 
 
 def preference_loss(chosen_logratio: torch.Tensor, rejected_logratio: torch.Tensor,
-                    cfg: DPOConfig) -> torch.Tensor:
+                    cfg: PreferenceParams) -> torch.Tensor:
     """Per-pair loss [n] from log pi - log ref of the chosen and rejected responses."""
     h = chosen_logratio - rejected_logratio
     if cfg.loss == "ipo":

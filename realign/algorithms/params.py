@@ -2,22 +2,24 @@
 torch-free, so that the prepared run (:class:`realign.run.spec.RunSpec`) carries them
 typed to every worker, the controller and the launchers without importing torch.
 
-One class per algorithm, all on one base (unknown keys are errors, values frozen), and
-the clipped policy-gradient family (PPO, GRPO, ReMax, REINFORCE++, RLOO) on a shared
-base declaring what they share once. A class's ``algorithm`` names it (the tag of
+One class per algorithm, all on one base (unknown keys are errors, values frozen), the
+clipped policy-gradient family (PPO, GRPO, ReMax, REINFORCE++, RLOO, DAPO, GSPO, Dr.
+GRPO) on a shared base declaring what they share once, and the preference losses (DPO,
+online DPO) on another. A class's ``algorithm`` names it (the tag of
 :data:`AnyParams`). ``samples_per_prompt`` belongs to the batch shape
-(``algorithm.samples_per_prompt``): :func:`make_params` sets it, and a class that reads
-it declares it without a default. The losses that read these live with each algorithm
+(``algorithm.samples_per_prompt``), as do ``prompts_per_step``, ``gen_len`` and
+``dropped_group_frac``: :func:`make_params` sets them, and a class that reads one
+declares it without a default. The losses that read these live with each algorithm
 (:mod:`realign.algorithms.grpo`, ...).
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Mapping, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from planner.errors import UserError, from_validation
-from planner.graph.algorithms import BatchShape
+from planner.graph.algorithms import MAX_DROPPED_GROUP_FRAC, BatchShape
 
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean"]
@@ -34,7 +36,7 @@ class AlgorithmParams(BaseModel):
 
 class ClippedPGParams(AlgorithmParams):
     """What the clipped policy-gradient family shares (PPO, GRPO, ReMax, REINFORCE++,
-    RLOO). ``kl_coef``'s default is each algorithm's own."""
+    RLOO, DAPO, GSPO, Dr. GRPO). ``kl_coef``'s default is each algorithm's own."""
 
     kl_coef: float = Field(0.05, ge=0, description="beta: weight of the KL to the reference "
                            "(where it enters is each algorithm's: the reward or the loss).")
@@ -100,15 +102,20 @@ class RLOOConfig(ClippedPGParams):
                                     "consecutive rows (the batch shape's).")
 
 
-class DPOConfig(AlgorithmParams):
-    """DPO / IPO hyper-parameters."""
+class PreferenceParams(AlgorithmParams):
+    """What the preference losses share (DPO, online DPO)."""
 
-    algorithm: Literal["dpo"] = "dpo"
     beta: float = Field(0.1, gt=0, description="beta: strength of the KL constraint to "
                         "the reference.")
     loss: Literal["sigmoid", "ipo"] = Field("sigmoid", description="sigmoid (DPO) or ipo.")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Probability that a "
                                    "preference label is flipped (sigmoid loss only).")
+
+
+class DPOConfig(PreferenceParams):
+    """DPO / IPO hyper-parameters."""
+
+    algorithm: Literal["dpo"] = "dpo"
 
 
 class SFTConfig(AlgorithmParams):
@@ -125,20 +132,127 @@ class RMConfig(AlgorithmParams):
     algorithm: Literal["rm"] = "rm"
 
 
+class RejectionSamplingConfig(AlgorithmParams):
+    """Rejection sampling (best-of-N fine-tuning; RAFT, Dong et al. 2023) hyper-parameters."""
+
+    algorithm: Literal["rejection_sampling"] = "rejection_sampling"
+    samples_per_prompt: int = Field(ge=2, description="N: responses per prompt, on "
+                                    "consecutive rows (the batch shape's); the best is kept.")
+    min_reward: float | None = Field(None, description="A prompt's best response is trained "
+                                     "on only if it scores at least this (the others weigh "
+                                     "0 in the loss); None: always.")
+    loss_agg: LossAgg = Field("token_mean", description="SFT's: one mean over all kept "
+                              "response tokens, or per-sequence means then their mean.")
+
+
+class OnlineDPOConfig(PreferenceParams):
+    """Online (iterative) DPO hyper-parameters (Guo et al. 2024, "Direct Language Model
+    Alignment from Online AI Feedback"; Xiong et al. 2024, "Iterative Preference
+    Learning from Human Feedback"). ``beta`` 0.1 is Guo et al.'s."""
+
+    algorithm: Literal["online_dpo"] = "online_dpo"
+    samples_per_prompt: int = Field(ge=2, description="Responses per prompt, on consecutive "
+                                    "rows (the batch shape's); the best and the worst make "
+                                    "the pair.")
+
+
+class DAPOConfig(ClippedPGParams):
+    """DAPO hyper-parameters (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement
+    Learning System at Scale", arXiv 2503.14476); defaults are the paper's."""
+
+    algorithm: Literal["dapo"] = "dapo"
+    samples_per_prompt: int = Field(ge=2, description="G: responses per prompt, on "
+                                    "consecutive rows (the batch shape's).")
+    prompts_per_step: int = Field(gt=0, description="Groups trained per step (the batch "
+                                  "shape's); dynamic sampling keeps this many.")
+    gen_len: int = Field(gt=0, description="L_max of the overlong shaping: the generation "
+                         "cap (the batch shape's).")
+    dropped_group_frac: float | None = Field(None, ge=0, le=MAX_DROPPED_GROUP_FRAC,
+                                             description="The batch shape's: the expected "
+                                             "share of constant groups generated for.")
+    kl_coef: float = Field(0.0, ge=0, description="beta: weight of the KL loss to the "
+                           "reference (DAPO drops the KL term: 0).")
+    kl_estimator: KLEstimator = Field("k3", description="KL estimator of the KL loss.")
+    clip_ratio: float = Field(0.2, gt=0, lt=1, description="epsilon_low: the ratio is "
+                              "clipped below at 1 - epsilon_low (the paper's 0.2).")
+    clip_ratio_high: float = Field(0.28, gt=0, description="epsilon_high (clip-higher): "
+                                   "the ratio is clipped above at 1 + epsilon_high (the "
+                                   "paper's 0.28), so unlikely tokens can grow more.")
+    eps: float = Field(1e-6, gt=0, description="Added to the group std.")
+    dynamic_sampling: bool = Field(True, description="Drop the groups whose samples all "
+                                   "got the same reward and train on prompts_per_step of "
+                                   "the rest (the step generates for prompts_generated).")
+    overlong_buffer_frac: float = Field(0.2, ge=0, lt=1, description="L_cache / L_max of "
+                                        "the overlong reward shaping: a response longer "
+                                        "than (1 - this) * gen_len loses up to "
+                                        "overlong_penalty, linearly (the paper's 4096 of "
+                                        "20480 tokens: 0.2); 0: no shaping.")
+    overlong_penalty: float = Field(1.0, ge=0, description="The most the overlong shaping "
+                                    "takes off a reward (the paper's 1).")
+
+    @model_validator(mode="after")
+    def _over_generation_needs_dynamic_sampling(self) -> "DAPOConfig":
+        if self.dropped_group_frac and not self.dynamic_sampling:
+            raise UserError(f"algorithm.dropped_group_frac {self.dropped_group_frac} makes "
+                            "the step generate for more prompts than it trains, which only "
+                            "dynamic sampling drops; set dynamic_sampling: true or the "
+                            "share to 0", field="algorithm.params.dynamic_sampling")
+        return self
+
+
+class GSPOConfig(ClippedPGParams):
+    """GSPO hyper-parameters (Zheng et al. 2025, "Group Sequence Policy Optimization",
+    arXiv 2507.18071): one importance ratio and one clip per sequence."""
+
+    algorithm: Literal["gspo"] = "gspo"
+    samples_per_prompt: int = Field(ge=2, description="G: responses per prompt, on "
+                                    "consecutive rows (the batch shape's).")
+    clip_ratio: float = Field(3e-4, gt=0, lt=1, description="Left clip range of the "
+                              "sequence ratio (the paper's 3e-4: a length-normalised "
+                              "ratio moves far less than a token's).")
+    clip_ratio_high: float = Field(4e-4, gt=0, description="Right clip range of the "
+                                   "sequence ratio (the paper's 4e-4).")
+    kl_coef: float = Field(0.0, ge=0, description="beta: weight of the KL loss to the "
+                           "reference (0: none, and no reference model needed).")
+    kl_estimator: KLEstimator = Field("k3", description="KL estimator of the KL loss.")
+    eps: float = Field(1e-6, gt=0, description="Added to the group std.")
+
+
+class DrGRPOConfig(ClippedPGParams):
+    """Dr. GRPO hyper-parameters (Liu et al. 2025, "Understanding R1-Zero-Like Training:
+    A Critical Perspective", arXiv 2503.20783): GRPO without the group std and the
+    response-length normalisation."""
+
+    algorithm: Literal["dr_grpo"] = "dr_grpo"
+    samples_per_prompt: int = Field(ge=2, description="G: responses per prompt, on "
+                                    "consecutive rows (the batch shape's).")
+    gen_len: int = Field(gt=0, description="The constant each sequence's token sum is "
+                         "divided by: the generation cap (the batch shape's).")
+    kl_coef: float = Field(0.0, ge=0, description="beta: weight of the KL loss to the "
+                           "reference (0: none, and no reference model needed).")
+    kl_estimator: KLEstimator = Field("k3", description="KL estimator of the KL loss.")
+
+
 #: every algorithm's parameters, told apart by their ``algorithm``
 AnyParams = Annotated[Union[PPOConfig, GRPOConfig, ReMaxConfig, ReinforcePPConfig,
-                            RLOOConfig, DPOConfig, SFTConfig, RMConfig],
+                            RLOOConfig, DPOConfig, SFTConfig, RMConfig,
+                            RejectionSamplingConfig, OnlineDPOConfig, DAPOConfig, GSPOConfig,
+                            DrGRPOConfig],
                       Field(discriminator="algorithm")]
 
 #: algorithm name -> its parameters' class
 PARAMS: Mapping[str, type[AlgorithmParams]] = {
     c.model_fields["algorithm"].default: c
     for c in (PPOConfig, GRPOConfig, ReMaxConfig, ReinforcePPConfig, RLOOConfig, DPOConfig,
-              SFTConfig, RMConfig)}
+              SFTConfig, RMConfig, RejectionSamplingConfig, OnlineDPOConfig, DAPOConfig,
+              GSPOConfig, DrGRPOConfig)}
 
 #: what the batch shape sets (``algorithm.<its name>``), never ``algorithm.params``:
 #: the name a user might write in params -> the batch shape's field
 SHAPE_OWNED: Mapping[str, str] = {"samples_per_prompt": "samples_per_prompt",
+                                  "prompts_per_step": "prompts_per_step",
+                                  "gen_len": "gen_len",
+                                  "dropped_group_frac": "dropped_group_frac",
                                   "ppo_epochs": "ppo_epochs", "minibatches": "ppo_minibatches",
                                   "ppo_minibatches": "ppo_minibatches"}
 

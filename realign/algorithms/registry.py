@@ -21,7 +21,21 @@ from typing import Any, Callable, Mapping
 
 from planner.graph.algorithms import ALGORITHMS as SPECS
 from planner.graph.algorithms import AlgorithmSpec, BatchShape
-from realign.algorithms import dpo, grpo, ppo, reinforce_pp, remax, rloo, rm, sft
+from realign.algorithms import (
+    dapo,
+    dpo,
+    dr_grpo,
+    grpo,
+    gspo,
+    online_dpo,
+    ppo,
+    reinforce_pp,
+    rejection_sampling,
+    remax,
+    rloo,
+    rm,
+    sft,
+)
 from realign.algorithms.common import Batch, LossFn
 from realign.algorithms.params import AlgorithmParams, make_params
 from realign.errors import UserError
@@ -29,8 +43,9 @@ from realign.errors import UserError
 
 @dataclass(frozen=True)
 class Algorithm:
-    """One algorithm: ``config`` (pydantic class), ``prepare(batch, cfg) -> batch`` (on
-    the controller, after scoring, before training) and ``losses``: trained role ->
+    """One algorithm: ``config`` (pydantic class), ``prepare(batch, cfg) -> batch`` (in
+    the train call on each of its workers, after scoring, before training; it may
+    choose the rows to train, :mod:`realign.algorithms.selection`) and ``losses``: trained role ->
     ``factory(cfg) -> loss_fn``."""
 
     name: str
@@ -101,6 +116,13 @@ ALGORITHMS: Mapping[str, Algorithm] = _table(
     Algorithm("dpo", dpo.DPOConfig, dpo.prepare, {"actor": dpo.actor_loss_fn}),
     Algorithm("sft", sft.SFTConfig, sft.prepare, {"actor": sft.actor_loss_fn}),
     Algorithm("rm", rm.RMConfig, rm.prepare, {"reward": rm.reward_loss_fn}),
+    Algorithm("rejection_sampling", rejection_sampling.RejectionSamplingConfig,
+              rejection_sampling.prepare, {"actor": rejection_sampling.actor_loss_fn}),
+    Algorithm("online_dpo", online_dpo.OnlineDPOConfig, online_dpo.prepare,
+              {"actor": online_dpo.actor_loss_fn}),
+    Algorithm("dapo", dapo.DAPOConfig, dapo.prepare, {"actor": dapo.actor_loss_fn}),
+    Algorithm("gspo", gspo.GSPOConfig, gspo.prepare, {"actor": gspo.actor_loss_fn}),
+    Algorithm("dr_grpo", dr_grpo.DrGRPOConfig, dr_grpo.prepare, {"actor": dr_grpo.actor_loss_fn}),
 )
 
 

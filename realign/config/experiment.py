@@ -43,7 +43,8 @@ class ModelsConfig(_Strict):
 class AlgorithmSection(BatchShape):
     """The algorithm, the shape of one step's batch, and its hyper-parameters."""
 
-    name: Algorithm = Field(description="ppo | grpo | remax | reinforce_pp | rloo | dpo | sft | rm")
+    name: Algorithm = Field(description="ppo | grpo | remax | reinforce_pp | rloo | dpo | sft | "
+                            "rm | rejection_sampling | online_dpo | dapo | gspo | dr_grpo")
     params: dict[str, Any] = Field(
         default_factory=dict,
         description="Hyper-parameters of the algorithm (e.g. kl_coef, clip_ratio; see "

@@ -52,7 +52,7 @@ def time_host_work(cfg: ExperimentConfig, base: Path) -> dict[str, float]:
     tok = model_tokenizer(ref, base, field=f"models.{role}")
     pad = pad_id(tok)
     data = load_dataset(cfg.data.train, tok, base)
-    n = cfg.algorithm.prompts_per_step
+    n = cfg.algorithm.shape().prompts_generated
     batch_s = _median_s(lambda k: step_batch(data, n, k, pad))
     fn = cfg.rule_reward_fn()
     return {"batch_s": batch_s,
@@ -82,7 +82,7 @@ def _reward_s_per_seq(fn_ref: str, cfg: ExperimentConfig, base: Path, tok, data,
 
     fn = load_reward_fn(fn_ref, base_dir=base)
     a = cfg.algorithm
-    n = min(MAX_SEQS, a.prompts_per_step * a.samples_per_prompt)
+    n = min(MAX_SEQS, a.shape().prompts_generated * a.samples_per_prompt)
     examples = [data.examples[i % len(data.examples)] for i in range(n)]
     gen = max(1, round(a.gen_len_mean or a.gen_len))
     rows, prompt_lens = [], []

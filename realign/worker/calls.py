@@ -7,8 +7,10 @@ what: its keys, batch shape and options; the allocation says how (micro-batches)
   output records (sequences, then log-probs when it writes them);
 * ``inference``: log-probs (LM head), per-token values (critic) or sequence scores
   (reward model) of sequences;
-* ``train``: the algorithm's ``prepare`` (advantages, returns) on exactly the call's
-  input records, then one optimizer step per mini-batch and epoch with its loss;
+* ``train``: the algorithm's ``prepare`` (advantages, returns; the rows it trains on
+  when it selects some of those generated) on exactly the call's input records, then
+  one optimizer step per mini-batch and epoch with its loss; the statistics
+  ``prepare`` reports become ``<role>.<name>`` metrics;
 * rule rewards: the reward function on the decoded response and the reference answer;
 * evaluations: the verifier and the reward function on answers to held-out prompts,
   as metrics ``eval.<greedy|sample>_{accuracy,reward}`` and ``eval.pass@k``.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from realign.algorithms.common import minibatch, pop_stats
 from realign.errors import NonFiniteError, UserError
 from realign.rewards.scoring import decoded_answers, scores
 from realign.run.program import Call, Evaluate, RuleReward
@@ -142,20 +145,21 @@ class Calls:
                    for key in op.inputs]
         merged = merge(records)
         staleness = check_staleness(merged, step, self.max_staleness, op.name)
-        batch = self.algorithm.prepare(merged, self.algo_params)
+        # prepare may select rows (best-of-N, pairs, dynamic sampling): the call trains
+        # the rows it returns, as many as the graph's train call prices
+        batch, stats = pop_stats(self.algorithm.prepare(merged, self.algo_params))
+        rows = batch["tokens"].shape[0]
+        assert rows == op.mfc.n_seqs, f"{op.name}: prepare made {rows} rows, the plan " \
+            f"trains {op.mfc.n_seqs}"
         engine = self.train_engine(op, h)
         loss_fn = self.algorithm.loss_fn(op.role, self.algo_params)
-        rows = batch["tokens"].shape[0]
         n_mb = op.mfc.n_minibatches
-        size = rows // n_mb
         totals: dict[str, float] = {}
         n = 0
         with engine.call():     # offloaded training state: here for the call's steps
             for _epoch in range(op.mfc.n_epochs):
                 for m in range(n_mb):
-                    sl = slice(m * size, (m + 1) * size)
-                    sub = {k: (v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0
-                               and v.shape[0] == rows else v) for k, v in batch.items()}
+                    sub = minibatch(batch, m, n_mb)
                     # the loss metrics are averaged over DP by the controller (no
                     # collective): each DP rank's last stage reports its own
                     try:
@@ -175,6 +179,7 @@ class Calls:
             shared["zero_advantage_frac"] = float(flat.float().mean())
         if staleness is not None:
             shared["staleness"] = staleness
+        shared.update(stats)
         g = h.shard.groups
         parts = {}
         if g.is_last_stage and g.tp_rank == 0:

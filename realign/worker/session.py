@@ -118,7 +118,9 @@ class Session:
         """The step's training batch (the sampler's ``step``-th) under the graph's
         training data key, and the held-out prompts under ``eval_prompts`` when the run
         evaluates."""
-        batch = step_batch(self.dataset, self.cfg.algorithm.prompts_per_step, step, self.pad)
+        # the prompts generated for: more than those trained under DAPO's dynamic sampling
+        batch = step_batch(self.dataset, self.cfg.algorithm.shape().prompts_generated, step,
+                           self.pad)
         out = {self.algo.spec.dataset_key: batch}
         if self.eval_record is not None:
             out["eval_prompts"] = self.eval_record

@@ -3,6 +3,7 @@ graphs; lookups fail with useful errors; every algorithm prepares a synthetic ro
 and its loss functions give finite scalars whose gradient step lowers the loss."""
 from __future__ import annotations
 
+import math
 import pickle
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from planner.graph.algorithms import ALGORITHMS as SPECS
 from planner.graph.algorithms import BatchShape, build_graph
 from realign.algorithms import registry
+from realign.algorithms.common import minibatch, pop_stats
 from realign.algorithms.registry import ALGORITHMS, Algorithm
 from realign.errors import UserError
 
@@ -80,7 +82,15 @@ def _rollout(b=4, s=6, seed=0):
 
 
 CONFIGS = {"grpo": {"samples_per_prompt": 2}, "rloo": {"samples_per_prompt": 2},
-           "remax": {"samples_per_prompt": 2}}
+           "remax": {"samples_per_prompt": 2}, "gspo": {"samples_per_prompt": 2},
+           "dr_grpo": {"samples_per_prompt": 2, "gen_len": 5},
+           "rejection_sampling": {"samples_per_prompt": 2},
+           "online_dpo": {"samples_per_prompt": 2},
+           # 2 groups generated, 1 trained (dynamic sampling keeps the first informative)
+           "dapo": {"samples_per_prompt": 2, "prompts_per_step": 1, "gen_len": 5,
+                    "dropped_group_frac": 0.5}}
+#: rows each prepare trains of the 4 generated (a selection for some)
+ROWS = {"rejection_sampling": 2, "dapo": 2}
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
@@ -90,8 +100,11 @@ def test_prepare_then_every_loss_is_a_finite_scalar_and_descends(name):
     raw = _rollout()
     if name not in ("remax",):
         raw.pop("greedy_rewards")
-    batch = algo.prepare(raw, cfg)
-    assert all(v.shape[0] == 4 for v in batch.values())   # the engine's row check
+    batch, stats = pop_stats(algo.prepare(raw, cfg))
+    assert all(math.isfinite(v) for v in stats.values())
+    rows = ROWS.get(name, 4)
+    assert all(v.shape[0] == rows for v in batch.values())   # the engine's row check
+    batch = minibatch(batch, 0, 1)          # as the train call hands it to the engine
     for role in algo.trained_roles:
         loss_fn = algo.loss_fn(role, cfg)
         pickle.loads(pickle.dumps(loss_fn))              # shippable to workers

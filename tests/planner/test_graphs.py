@@ -28,7 +28,8 @@ def by_name(g: DataflowGraph) -> dict[str, MFC]:
 
 def test_every_algorithm_is_in_the_table_with_its_data():
     assert set(ALGORITHMS) == {"ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft",
-                               "rm"}
+                               "rm", "rejection_sampling", "online_dpo", "dapo", "gspo",
+                               "dr_grpo"}
     for name, spec in ALGORITHMS.items():
         roles = set(spec.required_roles) | set(spec.optional_roles)
         g = build_graph(name, SHAPE, roles - ({"reward"} if name in ("dpo", "sft") else set()))
@@ -236,3 +237,70 @@ def test_train_batch_must_split_into_minibatches():
             gen_len=8, input_keys=("d",), output_keys=("s",), n_minibatches=4)
     with pytest.raises(PlanError, match="do not split"):
         build_graph("sft", BatchShape(prompts_per_step=6, ppo_minibatches=4), {"actor"})
+
+
+# ---- graphs that train on a selection of what they generate -------------------------
+
+def test_rejection_sampling_trains_one_sequence_per_prompt():
+    for roles in ({"actor"}, {"actor", "reward"}):
+        g = build_graph("rejection_sampling", SHAPE, roles)
+        m = by_name(g)
+        assert m["actor.generate"].n_seqs == 32                  # 8 prompts x N = 4
+        assert m["actor.train"].n_seqs == 8                      # the best of each
+        assert m["actor.train"].input_keys == ("seqs", "rewards")
+        if "reward" in roles:
+            assert m["reward.inference"].n_seqs == 32            # every sample is scored
+        else:
+            assert [r.out_key for r in g.rule_rewards] == ["rewards"]
+    with pytest.raises(PlanError, match="does not use the model role"):
+        build_graph("rejection_sampling", SHAPE, {"actor", "ref"})
+
+
+def test_online_dpo_scores_every_sample_and_trains_pairs():
+    g = build_graph("online_dpo", SHAPE, {"actor", "ref", "reward"})
+    m = by_name(g)
+    assert [x.name for x in g.mfcs] == ["actor.generate", "reward.inference", "ref.inference",
+                                        "actor.train"]
+    assert m["ref.inference"].n_seqs == m["reward.inference"].n_seqs == 32
+    assert (m["actor.train"].n_seqs, m["actor.train"].group_size) == (16, 2)
+    with pytest.raises(PlanError, match="ref"):
+        build_graph("online_dpo", SHAPE, {"actor"})
+
+
+def test_dapo_generates_for_more_prompts_than_it_trains():
+    shape = SHAPE.model_copy(update={"dropped_group_frac": 0.25})
+    assert shape.prompts_generated == 11                         # ceil(8 / 0.75)
+    g = build_graph("dapo", shape, {"actor", "ref"})
+    m = by_name(g)
+    assert m["actor.generate"].n_seqs == m["ref.inference"].n_seqs == 44    # 11 x 4
+    assert m["actor.train"].n_seqs == 32                                     # 8 x 4
+    # asynchronous: the proximal pass scores every generated sequence
+    a = build_graph("dapo", shape, {"actor"}, max_staleness=1, asynchronous=True)
+    assert by_name(a)["actor.prox_inference"].n_seqs == 44
+    # no share given: no over-generation
+    assert by_name(build_graph("dapo", SHAPE, {"actor"}))["actor.generate"].n_seqs == 32
+
+
+@pytest.mark.parametrize("p,f,n", [(16, 0.0, 16), (16, 0.25, 22), (16, 0.5, 32), (1, 0.95, 20),
+                                   (512, 0.1, 569)])
+def test_prompts_generated(p, f, n):
+    from planner.graph.algorithms import prompts_generated
+    assert prompts_generated(p, f) == n
+
+
+def test_only_dapo_drops_groups_and_selections_do_not_run_ahead():
+    shape = SHAPE.model_copy(update={"dropped_group_frac": 0.25})
+    with pytest.raises(PlanError, match="only dapo") as e:
+        build_graph("grpo", shape, {"actor"})
+    assert e.value.field == "algorithm.dropped_group_frac"
+    for name, roles in (("rejection_sampling", {"actor"}), ("online_dpo", {"actor", "ref"})):
+        with pytest.raises(PlanError, match="max_staleness to 0") as e:
+            build_graph(name, SHAPE, roles, max_staleness=1)
+        assert e.value.field == "algorithm.max_staleness"
+
+
+@pytest.mark.parametrize("alg", ["gspo", "dr_grpo"])
+def test_gspo_and_dr_grpo_have_grpos_graph(alg):
+    for roles in ({"actor"}, {"actor", "ref", "reward"}):
+        g, ref = build_graph(alg, SHAPE, roles), build_graph("grpo", SHAPE, roles)
+        assert g.mfcs == ref.mfcs

@@ -106,3 +106,20 @@ def test_a_sample_beyond_the_staleness_bound_stops_the_run():
     with pytest.raises(UserError, match="stale"):          # a version from the future
         check_staleness({"policy_version": torch.tensor([5])}, 4, 1, "actor.train")
     assert check_staleness({"tokens": torch.zeros(2, 3)}, 4, 1, "actor.train") is None
+
+
+@pytest.mark.parametrize("name", ["tiny-dapo-cpu", "tiny-gspo-cpu", "tiny-dr-grpo-cpu"])
+def test_the_new_policy_gradients_run_asynchronously(tiny_assets, tmp_path, name):
+    """DAPO, GSPO and Dr. GRPO on the asynchronous plan: their losses take the proximal
+    policy's log-probs (GSPO per sequence), and DAPO's proximal pass scores every
+    generated sequence before dynamic sampling chooses the rows to train."""
+    exp = experiment(tiny_assets, name, tmp_path, plan__manual=ASYNC_MANUAL,
+                     algorithm__max_staleness=1, run__steps=4)
+    r = run(exp, tmp_path / "run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    assert [row["actor.staleness"] for row in rows] == [0, 1, 1, 1]
+    assert all("actor.behave_weight" in row for row in rows)
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    n = {m["name"]: m["n_seqs"] for m in plan["graph"]["mfcs"]}
+    assert n["actor.prox_inference"] == n["actor.generate"]

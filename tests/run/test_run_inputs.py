@@ -26,8 +26,8 @@ def run(exp: Path, run_dir: Path, timeout: float = 120) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=timeout)
 
 
-def bad(tiny_assets, tmp_path, **changes) -> str:
-    r = run(experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, **changes), tmp_path / "run")
+def bad(tiny_assets, tmp_path, name="tiny-grpo-cpu", **changes) -> str:
+    r = run(experiment(tiny_assets, name, tmp_path, **changes), tmp_path / "run")
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "run" / "logs").exists(), "no worker may start on bad input"
@@ -129,6 +129,35 @@ def test_kl_loss_without_a_reference_model(tiny_assets, tmp_path):
 def test_a_bad_hyper_parameter_names_its_key(tiny_assets, tmp_path, params, field, says):
     err = bad(tiny_assets, tmp_path, algorithm__params=dict(params))
     assert field in err and says in err
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("name,params,field,says", [
+    ("tiny-dapo-cpu", {"clip_ratio_high": -0.1}, "algorithm.params.clip_ratio_high",
+     "greater than 0"),
+    ("tiny-dapo-cpu", {"overlong_buffer_frac": 1.5}, "algorithm.params.overlong_buffer_frac",
+     "less than 1"),
+    ("tiny-dapo-cpu", {"dynamic_sampling": False}, "algorithm.params.dynamic_sampling",
+     "only dynamic sampling drops"),
+    ("tiny-gspo-cpu", {"clip_ratio": 1.5}, "algorithm.params.clip_ratio", "less than 1"),
+    ("tiny-dr-grpo-cpu", {"gen_len": 8}, "algorithm.params.gen_len",
+     "set gen_len on the algorithm"),
+    ("tiny-rejection-sampling-cpu", {"min_reward": "high"}, "algorithm.params.min_reward",
+     "valid number"),
+    ("tiny-rejection-sampling-cpu", {"keep": 2}, "algorithm.params.keep",
+     "unknown hyper-parameter of rejection_sampling; allowed: min_reward, loss_agg"),
+    ("tiny-online-dpo-cpu", {"beta": 0}, "algorithm.params.beta", "greater than 0"),
+])
+def test_a_bad_hyper_parameter_of_a_new_algorithm_names_its_key(tiny_assets, tmp_path, name,
+                                                                  params, field, says):
+    err = bad(tiny_assets, tmp_path, name, algorithm__params=dict(params))
+    assert field in err and says in err
+
+
+@pytest.mark.pure
+def test_only_dapo_over_generates(tiny_assets, tmp_path):
+    err = bad(tiny_assets, tmp_path, algorithm__dropped_group_frac=0.25)
+    assert "algorithm.dropped_group_frac" in err and "only dapo" in err
 
 
 @pytest.mark.pure
