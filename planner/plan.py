@@ -11,6 +11,7 @@ reallocations its allocations imply, so the run can execute what it lists.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -25,7 +26,9 @@ from planner.specs.model_spec import ModelSpec
 #: 2: rule rewards in the graph, exact train inputs, fixed micro-batches, waves.
 #: 3: optimizer offload per train call, the profile planned with, cost sources.
 #: 4: asynchronous graphs (generation ahead of training), the sync/async comparison.
-PLAN_SCHEMA_VERSION = 5
+#: 5: recompute and offload per train call.
+#: 6: the engine of each generate call (realign's own or vLLM).
+PLAN_SCHEMA_VERSION = 6
 
 
 class _Frozen(BaseModel):
@@ -62,6 +65,9 @@ class MFCAllocation(_Frozen):
     activation_recompute: bool = Field(
         False, description="Train calls: each layer keeps only its input and runs its "
         "forward again in the backward (plan.cost.recompute).")
+    engine: Literal["own", "vllm"] = Field(
+        "own", description="Generate calls: realign's own engine (waves) or vLLM "
+        "(continuous batching, one engine per GPU; rollout.engine).")
 
     @property
     def shards(self) -> tuple[int, int, int, int]:
@@ -269,6 +275,10 @@ def plan_problems(plan: ExecutionPlan) -> list[str]:
         if a.train_state_offload and a.kind != "train":
             out.append(f"{where}: train_state_offload is for train calls, this is a "
                        f"{a.kind} call")
+        if a.engine == "vllm" and (a.kind != "generate" or a.layout.tp != 1
+                                   or a.layout.pp != 1 or a.micro_batches != 1):
+            out.append(f"{where}: engine vllm runs generate calls at tp 1, pp 1 and one "
+                       f"micro-batch; this is a {a.kind} call at {a.layout} x{a.micro_batches}")
         if a.activation_recompute and a.kind != "train":
             out.append(f"{where}: activation_recompute is for train calls, this is a "
                        f"{a.kind} call")

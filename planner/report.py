@@ -25,7 +25,8 @@ def summary(plan: ExecutionPlan) -> dict:
              "micro_batches": a.micro_batches, "time_s": a.time_s, "mem_bytes": a.mem_bytes,
              "optimizer_offload": a.optimizer_offload,
              "train_state_offload": a.train_state_offload, "host_bytes": a.host_bytes,
-             "activation_recompute": a.activation_recompute}
+             "activation_recompute": a.activation_recompute,
+             "engine": a.engine if a.kind == "generate" else None}
             for a in plan.allocations],
         "profile": plan.profile.model_dump() if plan.profile else None,
         "cost_sources": plan.cost_sources,
@@ -133,16 +134,19 @@ def table(plan: ExecutionPlan) -> str:
     ``+state`` one whose gradients and GPU optimizer state exist only during the call,
     ``+rc`` one that recomputes each layer's activations in the backward."""
     mark = "*" if plan.profile is not None else ""
-    rows = [("MFC", "mesh", "GPUs", "TP", "PP", "DP", "micro", "time s", "mem GiB/GPU")]
+    rows = [("MFC", "mesh", "GPUs", "TP", "PP", "DP", "micro", "engine", "time s",
+             "mem GiB/GPU")]
     for a in plan.allocations:
         rows.append((a.mfc + (" +off" if a.optimizer_offload else "")
                      + (" +state" if a.train_state_offload else "")
                      + (" +rc" if a.activation_recompute else ""), a.mesh_name,
                      str(a.mesh.n_gpus), str(a.layout.tp), str(a.layout.pp),
-                     str(a.layout.dp), str(a.micro_batches), f"{a.time_s:.3f}{mark}",
+                     str(a.layout.dp), str(a.micro_batches),
+                     a.engine if a.kind == "generate" else "-", f"{a.time_s:.3f}{mark}",
                      f"{a.mem_bytes / GIB:.1f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    lines = ["  ".join(c.ljust(w) if i < 2 or i == 7 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     out = [f"{plan.name} on {plan.cluster.describe()} "
@@ -156,6 +160,9 @@ def table(plan: ExecutionPlan) -> str:
                 ("optimizer state offloaded (Adam on the host)", a.optimizer_offload),
                 ("training state on the host between calls", a.train_state_offload)) if on)
             out.append(f"{a.mfc}: {what}, {a.host_bytes / GIB:.1f} GiB of host memory per GPU")
+    if any(a.engine == "vllm" for a in plan.allocations):
+        out.append("engine vllm: continuous batching on one vLLM engine per GPU, its weights "
+                   "copied from the trained model before each call (docs/vllm.md)")
     out.append(sources_line(plan))
     for line in (host_line(plan), lengths_line(plan)):
         if line:

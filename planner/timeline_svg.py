@@ -82,6 +82,11 @@ def draw_lanes(out: list[str], groups: list[tuple[int, int]], bars: list[Bar], e
     return ya + 44
 
 
+def engine_labels(plan: ExecutionPlan) -> dict[str, str]:
+    """Each generate call's engine as its bars' suffix: `` [vllm]`` or `` [own]``."""
+    return {a.mfc: f" [{a.engine}]" for a in plan.allocations if a.kind == "generate"}
+
+
 def render(plan: ExecutionPlan) -> str:
     groups = gpu_groups(plan.cluster.n_gpus,
                         [(a.mesh.first_gpu, a.mesh.n_gpus) for a in plan.allocations])
@@ -106,8 +111,9 @@ def render(plan: ExecutionPlan) -> str:
                    f'y2="{top + len(groups) * (lane_h + gap)}" stroke="#999" stroke-dasharray="3,3"/>')
         out.append(f'<text x="{x - 4:.1f}" y="{top - 9}" text-anchor="end" fill="#777">'
                    f'iter {it} ends {seconds(t, end)}</text>')
-    bars = [Bar(e.name, e.kind, e.start_s, e.end_s, e.gpus, f" (iter {e.iteration})")
-            for e in plan.timeline]
+    engines = engine_labels(plan)
+    bars = [Bar(e.name + engines.get(e.name, ""), e.kind, e.start_s, e.end_s, e.gpus,
+                f" (iter {e.iteration})") for e in plan.timeline]
     ya = draw_lanes(out, groups, bars, end, left, top, width, lane_h, gap)
     for k, (lo, hi) in enumerate(groups):     # peak memory per GPU group
         y = top + k * (lane_h + gap)

@@ -5,6 +5,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+#: Which engine a generate call runs on: realign's own (waves) or vLLM (continuous
+#: batching); ``auto``: the search prices both per call and picks.
+GenerateEngine = Literal["own", "vllm", "auto"]
+
 #: Generation's KV cache holds whole blocks of this many positions (realign's decoder
 #: attends over whole 16-key blocks, see ``realign/runtime/engines/decoder.py``;
 #: vLLM's paged cache also defaults to 16-token blocks).
@@ -66,6 +70,17 @@ class CostModelConfig(BaseModel):
     kv_cache_block_tokens: int = Field(
         KV_CACHE_BLOCK_TOKENS, gt=0, description="Positions per KV-cache block: a generated "
         "sequence's cache is allocated for prompt_len + gen_len rounded up to whole blocks.")
+    generate_engine: GenerateEngine = Field(
+        "own", description="The engine of every generate call: 'own' (realign's decoder, in "
+        "waves), 'vllm' (vLLM, continuous batching, one engine per GPU: TP 1, PP 1) or "
+        "'auto' (the search prices both for each call and keeps the faster plan). Set from "
+        "the experiment's rollout.engine.")
+    vllm_max_num_seqs: int = Field(
+        256, gt=0, description="vLLM: the most sequences one engine decodes at once "
+        "(its max_num_seqs; rollout.vllm.max_num_seqs).")
+    vllm_kv_cache_bytes: float = Field(
+        2 ** 30, gt=0, description="vLLM: the KV cache each engine allocates, bytes per GPU "
+        "(rollout.vllm.kv_cache_gib); it also bounds how many sequences decode at once.")
     max_micro_batches: int = Field(
         64, gt=0, description="Largest micro-batch count the search considers.")
     reward_s_per_seq: float | None = Field(

@@ -158,18 +158,23 @@ class CostModel:
                 group_nodes(list(range(0, tp * dp, tp)), mesh, gpn),
                 group_nodes(list(range(0, tp * dp * pp, tp * dp)), mesh, gpn))
 
-    def _stages(self, spec: ModelSpec, head: str, kind: str, rows: float, ctx: float,
-                out_rows: float, layout: Layout, tp_nodes: int, msg: Work,
-                back: Work | None = None, recompute: bool = False) -> list[tuple[Work, int]]:
+    def stage_works(self, spec: ModelSpec, head: str, kind: str, rows: float, ctx: float,
+                    out_rows: float, layout: Layout, tp_nodes: int, msg: Work,
+                    back: Work | None = None, recompute: bool = False,
+                    costs_kind: str | None = None) -> list[tuple[Work, int]]:
         """(work, how many stages do it) of one micro-batch's pass through each stage:
         the first (embedding), the middle ones, the last (head); every stage but the
         last also sends ``msg`` on, and with ``back`` the last sends that back (decode:
-        the chosen tokens)."""
+        the chosen tokens). ``costs_kind``: whose fixed costs overlap the device's work
+        on an asynchronous device (default ``kind``'s: realign's engine; vLLM's steps
+        pass theirs)."""
         tp, pp = layout.tp, layout.pp
         layers = spec.n_layers // pp
         r = self.rates
+        costs_kind = costs_kind or kind
         signature = (spec, head, kind, rows, ctx, out_rows, tp, pp, tp_nodes, recompute,
-                     _signature(msg), _signature(back) if back is not None else None)
+                     _signature(msg), _signature(back) if back is not None else None,
+                     costs_kind)
 
         def stage(first: bool, last: bool) -> Work:
             key = (signature, first, last)
@@ -194,7 +199,7 @@ class CostModel:
             elif back is not None and pp > 1:
                 w.add(back)
             if self.cluster.device.async_kernels:
-                w = overlapped(w, r.engine(kind))
+                w = overlapped(w, r.engine(costs_kind))
             return w
         if pp == 1:
             return [(stage(True, True), 1)]
@@ -235,12 +240,28 @@ class CostModel:
             return (True,)
         return (False,) if self.cluster.device.host_adam_params_per_s is None else (False, True)
 
+    def engine_options(self, mfc: MFC, layout: Layout, micro_batches: int) -> tuple[str, ...]:
+        """The generation engines to price for ``mfc`` under ``layout``
+        (``generate_engine``): realign's own for every call; vLLM for a generate call
+        at TP 1, PP 1 and one micro-batch (one engine per GPU, continuous batching:
+        no waves) that its KV cache can hold one sequence of."""
+        mode = self.config.generate_engine
+        if mfc.kind != "generate" or mode == "own":
+            return ("own",)
+        fits = (layout.tp == 1 and layout.pp == 1 and micro_batches == 1)
+        vllm = ("vllm",) if fits else ()
+        return vllm if mode == "vllm" else ("own",) + vllm
+
     def mfc_cost(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
                  layout: Layout, micro_batches: int, offload: bool = False,
-                 state_offload: bool = False, recompute: bool = False) -> MFCCost:
+                 state_offload: bool = False, recompute: bool = False,
+                 engine: str = "own") -> MFCCost:
         if (offload or state_offload or recompute) and mfc.kind != "train":
             raise ValueError("optimizer and training-state offload and activation "
                              "recompute apply to train MFCs only")
+        if engine == "vllm":
+            from planner.cost.vllm_cost import vllm_generate_cost
+            return vllm_generate_cost(self, mfc, spec, head, mesh, layout)
         if mfc.kind == "generate":
             terms = self._generate_terms(mfc, spec, head, mesh, layout, micro_batches)
         elif mfc.kind == "train":
@@ -299,7 +320,7 @@ class CostModel:
         costs = r.engine("inference")
         # per micro-batch and stage boundary: its hidden states to the next stage
         msg = _msg(r.collective_s("p2p", b * s * spec.hidden * dt, 2, ppn))
-        stages = self._stages(spec, head, "inference", b * s, s / 2, b * s, layout, tpn, msg)
+        stages = self.stage_works(spec, head, "inference", b * s, s / 2, b * s, layout, tpn, msg)
         out_cols = s - 1 if head == "lm" else s
         call = Work(seconds={"dp_comm": (
             r.collective_s("all_gather", mfc.n_seqs * out_cols * 4, dp, dpn)
@@ -318,7 +339,7 @@ class CostModel:
         costs = r.engine("train")
         # per micro-batch and stage boundary: activations forward, their gradients back
         msg = _msg(r.collective_s("p2p", b * s * spec.hidden * dt, 2, ppn), 2)
-        stages = self._stages(spec, head, "train", b * s, s / 2, b * s, layout, tpn, msg,
+        stages = self.stage_works(spec, head, "train", b * s, s / 2, b * s, layout, tpn, msg,
                               recompute=recompute)
         p_gpu = self.stage_params(spec, head, layout)
         grad_bytes = cfg.grad_dtype_bytes * p_gpu
@@ -354,12 +375,12 @@ class CostModel:
         groups = math.ceil(m / g)          # groups of waves, one after another
         P, h = longest_prompt(mfc, b), spec.hidden     # a wave's prompts padded to its longest
         pre_c, dec_c = r.engine("prefill"), r.engine("decode")
-        pre = self._stages(spec, head, "prefill", b * P, P / 2, b, layout, tpn,
+        pre = self.stage_works(spec, head, "prefill", b * P, P / 2, b, layout, tpn,
                            _msg(r.collective_s("p2p", b * P * h * dt, 2, ppn)))
         tokens = expected_call_tokens(mfc, b, groups, dp)   # the slowest DP rank's
         steps = max(0.0, tokens - 1.0)     # the prefill yields the first token
         # per step: the hidden state to the next stage, the chosen tokens back
-        dec = self._stages(spec, head, "decode", b, P + tokens / 2, b, layout, tpn,
+        dec = self.stage_works(spec, head, "decode", b, P + tokens / 2, b, layout, tpn,
                            _msg(r.collective_s("p2p", b * h * dt, 2, ppn)),
                            back=_msg(r.collective_s("p2p", 2 * b * 8, 2, ppn)))
         alloc = Work(seconds={"kv_alloc": g * r.mem_s(

@@ -9,7 +9,8 @@ measuring. What it holds:
   of rows x width, forward alone and forward + backward (a training GEMM);
 * ``mem_bytes_per_s``: streaming memory bandwidth;
 * ``engines``: the fixed costs of realign's own engines (train, inference, prefill,
-  one decode step) that no FLOP or byte count explains: per call, per micro-batch
+  one decode step), and of vLLM's prefill and decode steps when it was profiled where
+  vLLM is installed, that no FLOP or byte count explains: per call, per micro-batch
   (a wave, in generation), per layer, per token and hidden unit, per token and
   vocabulary column, per parameter (the optimizer step); fitted to timed runs of the
   engines themselves on probe models (:mod:`planner.cost.engine_terms` defines each);
@@ -33,7 +34,9 @@ from planner.errors import PlanError, from_validation
 #: 2: measured GEMM grid, engine fixed costs, collectives, transfers (1 held rates only).
 PROFILE_SCHEMA_VERSION = 2
 
-EngineKind = Literal["train", "inference", "prefill", "decode"]
+#: realign's own engines, and vLLM's prefill and decode steps (a generate call with
+#: ``rollout.engine`` vllm; :mod:`planner.cost.vllm_cost`)
+EngineKind = Literal["train", "inference", "prefill", "decode", "vllm_prefill", "vllm_decode"]
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p"]
 
 

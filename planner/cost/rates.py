@@ -72,7 +72,8 @@ class Rates:
             config.link_efficiency or dev.intra_link_efficiency)
         self.inter_bytes_per_s = cluster.inter_node_bytes_per_gpu_s * (
             config.link_efficiency or dev.inter_link_efficiency)
-        for kind in ("train", "inference", "prefill", "decode"):
+        vllm = ("vllm_prefill", "vllm_decode") if config.generate_engine != "own" else ()
+        for kind in ("train", "inference", "prefill", "decode", *vllm):
             self.sources[f"engine {kind}"] = (
                 "profile" if profile and kind in profile.engines else preset)
         for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p"):
@@ -141,16 +142,24 @@ class Rates:
 
     # ---- realign's engines -----------------------------------------------------------
     def engine(self, kind: str) -> EngineCosts:
-        """Fixed costs of the ``train`` | ``inference`` | ``prefill`` | ``decode`` engine."""
+        """Fixed costs of the ``train`` | ``inference`` | ``prefill`` | ``decode`` engine,
+        or of vLLM's ``vllm_prefill`` | ``vllm_decode`` steps. Without a profile, vLLM's
+        decode step on a device that runs kernels asynchronously (GPUs) has no per-layer
+        host cost: vLLM replays each decode step as a CUDA graph (its default,
+        ``enforce_eager=False``), so launches do not grow with the layers; elsewhere
+        it is priced like realign's own decode step."""
         if self.profile is not None and kind in self.profile.engines:
             return self.profile.engines[kind]
         dev, cfg = self.cluster.device, self.config
         train = kind == "train"
         mem = self.mem_bytes_per_s
+        decode_layer = dev.decode_layer_overhead_s
+        if kind == "vllm_decode" and dev.async_kernels:
+            decode_layer = 0.0
         return EngineCosts(
             call_s=dev.call_overhead_s,
             microbatch_s=dev.microbatch_overhead_s,
-            layer_s=(dev.decode_layer_overhead_s if kind == "decode"
+            layer_s=(decode_layer if kind in ("decode", "vllm_decode")
                      else (3.0 if train else 1.0) * dev.layer_overhead_s),
             token_hidden_s=(3.0 if train else 1.0) * cfg.elementwise_passes * self.dtype_bytes / mem,
             token_vocab_s=(2.0 if train else 1.0) * LOGIT_PASSES * LOGIT_BYTES / mem,

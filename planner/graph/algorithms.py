@@ -311,7 +311,8 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
                 evaluation: EvalShape | None = None,
                 lengths: GenLengths | None = None, max_staleness: int = 0,
                 asynchronous: bool = False,
-                prompt_lengths: GenLengths | None = None) -> DataflowGraph:
+                prompt_lengths: GenLengths | None = None,
+                score_rollout: bool = False) -> DataflowGraph:
     """The dataflow graph of ``algorithm`` for the configured model ``roles``.
     ``train_micro_batches``: every train call runs with exactly this many micro-batches
     (``train.micro_batches``); None lets the planner choose. ``evaluation``: the actor
@@ -321,7 +322,10 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
     ``gen_len``). ``prompt_lengths``: the distribution of the training prompts'
     lengths (``prompt_len`` is its cap); None: every prompt is ``prompt_len`` long.
     ``max_staleness``: the staleness bound the run enforces;
-    ``asynchronous`` (needs a bound of at least 1): rollout generation runs one step
+    ``score_rollout``: the actor's training forward scores the rollout before its update
+    (``actor.prox_inference``) in a synchronous graph too: the log-probs its train call
+    compares with the rollout's (vLLM's may differ) and truncated importance sampling
+    corrects with. ``asynchronous`` (needs a bound of at least 1): rollout generation runs one step
     ahead of training, and the actor's current policy scores the rollout before it
     trains (:func:`_proximal`)."""
     if asynchronous and max_staleness < 1:
@@ -373,6 +377,10 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
         if not spec.generates:
             raise PlanError(f"{algorithm} generates nothing, so it has nothing to run "
                             "ahead; set algorithm.max_staleness to 0", field="algorithm.max_staleness")
+    if score_rollout and not (spec.generates and spec.runs_ahead):
+        raise PlanError(f"{algorithm} takes no correction of its rollout's log-probs, so the "
+                        "training forward does not score them", field="rollout.engine")
+    if asynchronous or score_rollout:
         calls = _proximal(calls)
     return DataflowGraph(algorithm=algorithm, mfcs=tuple(calls), rule_rewards=tuple(rules),
                          evaluations=evaluations, max_staleness=max_staleness,

@@ -42,8 +42,16 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
         # it, 'auto' and 'never' do not
         off, state_off, rc = (opts[0] if len(opts) == 1 else False for opts in (
             cost.offload_options(m), cost.state_offload_options(m), cost.recompute_options(m)))
-        c = cost.mfc_cost(m, rm.spec, rm.head, a.mesh, a.layout, a.micro_batches, off,
-                          state_off, rc)
+        engines = cost.engine_options(m, a.layout, a.micro_batches)
+        if not engines:
+            raise PlanError(f"runs on vLLM (rollout.engine {cost_config.generate_engine}), "
+                            "which runs one engine per GPU: give it tp 1, pp 1 and "
+                            f"micro_batches 1 (got {a.layout}, {a.micro_batches})",
+                            field=f"{field}.{m.name}")
+        # several engines (rollout.engine auto): the faster one on this allocation
+        eng, c = min(((e, cost.mfc_cost(m, rm.spec, rm.head, a.mesh, a.layout,
+                                        a.micro_batches, off, state_off, rc, e))
+                      for e in engines), key=lambda ec: ec[1].time_s)
         cands.append([Candidate(a.mesh.first_gpu, a.mesh.n_gpus, a.layout.tp, a.layout.pp,
                                 a.layout.dp, a.micro_batches,
                                 (c.time_s + host_s(graph, m, cost_config)) / m.every,
@@ -51,8 +59,9 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
                                 c.activation_bytes, c.weights_bytes, off, c.host_bytes,
                                 state_off,
                                 call_time_sd(cost, graph, m, rm.spec, rm.head, a.mesh,
-                                             a.layout, a.micro_batches, off, state_off, rc)
-                                / m.every, rc)])
+                                             a.layout, a.micro_batches, off, state_off, rc,
+                                             eng)
+                                / m.every, rc, eng)])
     prob = assemble(graph, models, cost, cands)
     res = simulate(prob, [0] * len(cands))
     if not res.feasible:

@@ -14,6 +14,7 @@ from planner.cost.cost_model import CostModel
 from planner.cost.profile import ProfileTable
 from planner.cost.realloc_cost import Links, ReallocModel
 from planner.cost.step_spread import call_time_sd
+from planner.cost.vllm_cost import concurrency
 from planner.errors import PlanError
 from planner.graph.dataflow import MFC, DataflowGraph
 from planner.graph.records import RecordSize, record_sizes
@@ -58,6 +59,7 @@ class Candidate:
     #: distribution: :func:`planner.cost.step_spread.call_time_sd`; 0 otherwise)
     time_sd_s: float = 0.0
     recompute: bool = False   #: train: each layer's forward again in the backward
+    engine: str = "own"       #: generate: realign's own engine (waves) or vllm
 
     def at(self, first_gpu: int) -> "Candidate":
         """The same allocation on the mesh of its size that starts at ``first_gpu``.
@@ -206,11 +208,13 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                 group = []
                 for mb in _micro_batch_options(per_step // lay.dp // mfc.group_size,
                                                cost.config.max_micro_batches, mfc.micro_batches):
-                    for off, state_off, rc in product(cost.offload_options(mfc),
-                                                      cost.state_offload_options(mfc),
-                                                      cost.recompute_options(mfc)):
+                    for off, state_off, rc, eng in product(
+                            cost.offload_options(mfc), cost.state_offload_options(mfc),
+                            cost.recompute_options(mfc), cost.engine_options(mfc, lay, mb)):
+                        if eng == "vllm" and concurrency(cost, rm.spec, mfc) < 1:
+                            continue        # its KV cache holds no whole sequence
                         c = cost.mfc_cost(mfc, rm.spec, rm.head, proto, lay, mb, off, state_off,
-                                          rc)
+                                          rc, eng)
                         own = c.activation_bytes + (
                             c.resident_bytes if (mfc.kind == "train" or not trained) else 0.0)
                         if own <= limit and c.host_bytes > host_limit:
@@ -218,15 +222,23 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                         if own > limit or c.host_bytes > host_limit:
                             continue
                         sd = call_time_sd(cost, graph, mfc, rm.spec, rm.head, proto, lay, mb,
-                                          off, state_off, rc)
+                                          off, state_off, rc, eng)
                         group.append(Candidate(0, size, lay.tp, lay.pp, lay.dp, mb,
                                                (c.time_s + host) / mfc.every, c.resident_bytes,
                                                c.activation_bytes, c.weights_bytes, off,
-                                               c.host_bytes, state_off, sd / mfc.every, rc))
+                                               c.host_bytes, state_off, sd / mfc.every, rc,
+                                               eng))
                 priced += _pareto(group)
             for mesh in group_meshes:
                 if allowed is None or allowed(mesh):
                     per_mfc += [c.at(mesh.first_gpu) for c in priced]
+        if not per_mfc and mfc.kind == "generate" and cost.config.generate_engine == "vllm":
+            raise PlanError(f"{mfc.name} ({rm.spec.name}, {mfc.n_seqs} sequences of "
+                            f"{mfc.seq_len} tokens per step) fits on no mesh of the cluster "
+                            f"{cluster.describe()} within {limit / 2**30:.1f} GiB per GPU on "
+                            "vLLM (one engine per GPU: TP 1, PP 1, with its own weights and "
+                            "KV cache); set rollout.engine to own or auto",
+                            field="rollout.engine")
         if not per_mfc:
             raise PlanError(f"{mfc.name} ({rm.spec.name}, {mfc.n_seqs} sequences of "
                             f"{mfc.seq_len} tokens per step) fits on no mesh of the cluster "

@@ -1,0 +1,133 @@
+"""A generate call on vLLM, priced: continuous batching, not waves.
+
+vLLM runs one engine per GPU of the call's mesh (TP 1, PP 1: the runtime hosts a
+single-process engine in each worker); each engine generates its data-parallel share
+of ``n = n_seqs / dp`` sequences. Its scheduler admits up to ``S`` sequences at once
+(:func:`concurrency`: ``vllm_max_num_seqs``, and no more than its KV cache holds at
+full length) and refills a slot as soon as a sequence ends, so no sequence waits for
+the longest of a wave (:mod:`planner.graph.lengths`'s straggler tail is the waves'
+price, not vLLM's). Per engine:
+
+* one prefill pass over every prompt (``n x`` the padded prompt length);
+* decode steps: each advances every running sequence by one token. With ``L`` the
+  length distribution (mean ``E``): ``n <= S``: the longest of ``n`` lengths, minus the
+  prefill's token, steps; otherwise the first ``n - S`` sequences pass through full
+  slots (``(n - S) E / S`` steps) and the last ``S`` drain like a batch of ``S``. In
+  all, ``n (E - 1)`` sequence-steps (:func:`decode_schedule`);
+* a decode step of ``r`` rows costs ``c(1) + (c(S') - c(1)) (r - 1) / (S' - 1)`` with
+  ``c`` the priced pass (:mod:`planner.cost.engine_terms`, GEMMs at ``r`` rows,
+  attention over the cache, the head) with vLLM's fixed costs (``vllm_decode``: a
+  profile's, measured by ``realign profile`` where vLLM is installed; else the
+  device preset's) and ``S' = min(S, n)``: a step's weight reads are paid once, its
+  rows add the rest;
+* ``weight_load``: the weights copied into vLLM's own storage before the call
+  (``realign``'s parameters after each training step, :mod:`realign.runtime.engines.
+  vllm_engine`), at the memory bandwidth; when the call's layout differs from the
+  training call's, the plan's reallocation into it comes first, priced as any other;
+* the outputs gathered over the data-parallel ranks, as realign's own engine does.
+
+Memory per GPU: the model's weights (realign's copy), plus vLLM's copy of them, its KV
+cache (``vllm_kv_cache_bytes``, allocated whole) and the logits of ``S`` rows.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from planner.cost.engine_terms import Work, lagged
+from planner.graph.dataflow import MFC
+from planner.graph.lengths import longest_moments
+from planner.graph.padding import longest_prompt
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from planner.cost.cost_model import CostModel, MFCCost
+
+#: vLLM's fixed costs in a profile table's ``engines``
+VLLM_PREFILL, VLLM_DECODE = "vllm_prefill", "vllm_decode"
+
+
+def kv_bytes_per_seq(spec: ModelSpec, mfc: MFC, dtype_bytes: int, block_tokens: int) -> float:
+    """KV-cache bytes of one sequence at full length (``prompt_len + gen_len`` rounded
+    up to whole blocks) on one GPU at TP 1: keys and values of every layer.
+
+    Example: 4 layers, 4 KV heads of 32, fp32, 8 + 4 tokens (one 16-token block):
+    4 x 2 x 4 x 32 x 4 x 16 = 65536 bytes."""
+    positions = -(-(mfc.prompt_len + mfc.gen_len) // block_tokens) * block_tokens
+    return spec.n_layers * 2 * spec.n_kv_heads * spec.kv_channels * dtype_bytes * positions
+
+
+def concurrency(cm: "CostModel", spec: ModelSpec, mfc: MFC) -> int:
+    """How many sequences one engine decodes at once: ``vllm_max_num_seqs``, and no
+    more than its KV cache holds at full length (0: not even one)."""
+    cfg = cm.config
+    per = kv_bytes_per_seq(spec, mfc, cfg.param_dtype_bytes, cfg.kv_cache_block_tokens)
+    return min(cfg.vllm_max_num_seqs, int(cfg.vllm_kv_cache_bytes // per))
+
+
+def decode_schedule(mfc: MFC, n: float, slots: int) -> tuple[float, float]:
+    """(expected decode steps, expected sequence-steps) of ``n`` sequences on an engine
+    with ``slots`` sequences at once (the prefill makes each sequence's first token).
+
+    Example: lengths always 4, 8 sequences: 2 slots -> 6 x 4 / 2 + 4 - 1 = 15 steps;
+    8 slots -> 3 steps; 24 sequence-steps either way."""
+    cap = mfc.gen_len
+    mean = mfc.lengths.expected() if mfc.lengths is not None else float(cap)
+
+    def longest(rows: float) -> float:
+        if mfc.lengths is None:
+            return float(cap)
+        return longest_moments(mfc.lengths, cap, rows)[0]
+    if n <= slots:
+        steps = longest(n) - 1.0
+    else:
+        steps = (n - slots) * mean / slots + longest(slots) - 1.0
+    return max(0.0, steps), max(0.0, n * (mean - 1.0))
+
+
+def vllm_generate_cost(cm: "CostModel", mfc: MFC, spec: ModelSpec, head: str,
+                       mesh: DeviceMesh, layout: Layout) -> "MFCCost":
+    """Time and memory of ``mfc`` on vLLM (the module's docstring says what is priced)."""
+    from planner.cost.cost_model import MFCCost
+
+    if mfc.kind != "generate" or layout.tp != 1 or layout.pp != 1:
+        raise ValueError("vLLM runs generate calls at TP 1 and PP 1 only")
+    r, cfg = cm.rates, cm.config
+    dt = cfg.param_dtype_bytes
+    dp = layout.dp
+    _tpn, dpn, _ppn = cm._nodes(mesh, layout)
+    n = mfc.n_seqs / dp
+    slots = concurrency(cm, spec, mfc)
+    if slots < 1:
+        raise ValueError(f"vLLM's KV cache of {cfg.vllm_kv_cache_bytes:.3g} bytes holds no "
+                         f"sequence of {mfc.seq_len} tokens")
+    full = max(1.0, min(float(slots), n))
+    P = longest_prompt(mfc, n)
+    steps, seq_steps = decode_schedule(mfc, n, slots)
+    pre_c, dec_c = r.engine(VLLM_PREFILL), r.engine(VLLM_DECODE)
+    none = Work()
+    (pre, _), = cm.stage_works(spec, head, "prefill", n * P, P / 2, n, layout, 1, none,
+                               costs_kind=VLLM_PREFILL)
+    ctx = P + (mfc.lengths.expected() if mfc.lengths is not None else mfc.gen_len) / 2
+    (one, _), = cm.stage_works(spec, head, "decode", 1.0, ctx, 1.0, layout, 1, none,
+                               costs_kind=VLLM_DECODE)
+    (wide, _), = cm.stage_works(spec, head, "decode", full, ctx, full, layout, 1, none,
+                                costs_kind=VLLM_DECODE)
+    per_row = Work().add(wide).add(one, -1.0)
+    decode = Work().add(one, steps).add(per_row, (seq_steps - steps) / max(1.0, full - 1.0))
+    weights = dt * cm.stage_params(spec, head, layout)
+    n_out = mfc.gen_len
+    call = Work(seconds={"dp_comm": r.collective_s("all_gather", mfc.n_seqs * (2 * n_out + 1) * 8,
+                                                   dp, dpn),
+                         "weight_load": weights / r.mem_bytes_per_s},
+                counts={"call_s": 1.0, "collective_s": float(dp > 1)})
+    terms = {f"prefill_{k}": v for k, v in lagged(pre, layout.world).terms(pre_c).items()}
+    for k, v in lagged(decode, layout.world).terms(dec_c).items():
+        terms[f"decode_{k}"] = v
+    for k, v in call.terms(pre_c).items():
+        terms[k] = terms.get(k, 0.0) + v
+    logit_cols = spec.padded_vocab if head == "lm" else 1.0
+    act = weights + cfg.vllm_kv_cache_bytes + 4.0 * full * logit_cols * 2
+    return MFCCost(time_s=sum(terms.values()), terms_s=terms, weights_bytes=weights,
+                   resident_bytes=weights, activation_bytes=act)
