@@ -263,11 +263,11 @@ def pairs(x: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
 def surrogate_actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg
                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`policy_surrogate` over the response tokens (token mean) with
-    ``cfg.clip_ratio`` and ``cfg.behave_weight_cap`` (ReMax, RLOO, REINFORCE++ put their
+    ``cfg.clip_ratio`` and ``cfg.importance_cap`` (ReMax, RLOO, REINFORCE++ put their
     KL in the reward, so this is their whole loss). Metrics: clip_frac, approx_kl,
     ratio (+ behave_weight, behave_weight_capped_frac with ``prox_logprobs``)."""
     return policy_surrogate(logprobs_new, batch, cfg.clip_ratio, "token_mean",
-                            cfg.behave_weight_cap)
+                            cfg.importance_cap)
 
 
 # ---- the train call's mini-batches -------------------------------------------------

@@ -106,7 +106,7 @@ def actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg: DAPOConfig
     mask = batch["loss_mask"]
     agg = partial(minibatch_token_mean, batch=batch)
     loss, metrics = policy_surrogate(logprobs_new, batch, cfg.clip_ratio, agg,
-                                     cfg.behave_weight_cap, cfg.clip_ratio_high, mask=mask)
+                                     cfg.importance_cap, cfg.clip_ratio_high, mask=mask)
     base = batch["prox_logprobs"] if "prox_logprobs" in batch else batch["logprobs"]
     metrics.update(clip_sides(torch.exp(logprobs_new.detach() - base), batch["advantages"],
                               mask, cfg.clip_ratio, cfg.clip_ratio_high))

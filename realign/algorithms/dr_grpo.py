@@ -61,7 +61,7 @@ def actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg: DrGRPOConfig
     kl (+ behave_weight*)."""
     agg = partial(constant_norm, max_len=cfg.gen_len)
     loss, metrics = policy_surrogate(logprobs_new, batch, cfg.clip_ratio, agg,
-                                     cfg.behave_weight_cap)
+                                     cfg.importance_cap)
     if "ref_logprobs" not in batch:          # no reference model (kl_coef is 0)
         return loss, metrics
     kl = aggregate(kl_penalty(logprobs_new, batch["ref_logprobs"], cfg.kl_estimator),

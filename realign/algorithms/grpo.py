@@ -50,7 +50,7 @@ def actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg: GRPOConfig
     Metrics: clip_frac, approx_kl, ratio, kl (+ behave_weight*, asynchronous)."""
     mask = batch_mask(batch)
     loss, metrics = policy_surrogate(logprobs_new, batch, cfg.clip_ratio, cfg.loss_agg,
-                                     cfg.behave_weight_cap)
+                                     cfg.importance_cap)
     if "ref_logprobs" not in batch:          # no reference model (kl_coef is 0)
         return loss, metrics
     kl = aggregate(kl_penalty(logprobs_new, batch["ref_logprobs"], cfg.kl_estimator), mask,

@@ -64,11 +64,11 @@ def sequence_surrogate(logprobs: torch.Tensor, batch: Batch, cfg: GSPOConfig
     if "prox_logprobs" in batch:
         with torch.no_grad():
             raw = torch.exp(masked_mean(batch["prox_logprobs"] - batch["logprobs"], mask, dim=1))
-            weight = raw.clamp(max=cfg.behave_weight_cap)
+            weight = raw.clamp(max=cfg.importance_cap)
         per_seq = weight * per_seq
         metrics["behave_weight"] = masked_mean(weight, has)
         metrics["behave_weight_capped_frac"] = masked_mean(
-            (raw > cfg.behave_weight_cap).float(), has)
+            (raw > cfg.importance_cap).float(), has)
     loss = masked_mean(per_seq, has)
     with torch.no_grad():
         metrics.update(clip_frac=masked_mean((clipped > unclipped).float(), has),

@@ -44,6 +44,20 @@ class ClippedPGParams(AlgorithmParams):
     behave_weight_cap: float = Field(5.0, gt=0, description="Asynchronous runs: cap of the "
                                      "behaviour importance weight pi_prox/pi_behaviour "
                                      "of the decoupled PPO loss.")
+    tis_cap: float | None = Field(
+        None, gt=0, description="Truncated importance sampling (Yao et al. 2025, \"Your "
+        "Efficient RL Framework Secretly Brings You Off-Policy RL Training\"): the actor's "
+        "training forward scores the rollout before the update (actor.prox_inference, "
+        "priced by the plan) and each token's clipped loss, taken against those log-probs, "
+        "is weighted by min(pi_train / pi_rollout, tis_cap): the correction for a rollout "
+        "engine (vLLM) whose log-probs differ from training's. Asynchronous runs use it in "
+        "place of behave_weight_cap. None: off.")
+
+    @property
+    def importance_cap(self) -> float:
+        """The cap of the behaviour importance weight: ``tis_cap`` when set, else
+        ``behave_weight_cap``."""
+        return self.tis_cap if self.tis_cap is not None else self.behave_weight_cap
 
 
 class PPOConfig(ClippedPGParams):

@@ -89,7 +89,7 @@ def actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg: PPOConfig
     ref) (+ behave_weight*, asynchronous)."""
     mask = batch_mask(batch)
     loss, metrics = policy_surrogate(logprobs_new, batch, cfg.clip_ratio, "token_mean",
-                                     cfg.behave_weight_cap)
+                                     cfg.importance_cap)
     if not cfg.kl_in_reward and cfg.kl_coef > 0:
         kl = masked_mean(kl_penalty(logprobs_new, batch["ref_logprobs"], cfg.kl_estimator), mask)
         loss = loss + cfg.kl_coef * kl

@@ -18,7 +18,7 @@ from planner.search.search import SearchSettings
 from planner.specs.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, DeviceSpec, resolve_device
 from planner.specs.layout import Allocation
 from realign.data.config import DatasetConfig
-from realign.runtime.settings import Sampling, TrainConfig
+from realign.runtime.settings import Rollout, Sampling, TrainConfig
 
 #: The most steps a run takes (``run.steps`` and ``--steps`` alike).
 MAX_STEPS = 10 ** 9
@@ -205,6 +205,8 @@ class ExperimentConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig,
                                description="Optimizer settings (and a fixed micro-batch count).")
     sampling: Sampling = Field(default_factory=Sampling)
+    rollout: Rollout = Field(default_factory=Rollout, description="The engine that "
+                             "generates (own | vllm | auto) and vLLM's settings.")
     run: RunConfig = Field(default_factory=RunConfig)
     launcher: LauncherConfig = Field(default_factory=LocalLauncherConfig,
                                      description="local | slurm | ray, with their options.")

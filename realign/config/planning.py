@@ -13,6 +13,7 @@ from planner.plan import ExecutionPlan, ModeResult
 from planner.search.problem import RoleModel, head_of
 from planner.search.search import SearchSettings, search
 from planner.specs.model_spec import model_presets, model_spec_from_hf_config
+from realign.algorithms.params import ClippedPGParams, make_params
 from realign.config.experiment import ExperimentConfig
 from realign.config.host_work import resolve_host_work
 from realign.config.lengths import data_prompt_lengths, recorded_lengths
@@ -63,8 +64,17 @@ def cost_config(cfg: ExperimentConfig, base: Path | None = None) -> CostModelCon
                         f"trains in {cfg.run_dtype()} ({dtype_bytes} bytes; dtype, device "
                         f"{cfg.device}); set them alike or leave plan.cost.param_dtype_bytes "
                         "out", field="plan.cost.param_dtype_bytes")
+    engine = cfg.rollout.engine
+    if "generate_engine" in cost.model_fields_set and cost.generate_engine != engine:
+        raise UserError(f"plan.cost.generate_engine is {cost.generate_engine} but "
+                        f"rollout.engine is {engine}; set rollout.engine alone",
+                        field="plan.cost.generate_engine")
+    vllm = cfg.rollout.vllm
     cost = cost.model_copy(update={"distributed_optimizer": runs,
-                                   "param_dtype_bytes": dtype_bytes})
+                                   "param_dtype_bytes": dtype_bytes,
+                                   "generate_engine": engine,
+                                   "vllm_max_num_seqs": vllm.max_num_seqs,
+                                   "vllm_kv_cache_bytes": vllm.kv_cache_gib * 2 ** 30})
     return cost if base is None else resolve_host_work(cfg, base, cost)
 
 
@@ -113,7 +123,21 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
                        train_micro_batches=cfg.train.micro_batches,
                        evaluation=eval_shape(cfg, base), lengths=responses,
                        max_staleness=cfg.algorithm.max_staleness, asynchronous=asynchronous,
-                       prompt_lengths=prompts)
+                       prompt_lengths=prompts, score_rollout=scores_rollout(cfg))
+
+
+def scores_rollout(cfg: ExperimentConfig) -> bool:
+    """Whether the actor's training forward scores the rollout before its update
+    (``actor.prox_inference`` in a synchronous graph too): where vLLM may generate
+    (``rollout.engine`` vllm or auto), to measure the log-prob mismatch every step, and
+    with ``algorithm.params.tis_cap`` set, to correct for it. Only the algorithms that
+    take a behaviour correction (the clipped policy-gradient family) do."""
+    spec = algorithm_spec(cfg.algorithm.name)
+    params = make_params(cfg.algorithm.name, cfg.algorithm.params, cfg.algorithm.shape())
+    tis = isinstance(params, ClippedPGParams) and params.tis_cap is not None
+    if not (spec.generates and spec.runs_ahead):
+        return False
+    return cfg.rollout.scores_rollout() or tis
 
 
 def allows_async(cfg: ExperimentConfig) -> bool:

@@ -114,6 +114,34 @@ def _run_folder(cfg: ExperimentConfig, run_dir: str | None) -> Path:
     return folder
 
 
+def _vllm_engine(cfg: ExperimentConfig, models: dict[str, Any]) -> ExperimentConfig:
+    """``rollout.engine`` checked against what can run here (:mod:`realign.run.vllm_check`):
+    ``vllm`` that cannot is a :class:`UserError`; ``auto`` where vLLM cannot run prices
+    realign's own engine only (and says why on stderr)."""
+    import sys
+
+    from planner.graph.dataflow import MFC
+    from realign.config.planning import DTYPE_BYTES
+    from realign.run.vllm_check import vllm_problem
+
+    engine = cfg.rollout.engine
+    if engine == "own" or "actor" not in models:
+        return cfg
+    a = cfg.algorithm
+    gen = MFC(name="actor.generate", role="actor", kind="generate", n_seqs=1,
+              prompt_len=a.prompt_len, gen_len=a.gen_len, input_keys=("prompts",),
+              output_keys=("seqs",))
+    problem = vllm_problem(cfg, models["actor"].spec, gen, DTYPE_BYTES[cfg.run_dtype()],
+                           cfg.plan.cost.kv_cache_block_tokens)
+    if problem is None:
+        return cfg
+    if engine == "vllm":
+        raise problem
+    print(f"rollout.engine auto: vLLM cannot run here ({problem.field}: {problem.message}); "
+          "planning realign's own engine only", file=sys.stderr)
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": "own"})})
+
+
 def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | None = None,
             launcher: str | None = None, plan_file: Path | None = None,
             transform: Callable[[ExperimentConfig], ExperimentConfig] | None = None
@@ -172,7 +200,14 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     if cfg.device == "cpu" and cfg.cluster.device != "cpu":
         raise UserError("device 'cpu' needs cluster.device 'cpu' (the plan must be for the "
                         "machine that runs it)", field="cluster.device")
+    cfg = _vllm_engine(cfg, models)
     plan = resolve_plan(cfg, base, models)
+    on_vllm = [plan.graph.mfc(a.mfc) for a in plan.allocations if a.engine == "vllm"]
+    if on_vllm:                                  # a saved plan may name vLLM too
+        from realign.config.planning import DTYPE_BYTES
+        from realign.run.vllm_check import check_vllm
+        check_vllm(cfg, models["actor"].spec, on_vllm, DTYPE_BYTES[cfg.run_dtype()],
+                   plan.cost_config.kv_cache_block_tokens)
     spec = RunSpec(config=cfg, plan=plan, paths=paths, base_dir=base,
                    run_dir=_run_folder(cfg, run_dir), params=params,
                    tokenizer_role=cfg.tokenizer_role(), reward_fn=reward_fn,

@@ -19,6 +19,7 @@ of an evaluation's MFC run only on evaluation steps (:meth:`Program.ops_for`).
 
 What each allocation field becomes: ``mesh``, ``layout`` -> the replica and the ranks
 of the call; ``micro_batches`` -> the call's micro-batches (generation: waves);
+``engine`` -> which engine generates (realign's own or vLLM);
 ``mfc``, ``role``, ``kind`` -> the graph's call (the plan is checked to match it);
 ``mesh_name`` -> the call's label; ``time_s`` and ``mem_bytes`` -> the estimates the
 run holds itself to (:meth:`Program.collective_timeout_s`,
@@ -106,6 +107,8 @@ class Call:
     sees_update: bool = False
     #: train: between calls only the weights stay on the device (the plan's)
     train_state_offload: bool = False
+    #: generate: realign's own engine (waves) or vllm (the plan's)
+    engine: str = "own"
 
     @property
     def name(self) -> str:
@@ -289,7 +292,7 @@ def compile_program(plan: ExecutionPlan) -> Program:
                         a.mem_bytes, a.optimizer_offload, a.host_bytes,
                         a.activation_recompute,
                         ahead=is_ahead, sees_update=is_ahead and r is None,
-                        train_state_offload=a.train_state_offload))
+                        train_state_offload=a.train_state_offload, engine=a.engine))
         for k in m.output_keys:
             holders[k] = ranks
         for rule in graph.rule_reward_after(m.name):

@@ -70,3 +70,42 @@ class TrainConfig(BaseModel):
         if self.distributed_optimizer is not None:
             return self.distributed_optimizer
         return device != "cpu"
+
+
+class VLLMSettings(BaseModel):
+    """vLLM's engine settings (``rollout.vllm``): one engine per GPU of a generate call
+    that runs on vLLM."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache each engine allocates, "
+                                "GiB (on CPU vLLM's VLLM_CPU_KVCACHE_SPACE; on CUDA its "
+                                "kv_cache_memory_bytes). It must hold at least one sequence "
+                                "of prompt_len + gen_len tokens; it bounds how many decode "
+                                "at once.")
+    max_num_seqs: int = Field(256, gt=0, description="The most sequences one engine decodes "
+                              "at once (vLLM's max_num_seqs).")
+
+
+class Rollout(BaseModel):
+    """Which engine generates (the experiment's ``rollout`` section), and how the
+    rollout's log-probs are compared with training's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: Literal["own", "vllm", "auto"] = Field(
+        "own", description="The engine of every generate call (rollout, ReMax's greedy "
+        "baseline, evaluations): 'own' (realign's decoder, in waves), 'vllm' (vLLM: "
+        "continuous batching, one engine per GPU; needs `make vllm-env`, docs/vllm.md) or "
+        "'auto' (the planner prices both for each call and picks; the plan says which).")
+    vllm: VLLMSettings = Field(default_factory=VLLMSettings)
+    logprob_diff_threshold: float = Field(
+        0.01, gt=0, description="The train call logs the share of response tokens whose "
+        "rollout log-prob differs from the training forward's by more than this (nats): "
+        "actor.rollout_logprob_diff_frac, beside its mean and max.")
+
+    def scores_rollout(self) -> bool:
+        """Whether the actor's training forward scores the rollout before its update
+        (``actor.prox_inference``): with vLLM possible, its log-probs come from another
+        implementation, so their difference is measured every step."""
+        return self.engine != "own"

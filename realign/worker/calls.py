@@ -19,9 +19,12 @@ train engine).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from realign.algorithms.common import minibatch, pop_stats
+from realign.algorithms.mismatch import rollout_mismatch
 from realign.errors import NonFiniteError, UserError
 from realign.rewards.scoring import decoded_answers, scores
 from realign.run.program import Call, Evaluate, RuleReward
@@ -40,11 +43,18 @@ GLOBAL_TRAIN_METRICS = ("grad_norm", "update_ok")
 class Calls:
     def __init__(self, *, specs, algorithm, algo_params, train_cfg: TrainConfig,
                  sampling: Sampling, tokenizer, pad_id: int, eos_id: int | None, reward_fn,
-                 verifier, seed: int, max_staleness: int = 0):
+                 verifier, seed: int, max_staleness: int = 0, asynchronous: bool = False,
+                 logprob_diff_threshold: float = 0.01):
         """``reward_fn``: the rule reward (None with a reward model); ``verifier``: what
         counts as correct in evaluations (None without an eval section);
-        ``max_staleness``: the most policy versions a trained sample may lag."""
+        ``max_staleness``: the most policy versions a trained sample may lag;
+        ``asynchronous``: the program runs generation ahead of training;
+        ``logprob_diff_threshold``: of the rollout's log-prob mismatch metrics."""
         self.max_staleness = max_staleness
+        self.asynchronous = asynchronous
+        self.logprob_diff_threshold = logprob_diff_threshold
+        #: replica key -> its vLLM engine on this rank (generate calls with engine vllm)
+        self.vllm_engines: dict = {}
         self.specs = specs
         self.algorithm, self.algo_params, self.train_cfg = algorithm, algo_params, train_cfg
         self.sampling, self.tokenizer = sampling, tokenizer
@@ -75,8 +85,18 @@ class Calls:
             stop_token_ids=(self.eos_id,) if self.eos_id is not None else (),
             # sampling seeds follow the batch (an ahead call makes the next step's)
             seed=self.seed * 1_000_003 + (step + op.ahead) * len(prompts))
-        gen = GenerateEngine(h.shard, pad_id=self.pad_id).generate(prompts, params,
-                                                                    waves=op.micro_batches)
+        metrics: dict = {}
+        if op.engine == "vllm":
+            # the replica's weights (trained, or just reallocated) into vLLM's storage
+            engine = self.vllm_engines[op.replica]
+            t0 = time.perf_counter()
+            loaded = engine.load(h.shard)
+            metrics[f"time.vllm_load.{op.name}"] = time.perf_counter() - t0
+            metrics[f"vllm_load_bytes.{op.name}"] = float(loaded)
+            gen = engine.generate(h.shard, prompts, params, self.pad_id)
+        else:
+            gen = GenerateEngine(h.shard, pad_id=self.pad_id).generate(prompts, params,
+                                                                        waves=op.micro_batches)
         seqs, logprobs = sequences_from_generation(prompts, gen.tokens, gen.logprobs,
                                                    gen.lengths, self.pad_id)
         # the policy version that sampled them: a step reallocates the weights after
@@ -90,9 +110,9 @@ class Calls:
         prefix = "greedy_" if op.mfc.greedy else ""
         if op.mfc.is_eval:                       # an evaluation's generation
             prefix = f"eval.{'greedy' if op.mfc.greedy else 'sample'}_"
-        metrics = {f"{prefix}gen_tokens": float(gen.lengths.sum()),
-                   f"{prefix}response_len": float(gen.lengths.float().mean()),
-                   f"kv_cache_bytes.{op.name}": float(gen.kv_cache_peak_bytes)}
+        metrics.update({f"{prefix}gen_tokens": float(gen.lengths.sum()),
+                        f"{prefix}response_len": float(gen.lengths.float().mean()),
+                        f"kv_cache_bytes.{op.name}": float(gen.kv_cache_peak_bytes)})
         if not prefix:      # the sampled rollout's lengths, for plan.lengths_from
             metrics["response_len_hist"] = length_histogram(gen.lengths)
         return out, metrics
@@ -145,6 +165,10 @@ class Calls:
                    for key in op.inputs]
         merged = merge(records)
         staleness = check_staleness(merged, step, self.max_staleness, op.name)
+        mismatch = rollout_mismatch(merged, self.logprob_diff_threshold)
+        if "prox_logprobs" in merged and not (self.asynchronous or self.corrects()):
+            # scored to measure the mismatch only: the loss takes the rollout's log-probs
+            del merged["prox_logprobs"]
         # prepare may select rows (best-of-N, pairs, dynamic sampling): the call trains
         # the rows it returns, as many as the graph's train call prices
         batch, stats = pop_stats(self.algorithm.prepare(merged, self.algo_params))
@@ -179,6 +203,7 @@ class Calls:
             shared["zero_advantage_frac"] = float(flat.float().mean())
         if staleness is not None:
             shared["staleness"] = staleness
+        shared.update(mismatch)
         shared.update(stats)
         g = h.shard.groups
         parts = {}
@@ -189,6 +214,10 @@ class Calls:
         # its output record: what later calls that read the trained model wait for
         out = {op.outputs[0]: {"step": torch.tensor([step])}}
         return out, {f"{op.role}.{k}": v for k, v in shared.items()}, parts
+
+    def corrects(self) -> bool:
+        """Truncated importance sampling is on (``algorithm.params.tis_cap``)."""
+        return getattr(self.algo_params, "tis_cap", None) is not None
 
     def train_engine(self, op: Call, h: Hosted) -> TrainEngine:
         if op.replica not in self.train_engines:

@@ -100,7 +100,10 @@ class Session:
                            tokenizer=self.tokenizer, pad_id=self.pad,
                            eos_id=self.tokenizer.eos_token_id, reward_fn=reward_fn,
                            verifier=verifier, seed=cfg.run.seed,
-                           max_staleness=self.program.max_staleness)
+                           max_staleness=self.program.max_staleness,
+                           asynchronous=self.program.asynchronous,
+                           logprob_diff_threshold=cfg.rollout.logprob_diff_threshold)
+        self._start_vllm(rank)
         self.runner = StepRunner(self.program, self.hosted, self.calls, rank,
                                  self.dev.device, self.dev.dtype, spec.plan.cluster.gpus_per_node)
         # train engines exist before a checkpoint is loaded into them
@@ -112,6 +115,22 @@ class Session:
         self.needs_prologue = self.program.asynchronous
         if resume_dir:
             self.load(Path(resume_dir))
+
+    def _start_vllm(self, rank: int) -> None:
+        """A vLLM engine for each replica that generates on vLLM on this rank (the
+        plan's ``engine: vllm``), started from the role's checkpoint folder; its weights
+        are replaced before each call."""
+        from realign.runtime.engines.vllm_engine import VLLMEngine
+
+        a = self.cfg.algorithm
+        for op in self.program.ops:
+            if (getattr(op, "engine", "own") == "vllm" and rank in op.ranks
+                    and op.replica not in self.calls.vllm_engines):
+                self.calls.vllm_engines[op.replica] = VLLMEngine(
+                    self.paths[op.role], self.cfg.rollout.vllm, self.dev.dtype,
+                    a.prompt_len + a.gen_len, device_kind=self.dev.kind,
+                    device_index=int(os.environ.get("LOCAL_RANK", rank)),
+                    seed=self.cfg.run.seed)
 
     # ---- data of a step --------------------------------------------------------------
     def dataset_record(self, step: int) -> dict:
@@ -207,4 +226,6 @@ class Session:
                     shutil.copy(f, Path(folder) / f.name)
 
     def close(self) -> None:
+        for engine in self.calls.vllm_engines.values():
+            engine.close()
         dist.destroy_process_group()

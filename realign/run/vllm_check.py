@@ -1,0 +1,68 @@
+"""What a run on vLLM (``rollout.engine``) needs, checked before any worker starts.
+
+Torch-free and vLLM-free: nothing here imports vLLM, it only looks for it. A generate
+call runs on vLLM when the plan says so (``engine: vllm`` in its allocation: always
+with ``rollout.engine: vllm``, where the search chose it under ``auto``). Then:
+
+* vLLM is installed in the environment that runs the workers (``make vllm-env``
+  builds ``.venv-vllm``; docs/vllm.md);
+* on the cpu device the model's head dimension is at least :data:`CPU_MIN_HEAD_DIM`
+  (vLLM's CPU attention kernels refuse smaller heads);
+* ``rollout.vllm.kv_cache_gib`` holds at least one sequence of ``prompt_len +
+  gen_len`` tokens (:func:`planner.cost.vllm_cost.kv_bytes_per_seq`, what the plan
+  prices).
+
+Each failure is a :class:`~realign.errors.UserError` naming the setting to change.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+from planner.cost.vllm_cost import kv_bytes_per_seq
+from planner.graph.dataflow import MFC
+from planner.specs.model_spec import ModelSpec
+from realign.errors import UserError
+
+if TYPE_CHECKING:
+    from realign.config.experiment import ExperimentConfig
+
+#: vLLM's CPU attention needs heads of at least this many channels
+CPU_MIN_HEAD_DIM = 32
+
+GIB = 2 ** 30
+
+
+def vllm_installed() -> bool:
+    """vLLM can be imported by this interpreter (looked up, not imported)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_problem(cfg: "ExperimentConfig", spec: ModelSpec, mfc: MFC,
+                 dtype_bytes: int, block_tokens: int) -> UserError | None:
+    """Why the actor's generate call ``mfc`` cannot run on vLLM here (None: it can)."""
+    if not vllm_installed():
+        return UserError("vLLM is not installed in this environment: build it with `make "
+                         "vllm-env` and run from .venv-vllm (docs/vllm.md), or set "
+                         "rollout.engine to own", field="rollout.engine")
+    if cfg.device == "cpu" and spec.kv_channels < CPU_MIN_HEAD_DIM:
+        return UserError(f"{spec.name} has heads of {spec.kv_channels} channels; vLLM on "
+                         f"cpu needs at least {CPU_MIN_HEAD_DIM}: use a model with wider "
+                         "heads, or set rollout.engine to own", field="models.actor")
+    per = kv_bytes_per_seq(spec, mfc, dtype_bytes, block_tokens)
+    have = cfg.rollout.vllm.kv_cache_gib * GIB
+    if have < per:
+        return UserError(f"{have / GIB:.4g} GiB of KV cache cannot hold one sequence of "
+                         f"{mfc.seq_len} tokens of {spec.name} ({per / GIB:.4g} GiB); raise "
+                         "it", field="rollout.vllm.kv_cache_gib")
+    return None
+
+
+def check_vllm(cfg: "ExperimentConfig", spec: ModelSpec, calls: list[MFC],
+               dtype_bytes: int, block_tokens: int) -> None:
+    """Raise the first :func:`vllm_problem` of ``calls`` (the generate calls that run on
+    vLLM)."""
+    for m in calls:
+        problem = vllm_problem(cfg, spec, m, dtype_bytes, block_tokens)
+        if problem is not None:
+            raise problem
