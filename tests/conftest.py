@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 #: the tiers, cheapest first (``slow`` is not a tier: it says how long, not what runs)
-TIERS = ("pure", "torch", "cpu_dist", "slurm", "ray", "gpu")
+TIERS = ("pure", "torch", "cpu_dist", "slurm", "ray", "vllm", "gpu")
 
 
 def tier_problems(items) -> list[str]:

@@ -27,7 +27,7 @@ def test_each_test_needs_exactly_one_tier():
     items = [FakeItem("a", "pure"), FakeItem("b", "slow"), FakeItem("c", "torch", "cpu_dist"),
              FakeItem("d", "gpu", "slow")]
     assert tier_problems(items) == ["b: no tier", "c: tiers torch, cpu_dist"]
-    assert TIERS == ("pure", "torch", "cpu_dist", "slurm", "ray", "gpu")
+    assert TIERS == ("pure", "torch", "cpu_dist", "slurm", "ray", "vllm", "gpu")
 
 
 def test_an_unmarked_test_file_stops_collection(tmp_path):
