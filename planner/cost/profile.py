@@ -18,7 +18,7 @@ measuring. What it holds:
   broadcast and point-to-point by group size, within a node (and across nodes when
   profiled under a launcher), with the measured points;
 * ``realloc`` and ``send``: fixed cost and throughput of a parameter reallocation and
-  of a record sent between meshes.
+  of a record sent between meshes; ``vllm_load``: of replacing a vLLM engine's weights.
 """
 from __future__ import annotations
 
@@ -254,6 +254,10 @@ class ProfileTable(_Frozen):
     collectives: tuple[CollectiveCurve, ...] = ()
     realloc: TransferCosts | None = None
     send: TransferCosts | None = None
+    vllm_load: TransferCosts | None = Field(
+        None, description="Replacing a vLLM engine's weights by realign's (written to "
+        "shared memory, reloaded in place; per_tensor_s unused): measured by realign profile "
+        "where vLLM is installed (realign.profile.vllm_probe).")
     step: StepCosts | None = Field(
         None, description="realign's own cost of a step outside its calls "
         "(realign.profile.step_overhead), paid once per step by every plan.")

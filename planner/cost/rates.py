@@ -83,6 +83,9 @@ class Rates:
                     c.op == op and c.inter_node == inter for c in profile.collectives)
                 self.sources[f"{op} {where}"] = "profile" if got else preset
         self.sources["reallocation"] = "profile" if profile and profile.realloc else preset
+        if vllm:
+            self.sources["vllm weight load"] = (
+                "profile" if profile and profile.vllm_load else preset)
         self.sources["record send"] = "profile" if profile and profile.send else preset
         self.sources["step overhead"] = "profile" if profile and profile.step else "not priced"
 

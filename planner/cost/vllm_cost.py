@@ -22,7 +22,9 @@ price, not vLLM's). Per engine:
   rows add the rest;
 * ``weight_load``: the weights copied into vLLM's own storage before the call
   (``realign``'s parameters after each training step, :mod:`realign.runtime.engines.
-  vllm_engine`), at the memory bandwidth; when the call's layout differs from the
+  vllm_engine`): a profile's measured ``vllm_load`` (fixed seconds and bytes per
+  second), else :data:`LOAD_PASSES` passes over the weights at the memory bandwidth
+  (written out, read back, copied into place); when the call's layout differs from the
   training call's, the plan's reallocation into it comes first, priced as any other;
 * the outputs gathered over the data-parallel ranks, as realign's own engine does.
 
@@ -46,6 +48,19 @@ if TYPE_CHECKING:
 
 #: vLLM's fixed costs in a profile table's ``engines``
 VLLM_PREFILL, VLLM_DECODE = "vllm_prefill", "vllm_decode"
+#: passes over the weights of a load into vLLM without a profile: written to shared
+#: memory, read back, copied into the engine's parameters
+LOAD_PASSES = 3
+
+
+def weight_load_s(cm: "CostModel", weights_bytes: float) -> float:
+    """Seconds to replace one engine's weights (``weights_bytes`` per GPU).
+
+    Example: 1e8 bytes at 1e10 B/s of memory, no profile: 3 x 0.01 = 0.03 s."""
+    measured = cm.profile.vllm_load if cm.profile is not None else None
+    if measured is not None:
+        return measured.fixed_s + weights_bytes / measured.bytes_per_s
+    return LOAD_PASSES * weights_bytes / cm.rates.mem_bytes_per_s
 
 
 def kv_bytes_per_seq(spec: ModelSpec, mfc: MFC, dtype_bytes: int, block_tokens: int) -> float:
@@ -120,7 +135,7 @@ def vllm_generate_cost(cm: "CostModel", mfc: MFC, spec: ModelSpec, head: str,
     n_out = mfc.gen_len
     call = Work(seconds={"dp_comm": r.collective_s("all_gather", mfc.n_seqs * (2 * n_out + 1) * 8,
                                                    dp, dpn),
-                         "weight_load": weights / r.mem_bytes_per_s},
+                         "weight_load": weight_load_s(cm, weights)},
                 counts={"call_s": 1.0, "collective_s": float(dp > 1)})
     terms = {f"prefill_{k}": v for k, v in lagged(pre, layout.world).terms(pre_c).items()}
     for k, v in lagged(decode, layout.world).terms(dec_c).items():

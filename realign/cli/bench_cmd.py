@@ -9,6 +9,9 @@ import argparse
 import importlib
 
 STUDIES: dict[str, tuple[str, str]] = {
+    "generate": ("realign.bench.generate", "realign's own engine against vLLM on the same "
+                 "prompts: identical greedy tokens, throughput, weight update, GRPO over seeds "
+                 "(run it in .venv-vllm)"),
     "async": ("realign.bench.async_bench", "the best synchronous and asynchronous plans run: "
               "measured vs predicted speed-up, learning curves over seeds"),
     "plan-sweep": ("realign.bench.plan_sweep", "searched vs heuristic plans over the PPO sweep"),

@@ -165,6 +165,17 @@ def profile_machine(settings: ProfileSettings, out=sys.stderr) -> ProfileTable:
         realloc = _realloc(world, s, mem)
         prog.step("record send", 6)
         send = _send(world)
+    from realign.run.vllm_check import vllm_installed
+    vllm_load = None
+    if vllm_installed():
+        from realign.profile.vllm_probe import fit_vllm, fit_vllm_load, probe_points, time_vllm
+        prog.step("vLLM's prefill and decode steps (vLLM is installed)", 3)
+        timed, loads = time_vllm(s.device, s.dtype, s.threads)
+        vllm_load = fit_vllm_load(loads)
+        cluster, cfg = _fit_cluster(s)
+        vllm_costs, rms["vllm"], pred = fit_vllm(base, cluster, cfg.param_dtype_bytes, timed)
+        fitted.update(vllm_costs)
+        points += probe_points(timed, pred)
     prog.step(f"a run's own step cost: tiny runs on 1 and {s.workers} worker(s)", 6)
     with tempfile.TemporaryDirectory(prefix="realign-profile-") as tmp:
         step = measure_step_costs(Path(tmp), s.workers, s.device, s.preset, s.threads, s.dtype)
@@ -173,6 +184,7 @@ def profile_machine(settings: ProfileSettings, out=sys.stderr) -> ProfileTable:
     import realign
     table = base.model_copy(update={
         "engines": fitted, "realloc": realloc, "send": send, "step": step,
+        "vllm_load": vllm_load,
         "measured": Provenance(
             host=platform.node(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"), workers=s.workers, threads_per_worker=s.threads,

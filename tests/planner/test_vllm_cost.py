@@ -93,7 +93,13 @@ def test_vllm_charges_the_weight_copy_and_its_kv_cache():
     c = cost.mfc_cost(gen(), SMALL, "lm", DeviceMesh(first_gpu=0, n_gpus=2),
                       Layout(tp=1, pp=1, dp=2), 1, engine="vllm")
     weights = 4 * cost.stage_params(SMALL, "lm", Layout(tp=1, pp=1, dp=2))
-    assert c.terms_s["weight_load"] == pytest.approx(weights / cost.rates.mem_bytes_per_s)
+    assert c.terms_s["weight_load"] == pytest.approx(3 * weights / cost.rates.mem_bytes_per_s)
+    from planner.cost.profile import ProfileTable, TransferCosts
+    measured = CostModel(cost.cluster, cost.config, ProfileTable(
+        device="cpu", vllm_load=TransferCosts(fixed_s=0.01, bytes_per_s=1e9)))
+    c = measured.mfc_cost(gen(), SMALL, "lm", DeviceMesh(first_gpu=0, n_gpus=2),
+                          Layout(tp=1, pp=1, dp=2), 1, engine="vllm")
+    assert c.terms_s["weight_load"] == pytest.approx(0.01 + weights / 1e9)
     assert c.activation_bytes >= weights + cost.config.vllm_kv_cache_bytes
 
 

@@ -118,8 +118,6 @@ class VLLMEngine:
     # ---- weights -----------------------------------------------------------------------
     def load(self, shard: ModelShard) -> int:
         """Replace the engine's weights by ``shard``'s (TP 1, PP 1); the bytes written."""
-        from safetensors.torch import save_file
-
         from realign.runtime.hf_checkpoint import to_hf
         from realign.runtime.model import logical_shards
 
@@ -133,6 +131,13 @@ class VLLMEngine:
                 if name == "output_layer.weight" and t.content == "embedding":
                     continue                     # tied: the embedding is the head
                 hf.update({k: v.detach().cpu() for k, v in to_hf(t, local, shard.spec).items()})
+        return self.load_hf(hf)
+
+    def load_hf(self, hf: dict[str, torch.Tensor]) -> int:
+        """Replace the engine's weights by ``hf`` (Hugging Face names, whole tensors):
+        written to shared memory, reloaded in place; the bytes written."""
+        from safetensors.torch import save_file
+
         save_file(hf, str(self._folder / "model.safetensors"))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._folder)})
         self.llm.reset_prefix_cache()
