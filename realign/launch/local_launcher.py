@@ -1,7 +1,9 @@
 """Local launcher: one worker process per device of the plan, on this machine."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +38,8 @@ class LocalLauncher(Launcher):
                 if p.poll() is not None]
 
     def stop(self, grace_s: float = 5.0) -> None:
+        """Stop every worker and what it started (each worker leads its own process
+        group: a vLLM engine's child processes are in it)."""
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
@@ -46,5 +50,8 @@ class LocalLauncher(Launcher):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)        # what outlived its worker
         for f in self._logs:
             f.close()

@@ -44,6 +44,8 @@ from realign.runtime.model import ModelShard
 from realign.runtime.settings import SamplingParams, VLLMSettings
 
 GIB = 2 ** 30
+#: how long closing waits for vLLM's child processes to end
+CLOSE_TIMEOUT_S = 10.0
 #: where the weights go between realign and vLLM (a tmpfs where there is one)
 SHARED_MEMORY = Path("/dev/shm")
 
@@ -171,8 +173,7 @@ class VLLMEngine:
                           lengths=out[:, 2 * n].long(), kv_cache_peak_bytes=self.kv_cache_bytes)
 
     def close(self) -> None:
-        """Stop the engine's child processes and remove its weights folder."""
-        shutdown = getattr(self.llm.llm_engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        """Stop the engine's child processes (vLLM's engine core client) and remove its
+        weights folder."""
+        self.llm.llm_engine.engine_core.shutdown(timeout=CLOSE_TIMEOUT_S)
         shutil.rmtree(self._folder, ignore_errors=True)
