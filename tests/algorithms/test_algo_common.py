@@ -124,3 +124,18 @@ def test_sequence_logprob_sums_response_tokens():
     lp = t([[-9, -1, -2, -9], [-9, -9, -3, -9]])
     mask = t([[0, 1, 1, 0], [0, 0, 1, 0]])
     assert sequence_logprob(lp, mask).tolist() == [-3.0, -3.0]
+
+
+def test_rollout_mismatch_by_hand():
+    from realign.algorithms.mismatch import rollout_mismatch
+
+    # one row: prompt 2 tokens, 3 response tokens (positions 1, 2, 3 of 5)
+    batch = {"tokens": torch.zeros(1, 6, dtype=torch.long), "lengths": torch.tensor([5]),
+             "prompt_lengths": torch.tensor([2]),
+             "logprobs": torch.tensor([[9.0, -1.0, -2.0, -3.0, 9.0]]),
+             "prox_logprobs": torch.tensor([[0.0, -1.0, -2.02, -2.5, 0.0]])}
+    m = rollout_mismatch(batch, threshold=0.01)
+    assert m["rollout_logprob_diff_mean"] == pytest.approx((0 + 0.02 + 0.5) / 3, rel=1e-5)
+    assert m["rollout_logprob_diff_max"] == pytest.approx(0.5)
+    assert m["rollout_logprob_diff_frac"] == pytest.approx(2 / 3)
+    assert rollout_mismatch({k: v for k, v in batch.items() if k != "prox_logprobs"}, 0.01) == {}

@@ -31,7 +31,7 @@ def engines(plan):
 
 
 def test_grpo_with_an_evaluation_generates_on_vllm(tiny_assets, tmp_path):
-    plan, rows = run(tiny_assets, tmp_path, eval=EVAL)
+    plan, rows = run(tiny_assets, tmp_path, eval=EVAL, algorithm__params__tis_cap=2.0)
     assert engines(plan) == {"actor.generate": "vllm", "actor.eval_greedy": "vllm",
                              "actor.eval_sample": "vllm"}
     assert len(rows) == 3
@@ -46,6 +46,7 @@ def test_grpo_with_an_evaluation_generates_on_vllm(tiny_assets, tmp_path):
         # vLLM's log-probs against the training forward's: fp32 rounding apart
         assert row["actor.rollout_logprob_diff_max"] < 1e-4
         assert row["actor.rollout_logprob_diff_frac"] == 0.0
+        assert row["actor.behave_weight"] == pytest.approx(1.0, abs=1e-3)   # tis_cap's weights
         assert 0.0 <= row["reward_mean"] <= 1.0
     assert {"eval.greedy_accuracy", "eval.sample_accuracy", "eval.pass@2"} <= set(rows[0])
     assert "eval.greedy_accuracy" in rows[-1]
