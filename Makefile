@@ -117,10 +117,15 @@ bench-plans:
 	$(BIN)/realign bench plans experiments/bench-ppo-cpu.yaml --profile benchmarks/profile/cpu_$(DATE)_passes.json --plans 10 --rounds 2 --steps 4 --warmup 1 --out benchmarks/plans/ppo_$(DATE).json --svg benchmarks/plans/ppo_$(DATE).svg
 
 # realign's own engine, vLLM alone, realign with vLLM and transformers on the same
-# prompts; the weight update against the plan; a tiny GRPO on each engine over 3 seeds
-# (in the vLLM environment; about 10 minutes on 2 cores, nothing else running).
+# prompts; the weight update and the calls against the plan (priced with a profile that
+# measured vLLM); tiny GRPO on each engine over 3 seeds, from random weights and from an
+# SFT warm start (in the vLLM environment; about 20 minutes on 2 cores, nothing else
+# running).
 bench-generate: vllm-env
-	$(VLLM_VENV)/bin/realign bench generate --out benchmarks/generate/generate_$(DATE).json
+	$(VLLM_VENV)/bin/realign profile --out benchmarks/generate/cpu_profile_$(DATE).json
+	$(VLLM_VENV)/bin/realign bench generate --prompts 64 --gen-len 64 --rounds 5 --seeds 3 \
+	    --profile benchmarks/generate/cpu_profile_$(DATE).json \
+	    --out benchmarks/generate/generate_$(DATE).json
 
 bench-step:
 	$(BIN)/realign bench step experiments/tiny-grpo-cpu.yaml --steps 10 --rounds 8 --out benchmarks/step/tiny_grpo_vs_trl_$(DATE).json

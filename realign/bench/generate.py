@@ -15,8 +15,10 @@ world in this process (vLLM's engine core in its child process), it measures:
   (``tail``: sampling at temperature 1; every side samples the same lengths' law);
 * **weight update**: the seconds of loading the replica into vLLM against the plan's
   estimate of it (its ``weight_load`` term, with ``--profile``'s rates);
-* **learning**: the tiny GRPO (``experiments/tiny-grpo-vllm-cpu.yaml``) on each engine
-  over ``--seeds`` seeds, its reward over the last five steps.
+* **learning** (:mod:`realign.bench.generate_grpo`): the tiny GRPO
+  (``experiments/tiny-grpo-vllm-cpu.yaml``) on each engine over ``--seeds`` seeds, from
+  the random small actor and from its SFT warm start, its reward over the last five
+  steps.
 
 Everything it measured, and under what, goes into ``--out`` (JSON).
 """
@@ -25,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument("--seeds", type=int, default=3, help="seeds of the GRPO comparison (0: skip)")
     p.add_argument("--steps", type=int, default=30, help="steps of each GRPO run")
+    p.add_argument("--warm-steps", type=int, default=200, help="SFT steps of the warm "
+                   "start of the second GRPO comparison")
+    p.add_argument("--parts", default="throughput,grpo,grpo_warm", help="what to measure "
+                   "(comma-separated): throughput (identity, throughput, weight update), "
+                   "grpo (from the random small actor), grpo_warm (from its SFT)")
     p.add_argument("--profile", default=None, help="a realign profile table (prices the "
                    "weight update and the generation)")
     p.add_argument("--out", required=True, help="the JSON record")
@@ -165,59 +171,33 @@ def _load_times(shard, engine, rounds: int) -> list[float]:
     return times
 
 
-def _estimate(shard, profile: str | None, prompts, n: int) -> dict:
-    """The plan's price of the weight update and of a vLLM call of these prompts."""
+def _estimate(shard, profile: str | None, prompts, n: int, tail_mean: float) -> dict:
+    """The plan's price of the weight update, and of each case's call on vLLM (weight
+    load included) and on realign's engine in one wave (the tail priced as a censored
+    geometric of the mean length vLLM's responses had)."""
     from planner.cost.cost_config import CostModelConfig
     from planner.cost.cost_model import CostModel
     from planner.cost.profile import ProfileTable
     from planner.graph.dataflow import MFC
+    from planner.graph.lengths import GenLengths
     from planner.specs.cluster import ClusterSpec, resolve_device
     from planner.specs.layout import Layout
     from planner.specs.mesh import DeviceMesh
 
     table = ProfileTable.load(profile) if profile else None
     cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=1, device=resolve_device("cpu")),
-                   CostModelConfig(param_dtype_bytes=4, generate_engine="vllm"), table)
-    mfc = MFC(name="bench.generate", role="actor", kind="generate", n_seqs=len(prompts),
-              prompt_len=max(len(q) for q in prompts), gen_len=n, input_keys=("x",),
-              output_keys=("y",))
-    c = cm.mfc_cost(mfc, shard.spec, "lm", DeviceMesh(first_gpu=0, n_gpus=1),
-                    Layout(tp=1, pp=1, dp=1), 1, engine="vllm")
-    own = cm.mfc_cost(mfc, shard.spec, "lm", DeviceMesh(first_gpu=0, n_gpus=1),
-                      Layout(tp=1, pp=1, dp=1), 1)
-    return {"profile": profile, "weight_load_s": c.terms_s["weight_load"],
-            "vllm_call_fixed_s": c.time_s, "own_call_fixed_1wave_s": own.time_s}
-
-
-def _grpo(seeds: int, steps: int, tmp: Path) -> dict:
-    """Final reward (mean of the last five steps) of the tiny GRPO on each engine."""
-    import yaml
-
-    from realign.assets.tiny import make_tiny_assets
-
-    make_tiny_assets(tmp / "tiny", seed=0, qwen2=False, families=False)
-    (tmp / "tiny_reward.py").write_text((REPO / "experiments" / "tiny_reward.py").read_text())
-    base = yaml.safe_load((REPO / "experiments" / "tiny-grpo-vllm-cpu.yaml").read_text())
-    out: dict = {}
-    for seed in range(seeds):
-        for engine in ("own", "vllm"):
-            cfg = json.loads(json.dumps(base))
-            cfg["rollout"]["engine"] = engine
-            cfg["run"].update(seed=seed, steps=steps, checkpoint_interval=steps)
-            exp = tmp / f"grpo-{engine}-{seed}.yaml"
-            exp.write_text(yaml.safe_dump(cfg))
-            run_dir = tmp / f"run-{engine}-{seed}"
-            t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "realign.cli.main", "run", str(exp),
-                            "--run-dir", str(run_dir)], check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            out.setdefault(engine, []).append({
-                "seed": seed, "wall_s": time.perf_counter() - t0,
-                "reward": [r["reward_mean"] for r in rows],
-                "final_reward": statistics.fmean(r["reward_mean"] for r in rows[-5:]),
-                "generate_s": [r["time.actor.generate"] for r in rows],
-                "logprob_diff_max": [r.get("actor.rollout_logprob_diff_max") for r in rows]})
+                   CostModelConfig(param_dtype_bytes=4, generate_engine="auto"), table)
+    out: dict = {"profile": profile}
+    for case, lengths in (("fixed", None), ("tail", GenLengths(max_len=n, mean=tail_mean))):
+        mfc = MFC(name="bench.generate", role="actor", kind="generate", n_seqs=len(prompts),
+                  prompt_len=max(len(q) for q in prompts), gen_len=n, input_keys=("x",),
+                  output_keys=("y",), lengths=lengths)
+        for engine, side in (("vllm", "realign_vllm"), ("own", "own_1wave")):
+            c = cm.mfc_cost(mfc, shard.spec, "lm", DeviceMesh(first_gpu=0, n_gpus=1),
+                            Layout(tp=1, pp=1, dp=1), 1, engine=engine)
+            out[f"{case}.{side}_s"] = c.time_s
+            if engine == "vllm":
+                out["weight_load_s"] = c.terms_s["weight_load"]
     return out
 
 
@@ -227,6 +207,12 @@ def summarise(rec: dict) -> dict:
         tps = [x["tokens"] / x["s"] for x in rows]
         return {"median_tokens_per_s": statistics.median(tps), "min": min(tps), "max": max(tps)}
     out: dict = {}
+    for key in ("grpo", "grpo_warm"):
+        if rec.get(key):
+            out[f"{key}_final_reward"] = {e: [x["final_reward"] for x in runs]
+                                          for e, runs in rec[key].items()}
+    if "throughput" not in rec:
+        return out
     for case, sides in rec["throughput"].items():
         r = {side: rate(rows) for side, rows in sides.items()}
         med = {k: v["median_tokens_per_s"] for k, v in r.items()}
@@ -241,51 +227,73 @@ def summarise(rec: dict) -> dict:
                      "own_4waves_over_vllm_alone": med["own_4waves"] / med["vllm_alone"],
                      "mean_tokens_per_sequence": statistics.fmean(
                          x["tokens"] for x in sides["vllm_alone"]) / rec["prompts"]}
+    for case in rec["throughput"]:
+        for side in ("realign_vllm", "own_1wave"):
+            measured = statistics.median(x["s"] for x in rec["throughput"][case][side])
+            est = rec["estimate"][f"{case}.{side}_s"]
+            out[case][f"{side}_estimate_s"] = est
+            out[case][f"{side}_measured_s"] = measured
+            out[case][f"{side}_estimate_over_measured"] = est / measured
     loads = rec["weight_load_s"]
     out["weight_load"] = {"median_s": statistics.median(loads), "min_s": min(loads),
                           "max_s": max(loads), "estimate_s": rec["estimate"]["weight_load_s"],
                           "measured_over_estimate": statistics.median(loads)
                           / rec["estimate"]["weight_load_s"]}
-    if rec.get("grpo"):
-        out["grpo_final_reward"] = {e: [x["final_reward"] for x in runs]
-                                    for e, runs in rec["grpo"].items()}
     return out
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    torch.set_num_threads(1)
-    _world()
-    from realign.runtime.engines.vllm_engine import VLLMEngine
-    from realign.runtime.settings import VLLMSettings
+    from realign.bench.generate_grpo import grpo_runs
 
+    torch.set_num_threads(1)
+    parts = set(args.parts.split(","))
     rec: dict = {"environment": environment(), "load_before": load_snapshot(),
                  "arch": BENCH_ARCH, "prompts": args.prompts, "gen_len": args.gen_len,
-                 "rounds": args.rounds, "threads": 1, "dtype": "fp32"}
+                 "rounds": args.rounds, "threads": 1, "dtype": "fp32", "parts": sorted(parts)}
     with tempfile.TemporaryDirectory(prefix="realign-bench-generate-") as tmp:
-        folder = _model(Path(tmp) / "bench")
-        shard = _shard(folder)
-        rec["params"] = sum(p.numel() for p in shard.module.parameters())
-        prompts = _prompts(folder, args.prompts)
-        engine = VLLMEngine(folder, VLLMSettings(kv_cache_gib=2, max_num_seqs=256),
-                            torch.float32, max_model_len=args.gen_len + 32)
-        try:
-            rec["identity"] = _identity(shard, engine, folder, prompts[:16], 64)
-            print("identity", rec["identity"], file=sys.stderr)
-            from realign.assets.tiny import EOS_ID
-            rec["stop_token"] = EOS_ID
-            rec["throughput"] = _throughput(shard, engine, prompts, args.gen_len, args.rounds,
-                                            EOS_ID)
-            rec["weight_load_s"] = _load_times(shard, engine, 2 * args.rounds)
-        finally:
-            engine.close()
-        rec["estimate"] = _estimate(shard, args.profile, prompts, args.gen_len)
-        if args.seeds:
-            rec["grpo"] = _grpo(args.seeds, args.steps, Path(tmp))
+        if "throughput" in parts:
+            rec.update(_engines(args, Path(tmp)))
+        if "grpo" in parts and args.seeds:
+            rec["grpo"] = grpo_runs(args.seeds, args.steps, Path(tmp) / "grpo", warm_steps=0)
+        if "grpo_warm" in parts and args.seeds:
+            rec["grpo_warm"] = grpo_runs(args.seeds, args.steps, Path(tmp) / "warm",
+                                         warm_steps=args.warm_steps)
     rec["load_after"] = load_snapshot()
     rec["summary"] = summarise(rec)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rec, indent=1))
     print(json.dumps(rec["summary"], indent=1))
     return 0
+
+
+def _engines(args: argparse.Namespace, tmp: Path) -> dict:
+    """Identity, throughput, weight update and the plan's prices (one vLLM engine)."""
+    import torch
+
+    from realign.assets.tiny import EOS_ID
+    from realign.runtime.engines.vllm_engine import VLLMEngine
+    from realign.runtime.settings import VLLMSettings
+
+    _world()
+    rec: dict = {}
+    folder = _model(tmp / "bench")
+    shard = _shard(folder)
+    rec["params"] = sum(p.numel() for p in shard.module.parameters())
+    prompts = _prompts(folder, args.prompts)
+    engine = VLLMEngine(folder, VLLMSettings(kv_cache_gib=2, max_num_seqs=256),
+                        torch.float32, max_model_len=args.gen_len + 32)
+    try:
+        rec["identity"] = _identity(shard, engine, folder, prompts[:16], 64)
+        print("identity", rec["identity"], file=sys.stderr)
+        rec["stop_token"] = EOS_ID
+        rec["throughput"] = _throughput(shard, engine, prompts, args.gen_len, args.rounds,
+                                        EOS_ID)
+        rec["weight_load_s"] = _load_times(shard, engine, 2 * args.rounds)
+    finally:
+        engine.close()
+    tail = rec["throughput"]["tail"]["vllm_alone"]
+    rec["estimate"] = _estimate(shard, args.profile, prompts, args.gen_len,
+                                statistics.fmean(x["tokens"] for x in tail) / len(prompts))
+    return rec

@@ -29,8 +29,10 @@ from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
 from realign.profile.fit import fit_relative, fit_transfer
 
-#: (layers, hidden, vocabulary) of the probe models: heads of 32, FFN twice the width
-VLLM_PROBE_MODELS = ((2, 128, 128), (4, 256, 1024))
+#: (layers, hidden, vocabulary) of the probe models: heads of 32, FFN twice the width;
+#: the widest makes arithmetic dominate its steps (how fast vLLM's own kernels run
+#: against the GEMM grid: ``kernel_extra``)
+VLLM_PROBE_MODELS = ((2, 128, 128), (4, 256, 1024), (4, 512, 1024))
 #: (prompts, prompt tokens, generated tokens; 1: the prefill alone)
 VLLM_BATCHES = ((4, 8, 1), (64, 16, 1), (4, 8, 16), (32, 8, 16), (64, 8, 8), (16, 16, 32))
 #: timed runs of each probe (after one untimed)

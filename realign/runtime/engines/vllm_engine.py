@@ -24,8 +24,10 @@ join). The worker is the engine's only client; nothing else manages it.
   realign's engine returns, gathered over the data-parallel ranks.
 
 CUDA: the same code (``enforce_eager`` off, so decode runs as CUDA graphs; the KV cache
-is ``kv_cache_memory_bytes`` on the worker's GPU, which the child is shown alone). It
-has not run on a GPU (docs/vllm.md).
+is ``kv_cache_memory_bytes`` on the worker's GPU, which the child is shown alone; vLLM
+refuses to start unless ``gpu_memory_utilization`` of the GPU is free, so that share is
+set to what it needs: :func:`cuda_memory_share`). It has not run on a GPU
+(docs/vllm.md).
 """
 from __future__ import annotations
 
@@ -58,6 +60,18 @@ def child_visible_devices(visible: str | None, index: int) -> str:
     if visible:
         return visible.split(",")[index].strip()
     return str(index)
+
+
+#: CUDA: memory vLLM needs besides its weights and KV cache (activations, CUDA graphs)
+CUDA_HEADROOM_BYTES = 2 * GIB
+
+
+def cuda_memory_share(weights_bytes: float, kv_bytes: float, total_bytes: float) -> float:
+    """vLLM's ``gpu_memory_utilization`` on a GPU realign's models share: the weights,
+    the KV cache and :data:`CUDA_HEADROOM_BYTES` as a share of the GPU (at most 0.95).
+
+    Example: 16 GiB of weights, 8 GiB of KV cache on an 80 GiB GPU: 26 / 80 = 0.325."""
+    return min(0.95, (weights_bytes + kv_bytes + CUDA_HEADROOM_BYTES) / total_bytes)
 
 
 def vllm_sampling(p: SamplingParams, n: int, first_index: int) -> list:
@@ -105,13 +119,18 @@ class VLLMEngine:
         from vllm import LLM
 
         threads = torch.get_num_threads()
+        kv = int(settings.kv_cache_gib * GIB)
+        extra = {}
+        if device_kind == "cuda":
+            weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+            extra["gpu_memory_utilization"] = cuda_memory_share(
+                weights, kv, torch.cuda.mem_get_info(device_index)[1])
         with _child_env(settings, device_kind, device_index):
             self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed,
                            distributed_executor_backend="uni",
                            enforce_eager=device_kind == "cpu", skip_tokenizer_init=True,
                            max_model_len=max_model_len, max_num_seqs=settings.max_num_seqs,
-                           kv_cache_memory_bytes=int(settings.kv_cache_gib * GIB),
-                           enable_prefix_caching=False)
+                           kv_cache_memory_bytes=kv, enable_prefix_caching=False, **extra)
         torch.set_num_threads(threads)          # vLLM lowers the caller's threads
         self.kv_cache_bytes = int(settings.kv_cache_gib * GIB)
         self._folder = Path(tempfile.mkdtemp(
