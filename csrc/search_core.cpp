@@ -176,6 +176,14 @@ double memory(const Problem& prob, const std::vector<i64>& assign,
         }
         double tr = c.activation_bytes;
         if (trained && !prob.mfc_is_train[i] && needs_realloc(prob, assign, i)) {
+            if (prob.model_lora[model]) {  // LoRA: the frozen base stays on each placement
+                const std::array<i64, 5> key{model, c.place.first_gpu, c.place.n_gpus,
+                                             c.place.tp, c.place.pp};
+                if (std::find(seen.begin(), seen.end(), key) == seen.end()) {
+                    seen.push_back(key);
+                    add_res += c.resident_bytes;
+                }
+            }
             if (prob.ahead[i])  // its copy is made at the step's start, kept to its end
                 add_res += c.weights_bytes;
             else

@@ -80,6 +80,7 @@ struct Problem {
     std::vector<bool> mfc_is_train;                  // per MFC
     std::vector<std::vector<i64>> deps;              // per MFC: MFCs it reads from
     std::vector<i64> model_train_mfc;                // per model: train MFC or -1
+    std::vector<bool> model_lora;                    // per model: LoRA (frozen base stays put)
     std::vector<ReallocModel> realloc_models;        // per model
     std::vector<std::vector<Candidate>> cands;       // per MFC: its candidates
     std::vector<std::vector<std::vector<i64>>> same_mesh;  // per MFC, per cand

@@ -20,6 +20,7 @@ from planner.errors import PlanError, from_validation
 from planner.graph.dataflow import DataflowGraph
 from planner.specs.cluster import ClusterSpec
 from planner.specs.layout import Layout, layout_problems, shard_placement
+from planner.specs.lora import LoraSpec
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
 
@@ -28,7 +29,8 @@ from planner.specs.model_spec import ModelSpec
 #: 4: asynchronous graphs (generation ahead of training), the sync/async comparison.
 #: 5: recompute and offload per train call.
 #: 6: the engine of each generate call (realign's own or vLLM).
-PLAN_SCHEMA_VERSION = 6
+#: 7: LoRA per model (its adapters' settings; reallocations move only the adapters).
+PLAN_SCHEMA_VERSION = 7
 
 
 class _Frozen(BaseModel):
@@ -40,6 +42,9 @@ class PlannedModel(_Frozen):
     spec: ModelSpec
     head: str = Field(description="lm | value")
     trainable: bool
+    lora: LoraSpec | None = Field(None, description="LoRA adapters on a frozen base: only "
+                                  "they (and a value head) train, and reallocations move "
+                                  "only them.")
 
 
 class MFCAllocation(_Frozen):

@@ -63,6 +63,7 @@ from planner.graph.lengths import expected_call_tokens
 from planner.graph.padding import longest_prompt, padded_len
 from planner.specs.cluster import ClusterSpec
 from planner.specs.layout import Layout
+from planner.specs.lora import LoraSpec
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
 
@@ -78,6 +79,9 @@ class MFCCost:
     resident_bytes: float
     activation_bytes: float            #: transient working memory during the call
     host_bytes: float = 0.0            #: host memory per GPU held for it (offloaded state)
+    #: the LoRA adapters among ``weights_bytes`` (what a reallocation moves once the
+    #: frozen base is in place; 0 without LoRA)
+    adapter_bytes: float = 0.0
 
 
 def group_nodes(group: list[int], mesh: DeviceMesh, gpus_per_node: int) -> int:
@@ -121,6 +125,30 @@ class CostModel:
         last = body + spec.hidden + head_p
         return first + spec.hidden + head_p if pp == 1 else max(first, last)
 
+    @staticmethod
+    def trainable_params(spec: ModelSpec, head: str, layout: Layout,
+                         lora: LoraSpec | None) -> float:
+        """Trained parameters on one GPU of the heaviest stage: all of them
+        (:meth:`stage_params`), or with LoRA the adapters of its layers (a column-parallel
+        target's B and a row-parallel one's A split over TP, the other factor whole) and
+        a value head (new, so trained).
+
+        Example: LLaMA-2 70B, rank 64 on all four targets, tp 8, pp 4: 20 layers x
+        (6,684,672 / 8 + 2,097,152) = 58.7M parameters (the stage's weights: 2.17e9)."""
+        if lora is None:
+            return CostModel.stage_params(spec, head, layout)
+        sharded, replicated = lora.layer_params(spec)
+        adapters = spec.n_layers // layout.pp * (sharded / layout.tp + replicated)
+        return adapters + (spec.hidden if head == "value" else 0.0)
+
+    @staticmethod
+    def lora_params(spec: ModelSpec, head: str, layout: Layout, lora: LoraSpec | None) -> float:
+        """Adapter parameters on one GPU of a stage (0 without LoRA)."""
+        if lora is None:
+            return 0.0
+        return CostModel.trainable_params(spec, head, layout, lora) - (
+            spec.hidden if head == "value" else 0.0)
+
     def _act_bytes_per_token_layer(self, spec: ModelSpec, tp: int) -> float:
         """Stored activations of one token in one layer (flash attention)."""
         dt = self.config.param_dtype_bytes
@@ -161,7 +189,8 @@ class CostModel:
     def stage_works(self, spec: ModelSpec, head: str, kind: str, rows: float, ctx: float,
                     out_rows: float, layout: Layout, tp_nodes: int, msg: Work,
                     back: Work | None = None, recompute: bool = False,
-                    costs_kind: str | None = None) -> list[tuple[Work, int]]:
+                    costs_kind: str | None = None, lora: LoraSpec | None = None
+                    ) -> list[tuple[Work, int]]:
         """(work, how many stages do it) of one micro-batch's pass through each stage:
         the first (embedding), the middle ones, the last (head); every stage but the
         last also sends ``msg`` on, and with ``back`` the last sends that back (decode:
@@ -174,7 +203,7 @@ class CostModel:
         costs_kind = costs_kind or kind
         signature = (spec, head, kind, rows, ctx, out_rows, tp, pp, tp_nodes, recompute,
                      _signature(msg), _signature(back) if back is not None else None,
-                     costs_kind)
+                     costs_kind, lora)
 
         def stage(first: bool, last: bool) -> Work:
             key = (signature, first, last)
@@ -185,12 +214,12 @@ class CostModel:
 
         def make(first: bool, last: bool) -> Work:
             w = stage_pass(r, spec, head, kind, rows, ctx, out_rows, tp, layers, first, last,
-                           tp_nodes)
+                           tp_nodes, lora)
             if kind == "train" and recompute:
                 # the backward first runs each layer's forward again (no head, no
                 # embedding): its GEMMs, attention and TP collectives
                 again = stage_pass(r, spec, head, "inference", rows, ctx, 0.0, tp, layers,
-                                   False, False, tp_nodes)
+                                   False, False, tp_nodes, lora)
                 again.counts = {k: v for k, v in again.counts.items()
                                 if k in ("layer_s", "collective_s", "kernel_extra")}
                 w.add(again)
@@ -255,33 +284,39 @@ class CostModel:
     def mfc_cost(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
                  layout: Layout, micro_batches: int, offload: bool = False,
                  state_offload: bool = False, recompute: bool = False,
-                 engine: str = "own") -> MFCCost:
+                 engine: str = "own", lora: LoraSpec | None = None) -> MFCCost:
+        """``lora``: the role trains (and runs) LoRA adapters on a frozen base."""
         if (offload or state_offload or recompute) and mfc.kind != "train":
             raise ValueError("optimizer and training-state offload and activation "
                              "recompute apply to train MFCs only")
         if engine == "vllm":
+            if lora is not None:
+                raise PlanError("vLLM generation of a LoRA model is not priced: realign "
+                                "runs LoRA models on its own engine", field="rollout.engine")
             from planner.cost.vllm_cost import vllm_generate_cost
             return vllm_generate_cost(self, mfc, spec, head, mesh, layout)
         if mfc.kind == "generate":
-            terms = self._generate_terms(mfc, spec, head, mesh, layout, micro_batches)
+            terms = self._generate_terms(mfc, spec, head, mesh, layout, micro_batches, lora)
         elif mfc.kind == "train":
             terms = self._train_terms(mfc, spec, head, mesh, layout, micro_batches, offload,
-                                      recompute)
+                                      recompute, lora)
         else:
-            terms = self._inference_terms(mfc, spec, head, mesh, layout, micro_batches)
+            terms = self._inference_terms(mfc, spec, head, mesh, layout, micro_batches, lora)
         weights, resident, act, host = self._memory(mfc, spec, head, layout, micro_batches,
-                                                    offload, recompute)
+                                                    offload, recompute, lora)
+        adapters = self.config.param_dtype_bytes * self.lora_params(spec, head, layout, lora)
         if state_offload:
             # everything but the weights is there only while the call runs; what is
             # kept (not the gradients: zeroed each step anyway) goes down and up again
-            kept = resident - weights - self.stage_params(spec, head, layout) * (
+            kept = resident - weights - self.trainable_params(spec, head, layout, lora) * (
                 self.config.grad_dtype_bytes)
             terms["state_offload"] = self.state_transfer_s(kept)
             act += resident - weights
             resident = weights
             host += kept
         return MFCCost(time_s=sum(terms.values()), terms_s=terms, weights_bytes=weights,
-                       resident_bytes=resident, activation_bytes=act, host_bytes=host)
+                       resident_bytes=resident, activation_bytes=act, host_bytes=host,
+                       adapter_bytes=adapters)
 
     def state_transfer_s(self, kept_bytes: float) -> float:
         """Seconds one train call with training-state offload adds: the optimizer
@@ -311,7 +346,8 @@ class CostModel:
         return moved / self.rates.host_link_bytes_per_s + shard_params / adam
 
     def _inference_terms(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
-                         layout: Layout, m: int) -> dict[str, float]:
+                         layout: Layout, m: int, lora: LoraSpec | None = None
+                         ) -> dict[str, float]:
         r, dt = self.rates, self.config.param_dtype_bytes
         pp, dp = layout.pp, layout.dp
         tpn, dpn, ppn = self._nodes(mesh, layout)
@@ -320,7 +356,8 @@ class CostModel:
         costs = r.engine("inference")
         # per micro-batch and stage boundary: its hidden states to the next stage
         msg = _msg(r.collective_s("p2p", b * s * spec.hidden * dt, 2, ppn))
-        stages = self.stage_works(spec, head, "inference", b * s, s / 2, b * s, layout, tpn, msg)
+        stages = self.stage_works(spec, head, "inference", b * s, s / 2, b * s, layout, tpn, msg,
+                                  lora=lora)
         out_cols = s - 1 if head == "lm" else s
         call = Work(seconds={"dp_comm": (
             r.collective_s("all_gather", mfc.n_seqs * out_cols * 4, dp, dpn)
@@ -330,7 +367,8 @@ class CostModel:
 
     def _train_terms(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
                      layout: Layout, m: int, offload: bool = False,
-                     recompute: bool = False) -> dict[str, float]:
+                     recompute: bool = False, lora: LoraSpec | None = None
+                     ) -> dict[str, float]:
         r, cfg, dt = self.rates, self.config, self.config.param_dtype_bytes
         tp, pp, dp = layout.tp, layout.pp, layout.dp
         tpn, dpn, ppn = self._nodes(mesh, layout)
@@ -340,8 +378,10 @@ class CostModel:
         # per micro-batch and stage boundary: activations forward, their gradients back
         msg = _msg(r.collective_s("p2p", b * s * spec.hidden * dt, 2, ppn), 2)
         stages = self.stage_works(spec, head, "train", b * s, s / 2, b * s, layout, tpn, msg,
-                              recompute=recompute)
-        p_gpu = self.stage_params(spec, head, layout)
+                              recompute=recompute, lora=lora)
+        # what has gradients, an optimizer state and new values: every parameter, or the
+        # adapters (and a value head) with LoRA
+        p_gpu = self.trainable_params(spec, head, layout, lora)
         grad_bytes = cfg.grad_dtype_bytes * p_gpu
         if cfg.distributed_optimizer:   # reduce-scatter grads, all-gather new weights
             sync = (r.collective_s("reduce_scatter", grad_bytes, dp, dpn)
@@ -365,7 +405,8 @@ class CostModel:
         return Work().add(step, steps).terms(costs)
 
     def _generate_terms(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
-                        layout: Layout, m: int) -> dict[str, float]:
+                        layout: Layout, m: int, lora: LoraSpec | None = None
+                        ) -> dict[str, float]:
         r, dt = self.rates, self.config.param_dtype_bytes
         tp, pp, dp = layout.tp, layout.pp, layout.dp
         tpn, dpn, ppn = self._nodes(mesh, layout)
@@ -376,13 +417,13 @@ class CostModel:
         P, h = longest_prompt(mfc, b), spec.hidden     # a wave's prompts padded to its longest
         pre_c, dec_c = r.engine("prefill"), r.engine("decode")
         pre = self.stage_works(spec, head, "prefill", b * P, P / 2, b, layout, tpn,
-                           _msg(r.collective_s("p2p", b * P * h * dt, 2, ppn)))
+                           _msg(r.collective_s("p2p", b * P * h * dt, 2, ppn)), lora=lora)
         tokens = expected_call_tokens(mfc, b, groups, dp)   # the slowest DP rank's
         steps = max(0.0, tokens - 1.0)     # the prefill yields the first token
         # per step: the hidden state to the next stage, the chosen tokens back
         dec = self.stage_works(spec, head, "decode", b, P + tokens / 2, b, layout, tpn,
                            _msg(r.collective_s("p2p", b * h * dt, 2, ppn)),
-                           back=_msg(r.collective_s("p2p", 2 * b * 8, 2, ppn)))
+                           back=_msg(r.collective_s("p2p", 2 * b * 8, 2, ppn)), lora=lora)
         alloc = Work(seconds={"kv_alloc": g * r.mem_s(
             b * self._wave_kv_bytes_per_seq(spec, mfc, tp, pp))})
         n = mfc.gen_len
@@ -401,13 +442,15 @@ class CostModel:
 
     # ---- memory --------------------------------------------------------------------
     def _memory(self, mfc: MFC, spec: ModelSpec, head: str, layout: Layout, m: int,
-                offload: bool = False, recompute: bool = False
-                ) -> tuple[float, float, float, float]:
+                offload: bool = False, recompute: bool = False,
+                lora: LoraSpec | None = None) -> tuple[float, float, float, float]:
         cfg = self.config
         tp, pp, dp = layout.tp, layout.pp, layout.dp
         dt = cfg.param_dtype_bytes
-        p_gpu = self.stage_params(spec, head, layout)
-        weights = dt * p_gpu
+        weights = dt * (self.stage_params(spec, head, layout)
+                        + self.lora_params(spec, head, layout, lora))
+        # gradients and optimizer state: of every parameter, or with LoRA of the adapters
+        p_gpu = self.trainable_params(spec, head, layout, lora)
         logit_cols = spec.padded_vocab / tp if head == "lm" else 1.0
         if mfc.kind == "generate":
             b = mfc.n_seqs / dp / m
@@ -421,6 +464,8 @@ class CostModel:
         if not train:
             return weights, weights, 2 * act_layer + 2 * 4.0 * tok * logit_cols, 0.0
         in_flight = min(pp, m)
+        if lora is not None:    # each target keeps x A^T ([tokens, rank]) for the backward
+            act_layer += tok * lora.rank * len(lora.target_modules) * dt
         per_layer = (tok * spec.hidden * dt) if recompute else act_layer
         act = in_flight * spec.n_layers / pp * per_layer + (act_layer if recompute else 0)
         act += 2 * 4.0 * tok * logit_cols

@@ -39,6 +39,7 @@ from statistics import NormalDist
 
 from planner.cost.profile import EngineCosts
 from planner.cost.rates import Rates
+from planner.specs.lora import COLUMN, LoraSpec
 from planner.specs.model_spec import ModelSpec
 
 FIXED = ("call_s", "microbatch_s", "layer_s", "token_hidden_s", "token_vocab_s", "token_s",
@@ -145,17 +146,30 @@ def layer_gemms(spec: ModelSpec, tp: int) -> list[tuple[float, float]]:
 
 def stage_pass(r: Rates, spec: ModelSpec, head: str, kind: str, rows: float, ctx: float,
                out_rows: float, tp: int, layers: int, first: bool, last: bool,
-               tp_nodes: int = 1) -> Work:
+               tp_nodes: int = 1, lora: LoraSpec | None = None) -> Work:
     """One micro-batch of ``rows`` tokens (decode: ``rows`` sequences, one token each)
     through ``layers`` layers of one stage, attending over ``ctx`` keys on average;
     ``out_rows`` rows reach the head on the last stage. ``kind``: train | inference |
-    prefill | decode."""
+    prefill | decode.
+
+    ``lora``: the model carries LoRA adapters, which every pass runs beside the base
+    (realign's forward is LoRA-aware; nothing is merged): each layer adds the adapters'
+    two thin GEMMs per target and a rank-wide TP all-reduce per target. Training then
+    computes no gradient of the frozen base weights: a base GEMM costs its forward and
+    its input gradient (two forward GEMMs instead of three), the adapters a full
+    forward + backward."""
     train = kind == "train"
     dt = r.dtype_bytes
     h, d = spec.hidden, spec.kv_channels
     heads = spec.n_heads / tp
     w = Work()
-    gemm = layers * sum(r.gemm_s(rows, k, n, train) for k, n in layer_gemms(spec, tp))
+    if lora is not None and train:
+        base = sum(2 * r.gemm_s(rows, k, n) for k, n in layer_gemms(spec, tp))
+    else:
+        base = sum(r.gemm_s(rows, k, n, train) for k, n in layer_gemms(spec, tp))
+    adapters = (sum(r.gemm_s(rows, k, n, train) for k, n in lora.gemms(spec, tp))
+                if lora is not None else 0.0)
+    gemm = layers * (base + adapters)
     # attention (QK^T, then AV) runs as one batched call over the heads (the engines'
     # scaled_dot_product_attention), so it is priced as one GEMM of heads x rows rows
     att = layers * (r.gemm_s(heads * rows, d, ctx, train) + r.gemm_s(heads * rows, ctx, d, train))
@@ -165,7 +179,10 @@ def stage_pass(r: Rates, spec: ModelSpec, head: str, kind: str, rows: float, ctx
     lm = head == "lm"
     vocab = spec.padded_vocab if lm else 1
     if last:
-        gemm += r.gemm_s(out_rows, h, vocab / tp if lm else 1, train)
+        if lm and lora is not None and train:      # the frozen LM head: no weight gradient
+            gemm += 2 * r.gemm_s(out_rows, h, vocab / tp)
+        else:
+            gemm += r.gemm_s(out_rows, h, vocab / tp if lm else 1, train)
     w.seconds["gemm"] = gemm
     w.seconds["attention"] = att
     comm, n_coll = 0.0, 0
@@ -176,6 +193,14 @@ def stage_pass(r: Rates, spec: ModelSpec, head: str, kind: str, rows: float, ctx
         if first:
             n_coll += 1
             comm += r.collective_s("all_reduce", act, tp, tp_nodes)
+        if lora is not None:
+            # per target: the row-parallel adapters sum x A^T forward, the column-parallel
+            # ones the gradient of x A^T backward ([rows, rank] each)
+            row = sum(1 for t in lora.target_modules if t not in COLUMN)
+            col = len(lora.target_modules) - row
+            k_lora = layers * (row + (col if train else 0))
+            n_coll += k_lora
+            comm += k_lora * r.collective_s("all_reduce", rows * lora.rank * dt, tp, tp_nodes)
         if last and lm:
             if kind in ("train", "inference"):
                 n_coll += 3

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.specs.lora import LoraSpec
 from planner.specs.model_spec import ModelSpec
 
 HEAD_LM_UNTIED, HEAD_LM_TIED, HEAD_VALUE = 0, 1, 2
@@ -40,7 +41,18 @@ class ReallocModel:
     head_bytes: int               #: output layer (untied, sharded) or value head (replicated)
 
     @staticmethod
-    def of(spec: ModelSpec, head: str, dtype_bytes: int) -> "ReallocModel":
+    def of(spec: ModelSpec, head: str, dtype_bytes: int,
+           lora: LoraSpec | None = None) -> "ReallocModel":
+        """``lora``: only the trained tensors move (the adapters, and a value head): the
+        frozen base stays where it was placed (:func:`planner.specs.lora.moved_stage_tensors`).
+        """
+        if lora is not None:
+            sharded, replicated = lora.layer_params(spec)
+            return ReallocModel(
+                n_layers=spec.n_layers, layer_sharded_bytes=sharded * dtype_bytes,
+                layer_replicated_bytes=replicated * dtype_bytes, embedding_bytes=0,
+                final_norm_bytes=0, head_kind=HEAD_VALUE if head == "value" else HEAD_LM_UNTIED,
+                head_bytes=spec.head_params(head) * dtype_bytes if head == "value" else 0)
         kind = (HEAD_VALUE if head == "value"
                 else HEAD_LM_TIED if spec.tied_embeddings else HEAD_LM_UNTIED)
         return ReallocModel(

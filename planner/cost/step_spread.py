@@ -26,6 +26,7 @@ from planner.graph.dataflow import MFC, DataflowGraph
 from planner.graph.lengths import wave_token_moments
 from planner.graph.padding import padded_moments
 from planner.specs.layout import Layout
+from planner.specs.lora import LoraSpec
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
 
@@ -64,7 +65,7 @@ def rollout_of(graph: DataflowGraph) -> MFC | None:
 def call_time_sd(cost: CostModel, graph: DataflowGraph, mfc: MFC, spec: ModelSpec, head: str,
                  mesh: DeviceMesh, layout: Layout, micro_batches: int, offload: bool = False,
                  state_offload: bool = False, recompute: bool = False,
-                 engine: str = "own") -> float:
+                 engine: str = "own", lora: LoraSpec | None = None) -> float:
     """Standard deviation, over steps, of one call of ``mfc`` (seconds): 0 outside an
     asynchronous graph whose rollout has a length distribution, and for a call that
     neither generates that rollout nor reads its sequences (a call that carries their
@@ -81,7 +82,7 @@ def call_time_sd(cost: CostModel, graph: DataflowGraph, mfc: MFC, spec: ModelSpe
               else {"prompt_len": tokens, "gen_len": 0, "prompt_lengths": None})
         short = mfc.model_copy(update={**at, "lengths": None})
         return float(cost.mfc_cost(short, spec, head, mesh, layout, micro_batches, offload,
-                                   state_offload, recompute, engine).time_s)
+                                   state_offload, recompute, engine, lora).time_s)
 
     if mfc.name == rollout.name:
         rows = mfc.n_seqs / layout.dp / micro_batches

@@ -19,9 +19,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from planner.specs.layout import Layout, coords_of_rank
+from planner.specs.lora import LoraSpec, moved_stage_tensors
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
-from planner.specs.param_layout import LogicalTensor, stage_tensors
+from planner.specs.param_layout import LogicalTensor
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,14 @@ def _elem_per_index(t: LogicalTensor) -> int:
 
 
 def transfer_plan(spec: ModelSpec, head: str, src: Placement, dst: Placement,
-                  gpus_per_node: int, dtype_bytes: int) -> TransferPlan:
-    """The slice copies that turn placement ``src`` into placement ``dst``."""
+                  gpus_per_node: int, dtype_bytes: int,
+                  lora: LoraSpec | None = None) -> TransferPlan:
+    """The slice copies that turn placement ``src`` into placement ``dst`` (``lora``:
+    only the trained tensors, :func:`planner.specs.lora.moved_stage_tensors`)."""
     # content -> [(gpu, tp_rank, tensor)] over every source GPU holding it
     holders: dict[str, list[tuple[int, int, LogicalTensor]]] = defaultdict(list)
     for gpu, k, _d, j in src.gpu_coords():
-        for t in stage_tensors(spec, head, src.layout.pp, j):
+        for t in moved_stage_tensors(spec, head, lora, src.layout.pp, j):
             holders[t.content].append((gpu, k, t))
     sent: dict[int, int] = defaultdict(int)
     plan = TransferPlan()
@@ -102,7 +105,7 @@ def transfer_plan(spec: ModelSpec, head: str, src: Placement, dst: Placement,
 
     tp_s = src.layout.tp
     for dst_gpu, i, _d, j in dst.gpu_coords():
-        for t in stage_tensors(spec, head, dst.layout.pp, j):
+        for t in moved_stage_tensors(spec, head, lora, dst.layout.pp, j):
             hs = holders[t.content]
             per_index = _elem_per_index(t) * dtype_bytes
             if t.shard_dim is None:

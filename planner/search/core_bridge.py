@@ -57,6 +57,7 @@ def to_core(prob: Problem) -> Any:
         mfc_is_train=[bool(t) for t in prob.mfc_is_train],
         deps=[list(d) for d in prob.deps],
         model_train_mfc=list(prob.model_train_mfc),
+        model_lora=[bool(x) for x in (prob.model_lora or [False] * len(prob.model_train_mfc))],
         realloc_models=[(m.n_layers, m.layer_sharded_bytes, m.layer_replicated_bytes,
                          m.embedding_bytes, m.final_norm_bytes, m.head_kind, m.head_bytes)
                         for m in prob.realloc_models],

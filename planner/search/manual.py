@@ -10,7 +10,7 @@ from planner.errors import PlanError
 from planner.graph.dataflow import DataflowGraph
 from planner.plan import ExecutionPlan, SearchInfo
 from planner.search.plan_build import build_plan
-from planner.search.problem import Candidate, RoleModel, assemble, host_s
+from planner.search.problem import Candidate, RoleModel, assemble, held_bytes, host_s
 from planner.search.simulator import simulate
 from planner.specs.cluster import ClusterSpec
 from planner.specs.layout import Allocation, check_allocation
@@ -49,18 +49,21 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
                             f"micro_batches 1 (got {a.layout}, {a.micro_batches})",
                             field=f"{field}.{m.name}")
         # several engines (rollout.engine auto): the faster one on this allocation
+        if rm.lora is not None:
+            engines = tuple(e for e in engines if e != "vllm") or ("own",)
         eng, c = min(((e, cost.mfc_cost(m, rm.spec, rm.head, a.mesh, a.layout,
-                                        a.micro_batches, off, state_off, rc, e))
+                                        a.micro_batches, off, state_off, rc, e, rm.lora))
                       for e in engines), key=lambda ec: ec[1].time_s)
+        resident, weights = held_bytes(c, rm, m)
         cands.append([Candidate(a.mesh.first_gpu, a.mesh.n_gpus, a.layout.tp, a.layout.pp,
                                 a.layout.dp, a.micro_batches,
                                 (c.time_s + host_s(graph, m, cost_config)) / m.every,
-                                c.resident_bytes,
-                                c.activation_bytes, c.weights_bytes, off, c.host_bytes,
+                                resident,
+                                c.activation_bytes, weights, off, c.host_bytes,
                                 state_off,
                                 call_time_sd(cost, graph, m, rm.spec, rm.head, a.mesh,
                                              a.layout, a.micro_batches, off, state_off, rc,
-                                             eng)
+                                             eng, rm.lora)
                                 / m.every, rc, eng)])
     prob = assemble(graph, models, cost, cands)
     res = simulate(prob, [0] * len(cands))

@@ -53,7 +53,7 @@ def build_plan(name: str, prob: Problem, assign: list[int], cost_config: CostMod
             src_mesh=src.mesh(), src_layout=src.layout(), dst_mesh=dst.mesh(),
             dst_layout=dst.layout(), bytes=nbytes, time_s=t))
     models = tuple(PlannedModel(role=rm.role, spec=rm.spec, head=rm.head,
-                                trainable=prob.model_train_mfc[k] >= 0)
+                                trainable=prob.model_train_mfc[k] >= 0, lora=rm.lora)
                    for k, rm in enumerate(prob.models))
     events = tuple(TimelineEvent(name=e.name, kind=e.kind, iteration=e.iteration,
                                  start_s=e.start_s, end_s=e.end_s, gpus=e.gpus)

@@ -10,7 +10,7 @@ from itertools import product
 from typing import Callable
 
 from planner.cost.cost_config import CostModelConfig
-from planner.cost.cost_model import CostModel
+from planner.cost.cost_model import CostModel, MFCCost
 from planner.cost.profile import ProfileTable
 from planner.cost.realloc_cost import Links, ReallocModel
 from planner.cost.step_spread import call_time_sd
@@ -21,6 +21,7 @@ from planner.graph.records import RecordSize, record_sizes
 from planner.search.deadline import Deadline
 from planner.specs.cluster import ClusterSpec
 from planner.specs.layout import Layout, enumerate_layouts, shard_placement
+from planner.specs.lora import LoraSpec
 from planner.specs.mesh import DeviceMesh, enumerate_meshes
 from planner.specs.model_spec import ModelSpec
 
@@ -32,6 +33,18 @@ class RoleModel:
     role: str
     spec: ModelSpec
     head: str          #: "lm" (actor, ref) or "value" (critic, reward)
+    #: LoRA adapters on a frozen base (trained roles only)
+    lora: LoraSpec | None = None
+
+
+def held_bytes(c: MFCCost, rm: RoleModel, mfc: MFC) -> tuple[float, float]:
+    """(resident, weights) bytes of a priced call as the simulator reads them. A LoRA
+    model's call other than its training keeps the frozen base where it runs (resident,
+    placed once) and receives only the adapters from training (the reallocated copy);
+    every other call: the cost model's numbers."""
+    if rm.lora is None or mfc.kind == "train":
+        return c.resident_bytes, c.weights_bytes
+    return c.weights_bytes - c.adapter_bytes, c.adapter_bytes
 
 
 def head_of(role: str) -> str:
@@ -122,6 +135,10 @@ class Problem:
     step_overhead_s: float = 0.0
     profile: ProfileTable | None = None      #: the profile the candidates were priced with
     cost_sources: dict[str, str] = field(default_factory=dict)   #: rate -> where from
+    #: per model: LoRA on a frozen base. Its calls away from the training placement keep
+    #: the base there (a candidate's ``resident_bytes``) and receive only the adapters
+    #: (its ``weights_bytes``); empty: no model has LoRA
+    model_lora: list[bool] = field(default_factory=list)
 
     @property
     def n_gpus(self) -> int:
@@ -213,19 +230,23 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                             cost.recompute_options(mfc), cost.engine_options(mfc, lay, mb)):
                         if eng == "vllm" and concurrency(cost, rm.spec, mfc) < 1:
                             continue        # its KV cache holds no whole sequence
+                        if eng == "vllm" and rm.lora is not None:
+                            continue        # LoRA runs on realign's own engine
                         c = cost.mfc_cost(mfc, rm.spec, rm.head, proto, lay, mb, off, state_off,
-                                          rc, eng)
+                                          rc, eng, rm.lora)
+                        resident, weights = held_bytes(c, rm, mfc)
                         own = c.activation_bytes + (
-                            c.resident_bytes if (mfc.kind == "train" or not trained) else 0.0)
+                            resident if (mfc.kind == "train" or not trained
+                                         or rm.lora is not None) else 0.0)
                         if own <= limit and c.host_bytes > host_limit:
                             host_bound = True
                         if own > limit or c.host_bytes > host_limit:
                             continue
                         sd = call_time_sd(cost, graph, mfc, rm.spec, rm.head, proto, lay, mb,
-                                          off, state_off, rc, eng)
+                                          off, state_off, rc, eng, rm.lora)
                         group.append(Candidate(0, size, lay.tp, lay.pp, lay.dp, mb,
-                                               (c.time_s + host) / mfc.every, c.resident_bytes,
-                                               c.activation_bytes, c.weights_bytes, off,
+                                               (c.time_s + host) / mfc.every, resident,
+                                               c.activation_bytes, weights, off,
                                                c.host_bytes, state_off, sd / mfc.every, rc,
                                                eng))
                 priced += _pareto(group)
@@ -305,7 +326,9 @@ def assemble(graph: DataflowGraph, models: dict[str, RoleModel], cost: CostModel
         mfc_is_train=[m.kind == "train" for m in graph.mfcs],
         deps=graph.deps(), model_train_mfc=train_mfc,
         realloc_models=[ReallocModel.of(models[r].spec, models[r].head,
-                                        cost.config.param_dtype_bytes) for r in roles],
+                                        cost.config.param_dtype_bytes, models[r].lora)
+                        for r in roles],
+        model_lora=[models[r].lora is not None for r in roles],
         cands=cands, n_iters=n_iters, step_overhead_s=step_overhead_s(graph, cost),
         profile=cost.profile,
         cost_sources=dict(cost.rates.sources))

@@ -32,7 +32,8 @@ program runs: :mod:`realign.run.program`):
   ``n_iters`` iterations / ``n_iters``.
 
 Memory per GPU = resident state (trained models' weights, grads and optimizer state
-on their training mesh; frozen models' weights on each placement they use) + the
+on their training mesh; frozen models' weights on each placement they use; a LoRA
+model's frozen base on each placement it is reallocated to, where it stays) + the
 largest transient need of any call on that GPU (activations, KV cache, and the
 temporary weight copy of a reallocated call). Calls sharing a GPU never run at the
 same time, so their transients never add up.
@@ -135,6 +136,13 @@ def memory(prob: Problem, assign: list[int], upto: int | None = None) -> tuple[l
                 add_res = c.resident_bytes
         tr = c.activation_bytes
         if trained and not prob.mfc_is_train[i] and needs_realloc(prob, assign, i, upto):
+            if prob.model_lora and prob.model_lora[model]:
+                # LoRA: the frozen base stays on each placement (resident_bytes); only
+                # the adapters (weights_bytes) are the reallocated copy
+                key = (model, c.first_gpu, c.n_gpus, c.tp, c.pp)
+                if key not in seen:
+                    seen.add(key)
+                    add_res += c.resident_bytes
             if prob.ahead[i]:       # its copy is made at the step's start, kept to its end
                 add_res += c.weights_bytes
             else:

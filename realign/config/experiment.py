@@ -17,6 +17,7 @@ from planner.graph.dataflow import MAX_STALENESS
 from planner.search.search import SearchSettings
 from planner.specs.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, DeviceSpec, resolve_device
 from planner.specs.layout import Allocation
+from planner.specs.lora import LoraSpec
 from realign.data.config import DatasetConfig
 from realign.runtime.settings import Rollout, Sampling, TrainConfig
 
@@ -38,6 +39,22 @@ class ModelsConfig(_Strict):
 
     def roles(self) -> dict[str, str]:
         return {r: v for r, v in self.model_dump().items() if v is not None}
+
+
+class LoraConfig(LoraSpec):
+    """LoRA on one trained role (``lora.<role>``): the planner's settings (rank, alpha,
+    dropout, target_modules) and where the adapters come from and go to."""
+
+    init_from: str | None = Field(
+        None, description="A PEFT adapter folder (adapter_config.json + "
+        "adapter_model.safetensors) to start from, made for this role's base model "
+        "(relative to the YAML file). Unset: A random (Kaiming-uniform, as PEFT), B zero.")
+    merged: bool = Field(False, description="Also write the final model with the adapters "
+                         "merged into the base weights (a full Hugging Face checkpoint).")
+
+    def spec(self) -> LoraSpec:
+        """The planner's part."""
+        return LoraSpec(**self.model_dump(include=set(LoraSpec.model_fields)))
 
 
 class AlgorithmSection(BatchShape):
@@ -190,6 +207,10 @@ class ExperimentConfig(_Strict):
 
     name: str = Field(description="Experiment name (used in plans and run folders).")
     models: ModelsConfig
+    lora: dict[Literal["actor", "critic", "reward"], LoraConfig] = Field(
+        default_factory=dict, description="LoRA per trained role (actor, critic, reward): "
+        "its base weights frozen, only the adapters trained, checkpointed and moved between "
+        "placements.")
     algorithm: AlgorithmSection
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)

@@ -36,8 +36,36 @@ def resolve_models(cfg: ExperimentConfig, base: Path) -> dict[str, RoleModel]:
                 spec = model_spec_from_hf_config(p, name=p.name if p.is_dir() else p.parent.name)
             except PlanError as e:
                 raise UserError(str(e).removeprefix("model: "), field=f"models.{role}") from None
-        out[role] = RoleModel(role, spec, head_of(role))
+        lora = cfg.lora.get(role)
+        out[role] = RoleModel(role, spec, head_of(role), lora.spec() if lora else None)
+    check_lora(cfg)
     return out
+
+
+def check_lora(cfg: ExperimentConfig) -> None:
+    """:class:`UserError` for a ``lora.<role>`` the experiment cannot train: a role with
+    no model, or one the algorithm does not train; or a setting LoRA cannot run with
+    (vLLM generation, Transformer-Engine layers)."""
+    if not cfg.lora:
+        return
+    models = cfg.models.roles()
+    graph = build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models))
+    trained = {m.role for m in graph.mfcs if m.kind == "train"}
+    for role in cfg.lora:
+        if role not in models:
+            raise UserError(f"there is no models.{role} to put adapters on (models: "
+                            f"{', '.join(sorted(models)) or 'none'})", field=f"lora.{role}")
+        if role not in trained:
+            raise UserError(f"{cfg.algorithm.name} does not train the {role} (it trains: "
+                            f"{', '.join(sorted(trained)) or 'nothing'}); LoRA applies to "
+                            "trained roles only", field=f"lora.{role}")
+    if "actor" in cfg.lora and cfg.rollout.engine == "vllm":
+        raise UserError("a LoRA actor generates on realign's own engine (its LoRA-aware "
+                        "forward); set rollout.engine to own or auto", field="rollout.engine")
+    if cfg.train.transformer_engine:
+        raise UserError("LoRA runs on megatron's local layers (Transformer-Engine fuses the "
+                        "norm into the adapted linear layers); leave train.transformer_engine "
+                        "off", field="train.transformer_engine")
 
 
 #: bytes per parameter of each run dtype

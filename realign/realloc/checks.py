@@ -14,8 +14,8 @@ import torch
 
 from planner.cost.transfer import Placement
 from planner.specs.layout import coords_of_rank
+from planner.specs.lora import LoraSpec, moved_stage_tensors
 from planner.specs.model_spec import ModelSpec
-from planner.specs.param_layout import stage_tensors
 from realign.errors import UserError
 
 HEADS = ("lm", "value")
@@ -56,15 +56,16 @@ def check_reallocation(spec: ModelSpec, head: str, src: Placement, dst: Placemen
             raise ReallocError("; ".join(probs), field=field)
 
 
-def expected_shards(spec: ModelSpec, head: str, p: Placement, gpu: int
-                    ) -> dict[str, tuple[int, ...]]:
-    """Logical name -> local shard shape that ``gpu`` holds in ``p`` (empty if outside)."""
+def expected_shards(spec: ModelSpec, head: str, p: Placement, gpu: int,
+                    lora: LoraSpec | None = None) -> dict[str, tuple[int, ...]]:
+    """Logical name -> local shard shape that ``gpu`` holds in ``p`` (empty if outside);
+    ``lora``: of the tensors a LoRA reallocation moves."""
     if gpu not in p.mesh.gpus:
         return {}
     tp_rank, _dp, pp_rank = coords_of_rank(gpu - p.mesh.first_gpu, p.layout)
     del tp_rank
     return {t.name: t.shard_shape(p.layout.tp)
-            for t in stage_tensors(spec, head, p.layout.pp, pp_rank)}
+            for t in moved_stage_tensors(spec, head, lora, p.layout.pp, pp_rank)}
 
 
 def check_shards(shards: Mapping[str, torch.Tensor] | None, expected: dict[str, tuple[int, ...]],
@@ -95,7 +96,7 @@ def _minus(need: list[tuple[int, int]], held: list[tuple[int, int]]) -> int:
 
 
 def lower_bound_bytes(spec: ModelSpec, head: str, src: Placement, dst: Placement,
-                      dtype_bytes: int) -> dict[int, int]:
+                      dtype_bytes: int, lora: LoraSpec | None = None) -> dict[int, int]:
     """Destination GPU -> bytes of its destination shards it does not hold in ``src``.
 
     No executor can move fewer bytes: each of them must arrive from another GPU.
@@ -108,10 +109,10 @@ def lower_bound_bytes(spec: ModelSpec, head: str, src: Placement, dst: Placement
         held: dict[str, tuple] = {}
         if g in src.mesh.gpus:
             k, _ds, js = coords_of_rank(g - src.mesh.first_gpu, src.layout)
-            for t in stage_tensors(spec, head, src.layout.pp, js):
+            for t in moved_stage_tensors(spec, head, lora, src.layout.pp, js):
                 held[t.content] = (t, k)
         lack = 0
-        for t in stage_tensors(spec, head, dst.layout.pp, j):
+        for t in moved_stage_tensors(spec, head, lora, dst.layout.pp, j):
             if t.shard_dim is None:
                 lack += 0 if t.content in held else t.numel * dtype_bytes
                 continue

@@ -62,8 +62,9 @@ import torch.distributed as dist
 
 from planner.cost.transfer import Placement, SliceCopy, TransferPlan, transfer_plan
 from planner.specs.layout import coords_of_rank
+from planner.specs.lora import LoraSpec, moved_stage_tensors
 from planner.specs.model_spec import ModelSpec
-from planner.specs.param_layout import LogicalTensor, stage_tensors
+from planner.specs.param_layout import LogicalTensor
 from realign.realloc.checks import ReallocError, check_reallocation, check_shards, expected_shards
 from realign.realloc.slices import pack, shard_view, unpack
 
@@ -72,9 +73,10 @@ Shards = Mapping[str, torch.Tensor]
 
 @functools.lru_cache(maxsize=128)
 def cached_plan(spec: ModelSpec, head: str, src: Placement, dst: Placement,
-                gpus_per_node: int, dtype_bytes: int) -> TransferPlan:
+                gpus_per_node: int, dtype_bytes: int,
+                lora: LoraSpec | None = None) -> TransferPlan:
     """:func:`transfer_plan`, cached keyed by every input (all are frozen values)."""
-    return transfer_plan(spec, head, src, dst, gpus_per_node, dtype_bytes)
+    return transfer_plan(spec, head, src, dst, gpus_per_node, dtype_bytes, lora)
 
 
 @dataclass
@@ -145,13 +147,15 @@ class ReallocStats:
 class _Side:
     """One placement as seen from one GPU: its TP rank and its tensors by name."""
 
-    def __init__(self, spec: ModelSpec, head: str, p: Placement, gpu: int, shards: Shards | None):
+    def __init__(self, spec: ModelSpec, head: str, p: Placement, gpu: int, shards: Shards | None,
+                 lora: LoraSpec | None = None):
         self.shards = shards or {}
         self.tp = p.layout.tp
         self.tensors: dict[str, LogicalTensor] = {}
         if gpu in p.mesh.gpus:
             self.tp_rank, _d, pp_rank = coords_of_rank(gpu - p.mesh.first_gpu, p.layout)
-            self.tensors = {t.name: t for t in stage_tensors(spec, head, p.layout.pp, pp_rank)}
+            self.tensors = {t.name: t for t in moved_stage_tensors(spec, head, lora,
+                                                                   p.layout.pp, pp_rank)}
 
     def view(self, name: str, c: SliceCopy) -> torch.Tensor:
         return shard_view(self.shards[name], self.tensors[name], self.tp_rank, self.tp,
@@ -164,7 +168,8 @@ def reallocate(spec: ModelSpec, head: str, src: Placement, dst: Placement,
                rank_of_gpu: Sequence[int] | None = None,
                group: dist.ProcessGroup | None = None,
                direct_min_bytes: int = DIRECT_MIN_BYTES,
-               planned: tuple[int, int] | None = None) -> ReallocStats:
+               planned: tuple[int, int] | None = None,
+               lora: LoraSpec | None = None) -> ReallocStats:
     """Move ``spec``'s parameters from placement ``src`` to ``dst``; call on every rank
     of ``src ∪ dst`` (others may call it too and return at once).
 
@@ -184,7 +189,7 @@ def reallocate(spec: ModelSpec, head: str, src: Placement, dst: Placement,
                            field="rank_of_gpu")
     check_reallocation(spec, head, src, dst, len(ranks))
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    plan = cached_plan(spec, head, src, dst, gpus_per_node, dtype_bytes)
+    plan = cached_plan(spec, head, src, dst, gpus_per_node, dtype_bytes, lora)
     if planned is not None and plan.bytes_moved() * planned[1] != planned[0] * dtype_bytes:
         raise ReallocError(f"the transfer plan moves {plan.bytes_moved() // dtype_bytes} "
                            f"elements, the execution plan priced {planned[0] // planned[1]}: "
@@ -193,13 +198,13 @@ def reallocate(spec: ModelSpec, head: str, src: Placement, dst: Placement,
     if me not in ranks:
         return ReallocStats(0, 0, 0, 0, 0)
     gpu = ranks.index(me)
-    check_shards(src_shards, expected_shards(spec, head, src, gpu), dtype, "src_shards")
-    check_shards(dst_shards, expected_shards(spec, head, dst, gpu), dtype, "dst_shards")
+    check_shards(src_shards, expected_shards(spec, head, src, gpu, lora), dtype, "src_shards")
+    check_shards(dst_shards, expected_shards(spec, head, dst, gpu, lora), dtype, "dst_shards")
     sched = rank_schedule(plan, gpu)
     if sched.idle:
         return ReallocStats(0, 0, 0, 0, 0)
-    s_side = _Side(spec, head, src, gpu, src_shards)
-    d_side = _Side(spec, head, dst, gpu, dst_shards)
+    s_side = _Side(spec, head, src, gpu, src_shards, lora)
+    d_side = _Side(spec, head, dst, gpu, dst_shards, lora)
     device = next(iter((dst_shards or src_shards).values())).device
 
     ops: list[dist.P2POp] = []

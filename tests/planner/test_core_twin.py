@@ -25,6 +25,7 @@ from planner.search.core_bridge import core_anneal, core_simulate, load_core, to
 from planner.search.problem import Problem, RoleModel, build_problem, head_of
 from planner.search.simulator import energy, needs_realloc, simulate
 from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.lora import LoraSpec
 from planner.specs.model_spec import model_presets
 
 pytestmark = pytest.mark.pure
@@ -36,8 +37,9 @@ DEVICES = ("a100-80g", "h100-80g", "cpu")
 GPUS_PER_NODE = (2, 3, 4, 6, 8)
 
 
-def random_problem(rng: random.Random) -> Problem:
-    """A random small problem; draws again when the draw has no plan at all."""
+def random_problem(rng: random.Random, lora: bool = False) -> Problem:
+    """A random small problem; draws again when the draw has no plan at all. ``lora``:
+    the trainable roles carry rank-16 LoRA adapters (no extra draw)."""
     presets = model_presets()
     while True:
         alg = rng.choice(ALGORITHMS)
@@ -53,7 +55,9 @@ def random_problem(rng: random.Random) -> Problem:
         cluster = ClusterSpec(n_nodes=rng.randint(1, 4),
                               gpus_per_node=rng.choice(GPUS_PER_NODE),
                               device=resolve_device(rng.choice(DEVICES)))
-        models = {r: RoleModel(r, presets[rng.choice(MODELS)], head_of(r)) for r in roles}
+        models = {r: RoleModel(r, presets[rng.choice(MODELS)], head_of(r),
+                               LoraSpec(rank=16) if lora and r != "ref" else None)
+                  for r in roles}
         try:
             asynchronous = SPECS[alg].generates and rng.random() < 0.5
             # responses of varying length (no extra draw: the instances stay the same)
@@ -88,7 +92,7 @@ def instances() -> list[tuple[Problem, object, random.Random]]:
     out = []
     for k in range(N_INSTANCES):
         rng = random.Random(1000 + k)
-        prob = random_problem(rng)
+        prob = random_problem(rng, lora=k % 3 == 2)
         if k % 2 == 1:
             prob = tight(prob, rng)
         out.append((prob, to_core(prob), rng))
@@ -102,6 +106,8 @@ def test_instances_cover_the_cases(instances):
     assert any(p.n_gpus >= 16 for p, _, _ in instances)
     assert any(any(t >= 0 for t in p.model_train_mfc) and len(p.cands) > 1
                for p, _, _ in instances)
+    # LoRA models: the frozen base stays where it is reallocated to
+    assert any(any(p.model_lora) for p, _, _ in instances)
     # asynchronous steps whose sides' times spread (the slower side per step)
     assert any(c.time_sd_s > 0 for p, _, _ in instances for cs in p.cands for c in cs
                if any(p.ahead))

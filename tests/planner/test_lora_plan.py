@@ -1,0 +1,243 @@
+"""LoRA in the planner: the settings' checks, the adapters' logical tensors and their
+sharding, the cost model's memory and time of LoRA training, the reallocation that
+moves only adapters (closed form equal to the transfer plan), the simulator keeping
+the frozen base resident, and the 70B PPO on 16 A100s planning without offload."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from planner.cost.cost_model import CostModel
+from planner.cost.realloc_cost import ReallocModel, realloc_recv_send
+from planner.cost.transfer import Placement, transfer_plan
+from planner.graph.algorithms import BatchShape, build_graph
+from planner.search.problem import RoleModel, build_problem, head_of
+from planner.search.simulator import memory
+from planner.specs.cluster import ClusterSpec, resolve_device
+from planner.specs.layout import Layout
+from planner.specs.lora import LoraSpec, adapter_stage_tensors, trained_stage_tensors
+from planner.specs.mesh import DeviceMesh
+from planner.specs.model_spec import model_presets
+
+pytestmark = pytest.mark.pure
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = model_presets()["llama2-7b"]
+
+
+# ---- settings ----------------------------------------------------------------------------
+
+def test_targets_accept_megatron_peft_and_all_linear_names():
+    assert LoraSpec(rank=8).target_modules == ("linear_qkv", "linear_proj", "linear_fc1",
+                                              "linear_fc2")
+    assert LoraSpec(rank=8, target_modules=["all-linear"]).target_modules == \
+        LoraSpec(rank=8).target_modules
+    got = LoraSpec(rank=8, target_modules=["down_proj", "q_proj", "v_proj", "k_proj"])
+    assert got.target_modules == ("linear_qkv", "linear_fc2")
+    assert LoraSpec(rank=8, target_modules="o_proj").target_modules == ("linear_proj",)
+
+
+@pytest.mark.parametrize("fields,field,needle", [
+    ({"rank": 0}, "rank", "greater than 0"), ({"rank": -4}, "rank", "greater than 0"),
+    ({"rank": 8, "target_modules": ["lm_head"]}, "target_modules", "matches no layer"),
+    ({"rank": 8, "target_modules": []}, "target_modules", "no target modules"),
+    ({"rank": 8, "target_modules": ["q_proj", "v_proj"]}, "target_modules",
+     "q_proj, v_proj without k_proj"),
+    ({"rank": 8, "target_modules": ["gate_proj"]}, "target_modules", "gate_proj without up_proj"),
+    ({"rank": 8, "dropout": 1.0}, "dropout", "less than 1"),
+    ({"rank": 8, "alpha": 0}, "alpha", "greater than 0"),
+])
+def test_bad_settings_name_the_field(fields, field, needle):
+    with pytest.raises(ValidationError) as e:
+        LoraSpec(**fields)
+    assert needle in str(e.value)
+    assert e.value.errors()[0]["loc"] == (field,)
+
+
+def test_scale_defaults_to_one():
+    assert LoraSpec(rank=16).scale == 1.0
+    assert LoraSpec(rank=16, alpha=32).scale == 2.0
+
+
+# ---- tensors -------------------------------------------------------------------------------
+
+def test_adapters_are_split_like_their_base():
+    """Column-parallel layers: A whole, B split by output (fc1 part by part, like its
+    base); row-parallel ones: A split by input, B whole."""
+    ts = {t.name.split(".", 3)[3]: t for t in LoraSpec(rank=4).layer_tensors(SPEC, 0)}
+    h, f, q = SPEC.hidden, SPEC.ffn_hidden, SPEC.qkv_out
+    assert (ts["self_attention.linear_qkv.lora_A"].shape,
+            ts["self_attention.linear_qkv.lora_A"].shard_dim) == ((4, h), None)
+    assert (ts["self_attention.linear_qkv.lora_B"].shape,
+            ts["self_attention.linear_qkv.lora_B"].shard_dim) == ((q, 4), 0)
+    fc1_b = ts["mlp.linear_fc1.lora_B"]
+    assert (fc1_b.shape, fc1_b.shard_dim, fc1_b.parts) == ((2 * f, 4), 0, 2)
+    # TP rank 1 of 2 holds the second half of gate and of up, as its base weight does
+    assert fc1_b.shard_ranges(1, 2) == [(f // 2, f), (f + f // 2, 2 * f)]
+    assert (ts["mlp.linear_fc2.lora_A"].shape, ts["mlp.linear_fc2.lora_A"].shard_dim) == \
+        ((4, f), 1)
+    assert (ts["mlp.linear_fc2.lora_B"].shape, ts["mlp.linear_fc2.lora_B"].shard_dim) == \
+        ((h, 4), None)
+    assert ts["self_attention.linear_proj.lora_A"].shard_dim == 1
+
+
+def test_stages_hold_their_layers_adapters_and_a_value_head():
+    lora = LoraSpec(rank=4, target_modules=["linear_qkv"])
+    s1 = adapter_stage_tensors(SPEC, lora, 2, 1)
+    assert {t.layer for t in s1} == set(range(SPEC.n_layers // 2, SPEC.n_layers))
+    assert len(s1) == 2 * SPEC.n_layers // 2
+    lm = trained_stage_tensors(SPEC, "lm", lora, 2, 1)
+    value = trained_stage_tensors(SPEC, "value", lora, 2, 1)
+    assert [t.content for t in value if t not in lm] == ["value_head"]
+    assert trained_stage_tensors(SPEC, "value", lora, 2, 0) == adapter_stage_tensors(
+        SPEC, lora, 2, 0)
+
+
+# ---- memory and time -----------------------------------------------------------------------
+
+def _train_mfc():
+    graph = build_graph("grpo", BatchShape(prompts_per_step=64, samples_per_prompt=4,
+                                           prompt_len=256, gen_len=256), {"actor"})
+    return next(m for m in graph.mfcs if m.kind == "train"), graph
+
+
+def test_lora_training_keeps_gradients_and_optimizer_state_of_the_adapters_only():
+    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=8, device=resolve_device("a100-80g")))
+    mfc, _ = _train_mfc()
+    mesh, lay = DeviceMesh(first_gpu=0, n_gpus=8), Layout(tp=2, pp=2, dp=2)
+    lora = LoraSpec(rank=16)
+    full = cm.mfc_cost(mfc, SPEC, "lm", mesh, lay, 4)
+    low = cm.mfc_cost(mfc, SPEC, "lm", mesh, lay, 4, lora=lora)
+    cfg = cm.config
+    base = cm.stage_params(SPEC, "lm", lay)
+    adapters = cm.lora_params(SPEC, "lm", lay, lora)
+    assert adapters == SPEC.n_layers // 2 * (lora.layer_params(SPEC)[0] / 2
+                                             + lora.layer_params(SPEC)[1])
+    assert low.weights_bytes == pytest.approx(cfg.param_dtype_bytes * (base + adapters))
+    assert low.adapter_bytes == pytest.approx(cfg.param_dtype_bytes * adapters)
+    # resident: weights + fp32 grads of the adapters + Adam's state of their DP shard
+    assert low.resident_bytes - low.weights_bytes == pytest.approx(
+        adapters * cfg.grad_dtype_bytes + adapters / 2 * cfg.optimizer_state_bytes_per_param)
+    assert full.resident_bytes - full.weights_bytes > 30 * (low.resident_bytes
+                                                           - low.weights_bytes)
+    # no weight gradients of the base: its GEMMs cost two forward passes, not three
+    assert low.terms_s["gemm"] < full.terms_s["gemm"]
+    assert low.terms_s["gemm"] > 0.6 * full.terms_s["gemm"]
+
+
+def test_adapters_add_to_inference_and_generation_time():
+    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=8, device=resolve_device("a100-80g")))
+    _, graph = _train_mfc()
+    mesh, lay = DeviceMesh(first_gpu=0, n_gpus=8), Layout(tp=2, pp=1, dp=4)
+    for mfc in graph.mfcs:
+        if mfc.kind == "train":
+            continue
+        plain = cm.mfc_cost(mfc, SPEC, "lm", mesh, lay, 2)
+        low = cm.mfc_cost(mfc, SPEC, "lm", mesh, lay, 2, lora=LoraSpec(rank=64))
+        assert low.time_s > plain.time_s, mfc.name
+
+
+# ---- reallocation ----------------------------------------------------------------------------
+
+def _pl(p: Placement) -> tuple[int, int, int, int, int]:
+    return (p.mesh.first_gpu, p.mesh.n_gpus, p.layout.tp, p.layout.pp, p.layout.dp)
+
+
+@pytest.mark.parametrize("head", ["lm", "value"])
+def test_lora_reallocation_prices_exactly_the_adapters_the_executor_moves(head):
+    """The closed form the search prices receives, per GPU, what the transfer plan the
+    executor runs sends, over random placements; and it is the adapters (and a value
+    head) only."""
+    rng = random.Random(7)
+    lora = LoraSpec(rank=8)
+    spec = model_presets()["tiny-llama"]
+    layouts = [Layout(tp=t, pp=p, dp=d) for t in (1, 2, 4) for p in (1, 2) for d in (1, 2)]
+    n_moved = 0
+    for _ in range(40):
+        places = []
+        for _ in range(2):
+            lay = rng.choice(layouts)
+            first = rng.choice(range(0, 16, lay.world))
+            places.append(Placement(DeviceMesh(first_gpu=first, n_gpus=lay.world), lay))
+        src, dst = places
+        plan = transfer_plan(spec, head, src, dst, 4, 2, lora)
+        acc = realloc_recv_send(ReallocModel.of(spec, head, 2, lora), _pl(src), _pl(dst), 4)
+        closed = {g: tuple(v) for g, v in acc.recv.items() if any(v)}
+        assert closed == {g: v for g, v in plan.recv_bytes(4).items() if any(v)}
+        names = {c.dst_tensor for c in plan.copies}
+        assert all(".lora_" in n or n == "output_layer.weight" for n in names)
+        assert ("output_layer.weight" in names) == (head == "value")
+        n_moved += plan.bytes_moved() > 0
+    assert n_moved > 10
+
+
+def test_70b_adapters_move_a_hundredth_of_the_bytes():
+    """The 70B critic's reallocation in the full fine-tune's plan (TP2·PP8·DP1 ->
+    TP1·PP4·DP4 on 16 GPUs), with and without rank-64 LoRA on all projections."""
+    spec = model_presets()["llama2-70b"]
+    src, dst = (0, 16, 2, 8, 1), (0, 16, 1, 4, 4)
+    full = realloc_recv_send(ReallocModel.of(spec, "value", 2), src, dst, 8)
+    low = realloc_recv_send(ReallocModel.of(spec, "value", 2, LoraSpec(rank=64)), src, dst, 8)
+    full_b = sum(sum(v) for v in full.recv.values())
+    low_b = sum(sum(v) for v in low.recv.values())
+    assert full_b == 412_284_420_096           # the plan's 383.97 GiB
+    assert low_b < full_b / 100
+    # by hand: a rank-64 layer has 6,684,672 TP-split and 2,097,152 replicated adapter
+    # parameters. Each destination GPU (20 layers, TP1) held 10 of its layers at TP2
+    # (it lacks their split halves) and lacks the other 10 whole: 10 x 3,342,336 +
+    # 10 x 8,781,824 parameters = 242,483,200 bytes in bf16, on each of 16 GPUs; two
+    # GPUs of the last stage also lack the value head (8,192 x 2 bytes)
+    assert low_b == 16 * 2 * (10 * 6_684_672 // 2 + 10 * 8_781_824) + 2 * 8192 * 2
+
+
+# ---- simulator and search --------------------------------------------------------------------
+
+def test_the_frozen_base_stays_where_a_lora_model_is_reallocated():
+    """Train on GPUs 0-3, generate on 4-7: the generating GPUs keep the base resident
+    (once, though two calls use it) and receive only the adapters."""
+    cluster = ClusterSpec(n_nodes=1, gpus_per_node=8, device=resolve_device("a100-80g"))
+    graph = build_graph("remax", BatchShape(prompts_per_step=16, samples_per_prompt=1,
+                                            prompt_len=64, gen_len=64), {"actor", "reward"})
+    spec = model_presets()["llama2-7b"]
+    lora = LoraSpec(rank=16)
+    models = {r: RoleModel(r, spec, head_of(r), lora if r == "actor" else None)
+              for r in ("actor", "reward")}
+    prob = build_problem(graph, models, CostModel(cluster), n_iters=1)
+    assert prob.model_lora == [r == "actor" for r in (m.role for m in prob.models)]
+
+    def pick(i, first, n):
+        return next(j for j, c in enumerate(prob.cands[i]) if (c.first_gpu, c.n_gpus) == (first, n))
+    assign = []
+    for i, m in enumerate(graph.mfcs):
+        assign.append(pick(i, 0, 4) if m.kind == "train" or m.role != "actor" else pick(i, 4, 4))
+    peak, _ = memory(prob, assign)
+    gens = [i for i, m in enumerate(graph.mfcs) if m.role == "actor" and m.kind != "train"]
+    assert len(gens) >= 2
+    c = prob.cands[gens[0]][assign[gens[0]]]
+    base_bytes = CostModel(cluster).config.param_dtype_bytes * CostModel.stage_params(
+        spec, "lm", c.layout())
+    assert c.resident_bytes == pytest.approx(base_bytes)
+    assert c.weights_bytes < base_bytes / 50
+    transient = max(prob.cands[i][assign[i]].activation_bytes + prob.cands[i][assign[i]]
+                    .weights_bytes for i in gens)
+    shared = {prob.cands[i][assign[i]].place for i in gens}
+    if len(shared) == 1:
+        assert peak[4] == pytest.approx(base_bytes + transient)
+
+
+def test_70b_ppo_on_16_a100s_plans_with_lora_and_no_offload():
+    from realign.config.experiment import ExperimentConfig
+    from realign.config.planning import plan_experiment
+    import yaml
+
+    path = ROOT / "experiments/public/ppo-llama2-70b-16gpu-lora.yaml"
+    cfg = ExperimentConfig(**yaml.safe_load(path.read_text()))
+    plan = plan_experiment(cfg, path.parent)
+    trains = [a for a in plan.allocations if a.kind == "train"]
+    assert trains and not any(a.optimizer_offload or a.train_state_offload for a in trains)
+    assert {m.role: m.lora is not None for m in plan.models} == {
+        "actor": True, "critic": True, "ref": False, "reward": False}
+    assert max(a.mem_bytes for a in plan.allocations) <= 72 * 2 ** 30
