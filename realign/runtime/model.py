@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from planner.specs.layout import stage_layers
+from planner.specs.lora import LoraSpec, moved_stage_tensors
 from planner.specs.model_spec import ModelSpec
 from planner.specs.param_layout import stage_tensors
 from realign.runtime.device import DeviceInfo
@@ -42,6 +43,8 @@ class ModelShard:
     #: the plain decoder's view of ``module``'s parameters, made on first use
     #: (:func:`realign.runtime.engines.decoder.stage_weights`)
     decoder_weights: object = field(default=None, repr=False, compare=False)
+    #: LoRA adapters on its frozen base (:func:`realign.runtime.lora.attach_lora`)
+    lora: LoraSpec | None = None
 
     @property
     def config(self):
@@ -214,8 +217,8 @@ def global_name(local_name: str, spec: ModelSpec, pp: int, pp_rank: int) -> str:
 
 
 def logical_shards(model: torch.nn.Module, layout, pp_rank: int,
-                   spec: ModelSpec | None = None, head: Head | None = None
-                   ) -> dict[str, torch.Tensor]:
+                   spec: ModelSpec | None = None, head: Head | None = None,
+                   moved: bool = False) -> dict[str, torch.Tensor]:
     """Each local parameter of a stage's megatron model under the planner's logical
     name (:func:`planner.specs.param_layout.stage_tensors`). Values are the parameters'
     data tensors themselves: writing into them updates the model.
@@ -224,16 +227,28 @@ def logical_shards(model: torch.nn.Module, layout, pp_rank: int,
     ``GPTModel`` / DDP-wrapped model with ``spec`` and ``head`` given. Raises if the
     model's parameters do not match the planner's tensors and shard shapes, so the
     reallocation executor and the planner cannot silently disagree.
+
+    By default the base weights (LoRA adapters left out); ``moved``: what a reallocation
+    moves (:func:`planner.specs.lora.moved_stage_tensors`: a LoRA model's adapters and
+    value head only).
     """
+    lora = None
     if isinstance(model, ModelShard):
-        spec, head, module = model.spec, model.head, model.module
+        spec, head, module, lora = model.spec, model.head, model.module, model.lora
     else:
         module = model
     assert spec is not None and head is not None, "give spec and head with a bare module"
-    expected = {t.name: t for t in stage_tensors(spec, head, layout.pp, pp_rank)}
+    if moved:       # what a reallocation moves: everything, or a LoRA model's trained part
+        tensors = moved_stage_tensors(spec, head, lora, layout.pp, pp_rank)
+    else:           # the base weights (a checkpoint's tensors)
+        tensors = stage_tensors(spec, head, layout.pp, pp_rank)
+    expected = {t.name: t for t in tensors}
     out: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters():
         logical = global_name(name, spec, layout.pp, pp_rank)
+        if logical not in expected and ((moved and lora is not None)
+                                         or name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")):
+            continue        # a base weight a LoRA reallocation leaves, or an adapter
         if logical not in expected:
             raise ValueError(f"megatron parameter {name!r} (logical {logical!r}) is not among "
                              f"the planner's tensors of stage {pp_rank}")

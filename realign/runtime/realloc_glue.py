@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from planner.cost.transfer import Placement
+from planner.specs.lora import LoraSpec
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
 from realign.realloc import offload
@@ -33,24 +34,29 @@ def placement_of(groups: ReplicaGroups) -> Placement:
 
 
 def shard_tensors(shard: ModelShard | None) -> dict[str, torch.Tensor] | None:
-    """This rank's logical shards of ``shard`` (None for a rank outside the replica)."""
+    """This rank's logical shards of ``shard`` that a reallocation moves (None for a
+    rank outside the replica): every parameter, or a LoRA model's adapters (and value
+    head) only."""
     if shard is None:
         return None
     g = shard.groups
-    return logical_shards(shard, g.layout, g.pp_rank)
+    return logical_shards(shard, g.layout, g.pp_rank, moved=True)
 
 
 def reallocate_replica(spec: ModelSpec, head: Head, src: ReplicaGroups, dst: ReplicaGroups,
                        src_shard: ModelShard | None, dst_shard: ModelShard | None, *,
                        dtype: torch.dtype, gpus_per_node: int,
-                       planned: tuple[int, int] | None = None) -> ReallocStats:
+                       planned: tuple[int, int] | None = None,
+                       lora: LoraSpec | None = None) -> ReallocStats:
     """Copy the parameters of replica ``src`` into replica ``dst`` (written in place).
 
     Call on every rank of ``src ∪ dst`` (others may call it and return at once), with
     this rank's shard of each replica or None where it is not a member. ``dtype``: the
     parameters' dtype (the same on every rank). Messages go over the default (world)
     group, point to point only. ``planned``: (bytes, bytes per element) the execution
-    plan priced it at, checked against what moves. Returns this rank's byte counts.
+    plan priced it at, checked against what moves. ``lora``: the model's LoRA settings
+    (the same on every rank): only its adapters (and value head) move, the frozen base
+    already being in place on both sides. Returns this rank's byte counts.
     """
     for name, g, shard in (("src", src, src_shard), ("dst", dst, dst_shard)):
         if g.member != (shard is not None):
@@ -58,12 +64,16 @@ def reallocate_replica(spec: ModelSpec, head: Head, src: ReplicaGroups, dst: Rep
                              f"{name} (member={g.member}, shard given={shard is not None})")
     return reallocate(spec, head, placement_of(src), placement_of(dst),
                       shard_tensors(src_shard), shard_tensors(dst_shard), dtype=dtype,
-                      gpus_per_node=gpus_per_node, planned=planned)
+                      gpus_per_node=gpus_per_node, planned=planned, lora=lora)
 
 
 def release_copy(shard: ModelShard | None) -> offload.Released | None:
     """Free the storage of a reallocated copy's parameters (values are lost); give it
-    back with :func:`realign.realloc.offload.restore` before refilling it."""
+    back with :func:`realign.realloc.offload.restore` before refilling it. A LoRA copy
+    frees only its adapters: its frozen base stays (the planner counts it resident)."""
     if shard is None:
         return None
+    if shard.lora is not None:
+        g = shard.groups
+        return offload.release(logical_shards(shard, g.layout, g.pp_rank, moved=True).values())
     return offload.release(shard.module.parameters())

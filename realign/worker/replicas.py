@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.specs.layout import Layout
+from planner.specs.lora import LoraSpec
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
 from realign.realloc import offload
@@ -17,6 +18,8 @@ from realign.run.program import Program, Replica
 from realign.runtime.device import DeviceInfo
 from realign.runtime.groups import ReplicaGroups, build_replica_groups
 from realign.runtime.hf_checkpoint import HFReader, load_hf_weights
+from realign.runtime.lora import attach_lora
+from realign.runtime.lora_peft import load_peft_adapter
 from realign.runtime.model import ModelShard, build_model, check_te
 
 
@@ -29,9 +32,16 @@ class Hosted:
 
 
 def build_replicas(program: Program, specs: dict[str, ModelSpec], paths: dict[str, str],
-                   device: DeviceInfo, seed: int, use_te: bool = False) -> dict[str, Hosted]:
+                   device: DeviceInfo, seed: int, use_te: bool = False,
+                   loras: dict[str, LoraSpec] | None = None,
+                   adapters: dict[str, str] | None = None) -> dict[str, Hosted]:
     """Every replica of the program (collective over the world); ``use_te``:
-    Transformer-Engine's layer spec (``train.transformer_engine``)."""
+    Transformer-Engine's layer spec (``train.transformer_engine``); ``loras``: LoRA
+    settings by role. A LoRA role's every copy loads the frozen base (a reallocation
+    then moves only the adapters) and gets the same initial adapters; ``adapters``: a
+    PEFT adapter folder by role to start from instead."""
+    loras = loras or {}
+    adapters = adapters or {}
     if use_te:
         check_te(device)
     readers: dict[str, HFReader] = {}
@@ -45,10 +55,15 @@ def build_replicas(program: Program, specs: dict[str, ModelSpec], paths: dict[st
         if groups.member:
             shard = build_model(spec, r.head, groups, device, seed=seed, init_weights=False,
                                 use_te=use_te)
-            if r.reallocated:
+            lora = loras.get(r.role)
+            if r.reallocated and lora is None:
                 released = offload.release(shard.module.parameters())
             else:
                 reader = readers.setdefault(r.role, HFReader(paths[r.role]))
                 load_hf_weights(shard, paths[r.role], reader)
+            if lora is not None:
+                attach_lora(shard, lora, seed)
+                if r.role in adapters:
+                    load_peft_adapter(shard, adapters[r.role])
         out[r.key] = Hosted(r, groups, shard, released)
     return out

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from planner.specs.lora import LoraSpec
 from realign.realloc import offload
 from realign.run.program import Call, Evaluate, Program, Realloc, Release, RuleReward, Send
 from realign.runtime.realloc_glue import reallocate_replica, release_copy
@@ -40,9 +41,12 @@ class StepRunner:
     """Runs the program's ops; MFC semantics come from ``calls`` (see calls.py)."""
 
     def __init__(self, program: Program, hosted: dict[str, Hosted], calls, rank: int,
-                 device: torch.device, dtype: torch.dtype, gpus_per_node: int):
+                 device: torch.device, dtype: torch.dtype, gpus_per_node: int,
+                 loras: dict[str, LoraSpec] | None = None):
         self.program, self.hosted, self.calls = program, hosted, calls
         self.rank, self.device, self.dtype, self.gpn = rank, device, dtype, gpus_per_node
+        #: LoRA settings by role: their reallocations move only the adapters
+        self.loras = loras or {}
         #: the rollout made ahead for the next step (records, and its metrics)
         self.carried: dict[str, Record] = {}
         self.carried_metrics: dict[str, float] = {}
@@ -113,7 +117,8 @@ class StepRunner:
         spec, head = self.calls.specs[op.role], src.replica.head
         return reallocate_replica(spec, head, src.groups, dst.groups, src.shard, dst.shard,
                                   dtype=self.dtype, gpus_per_node=self.gpn,
-                                  planned=(op.bytes, op.dtype_bytes))
+                                  planned=(op.bytes, op.dtype_bytes),
+                                  lora=self.loras.get(op.role))
 
     def _send(self, op: Send, store: dict[str, Record]) -> None:
         me = self.rank

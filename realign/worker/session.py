@@ -24,6 +24,8 @@ from realign.run import checkpoint
 from realign.run.spec import RunSpec
 from realign.runtime.device import init_device
 from realign.runtime.hf_checkpoint import read_hf_config, save_hf_checkpoint, spec_from_hf
+from realign.runtime.lora import load_trained_state, trained_state
+from realign.runtime.lora_peft import resolve_path, save_merged_checkpoint, save_peft_adapter
 from realign.runtime.optimizer_state import load_optimizer_state, optimizer_state, torch_optimizers
 from realign.worker.calls import Calls
 from realign.worker.replicas import build_replicas
@@ -92,8 +94,12 @@ class Session:
             verifier = load_reward_fn(spec.verifier, field="eval.verifier",
                                       base_dir=spec.base_dir)
         self.specs = {r: spec_from_hf(p) for r, p in self.paths.items()}
-        self.hosted = build_replicas(self.program, self.specs, self.paths, self.dev,
-                                     cfg.run.seed, use_te=cfg.train.transformer_engine)
+        self.loras = {role: lc.spec() for role, lc in cfg.lora.items()}
+        self.hosted = build_replicas(
+            self.program, self.specs, self.paths, self.dev, cfg.run.seed,
+            use_te=cfg.train.transformer_engine, loras=self.loras,
+            adapters={role: str(resolve_path(lc.init_from, spec.base_dir))
+                      for role, lc in cfg.lora.items() if lc.init_from})
         dist.barrier()              # every world rank's groups exist before any traffic
         self.calls = Calls(specs=self.specs, algorithm=self.algo, algo_params=spec.params,
                            train_cfg=cfg.train, sampling=cfg.sampling,
@@ -105,7 +111,8 @@ class Session:
                            logprob_diff_threshold=cfg.rollout.logprob_diff_threshold)
         self._start_vllm(rank)
         self.runner = StepRunner(self.program, self.hosted, self.calls, rank,
-                                 self.dev.device, self.dev.dtype, spec.plan.cluster.gpus_per_node)
+                                 self.dev.device, self.dev.dtype, spec.plan.cluster.gpus_per_node,
+                                 loras=self.loras)
         # train engines exist before a checkpoint is loaded into them
         for op in self.program.ops:
             if getattr(op, "kind", None) == "train" and rank in op.ranks:
@@ -176,7 +183,9 @@ class Session:
             for key, h in self._trained_here():
                 eng = self.calls.train_engines[key]
                 resident.enter_context(eng.state_on_device())
-                state[key] = {"module": h.shard.module.state_dict(),
+                # a LoRA model keeps its adapters (and value head) only: the frozen
+                # base is the run's models.<role>, referenced, not copied
+                state[key] = {"module": trained_state(h.shard),
                               "optimizer": optimizer_state(eng.optimizer),
                               "distributed_optimizer": eng.zero1}
             if self.runner.carried:     # the samples in flight: generated, not yet trained
@@ -199,7 +208,7 @@ class Session:
         for key, h in self._trained_here():
             eng = self.calls.train_engines[key]
             check_optimizer_layout(state[key], eng.zero1, folder.name)
-            h.shard.module.load_state_dict(state[key]["module"])
+            load_trained_state(h.shard, state[key]["module"], f"checkpoint {folder.name}")
             with eng.state_on_device():
                 try:
                     load_optimizer_state(eng.optimizer, state[key]["optimizer"])
@@ -214,7 +223,13 @@ class Session:
         role = self.spec.final_role
         for _key, h in self.hosted.items():
             if h.replica.role == role and h.replica.trained:
-                if h.shard is not None:
+                if h.shard is not None and h.shard.lora is not None:
+                    # the adapters in PEFT's format; the merged model on request
+                    save_peft_adapter(h.shard, folder, self.paths[role])
+                    if self.cfg.lora[role].merged:
+                        save_merged_checkpoint(h.shard, Path(folder) / "merged",
+                                               read_hf_config(self.paths[role]))
+                elif h.shard is not None:
                     save_hf_checkpoint(h.shard, folder, read_hf_config(self.paths[role]))
                 break
         dist.barrier()
@@ -224,6 +239,9 @@ class Session:
                 if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges",
                                       "chat_template")):
                     shutil.copy(f, Path(folder) / f.name)
+                    lora = self.cfg.lora.get(role)
+                    if lora is not None and lora.merged:
+                        shutil.copy(f, Path(folder) / "merged" / f.name)
 
     def close(self) -> None:
         for engine in self.calls.vllm_engines.values():

@@ -229,9 +229,10 @@ def test_the_frozen_base_stays_where_a_lora_model_is_reallocated():
 
 
 def test_70b_ppo_on_16_a100s_plans_with_lora_and_no_offload():
+    import yaml
+
     from realign.config.experiment import ExperimentConfig
     from realign.config.planning import plan_experiment
-    import yaml
 
     path = ROOT / "experiments/public/ppo-llama2-70b-16gpu-lora.yaml"
     cfg = ExperimentConfig(**yaml.safe_load(path.read_text()))

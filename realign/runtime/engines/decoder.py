@@ -24,7 +24,7 @@ tokens, 8 keys took about twice as long as 16: benchmarks/step/README.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -55,18 +55,23 @@ class LayerWeights:
     fc2: torch.Tensor
     q_norm: torch.Tensor | None = None      #: per-head query RMSNorm (Qwen3)
     k_norm: torch.Tensor | None = None
+    #: the layer's megatron modules that carry LoRA adapters, by target
+    #: (:mod:`realign.runtime.lora`); empty without LoRA
+    lora: dict[str, torch.nn.Module] = field(default_factory=dict)
 
 
 def layer_weights(layer: torch.nn.Module) -> LayerWeights:
     """The weights of one megatron ``TransformerLayer`` (local or TE spec)."""
-    p = {TE_NAMES.get(n, n): t for n, t in layer.named_parameters()}
+    from realign.runtime.lora import adapted, is_lora_name
+
+    p = {TE_NAMES.get(n, n): t for n, t in layer.named_parameters() if not is_lora_name(n)}
     return LayerWeights(
         ln1=p["input_layernorm.weight"], qkv=p["self_attention.linear_qkv.weight"],
         qkv_bias=p.get("self_attention.linear_qkv.bias"),
         proj=p["self_attention.linear_proj.weight"], ln2=p["pre_mlp_layernorm.weight"],
         fc1=p["mlp.linear_fc1.weight"], fc2=p["mlp.linear_fc2.weight"],
         q_norm=p.get("self_attention.q_layernorm.weight"),
-        k_norm=p.get("self_attention.k_layernorm.weight"))
+        k_norm=p.get("self_attention.k_layernorm.weight"), lora=adapted(layer))
 
 
 @dataclass
@@ -220,7 +225,8 @@ class StageDecoder:
         b, s, h = x.shape
         eps, d, ng, r = self.spec.norm_eps, self.d, self.n_groups, self.per_group
         y = F.rms_norm(x, (h,), w.ln1, eps)
-        qkv = F.linear(self._copy(y), w.qkv, w.qkv_bias).view(b, s, ng, r + 2, d)
+        qkv = self._adapt(w, "linear_qkv", y, F.linear(self._copy(y), w.qkv, w.qkv_bias))
+        qkv = qkv.view(b, s, ng, r + 2, d)
         qk = qkv[:, :, :, :r + 1]
         if w.q_norm is not None:        # per-head norms on queries and keys, before RoPE
             qk = torch.cat([F.rms_norm(qk[:, :, :, :r], (d,), w.q_norm, eps),
@@ -231,10 +237,22 @@ class StageDecoder:
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None,
             scale=self.scale, enable_gqa=r > 1)
-        x = x + self._reduce(F.linear(o.transpose(1, 2).reshape(b, s, ng * r * d), w.proj))
+        o = o.transpose(1, 2).reshape(b, s, ng * r * d)
+        x = x + self._adapt(w, "linear_proj", o, self._reduce(F.linear(o, w.proj)))
         y = F.rms_norm(x, (h,), w.ln2, eps)
-        gate, up = F.linear(self._copy(y), w.fc1).chunk(2, dim=-1)
-        return x + self._reduce(F.linear(F.silu(gate) * up, w.fc2))
+        gate, up = self._adapt(w, "linear_fc1", y, F.linear(self._copy(y), w.fc1)).chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        return x + self._adapt(w, "linear_fc2", act, self._reduce(F.linear(act, w.fc2)))
+
+    @staticmethod
+    def _adapt(w: LayerWeights, target: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A layer's output plus its LoRA update when it carries one (``x``: its input on
+        this rank; ``out``: its base output, summed over TP for a row-parallel layer)."""
+        mod = w.lora.get(target)
+        if mod is None:
+            return out
+        from realign.runtime.lora import lora_delta
+        return out + lora_delta(mod, x)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group is None:

@@ -1,0 +1,197 @@
+"""LoRA adapters on a replica's megatron layers, in both of realign's forwards.
+
+:func:`attach_lora` gives each targeted linear layer (``linear_qkv``, ``linear_proj``,
+``linear_fc1``, ``linear_fc2``: :mod:`planner.specs.lora`) two new parameters,
+``lora_A`` [rank, in] and ``lora_B`` [out, rank], sharded as the planner's logical
+tensors say (a column-parallel layer's B split by output, a row-parallel layer's A split
+by input, the other factor whole on every TP rank), and freezes everything else but a
+value head. The update ``scale * B A x`` (:func:`lora_delta`) is added
+
+* in megatron's ``GPTModel`` forward by a forward hook on the layer (training with
+  ``train.forward: megatron``), and
+* in the plain decoder (:mod:`realign.runtime.engines.decoder`: scoring, generation and
+  training with the default forward), which reads the same parameters.
+
+Why not PEFT's layers: PEFT wraps ``torch.nn.Linear`` modules (its megatron support
+targets megatron-LM's global parallel state and replaces the module, renaming the base
+weight), while realign keeps megatron's parameter names (the planner's tensors,
+checkpoints and reallocations are keyed by them) and runs a second forward that reads
+parameters directly. PEFT stays the reference: the adapters are written and read in its
+format (:mod:`realign.runtime.lora_peft`) and a test checks loss and gradients against it.
+
+Generation uses this LoRA-aware forward, not merged weights: merging would rewrite every
+adapted base weight of the generating copy each step (and need a pristine base to
+unmerge from, or drift in bf16), while the unmerged forward keeps the frozen base bit
+for bit and costs two rank-r GEMMs per layer; so a reallocation moves only the adapters.
+
+TP arithmetic (``x`` the layer's input, ``z = x A^T`` of width rank):
+column-parallel: ``x`` and ``A`` are whole, so ``z`` is too; each rank's ``B`` rows give
+its output slice; ``z``'s gradient is summed over TP in the backward
+(megatron's ``copy_to_tensor_model_parallel_region``) so ``A`` gets the full gradient on
+every rank. Row-parallel: each rank holds an input slice and the matching columns of
+``A``: ``z`` is the sum of the ranks' partial products (all-reduce, megatron's
+``reduce_from_tensor_model_parallel_region``), then ``B`` (whole) maps it to the full
+output. Either way the replicated factor's gradient is the same on every TP rank.
+
+Dropout (``lora.<role>.dropout``) draws from torch's default generator while gradients
+are on (training): every TP rank of a replica draws alike (megatron's hidden dropout
+relies on the same), and recomputation restores the generator's state.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from planner.specs.lora import COLUMN, MODULE_OF, LoraSpec, target_dims
+
+LORA_PARAMS = ("lora_A", "lora_B")
+
+
+def is_lora_name(name: str) -> bool:
+    """A megatron parameter name of an adapter (``...linear_qkv.lora_A``)."""
+    return name.rsplit(".", 1)[-1] in LORA_PARAMS
+
+
+def init_seed(seed: int, layer: int, target: str) -> int:
+    """The seed of one adapter's ``A``: the run's seed, the global layer, the target
+    (the same on every TP rank and every layout, so a replica's adapters are the same
+    whatever its layout)."""
+    return zlib.crc32(f"{seed}:{layer}:{target}".encode())
+
+
+def initial_a(lora: LoraSpec, spec, layer: int, target: str, seed: int) -> torch.Tensor:
+    """The full initial ``A`` [rank, in] in fp32: PEFT's default, Kaiming-uniform with
+    ``a = sqrt(5)``, i.e. uniform in ``±1/sqrt(in)`` (``B`` starts at zero, so the model
+    starts as its base)."""
+    k, _n = target_dims(spec, target)
+    g = torch.Generator().manual_seed(init_seed(seed, layer, target))
+    bound = 1.0 / math.sqrt(k)
+    return (torch.rand(lora.rank, k, generator=g, dtype=torch.float64) * 2 - 1).mul(
+        bound).float()
+
+
+def target_module(layer: torch.nn.Module, target: str) -> torch.nn.Module:
+    return getattr(getattr(layer, MODULE_OF[target]), target)
+
+
+def attach_lora(shard, lora: LoraSpec, seed: int) -> None:
+    """Give ``shard`` (a :class:`realign.runtime.model.ModelShard`) its adapters and
+    freeze its base: afterwards only the adapters (and a value head) require gradients.
+    Collective-free; the adapters start as :func:`initial_a` and zero ``B``."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    from planner.specs.layout import stage_layers
+
+    g, spec = shard.groups, shard.spec
+    tp, tp_rank = g.layout.tp, g.tp_rank
+    dtype, device = shard.device.dtype, shard.device.device
+    for p in shard.module.parameters():
+        p.requires_grad_(False)
+    if shard.head == "value" and g.is_last_stage:
+        shard.module.output_layer.weight.requires_grad_(True)   # a new head: trained
+    layers = stage_layers(spec.n_layers, g.layout.pp, g.pp_rank)
+    for local, layer in enumerate(shard.module.decoder.layers):
+        glob = layers[local]
+        for target in lora.target_modules:
+            mod = target_module(layer, target)
+            k, n = target_dims(spec, target)
+            a_full = initial_a(lora, spec, glob, target, seed)
+            if target in COLUMN:
+                a = a_full
+                b = torch.zeros(n // tp, lora.rank)
+            else:
+                a = a_full[:, tp_rank * k // tp:(tp_rank + 1) * k // tp]
+                b = torch.zeros(n, lora.rank)
+            mod.lora_A = torch.nn.Parameter(a.to(device=device, dtype=dtype).contiguous())
+            mod.lora_B = torch.nn.Parameter(b.to(device=device, dtype=dtype))
+            if target in COLUMN:
+                set_tensor_model_parallel_attributes(mod.lora_B, True, 0, 1)
+            else:
+                set_tensor_model_parallel_attributes(mod.lora_A, True, 1, 1)
+            mod.lora_column = target in COLUMN
+            mod.lora_scale = lora.scale
+            mod.lora_dropout = lora.dropout
+            mod.lora_tp_group = g.pgs.tp if tp > 1 else None
+            if not getattr(mod, "lora_hooked", False):
+                mod.register_forward_hook(_megatron_hook)
+                mod.lora_hooked = True
+    shard.lora = lora
+    shard.decoder_weights = None        # the plain decoder's view picks the adapters up
+
+
+def lora_delta(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``scale * B A dropout(x)`` of one adapted layer, on this TP rank: its output slice
+    for a column-parallel layer, the full output for a row-parallel one (``x``: the
+    layer's input on this rank, any leading dimensions)."""
+    group = mod.lora_tp_group
+    grad = torch.is_grad_enabled()
+    if mod.lora_dropout > 0 and grad:
+        x = F.dropout(x, mod.lora_dropout, training=True)
+    z = F.linear(x, mod.lora_A)
+    if group is not None:
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+        if mod.lora_column:
+            if grad:
+                z = copy_to_tensor_model_parallel_region(z, group)
+        elif grad:
+            z = reduce_from_tensor_model_parallel_region(z, group)
+        else:
+            dist.all_reduce(z, group=group)
+    return F.linear(z, mod.lora_B) * mod.lora_scale
+
+
+def _megatron_hook(mod, args, output):
+    """Forward hook on megatron's ``ColumnParallelLinear`` / ``RowParallelLinear``:
+    ``(out, bias) -> (out + delta, bias)``."""
+    out, bias = output
+    return out + lora_delta(mod, args[0]), bias
+
+
+def adapted(layer: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The targets of a megatron ``TransformerLayer`` that carry adapters, by target."""
+    out = {}
+    for target in MODULE_OF:
+        mod = target_module(layer, target)
+        if getattr(mod, "lora_A", None) is not None:
+            out[target] = mod
+    return out
+
+
+def trained_params(shard) -> dict[str, torch.nn.Parameter]:
+    """The parameters a LoRA shard trains and checkpoints (adapters and a value head),
+    by megatron name; every parameter without LoRA."""
+    return {n: p for n, p in shard.module.named_parameters()
+            if getattr(shard, "lora", None) is None or p.requires_grad}
+
+
+def trained_state(shard) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps of ``shard``: its whole state dict, or with LoRA only the
+    trained tensors (the frozen base is referenced by the run's ``models.<role>``, not
+    copied)."""
+    if getattr(shard, "lora", None) is None:
+        return shard.module.state_dict()
+    return {n: p.detach() for n, p in trained_params(shard).items()}
+
+
+def load_trained_state(shard, state: dict[str, torch.Tensor], where: str) -> None:
+    """Load :func:`trained_state`'s output back (exactly the same names)."""
+    from realign.errors import UserError
+
+    if getattr(shard, "lora", None) is None:
+        shard.module.load_state_dict(state)
+        return
+    mine = trained_params(shard)
+    if set(mine) != set(state):
+        raise UserError(f"{where} holds {sorted(set(state) - set(mine))[:3]} and lacks "
+                        f"{sorted(set(mine) - set(state))[:3]} of this LoRA model's trained "
+                        "tensors: it was written with other lora settings", field="lora")
+    with torch.no_grad():
+        for n, p in mine.items():
+            p.copy_(state[n])

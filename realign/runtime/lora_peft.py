@@ -1,0 +1,247 @@
+"""LoRA adapters in and out in PEFT's format, and a merged checkpoint.
+
+PEFT's folder: ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alpha``,
+``target_modules`` by Hugging Face names...) and ``adapter_model.safetensors`` with
+``base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight`` [r, in] and
+``...lora_B.weight`` [out, r] per adapted module (PEFT loads it with
+``PeftModel.from_pretrained(base, folder)``).
+
+realign fuses q/k/v (and gate/up) into one megatron layer with one ``A``; written out,
+q_proj, k_proj and v_proj share that ``A`` and split ``B`` by rows (un-interleaving
+megatron's query-group-major rows as the base weight's export does), which is the same
+function. Read in, an adapter whose fused parts have different ``A`` cannot be one
+adapter on the fused layer: :func:`check_peft_adapter` says so (exit 2).
+
+A value head (critic, reward model) is trained whole: written as PEFT's
+``modules_to_save`` (``score``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from planner.specs.lora import COLUMN, HF_NAMES, MODULE_OF, LoraSpec
+from planner.specs.model_spec import ModelSpec
+from planner.specs.param_layout import LogicalTensor, layer_tensors
+from realign.errors import UserError
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+#: megatron target -> the logical tensor kind of its base weight
+KIND = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+HF_MODULE = {"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1": "mlp",
+             "linear_fc2": "mlp"}
+
+
+def resolve_path(path: str, base: Path | str) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() else Path(base) / p
+
+
+def base_tensor(spec: ModelSpec, layer: int, target: str) -> LogicalTensor:
+    """The logical base weight a target adapts (its rows give B's layout)."""
+    want = f"decoder.layers.{layer}.{MODULE_OF[target]}.{target}.weight"
+    return next(t for t in layer_tensors(spec, layer) if t.name == want)
+
+
+def hf_keys(layer: int, target: str, factor: str) -> list[str]:
+    """PEFT's keys of one factor (``A`` or ``B``) of a target, one per HF module."""
+    return [f"{PREFIX}model.layers.{layer}.{HF_MODULE[target]}.{n}.lora_{factor}.weight"
+            for n in HF_NAMES[target]]
+
+
+def b_to_hf(spec: ModelSpec, layer: int, target: str, full_b: torch.Tensor) -> list[torch.Tensor]:
+    """A full ``B`` in megatron's row order -> the HF modules' ``B`` (in HF_NAMES order)."""
+    from realign.runtime.hf_checkpoint import to_hf
+    return list(to_hf(base_tensor(spec, layer, target), full_b, spec).values())
+
+
+def b_from_hf(spec: ModelSpec, target: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The HF modules' ``B`` -> one full ``B`` in megatron's row order."""
+    if target == "linear_qkv":
+        d, groups = spec.kv_channels, spec.n_kv_heads
+        q, k, v = parts
+        r = q.shape[1]
+        return torch.cat([q.reshape(groups, -1, r), k.reshape(groups, d, r),
+                          v.reshape(groups, d, r)], dim=1).reshape(-1, r)
+    return torch.cat(parts)
+
+
+# ---- out ----------------------------------------------------------------------------
+
+def _full_adapters(shard) -> dict[str, torch.Tensor]:
+    """This stage's adapters (and value head) gathered over TP, in PEFT's keys and
+    layout (every rank of the stage gets them)."""
+    from planner.specs.lora import trained_stage_tensors
+    from realign.runtime.hf_checkpoint import gather_full
+    from realign.runtime.model import logical_shards
+
+    g, spec, lora = shard.groups, shard.spec, shard.lora
+    tensors = {t.name: t for t in trained_stage_tensors(spec, shard.head, lora, g.layout.pp,
+                                                        g.pp_rank)}
+    local = logical_shards(shard, g.layout, g.pp_rank, moved=True)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        full = gather_full(t, local[name], g.pgs.tp, g.layout.tp).cpu().contiguous()
+        if t.content == "value_head":
+            out[f"{PREFIX}score.weight"] = full
+            continue
+        target, factor = name.split(".")[-2], name.split(".")[-1][-1]
+        if factor == "A":
+            for key in hf_keys(t.layer, target, "A"):
+                out[key] = full
+        else:
+            for key, part in zip(hf_keys(t.layer, target, "B"), b_to_hf(spec, t.layer, target,
+                                                                         full)):
+                out[key] = part.contiguous()
+    return out
+
+
+def peft_config(lora: LoraSpec, head: str, base_path: str) -> dict:
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM" if head == "lm" else "SEQ_CLS",
+        "base_model_name_or_path": str(base_path), "r": lora.rank,
+        "lora_alpha": lora.alpha if lora.alpha is not None else lora.rank,
+        "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": sorted(n for t in lora.target_modules for n in HF_NAMES[t]),
+        "modules_to_save": ["score"] if head == "value" else None,
+        "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
+        "use_dora": False, "layers_to_transform": None, "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
+def save_peft_adapter(shard, folder: str | Path, base_path: str) -> None:
+    """Write the replica's adapters as a PEFT adapter folder. Collective over the
+    replica's model group; the replica's first rank writes."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    g = shard.groups
+    mine = _full_adapters(shard) if g.tp_rank == 0 and g.dp_rank == 0 else {}
+    gathered: list = [None] * dist.get_world_size(g.model_group)
+    dist.all_gather_object(gathered, mine, group=g.model_group)
+    if g.tp_rank == 0 and g.dp_rank == 0 and g.pp_rank == 0:
+        tensors: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            tensors.update(part)
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
+        (out / CONFIG).write_text(json.dumps(peft_config(shard.lora, shard.head, base_path),
+                                             indent=2))
+    dist.barrier(group=g.model_group)
+
+
+def save_merged_checkpoint(shard, folder: str | Path, hf_config: dict) -> None:
+    """Write the replica with ``W + scale * B A`` in every adapted weight as a full HF
+    checkpoint (collective, like :func:`realign.runtime.hf_checkpoint.save_hf_checkpoint`).
+    Each TP rank merges its own slice (a column-parallel layer's rows, a row-parallel
+    layer's columns); the base weights are restored afterwards."""
+    from realign.runtime.hf_checkpoint import save_hf_checkpoint
+    from realign.runtime.lora import adapted
+
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with torch.no_grad():
+        for layer in shard.module.decoder.layers:
+            for mod in adapted(layer).values():
+                w = mod.weight
+                kept.append((w, w.detach().clone()))
+                delta = (mod.lora_B.float() @ mod.lora_A.float()) * mod.lora_scale
+                w.add_(delta.to(w.dtype))
+        try:
+            save_hf_checkpoint(shard, folder, hf_config)
+        finally:
+            for w, orig in kept:
+                w.copy_(orig)
+
+
+# ---- in -----------------------------------------------------------------------------
+
+def read_peft_adapter(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    p = Path(folder)
+    return json.loads((p / CONFIG).read_text()), load_file(str(p / WEIGHTS))
+
+
+def check_peft_adapter(folder: str | Path, spec: ModelSpec, head: str, lora: LoraSpec,
+                       field: str) -> None:
+    """:class:`UserError` naming ``field`` unless the PEFT adapter at ``folder`` fits
+    this model and these settings: LoRA, the same rank, alpha and target modules, every
+    tensor present with the shape the base implies, and one ``A`` per fused layer.
+    Reads files only (before any worker starts)."""
+    p = Path(folder)
+    if not (p / CONFIG).is_file() or not (p / WEIGHTS).is_file():
+        raise UserError(f"{str(folder)!r} is not a PEFT adapter folder (needs {CONFIG} and "
+                        f"{WEIGHTS})", field=field)
+    cfg, tensors = read_peft_adapter(p)
+    if cfg.get("peft_type") != "LORA":
+        raise UserError(f"the adapter is {cfg.get('peft_type')!r}, not LORA", field=field)
+    alpha = lora.alpha if lora.alpha is not None else lora.rank
+    for key, mine, what in (("r", lora.rank, "rank"), ("lora_alpha", alpha, "alpha")):
+        if cfg.get(key) != mine:
+            raise UserError(f"the adapter has {key}={cfg.get(key)}, the settings' {what} is "
+                            f"{mine}: set them alike", field=field)
+    want = {n for t in lora.target_modules for n in HF_NAMES[t]}
+    got = set(cfg.get("target_modules") or [])
+    if got != want:
+        raise UserError(f"the adapter targets {sorted(got)}, the settings {sorted(want)} "
+                        "(target_modules): set them alike", field=field)
+    from realign.runtime.hf_checkpoint import hf_shapes
+
+    for layer in range(spec.n_layers):
+        for target in lora.target_modules:
+            base = base_tensor(spec, layer, target)
+            k = base.shape[1]
+            outs = [s[0] for s in hf_shapes(base, spec)]
+            a_keys, b_keys = hf_keys(layer, target, "A"), hf_keys(layer, target, "B")
+            for key, shape in [(a, (lora.rank, k)) for a in a_keys] + [
+                    (b, (o, lora.rank)) for b, o in zip(b_keys, outs)]:
+                if key not in tensors:
+                    raise UserError(f"the adapter lacks {key!r}: it was not made for this "
+                                    f"{spec.n_layers}-layer model", field=field)
+                if tuple(tensors[key].shape) != shape:
+                    raise UserError(f"{key!r} has shape {tuple(tensors[key].shape)}; this base "
+                                    f"model implies {shape}: the adapter was made for "
+                                    "another base", field=field)
+            a0 = tensors[a_keys[0]]
+            if any(not torch.equal(a0, tensors[a]) for a in a_keys[1:]):
+                raise UserError(f"{', '.join(HF_NAMES[target])} of layer {layer} have different "
+                                f"lora_A: realign fuses them into {target} with one A, so it "
+                                "can start only from an adapter whose fused parts share A "
+                                "(such as the ones it writes)", field=field)
+    if head == "value" and f"{PREFIX}score.weight" not in tensors:
+        raise UserError("the adapter has no score head (modules_to_save) for this value "
+                        "model", field=field)
+
+
+def load_peft_adapter(shard, folder: str | Path) -> None:
+    """Copy this rank's slices of a PEFT adapter (checked with
+    :func:`check_peft_adapter`) into ``shard``'s adapters. No collectives."""
+    from planner.specs.layout import stage_layers
+    from realign.runtime.lora import adapted
+
+    _cfg, tensors = read_peft_adapter(folder)
+    g, spec = shard.groups, shard.spec
+    tp, tp_rank = g.layout.tp, g.tp_rank
+    layers = stage_layers(spec.n_layers, g.layout.pp, g.pp_rank)
+    with torch.no_grad():
+        for local, layer in enumerate(shard.module.decoder.layers):
+            glob = layers[local]
+            for target, mod in adapted(layer).items():
+                a = tensors[hf_keys(glob, target, "A")[0]]
+                b = b_from_hf(spec, target, [tensors[k] for k in hf_keys(glob, target, "B")])
+                if target in COLUMN:
+                    t = base_tensor(spec, glob, target)
+                    b = torch.cat([b[lo:hi] for lo, hi in t.shard_ranges(tp_rank, tp)])
+                else:
+                    k = a.shape[1]
+                    a = a[:, tp_rank * k // tp:(tp_rank + 1) * k // tp]
+                mod.lora_A.copy_(a)
+                mod.lora_B.copy_(b)
+        if shard.head == "value" and g.is_last_stage:
+            shard.module.output_layer.weight.copy_(tensors[f"{PREFIX}score.weight"])
