@@ -179,6 +179,11 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
             raise UserError(f"prompt_len + gen_len = {longest} tokens, more than the "
                             f"{m.spec.max_seq_len} that models.{role} takes "
                             "(max_position_embeddings)", field="algorithm.gen_len")
+    for role, lc in cfg.lora.items():      # an adapter to start from fits its base
+        if lc.init_from:
+            from realign.runtime.lora_peft import check_peft_adapter, resolve_path
+            check_peft_adapter(resolve_path(lc.init_from, base), models[role].spec,
+                               models[role].head, lc.spec(), f"lora.{role}.init_from")
     params = algo.make_config(cfg.algorithm.params, cfg.algorithm.shape())
     algo.check_roles(params, set(paths))
     reward_fn = cfg.rule_reward_fn()

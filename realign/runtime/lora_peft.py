@@ -92,7 +92,7 @@ def _full_adapters(shard) -> dict[str, torch.Tensor]:
         target, factor = name.split(".")[-2], name.split(".")[-1][-1]
         if factor == "A":
             for key in hf_keys(t.layer, target, "A"):
-                out[key] = full
+                out[key] = full.clone()         # one file entry each (safetensors)
         else:
             for key, part in zip(hf_keys(t.layer, target, "B"), b_to_hf(spec, t.layer, target,
                                                                          full)):
@@ -121,7 +121,8 @@ def save_peft_adapter(shard, folder: str | Path, base_path: str) -> None:
     from safetensors.torch import save_file
 
     g = shard.groups
-    mine = _full_adapters(shard) if g.tp_rank == 0 and g.dp_rank == 0 else {}
+    full = _full_adapters(shard)          # collective over TP: every rank gathers
+    mine = full if g.tp_rank == 0 and g.dp_rank == 0 else {}
     gathered: list = [None] * dist.get_world_size(g.model_group)
     dist.all_gather_object(gathered, mine, group=g.model_group)
     if g.tp_rank == 0 and g.dp_rank == 0 and g.pp_rank == 0:
