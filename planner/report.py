@@ -33,6 +33,10 @@ def summary(plan: ExecutionPlan) -> dict:
         "reallocations": [
             {"role": r.role, "to": r.to_mfc, "bytes": r.bytes, "time_s": r.time_s}
             for r in plan.reallocations],
+        "lora": {m.role: {**m.lora.model_dump(mode="json"),
+                          "trained_params": m.lora.total_params(m.spec),
+                          "params": m.spec.total_params(m.head)}
+                 for m in plan.models if m.lora is not None},
         "asynchronous": plan.asynchronous,
         "max_staleness": plan.graph.max_staleness,
         "modes": [m.model_dump() for m in plan.modes],
@@ -71,6 +75,20 @@ def modes_lines(plan: ExecutionPlan) -> list[str]:
     if sp is not None:
         out.append(f"  asynchronous speed-up: {sp:.2f}x (estimated); running the "
                    f"{'asynchronous' if plan.asynchronous else 'synchronous'} plan")
+    return out
+
+
+def lora_lines(plan: ExecutionPlan) -> list[str]:
+    """One line per LoRA model: its adapters, their share of the model, what that changes."""
+    out = []
+    for m in plan.models:
+        if m.lora is None:
+            continue
+        n, total = m.lora.total_params(m.spec), m.spec.total_params(m.head)
+        out.append(f"{m.role}: LoRA rank {m.lora.rank} (scale {m.lora.scale:g}) on "
+                   f"{', '.join(m.lora.target_modules)}: {n / 1e6:.1f}M adapter parameters "
+                   f"({100 * n / total:.2f} % of {total / 1e9:.2f}B) carry the gradients and "
+                   "optimizer state; reallocations move only them")
     return out
 
 
@@ -154,6 +172,7 @@ def table(plan: ExecutionPlan) -> str:
     for r in plan.reallocations:
         out.append(f"realloc {r.role} -> {r.to_mfc}: {r.bytes / GIB:.2f} GiB in {r.time_s:.3f} s "
                    f"({r.src_layout} -> {r.dst_layout})")
+    out += lora_lines(plan)
     for a in plan.allocations:
         if a.optimizer_offload or a.train_state_offload:
             what = " and ".join(w for w, on in (

@@ -105,10 +105,12 @@ class LoraSpec(BaseModel):
 
     @field_validator("target_modules", mode="before")
     @classmethod
-    def _targets(cls, v):
+    def _targets(cls, v: object) -> tuple[str, ...]:
         if isinstance(v, str):
             v = [v]
-        return resolve_targets(list(v))
+        if not isinstance(v, (list, tuple)):
+            raise ValueError("give a list of module names")
+        return resolve_targets([str(x) for x in v])
 
     @property
     def scale(self) -> float:
@@ -149,7 +151,7 @@ class LoraSpec(BaseModel):
     def gemms(self, spec: ModelSpec, tp: int) -> list[tuple[float, float]]:
         """(K, N) of one layer's adapter GEMMs on one TP rank: ``x A^T`` then ``z B^T``
         per target (the row-parallel ones read the rank's input slice)."""
-        out = []
+        out: list[tuple[float, float]] = []
         for target in self.target_modules:
             k, n = target_dims(spec, target)
             if target in COLUMN:

@@ -242,3 +242,6 @@ def test_70b_ppo_on_16_a100s_plans_with_lora_and_no_offload():
     assert {m.role: m.lora is not None for m in plan.models} == {
         "actor": True, "critic": True, "ref": False, "reward": False}
     assert max(a.mem_bytes for a in plan.allocations) <= 72 * 2 ** 30
+    from planner.report import summary, table
+    assert summary(plan)["lora"]["actor"]["trained_params"] == 702_545_920
+    assert "actor: LoRA rank 64 (scale 2)" in table(plan)
