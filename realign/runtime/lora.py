@@ -119,8 +119,20 @@ def attach_lora(shard, lora: LoraSpec, seed: int) -> None:
             if not getattr(mod, "lora_hooked", False):
                 mod.register_forward_hook(_megatron_hook)
                 mod.lora_hooked = True
+    if g.is_first_stage and not getattr(shard.module.embedding, "lora_hooked", False):
+        # megatron's full-layer recomputation is a reentrant checkpoint: a layer whose
+        # inputs need no gradient (the frozen embedding's output) would lose its
+        # adapters' gradients (PEFT's enable_input_require_grads does the same)
+        shard.module.embedding.register_forward_hook(_input_needs_grad)
+        shard.module.embedding.lora_hooked = True
     shard.lora = lora
     shard.decoder_weights = None        # the plain decoder's view picks the adapters up
+
+
+def _input_needs_grad(mod, args, output):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
 
 
 def lora_delta(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

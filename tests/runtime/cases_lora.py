@@ -95,9 +95,14 @@ def peft_parity(ctx, path, tp, forward):
     ref_loss, ref_g = peft_grads(ref, batch)
     tokens = batch["tokens"]
     shard.module.zero_grad()
-    if forward == "plain":
-        out = StageDecoder(shard, max_len=tokens.shape[1]).score(tokens)
+    recompute = forward.endswith("+recompute")
+    if forward.startswith("plain"):
+        out = StageDecoder(shard, max_len=tokens.shape[1], recompute=recompute).score(tokens)
     else:
+        if recompute:       # as TrainEngine sets it: every layer again in the backward
+            cfg = shard.module.config
+            cfg.recompute_granularity, cfg.recompute_method = "full", "uniform"
+            cfg.recompute_num_layers = 1
         out = shard.module(tokens, position_ids(tokens), None)
     loss, _ = sft_loss(head_outputs(shard, out, batch), batch)
     loss.backward()

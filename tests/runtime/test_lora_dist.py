@@ -9,7 +9,8 @@ pytestmark = pytest.mark.cpu_dist
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("forward", ["plain", "megatron"])
+@pytest.mark.parametrize("forward", ["plain", "megatron", "plain+recompute",
+                                     "megatron+recompute"])
 def test_loss_and_adapter_gradients_match_peft(world2, tiny_models, tp, forward):
     res = [r for r in world2.run("cases_lora:peft_parity", tiny_models["llama"], tp, forward)
            if r is not None]
