@@ -47,6 +47,13 @@ inference adds one micro-batch's layer activations and fp32 logits;
 generation adds the KV cache of the waves in flight (``g`` waves of ``b`` sequences,
 each allocated for ``prompt_len + gen_len`` positions rounded up to whole
 ``kv_cache_block_tokens`` blocks) and the logits of one step.
+
+LoRA (a role's :class:`~planner.specs.lora.LoraSpec`): the weights add the adapters;
+gradients, optimizer state, the DP gradient sync and the optimizer's step count the
+adapters only (and a value head: :meth:`CostModel.trainable_params`); every pass adds the
+adapter GEMMs, and training drops the base's weight-gradient GEMMs
+(:func:`planner.cost.engine_terms.stage_pass`). ``MFCCost.adapter_bytes`` is what a
+reallocation of the model moves once its frozen base is in place (docs/lora.md).
 """
 from __future__ import annotations
 
