@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.engine_terms import Work, lagged, overlapped, stage_pass
+from planner.cost.lora_terms import adapter_params, trained_params
 from planner.cost.profile import EngineCosts, ProfileTable
 from planner.cost.rates import Rates
 from planner.errors import PlanError
@@ -135,26 +136,13 @@ class CostModel:
     @staticmethod
     def trainable_params(spec: ModelSpec, head: str, layout: Layout,
                          lora: LoraSpec | None) -> float:
-        """Trained parameters on one GPU of the heaviest stage: all of them
-        (:meth:`stage_params`), or with LoRA the adapters of its layers (a column-parallel
-        target's B and a row-parallel one's A split over TP, the other factor whole) and
-        a value head (new, so trained).
-
-        Example: LLaMA-2 70B, rank 64 on all four targets, tp 8, pp 4: 20 layers x
-        (6,684,672 / 8 + 2,097,152) = 58.7M parameters (the stage's weights: 2.17e9)."""
+        """Trained parameters on one GPU of the heaviest stage: all of them, or with LoRA
+        :func:`planner.cost.lora_terms.trained_params`."""
         if lora is None:
             return CostModel.stage_params(spec, head, layout)
-        sharded, replicated = lora.layer_params(spec)
-        adapters = spec.n_layers // layout.pp * (sharded / layout.tp + replicated)
-        return adapters + (spec.hidden if head == "value" else 0.0)
+        return trained_params(spec, head, layout, lora)
 
-    @staticmethod
-    def lora_params(spec: ModelSpec, head: str, layout: Layout, lora: LoraSpec | None) -> float:
-        """Adapter parameters on one GPU of a stage (0 without LoRA)."""
-        if lora is None:
-            return 0.0
-        return CostModel.trainable_params(spec, head, layout, lora) - (
-            spec.hidden if head == "value" else 0.0)
+    lora_params = staticmethod(adapter_params)
 
     def _act_bytes_per_token_layer(self, spec: ModelSpec, tp: int) -> float:
         """Stored activations of one token in one layer (flash attention)."""

@@ -33,9 +33,13 @@ every rank. Row-parallel: each rank holds an input slice and the matching column
 ``reduce_from_tensor_model_parallel_region``), then ``B`` (whole) maps it to the full
 output. Either way the replicated factor's gradient is the same on every TP rank.
 
-Dropout (``lora.<role>.dropout``) draws from torch's default generator while gradients
-are on (training): every TP rank of a replica draws alike (megatron's hidden dropout
-relies on the same), and recomputation restores the generator's state.
+Dropout (``lora.<role>.dropout``, while gradients are on: training) draws its masks
+from torch's default generator, which :func:`seed_dropout` seeds from the run's seed, the
+step and the role before each train call: every rank of the replica then draws the same
+numbers in the same order, a resumed run draws what the uninterrupted one did, and
+recomputation (torch's and megatron's checkpoints restore the generator) draws the
+forward's masks again. A row-parallel layer draws the mask of its whole input and keeps
+its own columns, so the masks are those of TP 1 at any TP.
 """
 from __future__ import annotations
 
@@ -116,6 +120,7 @@ def attach_lora(shard, lora: LoraSpec, seed: int) -> None:
             mod.lora_scale = lora.scale
             mod.lora_dropout = lora.dropout
             mod.lora_tp_group = g.pgs.tp if tp > 1 else None
+            mod.lora_tp, mod.lora_tp_rank = tp, tp_rank
             if not getattr(mod, "lora_hooked", False):
                 mod.register_forward_hook(_megatron_hook)
                 mod.lora_hooked = True
@@ -142,7 +147,7 @@ def lora_delta(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     group = mod.lora_tp_group
     grad = torch.is_grad_enabled()
     if mod.lora_dropout > 0 and grad:
-        x = F.dropout(x, mod.lora_dropout, training=True)
+        x = _dropout(x, mod)
     z = F.linear(x, mod.lora_A)
     if group is not None:
         from megatron.core.tensor_parallel.mappings import (
@@ -157,6 +162,28 @@ def lora_delta(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         else:
             dist.all_reduce(z, group=group)
     return F.linear(z, mod.lora_B) * mod.lora_scale
+
+
+def _dropout(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor:
+    """Inverted dropout on an adapter's input with the masks TP 1 would draw: a
+    row-parallel layer draws its whole input's and keeps its own columns."""
+    p, tp = mod.lora_dropout, mod.lora_tp
+    if mod.lora_column or tp == 1:
+        u = torch.rand(x.shape, dtype=torch.float32, device=x.device)
+    else:
+        w = x.shape[-1]
+        u = torch.rand(*x.shape[:-1], w * tp, dtype=torch.float32, device=x.device)
+        u = u[..., mod.lora_tp_rank * w:(mod.lora_tp_rank + 1) * w]
+    return x * (u >= p).to(x.dtype) / (1.0 - p)
+
+
+def seed_dropout(shard, seed: int, step: int, role: str) -> None:
+    """Before a train call of a LoRA model with dropout: seed torch's default generator
+    from (run seed, step, role), the same on every rank (nothing else in a run draws
+    from it: sampling hashes its own noise)."""
+    lora = getattr(shard, "lora", None)
+    if lora is not None and lora.dropout > 0:
+        torch.manual_seed(zlib.crc32(f"lora-dropout:{seed}:{step}:{role}".encode()))
 
 
 def _megatron_hook(mod, args, output):

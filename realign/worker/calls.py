@@ -31,6 +31,7 @@ from realign.run.program import Call, Evaluate, RuleReward
 from realign.runtime.engines.generate import GenerateEngine
 from realign.runtime.engines.inference import InferenceEngine
 from realign.runtime.engines.train import TrainEngine
+from realign.runtime.lora import seed_dropout
 from realign.runtime.settings import Sampling, SamplingParams, TrainConfig
 from realign.worker.records import Record, merge, sequences_from_generation
 from realign.worker.replicas import Hosted
@@ -176,6 +177,7 @@ class Calls:
         assert rows == op.mfc.n_seqs, f"{op.name}: prepare made {rows} rows, the plan " \
             f"trains {op.mfc.n_seqs}"
         engine = self.train_engine(op, h)
+        seed_dropout(h.shard, self.seed, step, op.role)     # LoRA dropout's masks
         loss_fn = self.algorithm.loss_fn(op.role, self.algo_params)
         n_mb = op.mfc.n_minibatches
         totals: dict[str, float] = {}

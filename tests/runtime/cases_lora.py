@@ -69,7 +69,7 @@ def peft_grads(peft, batch):
     return float(loss.detach()), grads
 
 
-def lora_replica(ctx, path, tp, pp=1, seed=0):
+def lora_replica(ctx, path, tp, pp=1, seed=0, lora=LORA):
     """A fresh replica with realign's adapters loaded from the PEFT reference's files
     (written and checked here, so the way in is tested too); None off-mesh."""
     shard = replica(ctx, path, "lm", tp, pp, 1, fresh=True)
@@ -78,8 +78,8 @@ def lora_replica(ctx, path, tp, pp=1, seed=0):
     ref = peft_reference(path, LORA, seed)
     folder = Path(tempfile.mkdtemp(prefix="peft-ref-"))
     ref.save_pretrained(str(folder))
-    check_peft_adapter(folder, shard.spec, "lm", LORA, "lora.actor.init_from")
-    attach_lora(shard, LORA, seed)
+    check_peft_adapter(folder, shard.spec, "lm", lora, "lora.actor.init_from")
+    attach_lora(shard, lora, seed)
     load_peft_adapter(shard, folder)
     return shard, ref
 
@@ -144,3 +144,30 @@ def logits_with_adapters(ctx, path, tp, pp):
     with ref.disable_adapter():
         base = logprobs(ref)
     return float((ours - logprobs(ref)).abs().max()), float((ours - base).abs().max())
+
+
+def dropout_grads(ctx, path, tp, recompute, dropout=0.3):
+    """(loss, full adapter gradients by name) of one SFT forward and backward with LoRA
+    dropout, the default generator seeded as a train call seeds it; None off rank 0."""
+    from planner.specs.lora import adapter_stage_tensors
+    from realign.runtime.hf_checkpoint import gather_full
+    from realign.runtime.lora import seed_dropout
+    from realign.runtime.model import global_name
+
+    lora = LoraSpec(rank=4, alpha=8, dropout=dropout)
+    shard, _ref = lora_replica(ctx, path, tp, lora=lora)
+    if shard is None:
+        return None
+    batch = sample_batch(n=4, s=12)
+    seed_dropout(shard, 0, 7, "actor")
+    out = StageDecoder(shard, max_len=12, recompute=recompute).score(batch["tokens"])
+    loss, _ = sft_loss(head_outputs(shard, out, batch), batch)
+    loss.backward()
+    g = shard.groups
+    tensors = {t.name: t for t in adapter_stage_tensors(shard.spec, lora, 1, 0)}
+    grads = {}
+    for n, p in shard.module.named_parameters():
+        name = global_name(n, shard.spec, 1, 0)
+        if name in tensors:
+            grads[name] = gather_full(tensors[name], p.grad, g.pgs.tp, tp)
+    return (float(loss.detach()), grads) if g.tp_rank == 0 else None

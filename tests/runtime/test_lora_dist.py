@@ -29,3 +29,17 @@ def test_scoring_with_adapters_matches_peft(world2, tiny_models, tp, pp):
     for with_peft, with_base in res:
         assert with_peft < 1e-4
         assert with_base > 1e-2          # the adapters change the model
+
+
+def test_dropout_masks_are_those_of_tp1_and_of_the_forward_in_recomputation(
+        world2, tiny_models):
+    """With dropout, TP2 (with recomputation) gives TP1's loss and gradients: every TP rank
+    draws the masks TP1 draws, and the recomputed forward draws the forward's."""
+    path = tiny_models["llama"]
+    ref = next(r for r in world2.run("cases_lora:dropout_grads", path, 1, False) if r)
+    tp2 = next(r for r in world2.run("cases_lora:dropout_grads", path, 2, True) if r)
+    off = next(r for r in world2.run("cases_lora:dropout_grads", path, 1, False, 0.0) if r)
+    assert abs(ref[0] - tp2[0]) < 1e-5
+    for name, want in ref[1].items():
+        assert (tp2[1][name] - want).abs().max() <= 1e-4 * want.abs().max(), name
+    assert abs(ref[0] - off[0]) > 1e-4            # the masks act
