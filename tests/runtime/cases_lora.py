@@ -171,3 +171,26 @@ def dropout_grads(ctx, path, tp, recompute, dropout=0.3):
         if name in tensors:
             grads[name] = gather_full(tensors[name], p.grad, g.pgs.tp, tp)
     return (float(loss.detach()), grads) if g.tp_rank == 0 else None
+
+
+def lora_train(ctx, path, head, tp, pp, dp, micro, steps, forward="plain"):
+    """Train fresh rank-4 adapters (and a value head) with realign's engine: per-step
+    metrics and the final outputs, at any layout (the adapters start alike at every one)."""
+    from cases_train import CLIP, EPS, LR, value_loss
+
+    from realign.runtime.engines.train import TrainConfig, TrainEngine
+
+    shard = replica(ctx, path, head, tp, pp, dp, fresh=True)
+    if shard is None:
+        return None
+    attach_lora(shard, LORA, seed=3)
+    batch = sample_batch(n=8, s=10)
+    batch["target"] = torch.linspace(-1, 1, 8)
+    engine = TrainEngine(shard, TrainConfig(lr=LR, clip_grad=CLIP, adam_eps=EPS,
+                                            distributed_optimizer=dp > 1, forward=forward),
+                         micro_batches=micro)
+    trained = sum(p.numel() for p in shard.module.parameters() if p.requires_grad)
+    loss = sft_loss if head == "lm" else value_loss
+    history = [engine.train_step(batch, loss) for _ in range(steps)]
+    out = InferenceEngine(shard).inference(batch)
+    return history, out["logprobs" if head == "lm" else "values"], trained
