@@ -14,6 +14,7 @@ from planner.search.problem import Candidate, RoleModel, assemble, held_bytes, h
 from planner.search.simulator import simulate
 from planner.specs.cluster import ClusterSpec
 from planner.specs.layout import Allocation, check_allocation
+from planner.specs.lora import LoraSpec
 
 GIB = 2 ** 30
 
@@ -94,6 +95,14 @@ def check_plan_matches(plan: ExecutionPlan, graph: DataflowGraph, models: dict[s
         if rm is None or rm.spec.model_dump(exclude={"name"}) != pm.spec.model_dump(exclude={"name"}):
             raise PlanError(f"the plan's {pm.role} model differs from the experiment's",
                             field=field)
+        if pm.lora != rm.lora:      # LoRA changes what trains, what moves and its costs
+            raise PlanError(f"the plan's {pm.role} has LoRA {_lora_text(pm.lora)}, the "
+                            f"experiment's {_lora_text(rm.lora)} (lora.{pm.role}); plan "
+                            "again", field=field)
+
+
+def _lora_text(lora: LoraSpec | None) -> str:
+    return "none" if lora is None else f"rank {lora.rank} on {', '.join(lora.target_modules)}"
 
 
 #: MFC fields that only price a call (the length distributions); a plan priced with

@@ -242,6 +242,29 @@ def test_70b_ppo_on_16_a100s_plans_with_lora_and_no_offload():
     assert {m.role: m.lora is not None for m in plan.models} == {
         "actor": True, "critic": True, "ref": False, "reward": False}
     assert max(a.mem_bytes for a in plan.allocations) <= 72 * 2 ** 30
+    from planner.plan import ExecutionPlan
+    assert ExecutionPlan.from_json(plan.to_json()) == plan        # lossless, lora included
     from planner.report import summary, table
     assert summary(plan)["lora"]["actor"]["trained_params"] == 702_545_920
     assert "actor: LoRA rank 64 (scale 2)" in table(plan)
+
+
+def test_a_saved_plan_with_other_lora_settings_is_refused():
+    from planner.errors import PlanError
+    from planner.search.manual import check_plan_matches
+
+    path = ROOT / "experiments/public/ppo-llama2-70b-16gpu-lora.yaml"
+    import yaml
+
+    from realign.config.experiment import ExperimentConfig
+    from realign.config.planning import experiment_graph, plan_experiment, resolve_models
+    cfg = ExperimentConfig(**yaml.safe_load(path.read_text()))
+    plan = plan_experiment(cfg, path.parent)
+    models = resolve_models(cfg, path.parent)
+    graph = experiment_graph(cfg, models, path.parent)
+    check_plan_matches(plan, graph, models, cfg.cluster.spec())       # the same: accepted
+    other = {r: RoleModel(m.role, m.spec, m.head, LoraSpec(rank=8) if m.lora else None)
+             for r, m in models.items()}
+    with pytest.raises(PlanError, match="the plan's actor has LoRA rank 64 .* rank 8") as e:
+        check_plan_matches(plan, graph, other, cfg.cluster.spec())
+    assert e.value.field == "plan.file"
