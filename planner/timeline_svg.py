@@ -83,8 +83,14 @@ def draw_lanes(out: list[str], groups: list[tuple[int, int]], bars: list[Bar], e
 
 
 def engine_labels(plan: ExecutionPlan) -> dict[str, str]:
-    """Each generate call's engine as its bars' suffix: `` [vllm]`` or `` [own]``."""
-    return {a.mfc: f" [{a.engine}]" for a in plan.allocations if a.kind == "generate"}
+    """Each generate call's engine as its bars' suffix: `` [vllm]`` or `` [own]``, and
+    a multi-turn call's turns: `` [own, 2 turns]``."""
+    out = {}
+    for a in plan.allocations:
+        if a.kind == "generate":
+            t = plan.graph.mfc(a.mfc).turns
+            out[a.mfc] = f" [{a.engine}" + (f", {t.turns:g} turns]" if t else "]")
+    return out
 
 
 def render(plan: ExecutionPlan) -> str:

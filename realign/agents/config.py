@@ -43,6 +43,9 @@ class MultiTurn(BaseModel):
     plan_turns: float | None = Field(
         None, gt=0, description="The planner's turns per episode (unset: max_turns); "
         "the run's rollout.turns metric measures it.")
+    plan_observation_tokens: int | None = Field(
+        None, ge=0, description="The planner's tokens per observation (unset: "
+        "max_observation_tokens).")
     plan_env_s: float = Field(
         0.0, ge=0, description="The planner's environment seconds per turn and episode group "
         "(a tool call's wall time); the run's rollout.env_s_per_call metric measures it.")

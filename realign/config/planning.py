@@ -9,6 +9,7 @@ from planner.errors import InfeasibleError, PlanError
 from planner.graph.algorithms import PROXIMAL_MFC, EvalShape, algorithm_spec, build_graph
 from planner.graph.dataflow import DataflowGraph
 from planner.graph.lengths import GenLengths
+from planner.graph.turns import Turns
 from planner.plan import ExecutionPlan, ModeResult
 from planner.search.problem import RoleModel, head_of
 from planner.search.search import SearchSettings, search
@@ -123,7 +124,23 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
                        train_micro_batches=cfg.train.micro_batches,
                        evaluation=eval_shape(cfg, base), lengths=responses,
                        max_staleness=cfg.algorithm.max_staleness, asynchronous=asynchronous,
-                       prompt_lengths=prompts, score_rollout=scores_rollout(cfg))
+                       prompt_lengths=prompts, score_rollout=scores_rollout(cfg),
+                       turns=turns_shape(cfg))
+
+
+def turns_shape(cfg: ExperimentConfig) -> Turns | None:
+    """The multi-turn shape of every generate call (``rollout.env`` / ``rollout.tools``):
+    ``rollout.plan_turns`` (else ``max_turns``) turns of at most ``turn_tokens`` (else
+    ``algorithm.gen_len``), observations of ``plan_observation_tokens`` (else
+    ``max_observation_tokens``), ``plan_env_s`` per turn, ``env_groups`` groups."""
+    r = cfg.rollout
+    if not r.multi_turn:
+        return None
+    return Turns(turns=r.plan_turns or r.max_turns,
+                 turn_tokens=r.turn_tokens or cfg.algorithm.gen_len,
+                 obs_tokens=(r.plan_observation_tokens if r.plan_observation_tokens
+                             is not None else r.max_observation_tokens),
+                 env_s=r.plan_env_s, groups=r.env_groups)
 
 
 def scores_rollout(cfg: ExperimentConfig) -> bool:

@@ -114,9 +114,9 @@ def _check_multi_turn(cfg: ExperimentConfig, base: Path, generates: bool) -> Non
 
     r = cfg.rollout
     field = "rollout.env" if r.env is not None else "rollout.tools"
-    if not generates:
-        raise UserError(f"{cfg.algorithm.name} generates nothing: environments and tools "
-                        "are for algorithms that roll out", field=field)
+    if not generates and cfg.eval is None:
+        raise UserError(f"{cfg.algorithm.name} generates nothing and there is no eval "
+                        "section: environments and tools would never run", field=field)
     if r.turn_tokens is not None and r.turn_tokens > cfg.algorithm.gen_len:
         raise UserError(f"{r.turn_tokens} tokens per turn, more than the episode's whole "
                         f"budget algorithm.gen_len = {cfg.algorithm.gen_len}",
