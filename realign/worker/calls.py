@@ -92,6 +92,11 @@ class Calls:
             # sampling seeds follow the batch (an ahead call makes the next step's)
             seed=self.seed * 1_000_003 + (step + op.ahead) * len(prompts))
         metrics: dict = {}
+        kv_peaks = [0]        # the most KV-cache bytes of the call's generations (turns)
+
+        def peak(gen):
+            kv_peaks[0] = max(kv_peaks[0], gen.kv_cache_peak_bytes)
+            return gen
         if op.engine == "vllm":
             # the replica's weights (trained, or just reallocated) into vLLM's storage
             vllm = self.vllm_engines[op.replica]
@@ -101,12 +106,12 @@ class Calls:
             metrics[f"vllm_load_bytes.{op.name}"] = float(loaded)
 
             def engine(rows, p):
-                return vllm.generate(h.shard, rows, p, self.pad_id)
+                return peak(vllm.generate(h.shard, rows, p, self.pad_id))
         else:
             own = GenerateEngine(h.shard, pad_id=self.pad_id)
 
             def engine(rows, p):
-                return own.generate(rows, p, waves=min(op.micro_batches, len(rows)))
+                return peak(own.generate(rows, p, waves=op.micro_batches))
         prefix = "greedy_" if op.mfc.greedy else ""
         if op.mfc.is_eval:                       # an evaluation's generation
             prefix = f"eval.{'greedy' if op.mfc.greedy else 'sample'}_"
@@ -119,12 +124,11 @@ class Calls:
                 self.pad_id, prefix + "rollout.")
             metrics.update(turn_metrics)
             gen_lengths = response_lengths(seqs)
-            kv_bytes = 0
         else:
             gen = engine(prompts, params)
             seqs, logprobs = sequences_from_generation(prompts, gen.tokens, gen.logprobs,
                                                        gen.lengths, self.pad_id)
-            gen_lengths, kv_bytes = gen.lengths, gen.kv_cache_peak_bytes
+            gen_lengths = gen.lengths
         # the policy version that sampled them: a step reallocates the weights after
         # ``step`` updates; an ahead call on the trained copy itself runs after the
         # step's update
@@ -135,7 +139,7 @@ class Calls:
             out[op.outputs[1]] = logprobs
         metrics.update({f"{prefix}gen_tokens": float(gen_lengths.sum()),
                         f"{prefix}response_len": float(gen_lengths.float().mean()),
-                        f"kv_cache_bytes.{op.name}": float(kv_bytes)})
+                        f"kv_cache_bytes.{op.name}": float(kv_peaks[0])})
         if not prefix:      # the sampled rollout's lengths, for plan.lengths_from
             metrics["response_len_hist"] = length_histogram(gen_lengths)
         return out, metrics

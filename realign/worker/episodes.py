@@ -34,7 +34,7 @@ def turn_generator(engine: Engine, params: SamplingParams, dp: int) -> TurnGener
     def generate(contexts: list[list[int]], max_new: int, call: int):
         rows = contexts + [contexts[0]] * (-len(contexts) % dp)
         p = params.model_copy(update={"max_new_tokens": max_new,
-                                      "seed": params.seed * 1_000_003 + call})
+                                      "seed": (params.seed * 1_000_003 + call) % (1 << 62)})
         gen = engine(rows, p)
         out = []
         for i in range(len(contexts)):
@@ -67,4 +67,5 @@ def generate_episodes(cfg: MultiTurn, make_env: Callable[[], Environment], token
 
 
 def response_lengths(seqs: dict) -> torch.Tensor:
+    """Tokens after the prompt of each episode (model turns and observations)."""
     return seqs["lengths"] - seqs["prompt_lengths"]
