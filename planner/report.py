@@ -136,8 +136,8 @@ def turns_lines(plan: ExecutionPlan) -> list[str]:
         t = plan.graph.mfc(a.mfc).turns if a.kind == "generate" else None
         if t is None:
             continue
-        out.append(f"{a.mfc}: {t.turns:g} turns of <= {t.turn_tokens} tokens, "
-                   f"{t.obs_tokens}-token observations, {t.env_s:g} s environment per turn, "
+        out.append(f"{a.mfc}: {t.turns:.3g} turns of <= {t.turn_tokens} tokens, "
+                   f"{t.obs_tokens}-token observations, {t.env_s:.3g} s environment per turn, "
                    f"{t.groups} group(s) taking turns: {a.time_s / t.turns:.3f} s per turn")
     return out
 

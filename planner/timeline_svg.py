@@ -89,7 +89,7 @@ def engine_labels(plan: ExecutionPlan) -> dict[str, str]:
     for a in plan.allocations:
         if a.kind == "generate":
             t = plan.graph.mfc(a.mfc).turns
-            out[a.mfc] = f" [{a.engine}" + (f", {t.turns:g} turns]" if t else "]")
+            out[a.mfc] = f" [{a.engine}" + (f", {t.turns:.3g} turns]" if t else "]")
     return out
 
 

@@ -17,7 +17,7 @@ from planner.specs.model_spec import model_presets, model_spec_from_hf_config
 from realign.algorithms.params import ClippedPGParams, make_params
 from realign.config.experiment import ExperimentConfig
 from realign.config.host_work import resolve_host_work
-from realign.config.lengths import data_prompt_lengths, recorded_lengths
+from realign.config.lengths import data_prompt_lengths, recorded_lengths, recorded_turns
 from realign.errors import UserError
 
 
@@ -125,22 +125,28 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
                        evaluation=eval_shape(cfg, base), lengths=responses,
                        max_staleness=cfg.algorithm.max_staleness, asynchronous=asynchronous,
                        prompt_lengths=prompts, score_rollout=scores_rollout(cfg),
-                       turns=turns_shape(cfg))
+                       turns=turns_shape(cfg, base))
 
 
-def turns_shape(cfg: ExperimentConfig) -> Turns | None:
+def turns_shape(cfg: ExperimentConfig, base: Path) -> Turns | None:
     """The multi-turn shape of every generate call (``rollout.env`` / ``rollout.tools``):
-    ``rollout.plan_turns`` (else ``max_turns``) turns of at most ``turn_tokens`` (else
-    ``algorithm.gen_len``), observations of ``plan_observation_tokens`` (else
-    ``max_observation_tokens``), ``plan_env_s`` per turn, ``env_groups`` groups."""
+    turns of at most ``turn_tokens`` (else ``algorithm.gen_len``) in ``env_groups``
+    groups; the turns per episode, tokens per observation and environment seconds per
+    turn are ``rollout.plan_turns``, ``plan_observation_tokens`` and ``plan_env_s`` where
+    given, else what the run of ``plan.lengths_from`` measured
+    (:func:`~realign.config.lengths.recorded_turns`), else ``max_turns``,
+    ``max_observation_tokens`` and 0."""
     r = cfg.rollout
     if not r.multi_turn:
         return None
-    return Turns(turns=r.plan_turns or r.max_turns,
+    seen = recorded_turns(cfg, base)
+    obs = r.plan_observation_tokens
+    return Turns(turns=min(float(r.max_turns), r.plan_turns or seen.get("turns", r.max_turns)),
                  turn_tokens=r.turn_tokens or cfg.algorithm.gen_len,
-                 obs_tokens=(r.plan_observation_tokens if r.plan_observation_tokens
-                             is not None else r.max_observation_tokens),
-                 env_s=r.plan_env_s, groups=r.env_groups)
+                 obs_tokens=obs if obs is not None else round(
+                     seen.get("obs_tokens", r.max_observation_tokens)),
+                 env_s=r.plan_env_s if "plan_env_s" in r.model_fields_set
+                 else seen.get("env_s", 0.0), groups=r.env_groups)
 
 
 def scores_rollout(cfg: ExperimentConfig) -> bool:
