@@ -158,7 +158,7 @@ def test_sixteen_sleeping_tool_calls_run_together(groups):
 
 
 def test_a_group_decodes_while_the_other_groups_tools_run():
-    """Two groups, a 0.1 s decode and a 0.1 s tool: each group's calls run during the
+    """Two groups, a 0.2 s decode and a 0.1 s tool: each group's calls run during the
     other group's decode, so the loop hardly waits for tools at all."""
     call = format_call("nap", {"s": 0.1})
     turns = {0: call, 1: call, 2: "end"}
@@ -166,7 +166,7 @@ def test_a_group_decodes_while_the_other_groups_tools_run():
     for groups in (1, 2):
         cfg = MultiTurn(tools=["m:nap"], max_turns=3, env_groups=groups)
         loop = Rollout(cfg, tools_env(nap), enc, dec, budget=10_000, max_context=100_000)
-        states = loop.run([enc("Q")] * 8, episodes(8), scripted(turns, decode_s=0.1))
+        states = loop.run([enc("Q")] * 8, episodes(8), scripted(turns, decode_s=0.2))
         waits[groups] = loop.metrics(states)["rollout.env_wait_s"]
     assert waits[1] >= 2 * 0.1                 # two turns of calls, waited for in full
     assert waits[2] < waits[1] / 2, waits
