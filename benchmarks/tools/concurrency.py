@@ -12,7 +12,7 @@ import time
 
 from realign.agents.config import MultiTurn
 from realign.agents.interface import Episode
-from realign.agents.rollout import Rollout
+from realign.agents.rollout import EpisodeLoop
 from realign.agents.tool_calls import format_call
 from realign.agents.tool_env import ToolEnvironment
 from realign.agents.tools import as_tool
@@ -36,7 +36,7 @@ def one(groups: int, decode_s: float) -> dict:
         return out
 
     tools = {"nap": as_tool(nap, "nap")}
-    loop = Rollout(MultiTurn(tools=["nap"], max_turns=4, env_groups=groups),
+    loop = EpisodeLoop(MultiTurn(tools=["nap"], max_turns=4, env_groups=groups),
                    lambda: ToolEnvironment(tools, 5.0), lambda s: [ord(x) for x in s],
                    lambda ids: "".join(map(chr, ids)), budget=10_000, max_context=100_000)
     t0 = time.monotonic()

@@ -76,7 +76,7 @@ class Counters:
     kinds: dict[str, float] = field(default_factory=dict)
 
 
-class Rollout:
+class EpisodeLoop:
     """One generate call's episodes. ``encode(text) -> ids`` and ``decode(ids) ->
     text`` are the tokenizer's (no special tokens added); ``max_context`` is the
     longest context a generate call may take (the model's positions)."""

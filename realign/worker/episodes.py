@@ -9,7 +9,7 @@ import torch
 
 from realign.agents.config import MultiTurn
 from realign.agents.interface import Environment, Episode
-from realign.agents.rollout import Rollout, TurnGenerator, episode_records
+from realign.agents.rollout import EpisodeLoop, TurnGenerator, episode_records
 from realign.agents.tool_calls import CALL_CLOSE
 from realign.runtime.settings import SamplingParams
 
@@ -54,7 +54,7 @@ def generate_episodes(cfg: MultiTurn, make_env: Callable[[], Environment], token
     episodes = [Episode(prompt=prompts_rec["texts"][i // k],
                         answer=prompts_rec["answers"][i // k], index=i,
                         prompt_ids=tuple(p)) for i, p in enumerate(prompts)]
-    loop = Rollout(cfg, make_env,
+    loop = EpisodeLoop(cfg, make_env,
                    encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
                    decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                    budget=budget, max_context=max_context)

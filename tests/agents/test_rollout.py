@@ -10,7 +10,7 @@ import torch
 
 from realign.agents.config import MultiTurn
 from realign.agents.interface import Episode, Step
-from realign.agents.rollout import Rollout, episode_records
+from realign.agents.rollout import EpisodeLoop, episode_records
 from realign.agents.tool_calls import format_call
 from realign.agents.tool_env import ToolEnvironment
 from realign.agents.tools import as_tool
@@ -62,7 +62,7 @@ def tools_env(*fns, timeout_s=5.0):
 def test_observations_are_in_the_context_and_out_of_the_mask():
     call = format_call("add", {"a": 2, "b": 3})
     cfg = MultiTurn(tools=["m:add"], max_turns=4, env_groups=1)
-    loop = Rollout(cfg, tools_env(add), enc, dec, budget=200, max_context=1000)
+    loop = EpisodeLoop(cfg, tools_env(add), enc, dec, budget=200, max_context=1000)
     states = loop.run([enc("Q:")], episodes(1), scripted({0: call, 1: "5!"}))
     seqs, lp = episode_records(states, pad_id=0)
     text = dec(seqs["tokens"][0].tolist())
@@ -87,12 +87,12 @@ def test_turns_and_the_token_budget_bound_an_episode():
     call = format_call("add", {"a": 1, "b": 1})
     loops = {0: call, 1: call, 2: call, 3: call, 4: call}
     cfg = MultiTurn(tools=["m:add"], max_turns=3, env_groups=1)
-    loop = Rollout(cfg, tools_env(add), enc, dec, budget=10_000, max_context=100_000)
+    loop = EpisodeLoop(cfg, tools_env(add), enc, dec, budget=10_000, max_context=100_000)
     states = loop.run([enc("Q")], episodes(1), scripted(loops))
     assert states[0].turns == 3 and loop.metrics(states)["rollout.tool_calls"] == 3
     # a budget that ends inside the second call: the turn is cut, no step runs on it
     budget = len(call) + len("<tool_response>2</tool_response>") + 5
-    loop = Rollout(cfg, tools_env(add), enc, dec, budget=budget, max_context=100_000)
+    loop = EpisodeLoop(cfg, tools_env(add), enc, dec, budget=budget, max_context=100_000)
     states = loop.run([enc("Q")], episodes(1), scripted(loops))
     seqs, _ = episode_records(states, 0)
     assert int(seqs["lengths"][0]) - 1 == budget and states[0].turns == 2
@@ -124,7 +124,7 @@ class Flaky:
 def test_a_failing_environment_ends_its_episode_with_the_penalty_never_the_run():
     cfg = MultiTurn(env="m:Flaky", max_turns=2, tool_timeout_s=0.3, error_penalty=0.5,
                     max_observation_tokens=16, env_groups=1)
-    loop = Rollout(cfg, Flaky, enc, dec, budget=300, max_context=1000)
+    loop = EpisodeLoop(cfg, Flaky, enc, dec, budget=300, max_context=1000)
     t0 = time.monotonic()
     states = loop.run([enc("Q")] * 6, episodes(6), scripted({0: "a", 1: "b"}))
     assert time.monotonic() - t0 < 10
@@ -145,7 +145,7 @@ def test_sixteen_sleeping_tool_calls_run_together(groups):
     serial time per turn) and about sleeps, not compute."""
     call = format_call("nap", {"s": 0.05})
     cfg = MultiTurn(tools=["m:nap"], max_turns=4, env_groups=groups)
-    loop = Rollout(cfg, tools_env(nap), enc, dec, budget=10_000, max_context=100_000)
+    loop = EpisodeLoop(cfg, tools_env(nap), enc, dec, budget=10_000, max_context=100_000)
     calls: list = []
     states = loop.run([enc("Q")] * 16, episodes(16),
                       scripted({0: call, 1: call, 2: call, 3: "end"}, calls=calls))
@@ -165,7 +165,7 @@ def test_a_group_decodes_while_the_other_groups_tools_run():
     waits = {}
     for groups in (1, 2):
         cfg = MultiTurn(tools=["m:nap"], max_turns=3, env_groups=groups)
-        loop = Rollout(cfg, tools_env(nap), enc, dec, budget=10_000, max_context=100_000)
+        loop = EpisodeLoop(cfg, tools_env(nap), enc, dec, budget=10_000, max_context=100_000)
         states = loop.run([enc("Q")] * 8, episodes(8), scripted(turns, decode_s=0.2))
         waits[groups] = loop.metrics(states)["rollout.env_wait_s"]
     assert waits[1] >= 2 * 0.1                 # two turns of calls, waited for in full
@@ -177,7 +177,7 @@ def test_the_same_inputs_give_the_same_records():
     runs = []
     for _ in range(2):
         cfg = MultiTurn(tools=["m:add"], max_turns=3, env_groups=2)
-        loop = Rollout(cfg, tools_env(add), enc, dec, budget=300, max_context=1000)
+        loop = EpisodeLoop(cfg, tools_env(add), enc, dec, budget=300, max_context=1000)
         states = loop.run([enc("Q"), enc("QQ"), enc("R")], episodes(3),
                           scripted({0: call, 1: "9"}))
         runs.append(episode_records(states, 0))
