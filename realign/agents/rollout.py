@@ -33,8 +33,9 @@ from realign.agents.interface import Environment, Episode, Step
 from realign.agents.tools import ToolFailure, start, wait
 from realign.data.collate import pad_right
 
-#: ``generate(contexts, max_new_tokens, turn) -> [(token ids, log-probs)]`` per
-#: context; a row's tokens end at its stop token (included) or at ``max_new_tokens``.
+#: ``generate(contexts, max_new_tokens, call) -> [(token ids, log-probs)]`` per
+#: context (``call``: the generate call's index within the rollout, distinct for every
+#: call); a row's tokens end at its stop token (included) or at ``max_new_tokens``.
 TurnGenerator = Callable[[list[list[int]], int, int], list[tuple[list[int], list[float]]]]
 
 
@@ -99,14 +100,15 @@ class EpisodeLoop:
             self._finish(s, reset=True)
         groups = _groups(len(states), self.cfg.env_groups)
         for turn in range(self.cfg.max_turns):
-            for lo, hi in groups:
+            for g, (lo, hi) in enumerate(groups):
                 group = states[lo:hi]
                 for s in group:
                     self._finish(s)
                 active = [s for s in group if not s.done and s.budget > 0]
                 if not active:
                     continue
-                self._decode(active, turn, generate)
+                # each generate call its own index: no two calls share sampling noise
+                self._decode(active, turn * len(groups) + g, generate)
                 for s in active:
                     if s.budget <= 0:
                         s.done = True           # out of tokens: truncated, no step
@@ -118,11 +120,11 @@ class EpisodeLoop:
             self._finish(s, last=True)
         return states
 
-    def _decode(self, active: list[_State], turn: int, generate: TurnGenerator) -> None:
+    def _decode(self, active: list[_State], call: int, generate: TurnGenerator) -> None:
         contexts = [s.prompt + s.response for s in active]
         room = self.max_context - max(len(c) for c in contexts)
         n = min(self.turn_tokens, max(s.budget for s in active), room)
-        outs = generate(contexts, max(n, 1), turn)
+        outs = generate(contexts, max(n, 1), call)
         for s, (tokens, logprobs) in zip(active, outs):
             keep = min(len(tokens), s.budget)
             s.answer_start = len(s.response)
@@ -150,7 +152,7 @@ class EpisodeLoop:
         try:
             took, value = wait(fut, deadline, self.cfg.tool_timeout_s + 1.0)
             step = _as_step(value)
-        except (ToolFailure, Exception) as e:
+        except Exception as e:          # a ToolFailure (timeout) or the step's own
             took = self.cfg.tool_timeout_s if isinstance(e, ToolFailure) else 0.0
             step = Step(reward=-self.cfg.error_penalty, done=True)
             self.count.env_errors += 1
