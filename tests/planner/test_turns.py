@@ -75,4 +75,6 @@ def test_a_plan_with_turns_round_trips_and_shows_them():
     text = table(plan)
     assert "actor.generate: 2.5 turns of <= 24 tokens, 6-token observations, 0.05 s " \
            "environment per turn, 2 group(s) taking turns" in text
-    assert "[own, 2.5 turns]" in render(plan)
+    svg = render(plan)
+    assert "[own, 2.5 turns]" in svg                       # the bars' titles
+    assert "actor.generate: 2.5 turns of &lt;= 24 tokens" in svg   # a note under the lanes
