@@ -104,3 +104,13 @@ def test_the_command_line_exits_2_naming_the_field(envs, tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "rollout.env" in r.stderr and "must take one argument" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_tools_without_any_generation_are_refused(envs, tmp_path):
+    """SFT with tools and no eval section: nothing would ever call them."""
+    exp = experiment(envs, "tiny-tool-sft-cpu", tmp_path, eval=None)
+    with pytest.raises(UserError) as e:
+        prepare(exp, run_dir=str(tmp_path / "run"))
+    assert e.value.field == "rollout.tools" and "would never run" in e.value.message
+    spec = prepare(experiment(envs, "tiny-tool-sft-cpu", tmp_path), run_dir=str(tmp_path / "r"))
+    assert spec.config.rollout.tools == ["realign.assets.tiny_tools:add"]   # evaluations use them
