@@ -28,7 +28,8 @@ from planner.specs.model_spec import ModelSpec
 #: 4: asynchronous graphs (generation ahead of training), the sync/async comparison.
 #: 5: recompute and offload per train call.
 #: 6: the engine of each generate call (realign's own or vLLM).
-PLAN_SCHEMA_VERSION = 6
+#: 7: multi-turn generate calls (the graph's MFC.turns).
+PLAN_SCHEMA_VERSION = 7
 
 
 class _Frozen(BaseModel):

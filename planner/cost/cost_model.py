@@ -259,6 +259,10 @@ class CostModel:
         if (offload or state_offload or recompute) and mfc.kind != "train":
             raise ValueError("optimizer and training-state offload and activation "
                              "recompute apply to train MFCs only")
+        if mfc.turns is not None:          # multi-turn episodes: priced turn by turn
+            from planner.cost.turns import multi_turn_cost
+            return multi_turn_cost(mfc, lambda sub: self.mfc_cost(
+                sub, spec, head, mesh, layout, micro_batches, engine=engine))
         if engine == "vllm":
             from planner.cost.vllm_cost import vllm_generate_cost
             return vllm_generate_cost(self, mfc, spec, head, mesh, layout)

@@ -91,6 +91,10 @@ class Session:
         if spec.verifier is not None:
             verifier = load_reward_fn(spec.verifier, field="eval.verifier",
                                       base_dir=spec.base_dir)
+        make_env = None
+        if cfg.rollout.multi_turn:       # checked by prepare: loads as it did there
+            from realign.agents.loading import env_factory
+            make_env = env_factory(cfg.rollout, spec.base_dir)
         self.specs = {r: spec_from_hf(p) for r, p in self.paths.items()}
         self.hosted = build_replicas(self.program, self.specs, self.paths, self.dev,
                                      cfg.run.seed, use_te=cfg.train.transformer_engine)
@@ -102,7 +106,8 @@ class Session:
                            verifier=verifier, seed=cfg.run.seed,
                            max_staleness=self.program.max_staleness,
                            asynchronous=self.program.asynchronous,
-                           logprob_diff_threshold=cfg.rollout.logprob_diff_threshold)
+                           logprob_diff_threshold=cfg.rollout.logprob_diff_threshold,
+                           multi_turn=cfg.rollout, make_env=make_env)
         self._start_vllm(rank)
         self.runner = StepRunner(self.program, self.hosted, self.calls, rank,
                                  self.dev.device, self.dev.dtype, spec.plan.cluster.gpus_per_node)
