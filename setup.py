@@ -35,7 +35,9 @@ setup(
     extras_require={
         # The runtime (realign run) on CPU or GPU.
         "runtime": ["torch", "megatron-core==0.16.1", "einops", "psutil",
-                    "safetensors", "transformers", "tokenizers", "peft", "tensorboardX"],
+                    "safetensors", "transformers", "tokenizers", "peft", "tensorboardX",
+                    # tool arguments against their JSON schemas (rollout.tools)
+                    "jsonschema"],
         # Optional GPU back end: never installed on the CPU machine.
         "gpu": ["transformer-engine[pytorch]"],
         "test": ["pytest", "pytest-xdist"],

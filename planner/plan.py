@@ -29,8 +29,9 @@ from planner.specs.model_spec import ModelSpec
 #: 4: asynchronous graphs (generation ahead of training), the sync/async comparison.
 #: 5: recompute and offload per train call.
 #: 6: the engine of each generate call (realign's own or vLLM).
-#: 7: LoRA per model (its adapters' settings; reallocations move only the adapters).
-PLAN_SCHEMA_VERSION = 7
+#: 7: multi-turn generate calls (the graph's MFC.turns).
+#: 8: LoRA per model (its adapters' settings; reallocations move only the adapters).
+PLAN_SCHEMA_VERSION = 8
 
 
 class _Frozen(BaseModel):

@@ -146,6 +146,20 @@ def lengths_line(plan: ExecutionPlan) -> str | None:
             "scoring and training are priced")
 
 
+def turns_lines(plan: ExecutionPlan) -> list[str]:
+    """One line per multi-turn generate call: its priced episode shape and its time per
+    turn (:mod:`planner.graph.turns`)."""
+    out = []
+    for a in plan.allocations:
+        t = plan.graph.mfc(a.mfc).turns if a.kind == "generate" else None
+        if t is None:
+            continue
+        out.append(f"{a.mfc}: {t.turns:.3g} turns of <= {t.turn_tokens} tokens, "
+                   f"{t.obs_tokens}-token observations, {t.env_s:.3g} s environment per turn, "
+                   f"{t.groups} group(s) taking turns: {a.time_s / t.turns:.3f} s per turn")
+    return out
+
+
 def table(plan: ExecutionPlan) -> str:
     """The plan as text. ``*`` marks estimates priced with a profile's rates, ``+off``
     a train call whose optimizer state is offloaded to host memory (Adam stepped there),
@@ -182,6 +196,7 @@ def table(plan: ExecutionPlan) -> str:
     if any(a.engine == "vllm" for a in plan.allocations):
         out.append("engine vllm: continuous batching on one vLLM engine per GPU, its weights "
                    "copied from the trained model before each call (docs/vllm.md)")
+    out.extend(turns_lines(plan))
     out.append(sources_line(plan))
     for line in (host_line(plan), lengths_line(plan)):
         if line:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from html import escape
 
 from planner.plan import ExecutionPlan
-from planner.report import sources_line
+from planner.report import sources_line, turns_lines
 
 COLORS = {"generate": "#4e79a7", "inference": "#59a14f", "train": "#e15759",
           "realloc": "#f2a93b", "send": "#9d9d9d", "reward": "#b07aa1", "eval": "#76b7b2"}
@@ -64,10 +64,12 @@ def draw_lanes(out: list[str], groups: list[tuple[int, int]], bars: list[Bar], e
                        f'fill="{COLORS.get(b.kind, "#999")}" stroke="white" stroke-width="0.5">'
                        f'<title>{escape(b.name)}{escape(b.note)}: '
                        f'{seconds(b.start_s, end)}-{seconds(b.end_s, end)}</title></rect>')
-            short = b.name if b.kind != "realloc" else "realloc"
-            if w > 7 * len(short):
+            # the whole name, else without its engine / turns suffix, where it fits
+            fits = [n for n in ((b.name, b.name.split(" [")[0]) if b.kind != "realloc"
+                                else ("realloc",)) if w > 7 * len(n)]
+            if fits:
                 out.append(f'<text x="{x + 3:.1f}" y="{y + lane_h / 2 + 4}" fill="white">'
-                           f'{escape(short)}</text>')
+                           f'{escape(fits[0])}</text>')
     ya = top + len(groups) * (lane_h + gap) + 6
     for k in range(6):
         t = end * k / 5
@@ -83,8 +85,14 @@ def draw_lanes(out: list[str], groups: list[tuple[int, int]], bars: list[Bar], e
 
 
 def engine_labels(plan: ExecutionPlan) -> dict[str, str]:
-    """Each generate call's engine as its bars' suffix: `` [vllm]`` or `` [own]``."""
-    return {a.mfc: f" [{a.engine}]" for a in plan.allocations if a.kind == "generate"}
+    """Each generate call's engine as its bars' suffix: `` [vllm]`` or `` [own]``, and
+    a multi-turn call's turns: `` [own, 2 turns]``."""
+    out = {}
+    for a in plan.allocations:
+        if a.kind == "generate":
+            t = plan.graph.mfc(a.mfc).turns
+            out[a.mfc] = f" [{a.engine}" + (f", {t.turns:.3g} turns]" if t else "]")
+    return out
 
 
 def render(plan: ExecutionPlan) -> str:
@@ -93,7 +101,8 @@ def render(plan: ExecutionPlan) -> str:
     end = max((e.end_s for e in plan.timeline), default=1.0) or 1.0
     left, lane_h, gap, width, mem_w = 150, 34, 8, 900, 170
     top = 84
-    height = top + len(groups) * (lane_h + gap) + 70
+    notes = turns_lines(plan)          # multi-turn generate calls, under the lanes
+    height = top + len(groups) * (lane_h + gap) + 70 + 16 * len(notes)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + mem_w + 40}" '
            f'height="{height}" font-family="sans-serif" font-size="11">',
            '<rect width="100%" height="100%" fill="white"/>',
@@ -128,5 +137,7 @@ def render(plan: ExecutionPlan) -> str:
                    f'{peak / GIB:.0f} GiB</text>')
     out.append(f'<text x="{left + width + 20}" y="{ya - 10}">limit '
                f'{plan.mem_limit_bytes / GIB:.0f} GiB/GPU</text>')
+    for i, line in enumerate(notes):
+        out.append(f'<text x="10" y="{ya + 10 + 16 * i}" fill="#555">{escape(line)}</text>')
     out.append("</svg>")
     return "\n".join(out)

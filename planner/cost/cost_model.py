@@ -284,6 +284,10 @@ class CostModel:
         if (offload or state_offload or recompute) and mfc.kind != "train":
             raise ValueError("optimizer and training-state offload and activation "
                              "recompute apply to train MFCs only")
+        if mfc.turns is not None:          # multi-turn episodes: priced turn by turn
+            from planner.cost.turns import multi_turn_cost
+            return multi_turn_cost(mfc, lambda sub: self.mfc_cost(
+                sub, spec, head, mesh, layout, micro_batches, engine=engine))
         if engine == "vllm":
             if lora is not None:
                 raise PlanError("vLLM generation of a LoRA model is not priced: realign "

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from planner.errors import PlanError
 from planner.graph.dataflow import MFC, DataflowGraph, Evaluation, RuleReward
 from planner.graph.lengths import GenLengths
+from planner.graph.turns import Turns
 
 Algorithm = Literal["ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft", "rm",
                     "rejection_sampling", "online_dpo", "dapo", "gspo", "dr_grpo"]
@@ -312,7 +313,7 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
                 lengths: GenLengths | None = None, max_staleness: int = 0,
                 asynchronous: bool = False,
                 prompt_lengths: GenLengths | None = None,
-                score_rollout: bool = False) -> DataflowGraph:
+                score_rollout: bool = False, turns: Turns | None = None) -> DataflowGraph:
     """The dataflow graph of ``algorithm`` for the configured model ``roles``.
     ``train_micro_batches``: every train call runs with exactly this many micro-batches
     (``train.micro_batches``); None lets the planner choose. ``evaluation``: the actor
@@ -327,7 +328,8 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
     compares with the rollout's (vLLM's may differ) and truncated importance sampling
     corrects with. ``asynchronous`` (needs a bound of at least 1): rollout generation runs one step
     ahead of training, and the actor's current policy scores the rollout before it
-    trains (:func:`_proximal`)."""
+    trains (:func:`_proximal`). ``turns``: every generate call (rollout and
+    evaluations) is multi-turn episodes of this shape (:mod:`planner.graph.turns`)."""
     if asynchronous and max_staleness < 1:
         raise PlanError("asynchronous execution needs max_staleness >= 1",
                         field="algorithm.max_staleness")
@@ -373,6 +375,9 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
         evaluations = EVALUATIONS
     if lengths is not None or prompt_lengths is not None:
         calls = _with_lengths(calls, lengths, prompt_lengths)
+    if turns is not None:
+        calls = [m.model_copy(update={"turns": turns}) if m.kind == "generate" else m
+                 for m in calls]
     if asynchronous:
         if not spec.generates:
             raise PlanError(f"{algorithm} generates nothing, so it has nothing to run "

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.errors import PlanError
 from planner.graph.lengths import GenLengths
+from planner.graph.turns import Turns
 
 Kind = Literal["generate", "inference", "train"]
 #: what a call is for: ``step``, the training step (its rollout, scoring and training);
@@ -65,6 +66,10 @@ class MFC(BaseModel):
         "of a prompt's length (prompt_len is its cap), read from the training data; None: "
         "every prompt is prompt_len long.")
 
+    turns: Turns | None = Field(None, description="generate: multi-turn episodes with an "
+                                "environment (rollout.env / rollout.tools); None: one "
+                                "response per prompt.")
+
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.gen_len
@@ -83,6 +88,8 @@ class MFC(BaseModel):
         if per_step % self.group_size:
             raise PlanError(f"{per_step} sequences per step do not split into groups of "
                             f"{self.group_size}", field=f"mfc {self.name}")
+        if self.turns is not None and self.kind != "generate":
+            raise PlanError("only a generate call has turns", field=f"mfc {self.name}")
         if self.greedy and self.kind != "generate":
             raise PlanError("only a generate call can be greedy", field=f"mfc {self.name}")
         return self

@@ -4,7 +4,9 @@ a record goes from its holders to each rank of a consuming mesh that lacks it).
 
 What each record holds (:mod:`realign.worker.records`), for ``n`` sequences of ``s``
 positions: generated sequences: tokens [n, s] int64, lengths and prompt lengths [n]
-(3 tensors); per-token log-probs [n, s-1] float32; critic values [n, s] float32;
+(3 tensors; a multi-turn call's episodes add their action mask [n, s-1] float32 and
+answer starts, turns and environment rewards [n]: 7); per-token log-probs [n, s-1]
+float32; critic values [n, s] float32;
 rewards (a reward model's or a rule reward's) [n] float32; a train call's output: its
 step number (one int64).
 """
@@ -30,6 +32,9 @@ def record_sizes(graph: DataflowGraph, heads: dict[str, str]) -> dict[str, Recor
         for k_i, key in enumerate(m.output_keys):
             if m.kind == "train":
                 out[key] = RecordSize(8, 1)
+            elif m.kind == "generate" and m.turns is not None and k_i == 0:
+                # episodes: + action mask [n, s-1] float32, answer starts, turns, rewards
+                out[key] = RecordSize(n * s * 8 + 2 * n * 8 + n * (s - 1) * 4 + 3 * n * 8, 7)
             elif m.kind == "generate":
                 out[key] = (RecordSize(n * s * 8 + 2 * n * 8, 3) if k_i == 0
                             else RecordSize(n * (s - 1) * 4, 1))

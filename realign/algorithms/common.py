@@ -46,9 +46,15 @@ def response_mask(lengths: torch.Tensor, prompt_lengths: torch.Tensor, s: int) -
 
 
 def batch_mask(batch: Batch) -> torch.Tensor:
-    """:func:`response_mask` of a batch (``tokens``, ``lengths``, ``prompt_lengths``)."""
+    """:func:`response_mask` of a batch (``tokens``, ``lengths``, ``prompt_lengths``),
+    times its ``action_mask`` when it has one: a multi-turn rollout's [b, s-1] mask that
+    is 0 on the positions scoring observation tokens (what an environment wrote is in
+    the context but never in a loss, an advantage or a value target)."""
     require(batch, "tokens", "lengths", "prompt_lengths")
-    return response_mask(batch["lengths"], batch["prompt_lengths"], batch["tokens"].shape[1])
+    mask = response_mask(batch["lengths"], batch["prompt_lengths"], batch["tokens"].shape[1])
+    if "action_mask" in batch:
+        mask = mask * batch["action_mask"].to(mask.dtype)
+    return mask
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -127,12 +133,15 @@ def last_token_scores(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
 
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor,
                        gamma: float) -> torch.Tensor:
-    """G_t = sum_{k>=t} gamma^(k-t) r_k over each row's response; zero outside ``mask``."""
+    """G_t = sum_{k>=t} gamma^(k-t) r_k over each row's response; zero outside ``mask``.
+    ``k`` counts masked positions only: a multi-turn rollout's observation tokens
+    between two model tokens are not time steps of the policy (no discount across
+    them)."""
     rewards = token_rewards * mask
     out = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
+        running = torch.where(mask[:, t] > 0, rewards[:, t] + gamma * running, running)
         out[:, t] = running
     return out * mask
 

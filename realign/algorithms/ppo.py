@@ -52,15 +52,23 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
     ``values`` [b, s-1] are aligned with the rewards (``critic values[:, :-1]``);
     the value past the last response token is 0. Returns (advantages, returns =
     advantages + values), both zero outside ``mask``.
+
+    A mask with holes (a multi-turn rollout's observation tokens) is walked over the
+    masked positions only: the next value of a model token is that of the next model
+    token, across the observation between them, which is neither a state the policy
+    acts in nor discounted. Example: mask [1, 0, 1], gamma = lam = 1, rewards
+    [0, 0, 1], values [v0, -, v2]: A2 = 1 - v2, A0 = (0 + v2 - v0) + A2 = 1 - v0.
     """
     r, v = token_rewards * mask, values * mask
     n = r.shape[1]
     adv = torch.zeros_like(r)
     running = torch.zeros_like(r[:, 0])
+    next_v = torch.zeros_like(running)
     for t in reversed(range(n)):
-        next_v = v[:, t + 1] if t + 1 < n else torch.zeros_like(running)
+        m = mask[:, t] > 0
         delta = r[:, t] + gamma * next_v - v[:, t]
-        running = delta + gamma * lam * running
+        running = torch.where(m, delta + gamma * lam * running, running)
+        next_v = torch.where(m, v[:, t], next_v)
         adv[:, t] = running
     return adv * mask, (adv + v) * mask
 

@@ -67,23 +67,28 @@ TINY_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.
 EVAL_FRACTION = 0.2
 
 
-def vocabulary() -> list[str]:
-    """The tiny tokenizer's tokens, in id order."""
-    return [*SPECIAL_TOKENS, *DIGITS, *SYMBOLS, *LETTERS, *WORDS]
+def vocabulary(extra_symbols: str = "", extra_words: tuple[str, ...] = ()) -> list[str]:
+    """The tiny tokenizer's tokens, in id order (extras after the standard ones)."""
+    return [*SPECIAL_TOKENS, *DIGITS, *SYMBOLS, *LETTERS, *WORDS, *extra_symbols,
+            *extra_words]
 
 
-def build_tokenizer():
-    """The tiny tokenizer as a ``transformers`` fast tokenizer (see the module doc)."""
+def build_tokenizer(extra_symbols: str = "", extra_words: tuple[str, ...] = ()):
+    """The tiny tokenizer as a ``transformers`` fast tokenizer (see the module doc);
+    ``extra_symbols`` and ``extra_words`` extend its vocabulary (the tool task's JSON
+    braces and tags: :mod:`realign.assets.tiny_tools`)."""
+    import re
+
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(vocabulary())}
+    vocab = {t: i for i, t in enumerate(vocabulary(extra_symbols, extra_words))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     # a listed word (longest first) or else any single character, newline included
-    words = sorted(WORDS, key=lambda w: (-len(w), w))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?:" + "|".join(words) + r")|[\s\S]"),
-                                             behavior="isolated")
+    words = sorted((*WORDS, *extra_words), key=lambda w: (-len(w), w))
+    tok.pre_tokenizer = pre_tokenizers.Split(
+        Regex("(?:" + "|".join(map(re.escape, words)) + r")|[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS_ID)])
@@ -184,14 +189,15 @@ def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
 # ---- everything --------------------------------------------------------------------
 
 def make_tiny_assets(out_dir: str | Path, seed: int = 0, qwen2: bool = True,
-                     max_operand: int = 9, small: bool = True, families: bool = True
-                     ) -> dict[str, Path]:
+                     max_operand: int = 9, small: bool = True, families: bool = True,
+                     tools: bool = True) -> dict[str, Path]:
     """Write the tiny tokenizer, models and datasets into ``out_dir`` (created if
     needed; existing files of the same names are overwritten). Returns the paths by
     name: ``actor``, ``ref`` (= actor), ``reward``, ``critic`` (= reward),
     ``qwen2_actor`` (when ``qwen2``), ``llama31_actor`` and ``qwen3_actor`` (when
     ``families``), ``small_actor`` and ``small_reward`` (when ``small``), ``math_train``,
-    ``math_eval``, ``prefs``, ``sft``.
+    ``math_eval``, ``prefs``, ``sft``, and with ``tools`` the tool task's
+    (:func:`realign.assets.tiny_tools.make_tool_assets`).
     ``max_operand`` (1..9) bounds the operands of the arithmetic task."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -219,4 +225,7 @@ def make_tiny_assets(out_dir: str | Path, seed: int = 0, qwen2: bool = True,
     paths["math_eval"] = write_jsonl(out / "math_eval.jsonl", evals)
     paths["prefs"] = write_jsonl(out / "prefs.jsonl", preference_pairs(train, seed))
     paths["sft"] = write_jsonl(out / "sft.jsonl", sft_rows(train))
+    if tools:
+        from realign.assets.tiny_tools import make_tool_assets
+        paths.update(make_tool_assets(out, seed))
     return paths

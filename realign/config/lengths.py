@@ -97,3 +97,39 @@ def _histogram_pairs(value, f: Path, line: int) -> list[tuple[int, float]]:
         raise PlanError(f"{f} line {line}: response_len_hist must be [[length, count], ...] "
                         "of whole numbers", field="plan.lengths_from")
     return [(int(a), float(c)) for a, c in value]
+
+
+def recorded_turns(cfg: ExperimentConfig, base: Path) -> dict[str, float]:
+    """What a previous multi-turn run (``plan.lengths_from``) measured of its episodes,
+    averaged over its steps: ``turns`` (model turns per episode), ``obs_tokens`` (tokens
+    per observation: the masked share of the response tokens over the observations,
+    one fewer than the turns) and ``env_s`` (environment seconds per step call).
+    Empty when unset or when the run recorded no ``rollout.turns``."""
+    if not cfg.plan.lengths_from or not cfg.rollout.multi_turn:
+        return {}
+    p = Path(cfg.plan.lengths_from)
+    p = p if p.is_absolute() else base / p
+    f = p / "metrics.jsonl" if p.is_dir() else p
+    if not f.is_file():
+        return {}           # recorded_lengths says what is wrong
+    turns, obs, env = [], [], []
+    for line in f.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        t = row.get("rollout.turns") if isinstance(row, dict) else None
+        if not isinstance(t, (int, float)) or t <= 0:
+            continue
+        turns.append(float(t))
+        share, length = row.get("rollout.masked_share"), row.get("response_len")
+        if isinstance(share, (int, float)) and isinstance(length, (int, float)) and t > 1:
+            obs.append(share * length / (t - 1))
+        per_call = row.get("rollout.env_s_per_call")
+        if isinstance(per_call, (int, float)):
+            env.append(float(per_call))
+    out: dict[str, float] = {}
+    for key, xs in (("turns", turns), ("obs_tokens", obs), ("env_s", env)):
+        if xs:
+            out[key] = sum(xs) / len(xs)
+    return out

@@ -9,6 +9,7 @@ from planner.errors import InfeasibleError, PlanError
 from planner.graph.algorithms import PROXIMAL_MFC, EvalShape, algorithm_spec, build_graph
 from planner.graph.dataflow import DataflowGraph
 from planner.graph.lengths import GenLengths
+from planner.graph.turns import Turns
 from planner.plan import ExecutionPlan, ModeResult
 from planner.search.problem import RoleModel, head_of
 from planner.search.search import SearchSettings, search
@@ -16,7 +17,7 @@ from planner.specs.model_spec import model_presets, model_spec_from_hf_config
 from realign.algorithms.params import ClippedPGParams, make_params
 from realign.config.experiment import ExperimentConfig
 from realign.config.host_work import resolve_host_work
-from realign.config.lengths import data_prompt_lengths, recorded_lengths
+from realign.config.lengths import data_prompt_lengths, recorded_lengths, recorded_turns
 from realign.errors import UserError
 
 
@@ -151,7 +152,29 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
                        train_micro_batches=cfg.train.micro_batches,
                        evaluation=eval_shape(cfg, base), lengths=responses,
                        max_staleness=cfg.algorithm.max_staleness, asynchronous=asynchronous,
-                       prompt_lengths=prompts, score_rollout=scores_rollout(cfg))
+                       prompt_lengths=prompts, score_rollout=scores_rollout(cfg),
+                       turns=turns_shape(cfg, base))
+
+
+def turns_shape(cfg: ExperimentConfig, base: Path) -> Turns | None:
+    """The multi-turn shape of every generate call (``rollout.env`` / ``rollout.tools``):
+    turns of at most ``turn_tokens`` (else ``algorithm.gen_len``) in ``env_groups``
+    groups; the turns per episode, tokens per observation and environment seconds per
+    turn are ``rollout.plan_turns``, ``plan_observation_tokens`` and ``plan_env_s`` where
+    given, else what the run of ``plan.lengths_from`` measured
+    (:func:`~realign.config.lengths.recorded_turns`), else ``max_turns``,
+    ``max_observation_tokens`` and 0."""
+    r = cfg.rollout
+    if not r.multi_turn:
+        return None
+    seen = recorded_turns(cfg, base)
+    obs = r.plan_observation_tokens
+    return Turns(turns=min(float(r.max_turns), r.plan_turns or seen.get("turns", r.max_turns)),
+                 turn_tokens=r.turn_tokens or cfg.algorithm.gen_len,
+                 obs_tokens=obs if obs is not None else round(
+                     seen.get("obs_tokens", r.max_observation_tokens)),
+                 env_s=r.plan_env_s if "plan_env_s" in r.model_fields_set
+                 else seen.get("env_s", 0.0), groups=r.env_groups)
 
 
 def scores_rollout(cfg: ExperimentConfig) -> bool:

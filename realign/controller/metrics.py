@@ -107,7 +107,12 @@ class MetricsLog:
 
 #: the progress line's numbers: (label, metrics key)
 SHOWN = (("reward", "reward_mean"), ("kl", "kl"), ("loss", "loss"),
-         ("eval acc", "eval.greedy_accuracy"), ("tok/s", "tokens_per_s"))
+         ("eval acc", "eval.greedy_accuracy"),
+         # multi-turn rollouts: turns per episode, share of episodes calling a tool, tool
+         # errors, seconds waited for the environment, share of tokens masked
+         ("turns", "rollout.turns"), ("calls", "rollout.tool_call_rate"),
+         ("tool err", "rollout.tool_errors"), ("env s", "rollout.env_wait_s"),
+         ("masked", "rollout.masked_share"), ("tok/s", "tokens_per_s"))
 
 
 def no_signal(row: dict) -> str | None:

@@ -57,7 +57,18 @@ def learning_curves(rows: list[dict]) -> list[str]:
     groups = [
         ("reward", "Reward per step", [k for k in ("reward_mean", "greedy_reward_mean") if k in keys]),
         ("eval", "Held-out evaluation", [k for k in keys if k.startswith("eval.")
+                                          and "rollout." not in k
                                           and ("accuracy" in k or "pass@" in k or "reward" in k)]),
+        # multi-turn rollouts (rollout.env / rollout.tools: docs/tools.md)
+        ("turns", "Multi-turn episodes", [k for k in (
+            "rollout.turns", "rollout.tool_call_rate", "rollout.masked_share",
+            "eval.greedy_rollout.tool_call_rate") if k in keys]),
+        ("tools", "Tool calls and errors per step", [k for k in (
+            "rollout.tool_calls", "rollout.tool_errors", "rollout.env_errors") if k in keys]),
+        ("env", "Environment seconds per step", [k for k in (
+            "rollout.env_s", "rollout.env_wait_s") if k in keys]),
+        ("turn-rewards", "Per-turn rewards", [k for k in keys if k.startswith("rollout.turn")
+                                              and k.endswith("_reward")]),
         ("kl", "KL to the reference", [k for k in keys if k == "kl" or k.endswith(".kl")]),
         ("loss", "Losses", [k for k in keys if k.endswith(".loss") and not k.startswith("eval.")]
          or [k for k in keys if k == "loss"]),

@@ -54,13 +54,31 @@ def load_reward_fn(spec: str, field: str = "reward.fn",
     spec = spec.strip()
     if spec in BUILTINS:
         return BUILTINS[spec]
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
+    if ":" not in spec:
         raise UserError(f"unknown reward {spec!r}: give a built-in "
                         f"({', '.join(sorted(BUILTINS))}) or 'module:function'", field=field)
-    if not module_name or not attr or ":" in attr:
-        raise UserError(f"malformed reward {spec!r}: expected 'module:function' with one ':' "
-                        f"and both parts non-empty", field=field)
+    obj = import_object(spec, field, base_dir)
+    if not callable(obj):
+        raise UserError(f"{spec} is a {type(obj).__name__}, not a function", field=field)
+    try:
+        inspect.signature(obj).bind("prompt", "response", "answer")
+    except TypeError:
+        raise UserError(f"{spec} must accept (prompt, response, answer); its signature is "
+                        f"{inspect.signature(obj)}", field=field) from None
+    except ValueError:
+        pass   # no signature available (some C callables): checked when called
+    return obj
+
+
+def import_object(spec: str, field: str, base_dir: str | Path | None = None):
+    """The object named ``"module:attr"`` or ``"path/to/file.py:attr"`` (``attr`` may
+    be dotted); :class:`UserError` at ``field`` for a malformed name, a module that is
+    missing or raises while importing, or a missing attribute. Rewards, environments
+    and tools are all named this way."""
+    module_name, sep, attr = spec.strip().partition(":")
+    if not sep or not module_name or not attr or ":" in attr:
+        raise UserError(f"malformed name {spec!r}: expected 'module:attr' or "
+                        f"'file.py:attr' with one ':' and both parts non-empty", field=field)
     module = (_import_file(module_name, base_dir, field) if module_name.endswith(".py")
               else _import_module(module_name, field))
     obj = module
@@ -72,15 +90,6 @@ def load_reward_fn(spec: str, field: str = "reward.fn",
             raise UserError(f"{owner} has no attribute {part!r} (callables there: "
                             f"{', '.join(names[:20]) or 'none'})", field=field)
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise UserError(f"{spec} is a {type(obj).__name__}, not a function", field=field)
-    try:
-        inspect.signature(obj).bind("prompt", "response", "answer")
-    except TypeError:
-        raise UserError(f"{spec} must accept (prompt, response, answer); its signature is "
-                        f"{inspect.signature(obj)}", field=field) from None
-    except ValueError:
-        pass   # no signature available (some C callables): checked when called
     return obj
 
 

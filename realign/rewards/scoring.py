@@ -13,12 +13,14 @@ from realign.errors import NonFiniteError, UserError
 
 
 def decoded_answers(tokenizer, seqs: dict, prompts: dict) -> list[tuple[str, str, object]]:
-    """(prompt text, decoded response, reference answer) of every sequence; a prompt's
-    ``k`` responses are consecutive rows (``seqs``: tokens, prompt_lengths, lengths;
+    """(prompt text, decoded response, reference answer) of every sequence (a
+    multi-turn episode's response is its last model turn, from ``answer_start``); a
+    prompt's ``k`` responses are consecutive rows (``seqs``: tokens, prompt_lengths, lengths;
     ``prompts``: texts, answers)."""
     k = len(seqs["tokens"]) // len(prompts["answers"])
-    rows = zip(seqs["tokens"].tolist(), seqs["prompt_lengths"].tolist(),
-               seqs["lengths"].tolist())
+    # a multi-turn episode's answer is its last model turn (realign.agents.rollout)
+    starts = seqs["answer_start"] if "answer_start" in seqs else seqs["prompt_lengths"]
+    rows = zip(seqs["tokens"].tolist(), starts.tolist(), seqs["lengths"].tolist())
     texts = tokenizer.batch_decode([t[p:n] for t, p, n in rows], skip_special_tokens=True)
     return [(prompts["texts"][i // k], text, prompts["answers"][i // k])
             for i, text in enumerate(texts)]

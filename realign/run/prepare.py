@@ -106,6 +106,24 @@ def _check_eval(cfg: ExperimentConfig, base: Path, tok: Any, train: Dataset) -> 
     return len(used)
 
 
+def _check_multi_turn(cfg: ExperimentConfig, base: Path, generates: bool) -> None:
+    """``rollout.env`` / ``rollout.tools``: an algorithm that generates, a turn that fits
+    the response budget, and an environment class or tools that load and have the right
+    shape (:mod:`realign.agents.loading`)."""
+    from realign.agents.loading import env_factory
+
+    r = cfg.rollout
+    field = "rollout.env" if r.env is not None else "rollout.tools"
+    if not generates and cfg.eval is None:
+        raise UserError(f"{cfg.algorithm.name} generates nothing and there is no eval "
+                        "section: environments and tools would never run", field=field)
+    if r.turn_tokens is not None and r.turn_tokens > cfg.algorithm.gen_len:
+        raise UserError(f"{r.turn_tokens} tokens per turn, more than the episode's whole "
+                        f"budget algorithm.gen_len = {cfg.algorithm.gen_len}",
+                        field="rollout.turn_tokens")
+    env_factory(r, base)
+
+
 def _run_folder(cfg: ExperimentConfig, run_dir: str | None) -> Path:
     folder = Path(run_dir or cfg.run.dir.format(name=cfg.name)).resolve()
     if folder.exists() and not folder.is_dir():
@@ -190,6 +208,8 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     if reward_fn is not None:
         from realign.rewards.registry import load_reward_fn
         load_reward_fn(reward_fn, base_dir=base)
+    if cfg.rollout.multi_turn:
+        _check_multi_turn(cfg, base, algo.spec.generates)
     tok = load_tokenizer(paths[cfg.tokenizer_role()])
     data = load_dataset(cfg.data.train, tok, base, field="data.train")
     too_long = [e for e in data.examples if len(e.prompt_ids) > cfg.algorithm.prompt_len]

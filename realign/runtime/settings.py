@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from realign.agents.config import MultiTurn
+
 
 class Sampling(BaseModel):
     """How the actor samples responses (the experiment's ``sampling`` section; their
@@ -87,9 +89,10 @@ class VLLMSettings(BaseModel):
                               "at once (vLLM's max_num_seqs).")
 
 
-class Rollout(BaseModel):
-    """Which engine generates (the experiment's ``rollout`` section), and how the
-    rollout's log-probs are compared with training's."""
+class Rollout(MultiTurn):
+    """Which engine generates (the experiment's ``rollout`` section), how the rollout's
+    log-probs are compared with training's, and the multi-turn keys (environments and
+    tools: :class:`~realign.agents.config.MultiTurn`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

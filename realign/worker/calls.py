@@ -33,6 +33,7 @@ from realign.runtime.engines.inference import InferenceEngine
 from realign.runtime.engines.train import TrainEngine
 from realign.runtime.lora import seed_dropout
 from realign.runtime.settings import Sampling, SamplingParams, TrainConfig
+from realign.worker.episodes import generate_episodes, response_lengths, stop_ids
 from realign.worker.records import Record, merge, sequences_from_generation
 from realign.worker.replicas import Hosted
 
@@ -45,13 +46,18 @@ class Calls:
     def __init__(self, *, specs, algorithm, algo_params, train_cfg: TrainConfig,
                  sampling: Sampling, tokenizer, pad_id: int, eos_id: int | None, reward_fn,
                  verifier, seed: int, max_staleness: int = 0, asynchronous: bool = False,
-                 logprob_diff_threshold: float = 0.01):
+                 logprob_diff_threshold: float = 0.01, multi_turn=None, make_env=None):
         """``reward_fn``: the rule reward (None with a reward model); ``verifier``: what
         counts as correct in evaluations (None without an eval section);
         ``max_staleness``: the most policy versions a trained sample may lag;
         ``asynchronous``: the program runs generation ahead of training;
         ``logprob_diff_threshold``: of the rollout's log-prob mismatch metrics."""
         self.max_staleness = max_staleness
+        #: rollout.env / rollout.tools (None: one response per prompt) and what makes
+        #: one episode's environment
+        self.multi_turn = multi_turn if multi_turn is not None and multi_turn.multi_turn \
+            else None
+        self.make_env = make_env
         self.asynchronous = asynchronous
         self.logprob_diff_threshold = logprob_diff_threshold
         #: replica key -> its vLLM engine on this rank (generate calls with engine vllm)
@@ -87,19 +93,43 @@ class Calls:
             # sampling seeds follow the batch (an ahead call makes the next step's)
             seed=self.seed * 1_000_003 + (step + op.ahead) * len(prompts))
         metrics: dict = {}
+        kv_peaks = [0]        # the most KV-cache bytes of the call's generations (turns)
+
+        def peak(gen):
+            kv_peaks[0] = max(kv_peaks[0], gen.kv_cache_peak_bytes)
+            return gen
         if op.engine == "vllm":
             # the replica's weights (trained, or just reallocated) into vLLM's storage
-            engine = self.vllm_engines[op.replica]
+            vllm = self.vllm_engines[op.replica]
             t0 = time.perf_counter()
-            loaded = engine.load(h.shard)
+            loaded = vllm.load(h.shard)
             metrics[f"time.vllm_load.{op.name}"] = time.perf_counter() - t0
             metrics[f"vllm_load_bytes.{op.name}"] = float(loaded)
-            gen = engine.generate(h.shard, prompts, params, self.pad_id)
+
+            def engine(rows, p):
+                return peak(vllm.generate(h.shard, rows, p, self.pad_id))
         else:
-            gen = GenerateEngine(h.shard, pad_id=self.pad_id).generate(prompts, params,
-                                                                        waves=op.micro_batches)
-        seqs, logprobs = sequences_from_generation(prompts, gen.tokens, gen.logprobs,
-                                                   gen.lengths, self.pad_id)
+            own = GenerateEngine(h.shard, pad_id=self.pad_id)
+
+            def engine(rows, p):
+                return peak(own.generate(rows, p, waves=op.micro_batches))
+        prefix = "greedy_" if op.mfc.greedy else ""
+        if op.mfc.is_eval:                       # an evaluation's generation
+            prefix = f"eval.{'greedy' if op.mfc.greedy else 'sample'}_"
+        if self.multi_turn is not None:          # episodes with an environment
+            seqs, logprobs, turn_metrics = generate_episodes(
+                self.multi_turn, self.make_env, self.tokenizer, prompts, prompts_rec, engine,
+                params.model_copy(update={"stop_token_ids": stop_ids(self.tokenizer,
+                                                                     self.eos_id)}),
+                h.shard.groups.layout.dp, op.mfc.gen_len, h.shard.spec.max_seq_len,
+                self.pad_id, prefix + "rollout.")
+            metrics.update(turn_metrics)
+            gen_lengths = response_lengths(seqs)
+        else:
+            gen = engine(prompts, params)
+            seqs, logprobs = sequences_from_generation(prompts, gen.tokens, gen.logprobs,
+                                                       gen.lengths, self.pad_id)
+            gen_lengths = gen.lengths
         # the policy version that sampled them: a step reallocates the weights after
         # ``step`` updates; an ahead call on the trained copy itself runs after the
         # step's update
@@ -108,14 +138,11 @@ class Calls:
         out = {op.outputs[0]: seqs}
         if len(op.outputs) > 1:
             out[op.outputs[1]] = logprobs
-        prefix = "greedy_" if op.mfc.greedy else ""
-        if op.mfc.is_eval:                       # an evaluation's generation
-            prefix = f"eval.{'greedy' if op.mfc.greedy else 'sample'}_"
-        metrics.update({f"{prefix}gen_tokens": float(gen.lengths.sum()),
-                        f"{prefix}response_len": float(gen.lengths.float().mean()),
-                        f"kv_cache_bytes.{op.name}": float(gen.kv_cache_peak_bytes)})
+        metrics.update({f"{prefix}gen_tokens": float(gen_lengths.sum()),
+                        f"{prefix}response_len": float(gen_lengths.float().mean()),
+                        f"kv_cache_bytes.{op.name}": float(kv_peaks[0])})
         if not prefix:      # the sampled rollout's lengths, for plan.lengths_from
-            metrics["response_len_hist"] = length_histogram(gen.lengths)
+            metrics["response_len_hist"] = length_histogram(gen_lengths)
         return out, metrics
 
     # ---- inference -----------------------------------------------------------------
@@ -141,6 +168,8 @@ class Calls:
     def rule_reward(self, op: RuleReward, store, step):
         answers = decoded_answers(self.tokenizer, store[op.seqs_key], store[op.prompts_key])
         r = scores(self.reward_fn, answers, step, "sample")
+        if "env_reward" in store[op.seqs_key]:    # an environment's per-turn rewards
+            r = r + store[op.seqs_key]["env_reward"]
         return {op.out_key: {op.out_key: r}}, {f"{op.out_key.removesuffix('s')}_mean": float(r.mean())}
 
     def evaluate(self, op: Evaluate, store, step) -> dict[str, float]:

@@ -93,6 +93,10 @@ class Session:
         if spec.verifier is not None:
             verifier = load_reward_fn(spec.verifier, field="eval.verifier",
                                       base_dir=spec.base_dir)
+        make_env = None
+        if cfg.rollout.multi_turn:       # checked by prepare: loads as it did there
+            from realign.agents.loading import env_factory
+            make_env = env_factory(cfg.rollout, spec.base_dir)
         self.specs = {r: spec_from_hf(p) for r, p in self.paths.items()}
         self.loras = {role: lc.spec() for role, lc in cfg.lora.items()}
         self.hosted = build_replicas(
@@ -108,7 +112,8 @@ class Session:
                            verifier=verifier, seed=cfg.run.seed,
                            max_staleness=self.program.max_staleness,
                            asynchronous=self.program.asynchronous,
-                           logprob_diff_threshold=cfg.rollout.logprob_diff_threshold)
+                           logprob_diff_threshold=cfg.rollout.logprob_diff_threshold,
+                           multi_turn=cfg.rollout, make_env=make_env)
         self._start_vllm(rank)
         self.runner = StepRunner(self.program, self.hosted, self.calls, rank,
                                  self.dev.device, self.dev.dtype, spec.plan.cluster.gpus_per_node,

@@ -96,6 +96,8 @@ def _variants(name: str) -> dict[str, object]:
             train_state_offload=True)),
         "activation_recompute": edited(base, lambda r: _alloc(r, name).update(
             activation_recompute=True)),
+        # a generate call on vLLM; another kind is refused
+        "engine": edited(base, lambda r: _alloc(r, name).update(engine="vllm")),
     }
 
 

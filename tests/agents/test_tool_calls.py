@@ -1,0 +1,107 @@
+"""Tool-call parsing, tools from functions, and every failure a tool can have turned
+into an observation (the built-in tool environment)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from realign.agents.interface import Tool
+from realign.agents.tool_calls import Malformed, ToolCall, format_call, parse_tool_calls
+from realign.agents.tool_env import ToolEnvironment
+from realign.agents.tools import as_tool
+
+pytestmark = pytest.mark.pure
+
+
+def add(a: int, b: int) -> str:
+    """The sum of two integers."""
+    return str(a + b)
+
+
+def test_parses_calls_in_order_and_reports_malformed_ones():
+    turn = ('think <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> and '
+            '<tool_call> {"name":"add","arguments":"{\\"a\\": 3, \\"b\\": 4}"} </tool_call>'
+            '<tool_call>{"name": "add", "arguments": [1]}</tool_call>'
+            '<tool_call>not json</tool_call><tool_call>{"name": "add"')
+    got = parse_tool_calls(turn)
+    assert got[:2] == [ToolCall("add", {"a": 1, "b": 2}), ToolCall("add", {"a": 3, "b": 4})]
+    assert [type(g) for g in got[2:]] == [Malformed] * 3
+    assert "'arguments' must be an object" in got[2].why
+    assert got[3].why.startswith("not JSON")
+    assert got[4].why == "no closing </tool_call>"
+    assert parse_tool_calls("no call here") == []
+    assert parse_tool_calls(format_call("add", {"a": 5, "b": 6})) == [ToolCall("add", {"a": 5, "b": 6})]
+
+
+def test_a_function_becomes_a_tool_with_a_schema_from_its_signature():
+    t = as_tool(add, "m:add")
+    assert t.name == "add" and t.description == "The sum of two integers."
+    assert t.parameters["properties"] == {"a": {"type": "integer"}, "b": {"type": "integer"}}
+    assert t.parameters["required"] == ["a", "b"]
+    with pytest.raises(ValueError, match="parameters are named"):
+        as_tool(lambda *xs: 0, "m:f")
+    with pytest.raises(ValueError, match="not a valid JSON schema"):
+        as_tool(Tool("t", {"type": "object", "properties": 3}, add), "m:t")
+    with pytest.raises(ValueError, match="is a int"):
+        as_tool(3, "m:x")
+
+
+def _env(timeout_s=0.5, penalty=0.0):
+    def boom(x: int) -> str:
+        raise ZeroDivisionError("no")
+
+    def hang(x: int) -> str:
+        time.sleep(30)
+        return "late"
+
+    def obj(x: int):
+        return object()
+
+    def data(x: int):
+        return {"x": x}
+
+    tools = {t.name: t for t in map(lambda f: as_tool(f, f.__name__),
+                                    (add, boom, hang, obj, data))}
+    return ToolEnvironment(tools, timeout_s, penalty)
+
+
+@pytest.mark.parametrize("call, shown, kind", [
+    ('{"name": "add", "arguments": {"a": 2, "b": 3}}', "<tool_response>5</tool_response>", None),
+    ('{"name": "data", "arguments": {"x": 2}}', '<tool_response>{"x": 2}</tool_response>', None),
+    ('{"name": "boom", "arguments": {"x": 1}}', "error: boom raised ZeroDivisionError: no",
+     "raised"),
+    ('{"name": "hang", "arguments": {"x": 1}}', "error: timed out after 0.5 s", "timeout"),
+    ('{"name": "obj", "arguments": {"x": 1}}', "error: obj returned a object, not text",
+     "bad_result"),
+    ('{"name": "add", "arguments": {"a": "2"}}', "error: bad arguments for add", "bad_arguments"),
+    ('{"name": "mul", "arguments": {}}', "error: no tool named 'mul'", "unknown_tool"),
+    ('{"name": "add", "arguments": {"a": 2', "error: malformed tool call: not JSON", "malformed"),
+])
+def test_every_failure_is_an_observation_counted_by_kind(call, shown, kind):
+    t0 = time.monotonic()
+    step = _env(penalty=0.25).step(f"<tool_call>{call}</tool_call>")
+    assert time.monotonic() - t0 < 5          # a hung tool is abandoned at its timeout
+    assert shown in step.observation and not step.done
+    assert step.info["tool_calls"] == 1
+    assert step.info["tool_errors"] == (0 if kind is None else 1)
+    assert step.reward == (0.0 if kind is None else -0.25)
+    if kind:
+        assert step.info[f"tool_error.{kind}"] == 1
+
+
+def test_a_turn_without_a_call_ends_the_episode_and_calls_run_concurrently():
+    env = _env(timeout_s=5)
+    assert env.step("579").done
+    slow = {"sleepy": as_tool(_sleepy, "m:sleepy")}
+    env = ToolEnvironment(slow, 5.0)
+    t0 = time.monotonic()
+    step = env.step("".join(format_call("sleepy", {"s": 0.2}) for _ in range(5)))
+    took = time.monotonic() - t0
+    assert step.observation.count("<tool_response>slept</tool_response>") == 5
+    assert took < 5 * 0.2 * 0.75, took        # five 0.2 s calls, not one after another
+
+
+def _sleepy(s: float) -> str:
+    time.sleep(s)
+    return "slept"
