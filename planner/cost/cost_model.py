@@ -287,7 +287,7 @@ class CostModel:
         if mfc.turns is not None:          # multi-turn episodes: priced turn by turn
             from planner.cost.turns import multi_turn_cost
             return multi_turn_cost(mfc, lambda sub: self.mfc_cost(
-                sub, spec, head, mesh, layout, micro_batches, engine=engine))
+                sub, spec, head, mesh, layout, micro_batches, engine=engine, lora=lora))
         if engine == "vllm":
             if lora is not None:
                 raise PlanError("vLLM generation of a LoRA model is not priced: realign "

@@ -22,7 +22,7 @@ def multi_turn_cost(mfc: MFC, price: Callable[[MFC], "MFCCost"]) -> "MFCCost":
     assert t is not None and mfc.kind == "generate"
     rows = math.ceil(mfc.n_seqs / t.groups)
     terms: dict[str, float] = {}
-    mem = [0.0, 0.0, 0.0, 0.0]
+    mem = [0.0, 0.0, 0.0, 0.0, 0.0]
     for weight, context, new in t.turn_shapes(mfc.prompt_len, mfc.gen_len):
         sub = mfc.model_copy(update={"turns": None, "n_seqs": rows, "prompt_len": context,
                                      "gen_len": new, "lengths": None,
@@ -33,6 +33,8 @@ def multi_turn_cost(mfc: MFC, price: Callable[[MFC], "MFCCost"]) -> "MFCCost":
         hidden = (t.groups - 1) * c.time_s
         terms["env_wait"] = terms.get("env_wait", 0.0) + weight * max(0.0, t.env_s - hidden)
         mem = [max(a, b) for a, b in zip(mem, (c.weights_bytes, c.resident_bytes,
-                                               c.activation_bytes, c.host_bytes))]
+                                               c.activation_bytes, c.host_bytes,
+                                               c.adapter_bytes))]
     return MFCCost(time_s=sum(terms.values()), terms_s=terms, weights_bytes=mem[0],
-                   resident_bytes=mem[1], activation_bytes=mem[2], host_bytes=mem[3])
+                   resident_bytes=mem[1], activation_bytes=mem[2], host_bytes=mem[3],
+                   adapter_bytes=mem[4])

@@ -268,3 +268,21 @@ def test_a_saved_plan_with_other_lora_settings_is_refused():
     with pytest.raises(PlanError, match="the plan's actor has LoRA rank 64 .* rank 8") as e:
         check_plan_matches(plan, graph, other, cfg.cluster.spec())
     assert e.value.field == "plan.file"
+
+
+def test_multi_turn_generation_of_a_lora_model_carries_its_adapters():
+    """A multi-turn rollout is priced turn by turn with the adapters in each pass, and
+    keeps the adapters' bytes (what its reallocation moves)."""
+    from planner.graph.turns import Turns
+
+    graph = build_graph("grpo", BatchShape(prompts_per_step=8, samples_per_prompt=4,
+                                           prompt_len=16, gen_len=64), {"actor"},
+                        turns=Turns(turns=2, turn_tokens=16, obs_tokens=8))
+    mfc = next(m for m in graph.mfcs if m.kind == "generate")
+    assert mfc.turns is not None
+    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=1, device=resolve_device("a100-80g")))
+    args = (mfc, SPEC, "lm", DeviceMesh(first_gpu=0, n_gpus=1), Layout(tp=1, pp=1, dp=1), 1)
+    plain, low = cm.mfc_cost(*args), cm.mfc_cost(*args, lora=LoraSpec(rank=64))
+    assert low.time_s > plain.time_s
+    assert low.adapter_bytes == pytest.approx(
+        cm.config.param_dtype_bytes * LoraSpec(rank=64).total_params(SPEC))
