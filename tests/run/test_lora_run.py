@@ -139,3 +139,27 @@ def test_an_adapter_made_for_another_base_exits_2(tiny_assets, tmp_path):
             tmp_path / "run")
     assert r.returncode == 2, r.stderr[-2000:]
     assert "lora.actor.init_from" in r.stderr and "another base" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_lora_reward_model_loads_with_peft_as_a_sequence_classifier(tiny_assets, tmp_path):
+    """Reward modelling with LoRA: the final folder (adapters and the trained score head as
+    PEFT's modules_to_save) loads with peft on the base classifier and scores like the
+    merged checkpoint."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    exp = experiment(tiny_assets, "tiny-rm-cpu", tmp_path, run__steps=4,
+                     lora={"reward": {"rank": 4, "alpha": 8, "merged": True}})
+    r = run(exp, tmp_path / "run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    final = tmp_path / "run" / "final" / "reward"
+    assert json.loads((final / "adapter_config.json").read_text())["modules_to_save"] == ["score"]
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_assets / "tiny" / "reward")
+    ids = torch.tensor([[3, 17, 5, 9, 12, 4, 8, 30]])
+    with torch.no_grad():
+        before = base(ids).logits
+        peft = PeftModel.from_pretrained(base, str(final)).eval()
+        scored = peft(ids).logits
+        merged = AutoModelForSequenceClassification.from_pretrained(final / "merged")(ids).logits
+    assert (scored - before).abs().max() > 1e-5          # trained adapters and head
+    assert (scored - merged).abs().max() < 1e-4
