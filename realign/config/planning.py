@@ -60,6 +60,12 @@ def check_lora(cfg: ExperimentConfig) -> None:
             raise UserError(f"{cfg.algorithm.name} does not train the {role} (it trains: "
                             f"{', '.join(sorted(trained)) or 'nothing'}); LoRA applies to "
                             "trained roles only", field=f"lora.{role}")
+    final = "actor" if "actor" in trained else "reward"     # RunSpec.final_role's rule
+    for role, lc in cfg.lora.items():
+        if lc.merged and role != final:
+            raise UserError(f"the run writes only the {final} at the end (final/{final}); "
+                            f"the {role}'s adapters stay in its checkpoints: leave merged "
+                            "off", field=f"lora.{role}.merged")
     if "actor" in cfg.lora and cfg.rollout.engine == "vllm":
         raise UserError("a LoRA actor generates on realign's own engine (its LoRA-aware "
                         "forward); set rollout.engine to own or auto", field="rollout.engine")

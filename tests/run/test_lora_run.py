@@ -119,6 +119,8 @@ def test_reallocation_moves_only_the_adapters(tiny_assets, tmp_path):
     ({"lora__ref": {"rank": 4}}, "lora.ref", "Input should be"),
     ({"lora__actor__init_from": "tiny/small_actor"}, "lora.actor.init_from",
      "not a PEFT adapter folder"),
+    ({"rollout__engine": "vllm"}, "rollout.engine", "realign's own engine"),
+    ({"lora__actor__alpha": 0}, "lora.actor.alpha", "greater than 0"),
 ])
 def test_bad_lora_input_exits_2_naming_the_field(tiny_assets, tmp_path, changes, field, needle):
     r = run(lora_exp(tiny_assets, tmp_path, **changes), tmp_path / "run")
@@ -163,3 +165,11 @@ def test_a_lora_reward_model_loads_with_peft_as_a_sequence_classifier(tiny_asset
         merged = AutoModelForSequenceClassification.from_pretrained(final / "merged")(ids).logits
     assert (scored - before).abs().max() > 1e-5          # trained adapters and head
     assert (scored - merged).abs().max() < 1e-4
+
+
+def test_merging_a_model_the_run_does_not_hand_over_exits_2(tiny_assets, tmp_path):
+    exp = experiment(tiny_assets, "tiny-ppo-cpu", tmp_path, run__steps=1,
+                     lora={"critic": {"rank": 4, "merged": True}})
+    r = run(exp, tmp_path / "run")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "lora.critic.merged" in r.stderr and "only the actor" in r.stderr, r.stderr[-2000:]
