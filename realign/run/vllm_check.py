@@ -34,8 +34,11 @@ GIB = 2 ** 30
 
 
 def vllm_installed() -> bool:
-    """vLLM can be imported by this interpreter (looked up, not imported)."""
-    return importlib.util.find_spec("vllm") is not None
+    """vLLM can be imported by this interpreter (looked up, not imported). A folder
+    named ``vllm`` on the path without an ``__init__`` (a namespace package, such as a
+    test folder on pytest's path) is not vLLM."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
 
 
 def vllm_problem(cfg: "ExperimentConfig", spec: ModelSpec, mfc: MFC,
