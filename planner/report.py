@@ -1,6 +1,7 @@
 """Human and machine summaries of an :class:`ExecutionPlan` (table and JSON)."""
 from __future__ import annotations
 
+from planner.graph.packing import row_moments
 from planner.graph.padding import rollout_moments
 from planner.plan import ExecutionPlan
 
@@ -113,7 +114,8 @@ def priced_lengths(plan: ExecutionPlan) -> dict | None:
             "prompt_cap": gen.prompt_len,
             "response_mean": gen.lengths.expected() if gen.lengths else gen.gen_len,
             "response_cap": gen.gen_len, "rows": gen.n_seqs,
-            "padded_mean": rollout_moments(gen)[0]}
+            "padded_mean": rollout_moments(gen)[0],
+            "packed": any(m.packed for m in plan.graph.mfcs), "row_mean": row_moments(gen)[0]}
 
 
 def lengths_line(plan: ExecutionPlan) -> str | None:
@@ -122,10 +124,14 @@ def lengths_line(plan: ExecutionPlan) -> str | None:
     x = priced_lengths(plan)
     if x is None:
         return None
-    return (f"lengths: prompts {x['prompt_mean']:.1f} tokens on average (cap "
-            f"{x['prompt_cap']}), responses {x['response_mean']:.1f} (cap {x['response_cap']}); "
-            f"a step's {x['rows']} rows padded to {x['padded_mean']:.1f} on average, where "
-            "scoring and training are priced")
+    head = (f"lengths: prompts {x['prompt_mean']:.1f} tokens on average (cap "
+            f"{x['prompt_cap']}), responses {x['response_mean']:.1f} (cap {x['response_cap']}); ")
+    if x["packed"]:
+        return head + (f"a step's {x['rows']} rows packed at {x['row_mean']:.1f} tokens each "
+                       "on average (plus each bin's rounding), where scoring and training "
+                       f"are priced (padded to the longest: {x['padded_mean']:.1f})")
+    return head + (f"a step's {x['rows']} rows padded to {x['padded_mean']:.1f} on average, "
+                   "where scoring and training are priced")
 
 
 def turns_lines(plan: ExecutionPlan) -> list[str]:
