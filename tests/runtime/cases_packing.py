@@ -44,11 +44,13 @@ def padded_vs_packed(ctx, path, head, tp, pp, dp, micro):
     batch = long_tail_batch()
     key = "logprobs" if head == "lm" else "values"
     loss = masked_nll if head == "lm" else value_loss
+    # both replicas first: building one is collective over the world (its groups), so
+    # every rank builds as many, members or not
+    shards = [replica(ctx, path, head, tp, pp, dp, fresh=True) for _ in range(2)]
+    if shards[0] is None:
+        return None
     got = {}
-    for packing in (False, True):
-        shard = replica(ctx, path, head, tp, pp, dp, fresh=True)
-        if shard is None:
-            return None
+    for packing, shard in zip((False, True), shards):
         scoring = InferenceEngine(shard, micro_batches=micro, packing=packing)
         before = scoring.inference(batch)[key]
         engine = TrainEngine(shard, TrainConfig(lr=LR, clip_grad=CLIP, adam_eps=EPS,
