@@ -1,6 +1,7 @@
 """Human and machine summaries of an :class:`ExecutionPlan` (table and JSON)."""
 from __future__ import annotations
 
+from planner.graph.packing import packed_shape, row_moments
 from planner.graph.padding import rollout_moments
 from planner.plan import ExecutionPlan
 
@@ -131,7 +132,23 @@ def priced_lengths(plan: ExecutionPlan) -> dict | None:
             "prompt_cap": gen.prompt_len,
             "response_mean": gen.lengths.expected() if gen.lengths else gen.gen_len,
             "response_cap": gen.gen_len, "rows": gen.n_seqs,
-            "padded_mean": rollout_moments(gen)[0]}
+            "padded_mean": rollout_moments(gen)[0],
+            "packed": any(m.packed for m in plan.graph.mfcs), "row_mean": row_moments(gen)[0],
+            "bin_tokens": bin_tokens(plan)}
+
+
+def bin_tokens(plan: ExecutionPlan) -> dict[str, float]:
+    """Each packed call's priced tokens per micro-batch (a bin), by call name
+    (:func:`planner.graph.packing.packed_shape` under its allocation)."""
+    mfcs = {m.name: m for m in plan.graph.mfcs}
+    out = {}
+    for a in plan.allocations:
+        m = mfcs[a.mfc]
+        if m.packed:
+            per_step = m.n_seqs / (m.n_minibatches if m.kind == "train" else 1)
+            rows = per_step / a.layout.dp / a.micro_batches
+            out[a.mfc] = packed_shape(m, rows, a.micro_batches, a.layout.dp)[0]
+    return out
 
 
 def lengths_line(plan: ExecutionPlan) -> str | None:
@@ -140,10 +157,16 @@ def lengths_line(plan: ExecutionPlan) -> str | None:
     x = priced_lengths(plan)
     if x is None:
         return None
-    return (f"lengths: prompts {x['prompt_mean']:.1f} tokens on average (cap "
-            f"{x['prompt_cap']}), responses {x['response_mean']:.1f} (cap {x['response_cap']}); "
-            f"a step's {x['rows']} rows padded to {x['padded_mean']:.1f} on average, where "
-            "scoring and training are priced")
+    head = (f"lengths: prompts {x['prompt_mean']:.1f} tokens on average (cap "
+            f"{x['prompt_cap']}), responses {x['response_mean']:.1f} (cap {x['response_cap']}); ")
+    if x["packed"]:
+        bins = ", ".join(f"{k} {v:.0f}" for k, v in x["bin_tokens"].items())
+        return head + (f"a step's {x['rows']} rows packed at {x['row_mean']:.1f} tokens each "
+                       "on average (plus each bin's rounding), where scoring and training "
+                       f"are priced (padded to the longest: {x['padded_mean']:.1f}); tokens "
+                       f"per micro-batch: {bins}")
+    return head + (f"a step's {x['rows']} rows padded to {x['padded_mean']:.1f} on average, "
+                   "where scoring and training are priced")
 
 
 def turns_lines(plan: ExecutionPlan) -> list[str]:

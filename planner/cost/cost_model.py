@@ -68,6 +68,7 @@ from planner.cost.rates import Rates
 from planner.errors import PlanError
 from planner.graph.dataflow import MFC
 from planner.graph.lengths import expected_call_tokens
+from planner.graph.packing import packed_shape
 from planner.graph.padding import longest_prompt, padded_len
 from planner.specs.cluster import ClusterSpec
 from planner.specs.layout import Layout
@@ -352,10 +353,11 @@ class CostModel:
         tpn, dpn, ppn = self._nodes(mesh, layout)
         n_local = mfc.n_seqs / dp
         b, s = n_local / m, padded_len(mfc)     # the batch padded to its longest
+        tok, ctx = micro_batch_tokens(mfc, b, m, dp)
         costs = r.engine("inference")
         # per micro-batch and stage boundary: its hidden states to the next stage
-        msg = _msg(r.collective_s("p2p", b * s * spec.hidden * dt, 2, ppn))
-        stages = self.stage_works(spec, head, "inference", b * s, s / 2, b * s, layout, tpn, msg,
+        msg = _msg(r.collective_s("p2p", tok * spec.hidden * dt, 2, ppn))
+        stages = self.stage_works(spec, head, "inference", tok, ctx, tok, layout, tpn, msg,
                                   lora=lora)
         out_cols = s - 1 if head == "lm" else s
         call = Work(seconds={"dp_comm": (
@@ -372,12 +374,12 @@ class CostModel:
         tp, pp, dp = layout.tp, layout.pp, layout.dp
         tpn, dpn, ppn = self._nodes(mesh, layout)
         steps = mfc.n_minibatches * mfc.n_epochs
-        b, s = mfc.n_seqs / mfc.n_minibatches / dp / m, padded_len(mfc)
+        tok, ctx = micro_batch_tokens(mfc, mfc.n_seqs / mfc.n_minibatches / dp / m, m, dp)
         costs = r.engine("train")
         # per micro-batch and stage boundary: activations forward, their gradients back
-        msg = _msg(r.collective_s("p2p", b * s * spec.hidden * dt, 2, ppn), 2)
-        stages = self.stage_works(spec, head, "train", b * s, s / 2, b * s, layout, tpn, msg,
-                              recompute=recompute, lora=lora)
+        msg = _msg(r.collective_s("p2p", tok * spec.hidden * dt, 2, ppn), 2)
+        stages = self.stage_works(spec, head, "train", tok, ctx, tok, layout, tpn, msg,
+                                  recompute=recompute, lora=lora)
         # what has gradients, an optimizer state and new values: every parameter, or the
         # adapters (and a value head) with LoRA
         p_gpu = self.trainable_params(spec, head, layout, lora)
@@ -477,6 +479,18 @@ class CostModel:
             return weights, resident, act, host
         resident = weights + p_gpu * cfg.grad_dtype_bytes + cfg.optimizer_state_bytes_per_param * shard
         return weights, resident, act, 0.0
+
+
+def micro_batch_tokens(mfc: MFC, rows: float, m: int, dp: int) -> tuple[float, float]:
+    """(tokens, mean attention context per token) of one micro-batch of ``rows`` rows of
+    a scoring or training call: packed (``mfc.packed``), a bin of the expected packed
+    tokens (:func:`planner.graph.packing.packed_shape`); padded, ``rows`` rows of the
+    batch's expected longest (:func:`planner.graph.padding.padded_len`), half of it as
+    context."""
+    if mfc.packed:
+        return packed_shape(mfc, rows, m, dp)
+    s = padded_len(mfc)
+    return rows * s, s / 2
 
 
 def _signature(w: Work) -> tuple:

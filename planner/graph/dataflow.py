@@ -66,6 +66,10 @@ class MFC(BaseModel):
         "of a prompt's length (prompt_len is its cap), read from the training data; None: "
         "every prompt is prompt_len long.")
 
+    packed: bool = Field(False, description="inference, train: the rows run packed end to "
+                         "end in bins of tokens (train.packing), priced at the expected "
+                         "tokens of a bin (planner.graph.packing) instead of the longest "
+                         "row's length per row.")
     turns: Turns | None = Field(None, description="generate: multi-turn episodes with an "
                                 "environment (rollout.env / rollout.tools); None: one "
                                 "response per prompt.")
@@ -90,6 +94,8 @@ class MFC(BaseModel):
                             f"{self.group_size}", field=f"mfc {self.name}")
         if self.turns is not None and self.kind != "generate":
             raise PlanError("only a generate call has turns", field=f"mfc {self.name}")
+        if self.packed and self.kind == "generate":
+            raise PlanError("a generate call is not packed", field=f"mfc {self.name}")
         if self.greedy and self.kind != "generate":
             raise PlanError("only a generate call can be greedy", field=f"mfc {self.name}")
         return self

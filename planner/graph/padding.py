@@ -66,6 +66,17 @@ def padded_len(mfc: "MFC") -> float:
     return padded_moments(mfc)[0]
 
 
+def row_length_pmf(mfc: "MFC") -> np.ndarray:
+    """The pmf of one row's length ``prompt + response`` of the rollout ``mfc`` scores
+    or trains (prompt and response independent), indexed from 0 on
+    ``0..prompt_len + gen_len``; a point at the caps without distributions.
+
+    Example: prompts of 5 always (cap 8), no response distribution, gen_len 3: all
+    weight at 8."""
+    return np.convolve(_on_zero(mfc.prompt_lengths, mfc.prompt_len),
+                       _on_zero(mfc.lengths, mfc.gen_len))
+
+
 def _point(n: int) -> np.ndarray:
     """The pmf of a length that is always ``n``, on ``0..n``."""
     p = np.zeros(n + 1)

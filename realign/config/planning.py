@@ -9,6 +9,7 @@ from planner.errors import InfeasibleError, PlanError
 from planner.graph.algorithms import PROXIMAL_MFC, EvalShape, algorithm_spec, build_graph
 from planner.graph.dataflow import DataflowGraph
 from planner.graph.lengths import GenLengths
+from planner.graph.packing import packed_graph
 from planner.graph.turns import Turns
 from planner.plan import ExecutionPlan, ModeResult
 from planner.search.problem import RoleModel, head_of
@@ -151,15 +152,17 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
     fixed train micro-batch count (``train.micro_batches``), evaluation, the
     generation lengths (``plan.lengths_from``, else ``algorithm.gen_len_mean``), the
     training prompts' lengths (``data.train``) and its staleness bound;
-    ``asynchronous``: generation one step ahead of training; ``lengths``:
+    ``asynchronous``: generation one step ahead of training; scoring and training
+    packed with ``train.packing``; ``lengths``:
     :func:`graph_lengths`, read already (None: read here)."""
     responses, prompts = lengths if lengths is not None else graph_lengths(cfg, base)
-    return build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models),
+    graph = build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models),
                        train_micro_batches=cfg.train.micro_batches,
                        evaluation=eval_shape(cfg, base), lengths=responses,
                        max_staleness=cfg.algorithm.max_staleness, asynchronous=asynchronous,
                        prompt_lengths=prompts, score_rollout=scores_rollout(cfg),
                        turns=turns_shape(cfg, base))
+    return packed_graph(graph) if cfg.train.packing else graph
 
 
 def turns_shape(cfg: ExperimentConfig, base: Path) -> Turns | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from realign.agents.config import MultiTurn
 
@@ -66,6 +66,21 @@ class TrainConfig(BaseModel):
         False, description="Opt-in, CUDA only: build the models with Transformer-Engine's "
         "layer spec (fused kernels) instead of megatron's local spec; needs "
         "transformer-engine installed. Its bf16 numerics differ from the plain forward's.")
+    packing: bool = Field(
+        True, strict=True, description="Scoring (reference, reward, critic, the actor's "
+        "log-probs) and training run packed: each micro-batch's rows laid end to end in "
+        "one bin of tokens, positions restarting per row and attention confined to each "
+        "row, instead of every row padded to the batch's longest (docs/packing.md). The "
+        "losses and log-probs are those of the padded step. true (default) or false (the "
+        "padded path, for comparison). Needs the plain training forward.")
+
+    @model_validator(mode="after")
+    def _packing_forward(self) -> "TrainConfig":
+        if self.packing and self.forward == "megatron":
+            raise ValueError("train.packing: true needs train.forward plain or auto "
+                             "(megatron's local layers take no packed sequences); set "
+                             "train.packing: false to train with forward megatron")
+        return self
 
     def uses_distributed_optimizer(self, device: str) -> bool:
         """``distributed_optimizer``, its unset default resolved for ``device``."""

@@ -25,6 +25,7 @@ import torch
 
 from realign.algorithms.common import minibatch, pop_stats
 from realign.algorithms.mismatch import rollout_mismatch
+from realign.data.packing import call_padding
 from realign.errors import NonFiniteError, UserError
 from realign.rewards.scoring import decoded_answers, scores
 from realign.run.program import Call, Evaluate, RuleReward
@@ -149,10 +150,14 @@ class Calls:
     def inference(self, op: Call, h: Hosted, store, step):
         rec = store[op.inputs[0]]
         batch = {"tokens": rec["tokens"], "lengths": rec["lengths"]}
-        res = InferenceEngine(h.shard, micro_batches=op.micro_batches).inference(batch)
+        res = InferenceEngine(h.shard, micro_batches=op.micro_batches,
+                              packing=self.train_cfg.packing).inference(batch)
         key = op.outputs[0]
+        pad = {f"padded_tokens.{op.name}": float(call_padding(
+            batch["lengths"], batch["tokens"].shape[1], h.shard.groups.layout.dp,
+            op.micro_batches, "inference", self.train_cfg.packing))}
         if h.replica.head == "lm":
-            return {key: {key: res["logprobs"]}}, {}
+            return {key: {key: res["logprobs"]}}, pad
         if op.role == "reward":                 # a reward model scores whole sequences
             scores = res["scores"].float()
             bad = ~torch.isfinite(scores)
@@ -161,8 +166,9 @@ class Calls:
                     f"step {step}: the reward model scored {int(bad.sum())} of "
                     f"{len(scores)} responses {float(scores[bad][0])}; the run stops before "
                     "it trains on them", field="models.reward")
-            return {key: {key: scores}}, {f"{key.removesuffix('s')}_mean": float(scores.mean())}
-        return {key: {key: res["values"].float()}}, {}
+            return {key: {key: scores}}, {f"{key.removesuffix('s')}_mean": float(scores.mean()),
+                                          **pad}
+        return {key: {key: res["values"].float()}}, pad
 
     # ---- rule rewards and evaluations ------------------------------------------------
     def rule_reward(self, op: RuleReward, store, step):
@@ -211,10 +217,14 @@ class Calls:
         n_mb = op.mfc.n_minibatches
         totals: dict[str, float] = {}
         n = 0
+        padded = 0
         with engine.call():     # offloaded training state: here for the call's steps
             for _epoch in range(op.mfc.n_epochs):
                 for m in range(n_mb):
                     sub = minibatch(batch, m, n_mb)
+                    padded += call_padding(sub["lengths"], sub["tokens"].shape[1],
+                                           h.shard.groups.layout.dp, op.micro_batches,
+                                           "train", engine.packing)
                     # the loss metrics are averaged over DP by the controller (no
                     # collective): each DP rank's last stage reports its own
                     try:
@@ -236,6 +246,7 @@ class Calls:
             shared["staleness"] = staleness
         shared.update(mismatch)
         shared.update(stats)
+        shared["padded_tokens"] = float(padded)
         g = h.shard.groups
         parts = {}
         if g.is_last_stage and g.tp_rank == 0:

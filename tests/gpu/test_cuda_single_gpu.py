@@ -185,7 +185,8 @@ def test_plain_and_megatron_forwards_agree_in_bf16(replica):
             return -outputs.float().mean(), {}
 
         shard = _fresh(path)
-        TrainEngine(shard, TrainConfig(lr=1e-12, clip_grad=0.0, forward=forward)).train_step(
+        TrainEngine(shard, TrainConfig(lr=1e-12, clip_grad=0.0, forward=forward,
+                                packing=forward != "megatron")).train_step(
             batch, loss_fn)
         got[forward] = (outs[0], [p.main_grad.float().cpu().clone()
                                   for p in shard.module.parameters()])

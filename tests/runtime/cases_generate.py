@@ -88,6 +88,7 @@ def outputs_feed_training(ctx, path, tp, pp, dp, forward):
     def loss(outputs, mb):
         return -(outputs.sum(1) * mb["weight"]).mean(), {}
 
-    engine = TrainEngine(shard, TrainConfig(lr=1e-3, forward=forward))
+    engine = TrainEngine(shard, TrainConfig(lr=1e-3, forward=forward,
+                                             packing=forward != "megatron"))
     m = engine.train_step({"tokens": tokens, "lengths": lengths, "weight": weight}, loss)
     return ordinary, m["update_ok"]

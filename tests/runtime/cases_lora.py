@@ -187,7 +187,8 @@ def lora_train(ctx, path, head, tp, pp, dp, micro, steps, forward="plain"):
     batch = sample_batch(n=8, s=10)
     batch["target"] = torch.linspace(-1, 1, 8)
     engine = TrainEngine(shard, TrainConfig(lr=LR, clip_grad=CLIP, adam_eps=EPS,
-                                            distributed_optimizer=dp > 1, forward=forward),
+                                            distributed_optimizer=dp > 1, forward=forward,
+                                            packing=forward != "megatron"),
                          micro_batches=micro)
     trained = sum(p.numel() for p in shard.module.parameters() if p.requires_grad)
     loss = sft_loss if head == "lm" else value_loss

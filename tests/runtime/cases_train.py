@@ -40,7 +40,9 @@ def train(ctx, path, head, tp, pp, dp, micro, steps, distributed_optimizer=True,
     batch["target"] = torch.linspace(-1, 1, 8)
     engine = TrainEngine(shard, TrainConfig(lr=LR, clip_grad=CLIP, adam_eps=EPS,
                                             distributed_optimizer=distributed_optimizer,
-                                            forward=forward), micro_batches=micro,
+                                            forward=forward,
+                                            packing=forward != "megatron"),
+                         micro_batches=micro,
                          recompute=recompute)
     assert engine.optimizer.optimizer.param_groups[0]["fused"], "CPU Adam runs fused"
     loss = sft_loss if head == "lm" else value_loss

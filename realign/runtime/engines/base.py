@@ -72,15 +72,18 @@ def position_ids(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
 
 
-def run_schedule(shard: ModelShard, model, forward_step: Callable, micro: list[Batch],
-                 forward_only: bool, collect_non_loss_data: bool) -> list:
+def run_schedule(shard: ModelShard, model, forward_step: Callable, micro: list,
+                 forward_only: bool, collect_non_loss_data: bool,
+                 shape: tuple[int, int] | None = None) -> list:
     """Run megatron's schedule (1F1B when pp > 1) over the micro-batches with the
-    replica's groups; returns what the last stage's loss function produced."""
+    replica's groups; returns what the last stage's loss function produced. ``shape``:
+    the [rows, seq] every micro-batch's forward runs on (default: the first batch's
+    ``tokens``; a packed step gives its packs')."""
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     g = shard.groups
-    b, s = micro[0]["tokens"].shape
+    b, s = shape if shape is not None else micro[0]["tokens"].shape
     kwargs = dict(forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
                   num_microbatches=len(micro), seq_length=s, micro_batch_size=b,
                   forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from planner.cost.cost_config import KV_CACHE_BLOCK_TOKENS
+from realign.data.packing import Pack
+from realign.runtime.engines.packed_attention import packed_attention
 from realign.runtime.model import TE_NAMES, ModelShard
 
 #: cached attention spans whole blocks of this many keys (16 fp32 = one AVX-512 vector);
@@ -193,7 +195,12 @@ class StageDecoder:
             return self.k[i][:, :, :kv_len], self.v[i][:, :, :kv_len]
         return self._forward(x, pos.unsqueeze(1), mask, attend, "newest")
 
-    def score(self, x: torch.Tensor) -> torch.Tensor:
+    def score(self, x: torch.Tensor, pack: Pack | None = None) -> torch.Tensor:
+        """``pack``: ``x`` is a packed micro-batch [bins, width] (realign.data.packing):
+        positions restart for each row and attention stays within each row
+        (:mod:`~realign.runtime.engines.packed_attention`)."""
+        if pack is not None:
+            return self._forward(x, pack.positions, pack, _no_cache, "all")
         b, s = x.shape[:2]
         positions = torch.arange(s, device=x.device).unsqueeze(0).expand(b, s)
         return self._forward(x, positions, None, _no_cache, "all")
@@ -234,9 +241,12 @@ class StageDecoder:
         qk = rotate(qk, cos.unsqueeze(3), sin.unsqueeze(3))                      # one RoPE
         q, k, v = qk[:, :, :, :r].reshape(b, s, ng * r, d), qk[:, :, :, r], qkv[:, :, :, r + 1]
         keys, values = attend(i, k.transpose(1, 2), v.transpose(1, 2))
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None,
-            scale=self.scale, enable_gqa=r > 1)
+        if isinstance(mask, Pack):
+            o = packed_attention(q.transpose(1, 2), keys, values, mask, self.scale, r > 1)
+        else:
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None,
+                scale=self.scale, enable_gqa=r > 1)
         o = o.transpose(1, 2).reshape(b, s, ng * r * d)
         x = x + self._adapt(w, "linear_proj", o, self._reduce(F.linear(o, w.proj)))
         y = F.rms_norm(x, (h,), w.ln2, eps)

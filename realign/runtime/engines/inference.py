@@ -10,8 +10,11 @@ Micro-batches flow stage to stage as each stage finishes them.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from realign.data.packing import Pack, inference_packs
 from realign.runtime.engines.base import (
     Batch,
     check_batch,
@@ -21,6 +24,7 @@ from realign.runtime.engines.base import (
     split,
 )
 from realign.runtime.engines.decoder import StageDecoder, gather_vocab, run_stage
+from realign.runtime.engines.packed_attention import kernel_for
 from realign.runtime.model import ModelShard
 from realign.runtime.vocab_parallel import token_logprobs
 
@@ -41,20 +45,41 @@ def head_outputs(shard: ModelShard, output: torch.Tensor, mb: Batch) -> torch.Te
     return lp * valid
 
 
+def packed_head_outputs(shard: ModelShard, output: torch.Tensor, pack: Pack, cols: int
+                        ) -> torch.Tensor:
+    """:func:`head_outputs` of a packed forward: the last stage's output at the pack's
+    positions [bins, width, .] -> [rows of the pack, cols] in the padded layout (rows in
+    ``pack.rows`` order), equal to what the padded forward gives. A log-prob's target
+    is the next packed token (the next token of the same row wherever it is kept).
+    Differentiable."""
+    if shard.head == "value":
+        return pack.unpack(output.squeeze(-1).float(), cols)
+    targets = torch.roll(pack.tokens, -1, dims=1)
+    lp = token_logprobs(output, targets, shard.groups.pgs.tp, shard.spec.vocab_size)
+    return pack.unpack(lp, cols, shift=1)
+
+
 class InferenceEngine:
     """``inference(batch)`` for one replica; every rank of the replica calls it with the
-    same whole batch and gets the whole result."""
+    same whole batch and gets the whole result. ``packing``: the rows run packed
+    (:func:`realign.data.packing.inference_packs`), at most ``micro_batches`` packs per
+    data-parallel rank."""
 
-    def __init__(self, shard: ModelShard, micro_batches: int = 1):
+    def __init__(self, shard: ModelShard, micro_batches: int = 1, packing: bool = False):
         self.shard = shard
         self.micro_batches = micro_batches
+        self.packing = packing
 
     def inference(self, batch: Batch) -> dict[str, torch.Tensor]:
         """LM head: ``{"logprobs": [b, s-1]}``. Value head: ``{"values": [b, s],
         "scores": [b]}`` (the score is the value at each sequence's last token)."""
         b, s = batch["tokens"].shape
         shape = (b // self.shard.groups.layout.dp, s - (self.shard.head == "lm"))
-        out = self._run(batch, lambda output, mb: head_outputs(self.shard, output, mb), shape)
+        if self.packing:
+            out = self._run_packed(batch, shape)
+        else:
+            out = self._run(batch, lambda output, mb: head_outputs(self.shard, output, mb),
+                            shape)
         if self.shard.head == "value":
             lengths = batch["lengths"].to(out.device)
             scores = out.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
@@ -87,3 +112,25 @@ class InferenceEngine:
         mine = torch.cat(results) if shard.groups.is_last_stage else None
         return gather_dp(shard, from_last_stage(shard, mine, local_shape, torch.float32)).cpu()
 
+
+    def _run_packed(self, batch: Batch, local_shape) -> torch.Tensor:
+        """:meth:`_run` of the head outputs over packs instead of padded micro-batches;
+        each pack's rows are written back to their places in the padded layout."""
+        shard = self.shard
+        check_batch(batch, shard, self.micro_batches)
+        local = local_batch(batch, shard)
+        packs = inference_packs(local["tokens"], local["lengths"], self.micro_batches,
+                                kernel_for(shard.device.kind))
+        dec = StageDecoder(shard, max_len=batch["tokens"].shape[1])
+        results = []
+        with torch.inference_mode():
+            for pack in packs:
+                out = run_stage(shard, functools.partial(dec.score, pack=pack), pack.tokens)
+                if out is not None:
+                    results.append(packed_head_outputs(shard, out, pack, local_shape[1]))
+        mine = None
+        if shard.groups.is_last_stage:
+            mine = torch.zeros(local_shape, dtype=torch.float32, device=shard.device.device)
+            for pack, res in zip(packs, results):
+                mine[pack.rows] = res
+        return gather_dp(shard, from_last_stage(shard, mine, local_shape, torch.float32)).cpu()

@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from realign.data.packing import Pack, train_packs
 from realign.errors import NonFiniteError, UserError
 from realign.runtime.device import cuda_tensor_type_names
 from realign.runtime.engines.base import (
@@ -31,7 +32,8 @@ from realign.runtime.engines.base import (
     split,
 )
 from realign.runtime.engines.decoder import StageDecoder
-from realign.runtime.engines.inference import head_outputs
+from realign.runtime.engines.inference import head_outputs, packed_head_outputs
+from realign.runtime.engines.packed_attention import kernel_for
 from realign.runtime.engines.train_state import StateParking
 from realign.runtime.model import ModelShard
 from realign.runtime.optimizer_state import torch_optimizers
@@ -96,6 +98,8 @@ class TrainEngine:
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
         self.plain = cfg.forward != "megatron"
+        #: packed micro-batches (train.packing; the plain forward only, TrainConfig checks)
+        self.packing = cfg.packing and self.plain
         #: the plan's training-state offload: parked between train calls (train_state.py)
         self.parking = (StateParking(self.model, self.optimizer, shard.module, dev.device)
                         if state_offload else None)
@@ -142,23 +146,32 @@ class TrainEngine:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-        forward = self._plain_forward(micro[0]["tokens"].shape[1]) if self.plain else None
+        s = micro[0]["tokens"].shape[1]
+        forward = self._plain_forward(s) if self.plain else None
+        packs = train_packs(micro, kernel_for(shard.device.kind)) if self.packing else None
+        cols = s - (shard.head == "lm")
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            mb, pack = next(data_iterator)
             if forward is None:
                 out = model(mb["tokens"], position_ids(mb["tokens"]), None)
-            else:
+            elif pack is None:
                 out = forward(mb["tokens"])
+            else:
+                out = forward(pack.tokens, pack)
 
             def loss_func(output):
-                loss, metrics = loss_fn(head_outputs(shard, output, mb), mb)
+                outputs = (head_outputs(shard, output, mb) if pack is None
+                           else packed_head_outputs(shard, output, pack, cols))
+                loss, metrics = loss_fn(outputs, mb)
                 return loss, {"loss": loss.detach().clone(), **{k: torch.as_tensor(v).detach().clone()
                                                         for k, v in metrics.items()}}
             return out, loss_func
 
-        reduced = run_schedule(shard, self.model, forward_step, micro, forward_only=False,
-                               collect_non_loss_data=False)
+        reduced = run_schedule(shard, self.model, forward_step,
+                               list(zip(micro, packs or [None] * len(micro))),
+                               forward_only=False, collect_non_loss_data=False,
+                               shape=packs[0].shape if packs else micro[0]["tokens"].shape)
         with cuda_tensor_type_names(self.shard.device):
             update_ok, grad_norm = checked_step(self.optimizer)
         metrics = self._reduce_metrics(reduced) if dp_mean else _local_means(reduced)
@@ -166,18 +179,19 @@ class TrainEngine:
         metrics["update_ok"] = float(bool(update_ok))
         return metrics
 
-    def _plain_forward(self, seq_len: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        """tokens [b, s] -> this stage's output as megatron's ``GPTModel`` gives it
-        inside the schedule: head output [b, s, .] on the last stage, hidden states
-        [s, b, h] (sequence-first, what the schedule sends) on the others. A later
+    def _plain_forward(self, seq_len: int) -> Callable[..., torch.Tensor]:
+        """tokens [b, s] (or a pack's [bins, width] and the pack) -> this stage's output
+        as megatron's ``GPTModel`` gives it inside the schedule: head output [b, s, .]
+        on the last stage, hidden states [s, b, h] (sequence-first, what the schedule
+        sends) on the others. A later
         stage's input is what the schedule set with ``set_input_tensor``."""
         shard = self.shard
         g, decoder = shard.groups, shard.module.decoder
         dec = StageDecoder(shard, max_len=seq_len, recompute=self.recompute)
 
-        def forward(tokens: torch.Tensor) -> torch.Tensor:
+        def forward(tokens: torch.Tensor, pack: Pack | None = None) -> torch.Tensor:
             x = tokens if g.is_first_stage else decoder.input_tensor.transpose(0, 1)
-            out = dec.score(x)
+            out = dec.score(x, pack)
             return out if g.is_last_stage else out.transpose(0, 1).contiguous()
         return forward
 

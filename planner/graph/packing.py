@@ -1,0 +1,130 @@
+"""Packed scoring and training: the rows of a call are laid end to end in bins of a
+fixed number of tokens instead of each being padded to the batch's longest, with
+attention confined to each row (:mod:`realign.runtime.engines.packed_attention`).
+
+Two pure pieces live here, shared by the runtime and the cost model so the planner
+prices what runs:
+
+- the bin packing itself, first-fit decreasing (:func:`first_fit_decreasing`), and the
+  smallest block-rounded budget that packs a set of rows into a given number of bins
+  (:func:`budget_for_bins`);
+- the expected shape of a packed call (:func:`packed_shape`): tokens per micro-batch and
+  the mean attention context per token, from the rows' length distribution
+  (:func:`planner.graph.padding.row_length_pmf`).
+
+How the runtime packs (:mod:`realign.data.packing`):
+
+- **inference** (reference, reward, critic scoring): outputs are per row, so each
+  data-parallel rank first-fit-decreasing packs its rows into at most the plan's
+  micro-batch count of bins, of the smallest budget (a multiple of
+  :data:`PACK_BLOCK`) that fits: a bin holds about ``rows x mean length / m`` tokens.
+- **training**: a micro-batch's loss is a mean over its own rows (token or sequence
+  means, as each algorithm defines it), so training keeps the plan's rows per
+  micro-batch and packs each micro-batch's rows into one bin, of the longest
+  micro-batch's token count over the call (block-rounded: one static shape for every
+  micro-batch, as pipeline stages need). The per-token terms and their normalisation
+  are those of the padded step.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from planner.graph.lengths import expected_max_std_normal
+from planner.graph.padding import row_length_pmf
+
+if TYPE_CHECKING:
+    from planner.graph.dataflow import MFC, DataflowGraph
+
+#: a bin's token count is a multiple of this (16 fp32 keys = one AVX-512 vector: torch's
+#: CPU attention kernels take a slow path on other key lengths; on GPU a tile multiple)
+PACK_BLOCK = 16
+
+
+def round_block(n: int | float, block: int = PACK_BLOCK) -> int:
+    """``n`` rounded up to a multiple of ``block`` (at least one block).
+
+    Example: 17 -> 32; 16 -> 16; 0 -> 16."""
+    return max(1, math.ceil(n / block)) * block
+
+
+def first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Row indices packed into bins of at most ``budget`` tokens: rows longest first
+    (ties by index), each into the first bin with room, a new bin when none has.
+    Bins are in order of opening, rows within a bin in order of placement.
+
+    Example: lengths [3, 5, 2, 4], budget 7: 5 opens bin 0, 4 opens bin 1 (5 + 4 > 7),
+    3 joins bin 1, 2 joins bin 0 -> [[1, 2], [3, 0]]."""
+    if any(n > budget for n in lengths):
+        raise ValueError(f"a row of {max(lengths)} tokens exceeds the bin of {budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for j, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[j].append(i)
+                room[j] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(budget - lengths[i])
+    return bins
+
+
+def budget_for_bins(lengths: Sequence[int], bins: int, block: int = PACK_BLOCK) -> int:
+    """The smallest multiple of ``block`` at which :func:`first_fit_decreasing` packs
+    ``lengths`` into at most ``bins`` bins: from the even share ``sum / bins`` (and the
+    longest row) up, a block at a time (first-fit decreasing needs at most 11/9 of the
+    optimum plus one bin, so the walk is short).
+
+    Example: [5, 5, 5, 1], 2 bins, block 4 -> 8 is the even share but 5 + 5 > 8 forces a
+    third bin; 12 packs [5, 5, 1] and [5]: 12."""
+    assert bins >= 1 and lengths
+    budget = round_block(max(sum(lengths) / bins, max(lengths)), block)
+    while len(first_fit_decreasing(lengths, budget)) > bins:
+        budget += block
+    return budget
+
+
+def row_moments(mfc: "MFC") -> tuple[float, float, float]:
+    """Mean, variance and mean square of one row's length (``prompt + response``).
+
+    Example: prompts always 5 (cap 5), gen_len 3, no distributions: (8, 0, 64)."""
+    p = row_length_pmf(mfc)
+    x = np.arange(len(p), dtype=float)
+    mean = float((p * x).sum())
+    sq = float((p * x * x).sum())
+    return mean, max(sq - mean * mean, 0.0), sq
+
+
+def packed_shape(mfc: "MFC", rows: float, micro_batches: int, dp: int
+                 ) -> tuple[float, float]:
+    """(expected tokens of one packed micro-batch, mean attention context per token) of
+    a call of ``mfc`` whose data-parallel ranks each run ``micro_batches`` micro-batches
+    of ``rows`` rows (:mod:`module docs <planner.graph.packing>` for how each kind packs).
+
+    Inference: each rank's rows share its bins evenly: ``rows x mean`` plus half a block
+    of rounding. Training: the longest of the call's ``micro_batches x dp`` micro-batch
+    sums, by the normal approximation of a sum of ``rows`` lengths: ``rows x mean +
+    sd x sqrt(rows) x E[max of n normals]``, plus half a block, at most ``rows`` rows at
+    the caps. The attention context of a token of a row of length L averages
+    ``(L + 1) / 2``, so per token over rows ``E[L (L + 1)] / (2 E[L])``.
+
+    Example: rows always 8 tokens, 3 rows per micro-batch: 24 + 8 = 32 tokens (one
+    block-rounded bin of 24), context 4.5."""
+    mean, var, sq = row_moments(mfc)
+    tokens = rows * mean
+    if mfc.kind == "train":
+        tokens += math.sqrt(var * rows) * expected_max_std_normal(micro_batches * dp)
+    tokens = min(tokens + PACK_BLOCK / 2, round_block(rows * mfc.seq_len))
+    return tokens, (sq + mean) / (2 * mean)
+
+
+def packed_graph(graph: "DataflowGraph") -> "DataflowGraph":
+    """``graph`` with every scoring and training call packed (``train.packing``)."""
+    mfcs = tuple(m.model_copy(update={"packed": True}) if m.kind != "generate" else m
+                 for m in graph.mfcs)
+    return graph.model_copy(update={"mfcs": mfcs})
