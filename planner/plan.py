@@ -31,7 +31,8 @@ from planner.specs.model_spec import ModelSpec
 #: 6: the engine of each generate call (realign's own or vLLM).
 #: 7: multi-turn generate calls (the graph's MFC.turns).
 #: 8: LoRA per model (its adapters' settings; reallocations move only the adapters).
-PLAN_SCHEMA_VERSION = 8
+#: 9: packed calls (the graph's MFC.packed: priced by their bins' tokens).
+PLAN_SCHEMA_VERSION = 9
 
 
 class _Frozen(BaseModel):
