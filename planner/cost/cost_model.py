@@ -33,20 +33,8 @@ host's fixed costs and the device's work of one stage pass overlap: the pass cos
 longer of the two (:func:`planner.cost.engine_terms.overlapped`); the per-call and per-step
 costs still add.
 
-Memory (bytes per GPU): weights ``param_dtype x params/tp`` of the heaviest stage;
-training adds fp32 main grads and optimizer state (divided by dp with the
-distributed optimizer) and 1F1B activations for ``min(pp, m)`` micro-batches in
-flight (with activation recompute only each layer's input, plus one layer's
-full activations); with optimizer offload the GPU keeps only the fp32 main-weight
-shard of the optimizer state, and the step adds the transfers and the host's Adam
-(:meth:`CostModel.offload_step_s`); with training-state offload the gradients and the
-optimizer state the GPU keeps are there only during the train call (transient, not
-resident: between calls the state waits in host memory and the gradients are freed),
-and the call adds the state's two transfers (:meth:`CostModel.state_transfer_s`);
-inference adds one micro-batch's layer activations and fp32 logits;
-generation adds the KV cache of the waves in flight (``g`` waves of ``b`` sequences,
-each allocated for ``prompt_len + gen_len`` positions rounded up to whole
-``kv_cache_block_tokens`` blocks) and the logits of one step.
+Memory (bytes per GPU): :mod:`planner.cost.memory`. How the passes of a call compose
+(pipelines, decode steps, a micro-batch's tokens): :mod:`planner.cost.passes`.
 
 LoRA (a role's :class:`~planner.specs.lora.LoraSpec`): the weights add the adapters;
 gradients, optimizer state, the DP gradient sync and the optimizer's step count the
@@ -62,13 +50,26 @@ from dataclasses import dataclass
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.engine_terms import Work, lagged, overlapped, stage_pass
-from planner.cost.lora_terms import adapter_params, trained_params
-from planner.cost.profile import EngineCosts, ProfileTable
+from planner.cost.lora_terms import adapter_params
+from planner.cost.memory import (
+    kv_cache_bytes,
+    mfc_memory,
+    stage_params,
+    trainable_params,
+    wave_kv_bytes_per_seq,
+)
+from planner.cost.passes import (
+    decode_iteration,
+    messages,
+    micro_batch_tokens,
+    pipelined,
+    work_key,
+)
+from planner.cost.profile import ProfileTable
 from planner.cost.rates import Rates
 from planner.errors import PlanError
 from planner.graph.dataflow import MFC
 from planner.graph.lengths import expected_call_tokens
-from planner.graph.packing import packed_shape
 from planner.graph.padding import longest_prompt, padded_len
 from planner.specs.cluster import ClusterSpec
 from planner.specs.layout import Layout
@@ -116,60 +117,14 @@ class CostModel:
     def mem_limit_bytes(self) -> float:
         return self.cluster.device.mem_bytes * self.config.mem_usable_fraction
 
-    # ---- sizes -------------------------------------------------------------------
-    @staticmethod
-    def stage_params(spec: ModelSpec, head: str, layout: Layout) -> float:
-        """Parameters on one GPU of the heaviest pipeline stage."""
-        tp, pp = layout.tp, layout.pp
-        per_layer = spec.layer_sharded_params() / tp + spec.layer_replicated_params()
-        body = spec.n_layers // pp * per_layer
-        first = body + spec.embedding_params() / tp
-        head_p: float
-        if head == "value":
-            head_p = spec.hidden
-        elif spec.tied_embeddings and pp == 1:
-            head_p = 0.0
-        else:
-            head_p = spec.embedding_params() / tp
-        last = body + spec.hidden + head_p
-        return first + spec.hidden + head_p if pp == 1 else max(first, last)
-
-    @staticmethod
-    def trainable_params(spec: ModelSpec, head: str, layout: Layout,
-                         lora: LoraSpec | None) -> float:
-        """Trained parameters on one GPU of the heaviest stage: all of them, or with LoRA
-        :func:`planner.cost.lora_terms.trained_params`."""
-        if lora is None:
-            return CostModel.stage_params(spec, head, layout)
-        return trained_params(spec, head, layout, lora)
-
+    # ---- sizes (planner.cost.memory) ----------------------------------------------
+    stage_params = staticmethod(stage_params)
+    trainable_params = staticmethod(trainable_params)
     lora_params = staticmethod(adapter_params)
 
-    def _act_bytes_per_token_layer(self, spec: ModelSpec, tp: int) -> float:
-        """Stored activations of one token in one layer (flash attention)."""
-        dt = self.config.param_dtype_bytes
-        sharded = spec.qkv_out + spec.n_heads * spec.kv_channels + 3 * spec.ffn_hidden
-        return dt * (5 * spec.hidden + sharded / tp)
-
     def kv_cache_bytes(self, spec: ModelSpec, mfc: MFC, layout: Layout, waves: int) -> float:
-        """Peak KV-cache bytes per GPU of a generation run as ``waves`` waves: the
-        ``min(waves, pp)`` waves in flight, each ``n_seqs / (dp waves)`` sequences of
-        ``prompt_len + gen_len`` positions rounded up to whole cache blocks, keys and
-        values of the stage's ``L / pp`` layers for its ``n_kv_heads / tp`` heads.
-
-        Example: 2 layers, 2 KV heads of 16, fp32, 64 sequences at dp 1 in 2 waves,
-        8 + 4 tokens (one 16-token block): 32 sequences x 2 layers x (2 x 2 x 16 x 4) bytes
-        x 16 positions = 262144 bytes.
-        """
-        tp, pp = layout.tp, layout.pp
-        in_flight = min(waves, pp) * mfc.n_seqs / layout.dp / waves
-        return in_flight * self._wave_kv_bytes_per_seq(spec, mfc, tp, pp)
-
-    def _wave_kv_bytes_per_seq(self, spec: ModelSpec, mfc: MFC, tp: int, pp: int) -> float:
-        block = self.config.kv_cache_block_tokens
-        positions = -(-(mfc.prompt_len + mfc.gen_len) // block) * block
-        per_token_layer = 2 * (spec.n_kv_heads / tp) * spec.kv_channels * self.config.param_dtype_bytes
-        return spec.n_layers / pp * per_token_layer * positions
+        """:func:`planner.cost.memory.kv_cache_bytes` under this model's configuration."""
+        return kv_cache_bytes(self.config, spec, mfc, layout, waves)
 
     # ---- helpers -----------------------------------------------------------------
     def _nodes(self, mesh: DeviceMesh, layout: Layout) -> tuple[int, int, int]:
@@ -198,7 +153,7 @@ class CostModel:
         r = self.rates
         costs_kind = costs_kind or kind
         signature = (spec, head, kind, rows, ctx, out_rows, tp, pp, tp_nodes, recompute,
-                     _signature(msg), _signature(back) if back is not None else None,
+                     work_key(msg), work_key(back) if back is not None else None,
                      costs_kind, lora)
 
         def stage(first: bool, last: bool) -> Work:
@@ -302,7 +257,7 @@ class CostModel:
                                       recompute, lora)
         else:
             terms = self._inference_terms(mfc, spec, head, mesh, layout, micro_batches, lora)
-        weights, resident, act, host = self._memory(mfc, spec, head, layout, micro_batches,
+        weights, resident, act, host = mfc_memory(self.config, mfc, spec, head, layout, micro_batches,
                                                     offload, recompute, lora)
         adapters = self.config.param_dtype_bytes * self.lora_params(spec, head, layout, lora)
         if state_offload:
@@ -356,7 +311,7 @@ class CostModel:
         tok, ctx = micro_batch_tokens(mfc, b, m, dp)
         costs = r.engine("inference")
         # per micro-batch and stage boundary: its hidden states to the next stage
-        msg = _msg(r.collective_s("p2p", tok * spec.hidden * dt, 2, ppn))
+        msg = messages(r.collective_s("p2p", tok * spec.hidden * dt, 2, ppn))
         stages = self.stage_works(spec, head, "inference", tok, ctx, tok, layout, tpn, msg,
                                   lora=lora)
         out_cols = s - 1 if head == "lm" else s
@@ -377,7 +332,7 @@ class CostModel:
         tok, ctx = micro_batch_tokens(mfc, mfc.n_seqs / mfc.n_minibatches / dp / m, m, dp)
         costs = r.engine("train")
         # per micro-batch and stage boundary: activations forward, their gradients back
-        msg = _msg(r.collective_s("p2p", tok * spec.hidden * dt, 2, ppn), 2)
+        msg = messages(r.collective_s("p2p", tok * spec.hidden * dt, 2, ppn), 2)
         stages = self.stage_works(spec, head, "train", tok, ctx, tok, layout, tpn, msg,
                                   recompute=recompute, lora=lora)
         # what has gradients, an optimizer state and new values: every parameter, or the
@@ -418,15 +373,15 @@ class CostModel:
         P, h = longest_prompt(mfc, b), spec.hidden     # a wave's prompts padded to its longest
         pre_c, dec_c = r.engine("prefill"), r.engine("decode")
         pre = self.stage_works(spec, head, "prefill", b * P, P / 2, b, layout, tpn,
-                           _msg(r.collective_s("p2p", b * P * h * dt, 2, ppn)), lora=lora)
+                           messages(r.collective_s("p2p", b * P * h * dt, 2, ppn)), lora=lora)
         tokens = expected_call_tokens(mfc, b, groups, dp)   # the slowest DP rank's
         steps = max(0.0, tokens - 1.0)     # the prefill yields the first token
         # per step: the hidden state to the next stage, the chosen tokens back
         dec = self.stage_works(spec, head, "decode", b, P + tokens / 2, b, layout, tpn,
-                           _msg(r.collective_s("p2p", b * h * dt, 2, ppn)),
-                           back=_msg(r.collective_s("p2p", 2 * b * 8, 2, ppn)), lora=lora)
+                           messages(r.collective_s("p2p", b * h * dt, 2, ppn)),
+                           back=messages(r.collective_s("p2p", 2 * b * 8, 2, ppn)), lora=lora)
         alloc = Work(seconds={"kv_alloc": g * r.mem_s(
-            b * self._wave_kv_bytes_per_seq(spec, mfc, tp, pp))})
+            b * wave_kv_bytes_per_seq(self.config, spec, mfc, tp, pp))})
         n = mfc.gen_len
         call = Work(seconds={"dp_comm": r.collective_s("all_gather", mfc.n_seqs * (2 * n + 1) * 8,
                                                        dp, dpn)},
@@ -440,85 +395,3 @@ class CostModel:
         for k, v in call.terms(pre_c).items():
             terms[k] = terms.get(k, 0.0) + v
         return terms
-
-    # ---- memory --------------------------------------------------------------------
-    def _memory(self, mfc: MFC, spec: ModelSpec, head: str, layout: Layout, m: int,
-                offload: bool = False, recompute: bool = False,
-                lora: LoraSpec | None = None) -> tuple[float, float, float, float]:
-        cfg = self.config
-        tp, pp, dp = layout.tp, layout.pp, layout.dp
-        dt = cfg.param_dtype_bytes
-        weights = dt * (self.stage_params(spec, head, layout)
-                        + self.lora_params(spec, head, layout, lora))
-        # gradients and optimizer state: of every parameter, or with LoRA of the adapters
-        p_gpu = self.trainable_params(spec, head, layout, lora)
-        logit_cols = spec.padded_vocab / tp if head == "lm" else 1.0
-        if mfc.kind == "generate":
-            b = mfc.n_seqs / dp / m
-            act = (self.kv_cache_bytes(spec, mfc, layout, m) + 4.0 * b * logit_cols * 2
-                   + b * mfc.prompt_len * self._act_bytes_per_token_layer(spec, tp))
-            return weights, weights, act, 0.0
-        train = mfc.kind == "train"
-        seqs = mfc.n_seqs / (mfc.n_minibatches if train else 1) / dp
-        tok = seqs / m * mfc.seq_len
-        act_layer = tok * self._act_bytes_per_token_layer(spec, tp)
-        if not train:
-            return weights, weights, 2 * act_layer + 2 * 4.0 * tok * logit_cols, 0.0
-        in_flight = min(pp, m)
-        if lora is not None:    # each target keeps x A^T ([tokens, rank]) for the backward
-            act_layer += tok * lora.rank * len(lora.target_modules) * dt
-        per_layer = (tok * spec.hidden * dt) if recompute else act_layer
-        act = in_flight * spec.n_layers / pp * per_layer + (act_layer if recompute else 0)
-        act += 2 * 4.0 * tok * logit_cols
-        shard = p_gpu / (dp if cfg.distributed_optimizer else 1)
-        if offload:
-            # megatron's HybridDeviceOptimizer: the GPU keeps the fp32 main-weight shard
-            # (4 bytes); the host its fp32 copy, Adam's m and v and pinned fp32 grads
-            resident = weights + p_gpu * cfg.grad_dtype_bytes + 4 * shard
-            host = (cfg.optimizer_state_bytes_per_param + cfg.grad_dtype_bytes) * shard
-            return weights, resident, act, host
-        resident = weights + p_gpu * cfg.grad_dtype_bytes + cfg.optimizer_state_bytes_per_param * shard
-        return weights, resident, act, 0.0
-
-
-def micro_batch_tokens(mfc: MFC, rows: float, m: int, dp: int) -> tuple[float, float]:
-    """(tokens, mean attention context per token) of one micro-batch of ``rows`` rows of
-    a scoring or training call: packed (``mfc.packed``), a bin of the expected packed
-    tokens (:func:`planner.graph.packing.packed_shape`); padded, ``rows`` rows of the
-    batch's expected longest (:func:`planner.graph.padding.padded_len`), half of it as
-    context."""
-    if mfc.packed:
-        return packed_shape(mfc, rows, m, dp)
-    s = padded_len(mfc)
-    return rows * s, s / 2
-
-
-def _signature(w: Work) -> tuple:
-    """A Work's contents as a hashable value."""
-    return tuple(sorted(w.seconds.items())), tuple(sorted(w.counts.items()))
-
-
-def _msg(seconds: float, n: int = 1) -> Work:
-    """``n`` point-to-point messages of ``seconds`` each."""
-    return Work(seconds={"pp_comm": n * seconds}, counts={"collective_s": float(n)})
-
-
-def pipelined(stages: list[tuple[Work, int]], m: float, costs: EngineCosts) -> Work:
-    """``m`` micro-batches through the pipeline: the first crosses every stage, each
-    further one adds the slowest stage's time (it paces the pipeline)."""
-    out = Work()
-    for w, k in stages:
-        out.add(w, k)
-    slowest = max((w for w, _ in stages), key=lambda w: w.total(costs))
-    return out.add(slowest, m - 1)
-
-
-def decode_iteration(stages: list[tuple[Work, int]], g: int, costs: EngineCosts) -> Work:
-    """One decode step of a group of ``g`` waves: a wave's token crosses every stage
-    before its next step starts, and each stage serves all ``g`` waves in turn, so the
-    step takes the longer of one crossing and ``g`` passes of the slowest stage."""
-    crossing = Work()
-    for w, k in stages:
-        crossing.add(w, k)
-    slowest = max((w for w, _ in stages), key=lambda w: w.total(costs))
-    return crossing if crossing.total(costs) >= g * slowest.total(costs) else Work().add(slowest, g)
