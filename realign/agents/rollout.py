@@ -31,7 +31,7 @@ import torch
 from realign.agents.config import MultiTurn
 from realign.agents.interface import Environment, Episode, Step
 from realign.agents.tools import ToolFailure, start, wait
-from realign.data.collate import pad_right
+from realign.data.collate import contiguous_ranges, pad_right
 
 #: ``generate(contexts, max_new_tokens, call) -> [(token ids, log-probs)]`` per
 #: context (``call``: the generate call's index within the rollout, distinct for every
@@ -98,7 +98,7 @@ class EpisodeLoop:
             s.pending = self._start(lambda s=s, ep=ep: self._reset(s, ep))
         for s in states:
             self._finish(s, reset=True)
-        groups = _groups(len(states), self.cfg.env_groups)
+        groups = contiguous_ranges(len(states), self.cfg.env_groups)
         for turn in range(self.cfg.max_turns):
             for g, (lo, hi) in enumerate(groups):
                 group = states[lo:hi]
@@ -227,18 +227,6 @@ def _as_step(value) -> Step:
     if reward != reward or reward in (float("inf"), float("-inf")):
         raise ValueError(f"the reward {value.reward!r} is not finite")
     return Step(value.observation, reward, bool(value.done), dict(value.info))
-
-
-def _groups(n: int, groups: int) -> list[tuple[int, int]]:
-    """Contiguous row ranges of ``groups`` near-equal groups: (5, 2) -> [(0, 3), (3, 5)]."""
-    groups = max(1, min(groups, n))
-    q, r = divmod(n, groups)
-    out, lo = [], 0
-    for i in range(groups):
-        hi = lo + q + (1 if i < r else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
 
 
 def episode_records(states: list[_State], pad_id: int) -> tuple[dict, dict]:

@@ -19,6 +19,20 @@ from realign.data.datasets import PreferenceExample, PromptExample, SFTExample
 Batch = dict[str, torch.Tensor]
 
 
+def contiguous_ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """Rows ``[start, stop)`` of ``parts`` contiguous ranges over ``n`` rows, as equal as
+    can be and never empty: ``(10, 4)`` -> [(0, 3), (3, 6), (6, 8), (8, 10)]; the waves
+    of a generate call and the environment groups of a multi-turn rollout."""
+    parts = max(1, min(parts, n))
+    q, r = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + q + (1 if i < r else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
 def pad_right(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens [b, max_len] int64 filled with pad_id after each row, lengths [b])``,
     built in one tensor construction (a per-row copy costs a tensor op per row)."""

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from planner.graph.lengths import STOP_CHECK_EVERY
-from realign.data.collate import pad_right
+from realign.data.collate import contiguous_ranges, pad_right
 from realign.runtime.engines.decoder import StageDecoder
 from realign.runtime.model import ModelShard
 from realign.runtime.sampling import SamplingParams, choose_tokens, gumbel_noise
@@ -34,16 +34,9 @@ NOISE_BLOCK = 1 << 22
 
 
 def wave_bounds(n: int, waves: int) -> list[tuple[int, int]]:
-    """Rows ``[start, stop)`` of each of ``waves`` contiguous waves over ``n`` rows, as
-    equal as can be: ``wave_bounds(10, 4)`` -> [(0, 3), (3, 6), (6, 8), (8, 10)]."""
-    waves = max(1, min(waves, n))
-    q, r = divmod(n, waves)
-    bounds, start = [], 0
-    for i in range(waves):
-        stop = start + q + (1 if i < r else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    """Rows ``[start, stop)`` of each of ``waves`` contiguous waves over ``n`` rows
+    (:func:`realign.data.collate.contiguous_ranges`)."""
+    return contiguous_ranges(n, waves)
 
 
 @dataclass
