@@ -77,13 +77,15 @@ def run_variant(variant: str) -> dict:
 
 
 def main() -> None:
+    from realign.bench.machine import cpu_model
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", action="append", default=[],
                     help="base, sft_lr=X, grpo_lr=X or seed=N (repeatable)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine": {"cpu": _cpu_model(), "cores": _cores(), "python": platform.python_version(),
+              "machine": {"cpu": cpu_model(), "cores": _cores(), "python": platform.python_version(),
                           "platform": platform.platform()},
               "variants": {}}
     for v in args.variant or ["base"]:
@@ -93,13 +95,6 @@ def main() -> None:
               f"sample {res['grpo_last5_sample']:.2f} | untrained {res['untrained_greedy']:.2f} "
               f"| {res['sft_s']:.0f} s + {res['grpo_s']:.0f} s", flush=True)
         args.out.write_text(json.dumps(record, indent=1))
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def _cores() -> int:

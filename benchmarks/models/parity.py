@@ -92,15 +92,14 @@ def learning(tmp: Path) -> dict:
 
 
 def main() -> None:
+    from realign.bench.machine import cpu_model
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in
-                Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")),
-               platform.processor())
     with tempfile.TemporaryDirectory() as tmp:
         record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                  "machine": {"cpu": cpu, "platform": platform.platform()},
+                  "machine": {"cpu": cpu_model(), "platform": platform.platform()},
                   "parity": parity(Path(tmp)), "grpo": learning(Path(tmp))}
     args.out.write_text(json.dumps(record, indent=1))
 

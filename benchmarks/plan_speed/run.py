@@ -76,15 +76,9 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
+    from realign.bench.machine import cpu_model
+
+    return {"platform": platform.platform(), "cpu": cpu_model(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "loadavg_start": os.getloadavg()}
 
 

@@ -24,6 +24,7 @@ parses the model's ``<tool_call>{json}</tool_call>`` (:mod:`realign.agents.tool_
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -52,19 +53,19 @@ class Step:
     info: dict[str, float] = field(default_factory=dict)
 
 
-class Environment:
+class Environment(ABC):
     """Base class of an environment (subclassing it is optional: any class with these
-    two methods will do)."""
+    two methods will do; a subclass must define ``step``)."""
 
     def reset(self, episode: Episode) -> str:
         """The first observation, appended after the prompt before the first turn
         ("" for none)."""
         return ""
 
+    @abstractmethod
     def step(self, turn: str) -> Step | tuple[str, float, bool]:
         """React to the model's turn (its decoded text, special tokens such as the end
         token left out)."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from realign.algorithms.common import (
     policy_surrogate,
     require,
 )
-from realign.algorithms.params import GRPOConfig
+from realign.algorithms.params import GRPOConfig, GSPOConfig
 
 
 def group_advantages(rewards: torch.Tensor, samples_per_prompt: int,
@@ -36,8 +36,9 @@ def group_advantages(rewards: torch.Tensor, samples_per_prompt: int,
 
 
 @torch.no_grad()
-def prepare(batch: Batch, cfg: GRPOConfig) -> Batch:
-    """Adds ``advantages`` [b, s-1]: the group-normalised reward on each response token."""
+def prepare(batch: Batch, cfg: GRPOConfig | GSPOConfig) -> Batch:
+    """Adds ``advantages`` [b, s-1]: the group-normalised reward on each response token
+    (GSPO's too: it differs from GRPO in its loss only)."""
     require(batch, "rewards")
     adv = group_advantages(batch["rewards"], cfg.samples_per_prompt, cfg.eps)
     return {**batch, "advantages": broadcast_to_tokens(adv, batch_mask(batch))}

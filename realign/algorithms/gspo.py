@@ -27,22 +27,12 @@ from realign.algorithms.common import (
     Batch,
     aggregate,
     batch_mask,
-    broadcast_to_tokens,
     clip_sides,
     kl_penalty,
     masked_mean,
     require,
 )
-from realign.algorithms.grpo import group_advantages
 from realign.algorithms.params import GSPOConfig
-
-
-@torch.no_grad()
-def prepare(batch: Batch, cfg: GSPOConfig) -> Batch:
-    """Adds ``advantages`` [b, s-1]: the group-normalised reward on each response token."""
-    require(batch, "rewards")
-    adv = group_advantages(batch["rewards"], cfg.samples_per_prompt, cfg.eps)
-    return {**batch, "advantages": broadcast_to_tokens(adv, batch_mask(batch))}
 
 
 def sequence_surrogate(logprobs: torch.Tensor, batch: Batch, cfg: GSPOConfig

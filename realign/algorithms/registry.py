@@ -121,7 +121,8 @@ ALGORITHMS: Mapping[str, Algorithm] = _table(
     Algorithm("online_dpo", online_dpo.OnlineDPOConfig, online_dpo.prepare,
               {"actor": online_dpo.actor_loss_fn}),
     Algorithm("dapo", dapo.DAPOConfig, dapo.prepare, {"actor": dapo.actor_loss_fn}),
-    Algorithm("gspo", gspo.GSPOConfig, gspo.prepare, {"actor": gspo.actor_loss_fn}),
+    Algorithm("gspo", gspo.GSPOConfig, grpo.prepare,     # GRPO's group advantages
+              {"actor": gspo.actor_loss_fn}),
     Algorithm("dr_grpo", dr_grpo.DrGRPOConfig, dr_grpo.prepare, {"actor": dr_grpo.actor_loss_fn}),
 )
 

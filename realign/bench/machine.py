@@ -8,6 +8,7 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 #: A round counts towards a headline only if the hypervisor stole at most this share of
 #: the CPU time during each of its parts: stolen time slows two compared sides unequally
@@ -48,6 +49,17 @@ def steal_fraction(before: dict, after: dict) -> float | None:
     if not a or not b or b["total"] <= a["total"]:
         return None
     return (b["steal"] - a["steal"]) / (b["total"] - a["total"])
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def environment() -> dict:

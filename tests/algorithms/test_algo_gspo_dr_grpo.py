@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from realign.algorithms import dr_grpo, grpo, gspo
+from realign.algorithms import dr_grpo, grpo, gspo, registry
 from realign.algorithms.params import DrGRPOConfig, GRPOConfig, GSPOConfig
 
 pytestmark = pytest.mark.torch
@@ -71,10 +71,10 @@ def test_gspo_on_policy_gradient_is_grpos():
              "lengths": torch.tensor([7, 5, 6, 4]), "prompt_lengths": torch.tensor([2, 2, 3, 1]),
              "logprobs": logprobs, "rewards": t([1, 0, 0.5, 2])}
     grads = []
-    for mod, c in ((gspo, GSPOConfig(samples_per_prompt=2)),
-                   (grpo, GRPOConfig(samples_per_prompt=2, kl_coef=0.0))):
+    for name, mod, c in (("gspo", gspo, GSPOConfig(samples_per_prompt=2)),
+                         ("grpo", grpo, GRPOConfig(samples_per_prompt=2, kl_coef=0.0))):
         new = logprobs.clone().requires_grad_()
-        loss, _ = mod.actor_loss(new, mod.prepare(batch, c), c)
+        loss, _ = mod.actor_loss(new, registry.get(name).prepare(batch, c), c)
         grads.append(torch.autograd.grad(loss, new)[0])
     torch.testing.assert_close(grads[0], grads[1])
 
