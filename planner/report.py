@@ -1,8 +1,12 @@
 """Human and machine summaries of an :class:`ExecutionPlan` (table and JSON)."""
 from __future__ import annotations
 
+import math
+
+from planner.graph.lengths import expected_call_tokens
 from planner.graph.packing import packed_shape, row_moments
 from planner.graph.padding import rollout_moments
+from planner.graph.refill import refill_shape
 from planner.plan import ExecutionPlan
 
 GIB = 2 ** 30
@@ -134,7 +138,16 @@ def priced_lengths(plan: ExecutionPlan) -> dict | None:
             "response_cap": gen.gen_len, "rows": gen.n_seqs,
             "padded_mean": rollout_moments(gen)[0],
             "packed": any(m.packed for m in plan.graph.mfcs), "row_mean": row_moments(gen)[0],
-            "bin_tokens": bin_tokens(plan)}
+            "bin_tokens": bin_tokens(plan), "generation": _steps_dict(plan)}
+
+
+def _steps_dict(plan: ExecutionPlan) -> dict | None:
+    """:func:`generation_steps` as a JSON object (None: no rollout on the own engine)."""
+    steps = generation_steps(plan)
+    if steps is None:
+        return None
+    return {"call": steps[0], "refill": steps[1], "decode_steps": steps[2],
+            "wave_steps": steps[3]}
 
 
 def bin_tokens(plan: ExecutionPlan) -> dict[str, float]:
@@ -151,12 +164,43 @@ def bin_tokens(plan: ExecutionPlan) -> dict[str, float]:
     return out
 
 
+def generation_steps(plan: ExecutionPlan) -> tuple[str, bool, float, float] | None:
+    """(call, whether it refills, expected decode steps, those of waves) of the
+    rollout's generate call on
+    realign's own engine, per slot group or group of waves of its slowest DP rank (None:
+    no such call)."""
+    gen = next((m for m in plan.graph.mfcs if m.kind == "generate"
+                and m.input_keys[0] == "prompts" and m.turns is None), None)
+    a = next((a for a in plan.allocations if gen is not None and a.mfc == gen.name), None)
+    if gen is None or a is None or a.engine != "own":
+        return None
+    n_local, m, pp, dp = gen.n_seqs // a.layout.dp, a.micro_batches, a.layout.pp, a.layout.dp
+    g = min(m, pp, n_local)
+    groups = math.ceil(m / g)
+    waves = groups * max(expected_call_tokens(gen, n_local / m, groups, dp) - 1.0, 0.0)
+    refill = refill_shape(gen, math.ceil(n_local / m), math.ceil(n_local / g), dp)[0]
+    return gen.name, gen.refill, (refill if gen.refill else waves), waves
+
+
 def lengths_line(plan: ExecutionPlan) -> str | None:
     """How long the rollout's prompts, responses and padded rows are priced (None: at
-    the caps)."""
+    the caps), and the decode steps of its generation."""
     x = priced_lengths(plan)
     if x is None:
         return None
+    steps = generation_steps(plan)
+    if steps is not None and steps[1]:
+        tail = (f"; {steps[0]} refills its slots: {steps[2]:.0f} decode steps expected, "
+                f"where waves would take {steps[3]:.0f}")
+    elif steps is not None:
+        tail = f"; {steps[0]} in waves: {steps[2]:.0f} decode steps expected"
+    else:
+        tail = ""
+    return _lengths_head(x) + tail
+
+
+def _lengths_head(x: dict) -> str:
+    """:func:`lengths_line` but its generation: prompts, responses, padded or packed rows."""
     head = (f"lengths: prompts {x['prompt_mean']:.1f} tokens on average (cap "
             f"{x['prompt_cap']}), responses {x['response_mean']:.1f} (cap {x['response_cap']}); ")
     if x["packed"]:

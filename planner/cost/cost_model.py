@@ -21,7 +21,8 @@ slowest stage's pass plus its point-to-point send:
   passes every stage; ``g <= pp`` waves share them). Decode steps: the expected length
   of a wave's longest sequence minus one (the prefill yields the first token), from
   the generation-length distribution (:mod:`planner.graph.lengths`); then the output
-  gathered over DP.
+  gathered over DP. With ``MFC.refill`` the waves' cache is slots that take the next
+  waiting prompt, priced by their expected decode steps (:mod:`planner.cost.refill_cost`).
 
 A wave prefills its prompts padded to its longest, and inference and training of a
 rollout read its rows padded to the batch's longest: they are priced at the expected
@@ -67,6 +68,7 @@ from planner.cost.passes import (
 )
 from planner.cost.profile import ProfileTable
 from planner.cost.rates import Rates
+from planner.cost.refill_cost import refill_terms
 from planner.errors import PlanError
 from planner.graph.dataflow import MFC
 from planner.graph.lengths import expected_call_tokens
@@ -363,6 +365,8 @@ class CostModel:
     def _generate_terms(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
                         layout: Layout, m: int, lora: LoraSpec | None = None
                         ) -> dict[str, float]:
+        if mfc.refill:                     # slots that take the next prompt
+            return refill_terms(self, mfc, spec, head, mesh, layout, m, lora)
         r, dt = self.rates, self.config.param_dtype_bytes
         tp, pp, dp = layout.tp, layout.pp, layout.dp
         tpn, dpn, ppn = self._nodes(mesh, layout)

@@ -70,6 +70,11 @@ class MFC(BaseModel):
                          "end in bins of tokens (train.packing), priced at the expected "
                          "tokens of a bin (planner.graph.packing) instead of the longest "
                          "row's length per row.")
+    refill: bool = Field(False, description="generate, on realign's own engine: a slot whose "
+                         "sequence ended takes the next waiting prompt "
+                         "(rollout.refill), priced by its expected decode steps "
+                         "(planner.graph.refill) instead of waves that each wait for "
+                         "their longest.")
     turns: Turns | None = Field(None, description="generate: multi-turn episodes with an "
                                 "environment (rollout.env / rollout.tools); None: one "
                                 "response per prompt.")
@@ -96,6 +101,8 @@ class MFC(BaseModel):
             raise PlanError("only a generate call has turns", field=f"mfc {self.name}")
         if self.packed and self.kind == "generate":
             raise PlanError("a generate call is not packed", field=f"mfc {self.name}")
+        if self.refill and self.kind != "generate":
+            raise PlanError("only a generate call refills its slots", field=f"mfc {self.name}")
         if self.greedy and self.kind != "generate":
             raise PlanError("only a generate call can be greedy", field=f"mfc {self.name}")
         return self

@@ -10,6 +10,7 @@ from planner.graph.algorithms import PROXIMAL_MFC, EvalShape, algorithm_spec, bu
 from planner.graph.dataflow import DataflowGraph
 from planner.graph.lengths import GenLengths
 from planner.graph.packing import packed_graph
+from planner.graph.refill import refill_graph
 from planner.graph.turns import Turns
 from planner.plan import ExecutionPlan, ModeResult
 from planner.search.problem import RoleModel, head_of
@@ -153,7 +154,8 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
     generation lengths (``plan.lengths_from``, else ``algorithm.gen_len_mean``), the
     training prompts' lengths (``data.train``) and its staleness bound;
     ``asynchronous``: generation one step ahead of training; scoring and training
-    packed with ``train.packing``; ``lengths``:
+    packed with ``train.packing``; generation refilling its slots with
+    ``rollout.refill``; ``lengths``:
     :func:`graph_lengths`, read already (None: read here)."""
     responses, prompts = lengths if lengths is not None else graph_lengths(cfg, base)
     graph = build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models),
@@ -162,6 +164,7 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
                        max_staleness=cfg.algorithm.max_staleness, asynchronous=asynchronous,
                        prompt_lengths=prompts, score_rollout=scores_rollout(cfg),
                        turns=turns_shape(cfg, base))
+    graph = refill_graph(graph) if cfg.rollout.refill else graph
     return packed_graph(graph) if cfg.train.packing else graph
 
 

@@ -9,6 +9,8 @@ whole batch is drawn with a few vectorised integer operations (no per-row genera
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from realign.runtime.settings import SamplingParams
@@ -67,17 +69,38 @@ def uniform_noise(seed: int, seq_ids: torch.Tensor, position: int, vocab: int) -
     return uniform_noise_block(seed, seq_ids, range(position, position + 1), vocab)[0]
 
 
+def _step_hashes(seed: int, positions, device) -> torch.Tensor:
+    """The hash of ``(seed, t)`` for each generated position ``t`` of ``positions``."""
+    base = _hash32_int(seed) ^ _hash32_int((seed >> 32) ^ 0x5BD1E995)
+    return torch.tensor([_hash32_int(base ^ _hash32_int(t + 0x9E3779B9)) for t in positions],
+                        dtype=torch.long, device=device)
+
+
+def _uniform_of(row: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float64 uniforms [..., vocab] of each ``(seed, sequence, position)`` hash in ``row``."""
+    tok = hash32(torch.arange(vocab, device=row.device) ^ 0x68E31DA4)
+    bits = hash32(row.unsqueeze(-1) ^ tok)
+    return (bits.double() + 0.5) / 2.0 ** 32
+
+
 def uniform_noise_block(seed: int, seq_ids: torch.Tensor, positions: range, vocab: int
                         ) -> torch.Tensor:
     """:func:`uniform_noise` of several consecutive positions at once, [len(positions),
     b, vocab] (fewer, larger tensor operations than one call per position)."""
-    base = _hash32_int(seed) ^ _hash32_int((seed >> 32) ^ 0x5BD1E995)
-    steps = torch.tensor([_hash32_int(base ^ _hash32_int(t + 0x9E3779B9)) for t in positions],
-                         dtype=torch.long, device=seq_ids.device)
-    row = hash32(hash32(seq_ids.long() & _M32).unsqueeze(0) ^ steps.unsqueeze(1))   # [n, b]
-    tok = hash32(torch.arange(vocab, device=seq_ids.device) ^ 0x68E31DA4)
-    bits = hash32(row.unsqueeze(2) ^ tok)
-    return (bits.double() + 0.5) / 2.0 ** 32
+    steps = _step_hashes(seed, positions, seq_ids.device)
+    return _uniform_of(hash32(hash32(seq_ids.long() & _M32).unsqueeze(0) ^ steps.unsqueeze(1)),
+                       vocab)
+
+
+def gumbel_noise_rows(seed: int, seq_ids: torch.Tensor, positions: Sequence[int], vocab: int
+                      ) -> torch.Tensor:
+    """The Gumbel noise [b, vocab] of each row ``i`` at its own generated position
+    ``positions[i]`` (generation that refills its slots: rows at different positions
+    share a step); row ``i`` equals :func:`gumbel_noise` of ``seq_ids[i]`` at that
+    position."""
+    steps = _step_hashes(seed, positions, seq_ids.device)
+    u = _uniform_of(hash32(hash32(seq_ids.long() & _M32) ^ steps), vocab)
+    return -torch.log(-torch.log(u))
 
 
 def gumbel_noise(seed: int, seq_ids: torch.Tensor, positions: range, vocab: int

@@ -113,9 +113,14 @@ class Rollout(MultiTurn):
 
     engine: Literal["own", "vllm", "auto"] = Field(
         "own", description="The engine of every generate call (rollout, ReMax's greedy "
-        "baseline, evaluations): 'own' (realign's decoder, in waves), 'vllm' (vLLM: "
+        "baseline, evaluations): 'own' (realign's decoder: rollout.refill), 'vllm' (vLLM: "
         "continuous batching, one engine per GPU; needs `make vllm-env`, docs/vllm.md) or "
         "'auto' (the planner prices both for each call and picks; the plan says which).")
+    refill: bool = Field(
+        True, strict=True, description="realign's own engine: a sequence that has ended gives its "
+        "KV-cache slot to the next waiting prompt, instead of each wave of the plan "
+        "waiting for its longest (docs/packing.md); the planner prices its expected "
+        "decode steps. false: static waves, for comparison.")
     vllm: VLLMSettings = Field(default_factory=VLLMSettings)
     logprob_diff_threshold: float = Field(
         0.01, gt=0, description="The train call logs the share of response tokens whose "

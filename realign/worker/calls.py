@@ -95,9 +95,11 @@ class Calls:
             seed=self.seed * 1_000_003 + (step + op.ahead) * len(prompts))
         metrics: dict = {}
         kv_peaks = [0]        # the most KV-cache bytes of the call's generations (turns)
+        steps = [0]           # their decode iterations (realign's own engine)
 
         def peak(gen):
             kv_peaks[0] = max(kv_peaks[0], gen.kv_cache_peak_bytes)
+            steps[0] += gen.decode_steps
             return gen
         if op.engine == "vllm":
             # the replica's weights (trained, or just reallocated) into vLLM's storage
@@ -113,7 +115,8 @@ class Calls:
             own = GenerateEngine(h.shard, pad_id=self.pad_id)
 
             def engine(rows, p):
-                return peak(own.generate(rows, p, waves=op.micro_batches))
+                return peak(own.generate(rows, p, waves=op.micro_batches,
+                                         refill=op.mfc.refill))
         prefix = "greedy_" if op.mfc.greedy else ""
         if op.mfc.is_eval:                       # an evaluation's generation
             prefix = f"eval.{'greedy' if op.mfc.greedy else 'sample'}_"
@@ -142,6 +145,8 @@ class Calls:
         metrics.update({f"{prefix}gen_tokens": float(gen_lengths.sum()),
                         f"{prefix}response_len": float(gen_lengths.float().mean()),
                         f"kv_cache_bytes.{op.name}": float(kv_peaks[0])})
+        if op.engine != "vllm":
+            metrics[f"decode_steps.{op.name}"] = float(steps[0])
         if not prefix:      # the sampled rollout's lengths, for plan.lengths_from
             metrics["response_len_hist"] = length_histogram(gen_lengths)
         return out, metrics

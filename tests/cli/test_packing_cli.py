@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_plan_cli import SMALL, with_, write
+import yaml
+from test_plan_cli import REPO, SMALL, with_, write
 
 from realign.cli.main import main
 
@@ -42,3 +43,32 @@ def test_a_packed_plan_prices_tokens_and_says_so(tmp_path, capsys):
                                                          rel=0.2)
     assert lines[True]["packed"] and not lines[False]["packed"]
     assert lines[True]["row_mean"] < lines[True]["padded_mean"]
+
+
+@pytest.mark.parametrize("value", ["yes", 2, None])
+def test_bad_refill_values_exit_2(tmp_path, capsys, value):
+    rc = main(["plan", str(write(tmp_path, with_(SMALL, "rollout", {"refill": value})))])
+    err = capsys.readouterr().err
+    assert rc == 2 and "rollout.refill" in err and "Traceback" not in err
+
+
+def test_a_refilling_plan_prices_fewer_decode_steps_and_says_so(tmp_path, capsys):
+    """Generation that refills its slots (the default) is priced by its expected steps,
+    below waves that each wait for their longest, on the shipped long-tail GRPO setting
+    (2048 rollouts of 900 tokens on average, cap 3840: more rows than the KV cache
+    holds); the plan's lengths line says both."""
+    base = yaml.safe_load((REPO / "experiments/grpo-llama3.1-8b-16gpu-longtail.yaml")
+                          .read_text())
+    times, gens = {}, {}
+    for refill in (False, True):
+        cfg = with_(base, "rollout", {**base.get("rollout", {}), "refill": refill})
+        assert main(["plan", str(write(tmp_path, cfg, f"{refill}.yaml")), "--json"]) == 0
+        s = json.loads(capsys.readouterr().out)
+        times[refill] = {m["name"]: m for m in s["mfcs"]}["actor.generate"]["time_s"]
+        gens[refill] = s["lengths"]["generation"]
+    assert gens[True]["refill"] and not gens[False]["refill"]
+    assert gens[True]["decode_steps"] < 0.8 * gens[True]["wave_steps"]
+    assert gens[False]["decode_steps"] == gens[False]["wave_steps"]
+    assert times[True] < 0.8 * times[False]
+    assert main(["plan", str(write(tmp_path, base, "default.yaml"))]) == 0
+    assert "refills its slots" in capsys.readouterr().out

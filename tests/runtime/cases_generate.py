@@ -13,11 +13,12 @@ from realign.runtime.sampling import SamplingParams
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 12], [150, 1, 2, 3], [60, 61, 62, 63, 64, 65, 66, 67]]
 
 
-def generate(ctx, path, tp, pp, dp, sampling: dict, prompts=PROMPTS, waves=1):
+def generate(ctx, path, tp, pp, dp, sampling: dict, prompts=PROMPTS, waves=1, refill=False):
     shard = replica(ctx, path, "lm", tp, pp, dp)
     if shard is None:
         return None
-    out = GenerateEngine(shard).generate(prompts, SamplingParams(**sampling), waves=waves)
+    out = GenerateEngine(shard).generate(prompts, SamplingParams(**sampling), waves=waves,
+                                         refill=refill)
     return out.tokens.tolist(), out.logprobs.tolist(), out.lengths.tolist()
 
 
@@ -92,3 +93,13 @@ def outputs_feed_training(ctx, path, tp, pp, dp, forward):
                                              packing=forward != "megatron"))
     m = engine.train_step({"tokens": tokens, "lengths": lengths, "weight": weight}, loss)
     return ordinary, m["update_ok"]
+
+
+def generate_steps(ctx, path, sampling: dict, prompts, waves, refill):
+    """(lengths, decode steps) of this rank's share at TP1 PP1 DP1."""
+    shard = replica(ctx, path, "lm", 1, 1, 1)
+    if shard is None:
+        return None
+    out = GenerateEngine(shard).generate(prompts, SamplingParams(**sampling), waves=waves,
+                                         refill=refill)
+    return out.lengths.tolist(), out.decode_steps

@@ -125,6 +125,52 @@ def test_generation_in_waves_gives_what_one_wave_gives(world2, tiny_models, tp, 
             assert max(abs(a - b) for r1, r2 in zip(lp1, lp2) for a, b in zip(r1, r2)) < TOL
 
 
+#: stop tokens that end most sampled responses within a few tokens, so slots refill
+MANY_STOPS = list(range(3, 200, 6))
+
+
+@pytest.mark.parametrize("tp,pp,dp,waves", [(1, 1, 1, 4), (1, 2, 1, 4), (1, 2, 1, 8),
+                                            (2, 1, 1, 3), (1, 1, 2, 2)])
+@pytest.mark.parametrize("sampling", [
+    {"max_new_tokens": 24, "greedy": True, "stop_token_ids": MANY_STOPS[::4]},
+    {"max_new_tokens": 24, "temperature": 0.9, "seed": 3, "stop_token_ids": MANY_STOPS}])
+def test_generation_that_refills_gives_what_waves_give(world2, tiny_models, tp, pp, dp,
+                                                       waves, sampling):
+    """Slots that take the next prompt when their sequence ends (two slot groups in
+    flight at pp 2) give the sequences, lengths and log-probs of waves, token for token."""
+    path = tiny_models["llama"]
+    prompts = [PROMPTS[i % 4][: 1 + i % 5] + [i + 3] for i in range(16)]
+    want = [r for r in world2.run("cases_generate:generate", path, tp, pp, dp, sampling,
+                                  prompts, 1) if r is not None]
+    got = [r for r in world2.run("cases_generate:generate", path, tp, pp, dp, sampling,
+                                 prompts, waves, True) if r is not None]
+    assert len(got) == len(want) == tp * pp * dp
+    lengths = want[0][2]
+    assert min(lengths) < 8 and max(lengths) > 2 * min(lengths)    # slots did refill
+    for (t1, lp1, n1), (t2, lp2, n2) in zip(want, got):
+        assert t1 == t2 and n1 == n2
+        assert max(abs(a - b) for r1, r2 in zip(lp1, lp2) for a, b in zip(r1, r2)) < TOL
+
+
+def test_refill_runs_the_decode_steps_of_the_planners_slot_schedule(world2, tiny_models):
+    """The runtime decodes exactly the iterations the planner's slot schedule
+    (planner.graph.refill.slot_schedule) gives for the lengths it generated: every
+    iteration in which a slot holds a sequence admitted earlier; and fewer than waves."""
+    from planner.graph.refill import slot_schedule
+
+    path = tiny_models["llama"]
+    prompts = [PROMPTS[i % 4][: 1 + i % 5] + [i + 3] for i in range(16)]
+    sampling = {"max_new_tokens": 24, "temperature": 0.9, "seed": 3, "stop_token_ids": MANY_STOPS}
+    lengths, steps = world2.run("cases_generate:generate_steps", path, sampling, prompts, 4,
+                                True)[0]
+    sched = slot_schedule(lengths, 4, 24)
+    busy = {i for a, f in sched for i in range(a + 1, f)}
+    assert steps == len(busy) > 0
+    _, wave_steps = world2.run("cases_generate:generate_steps", path, sampling, prompts, 4,
+                               False)[0]
+    assert steps < wave_steps
+
+
 def test_waves_end_at_stop_tokens_across_the_pipeline(world2, tiny_models):
     """A wave whose rows all stopped ends early on every stage; the other waves run on."""
     path = tiny_models["llama"]

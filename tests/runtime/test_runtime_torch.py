@@ -190,6 +190,18 @@ def test_noise_made_in_blocks_equals_noise_made_per_position(monkeypatch):
     assert generate._NoiseBlocks(SamplingParams(greedy=True), ids, 5, 50).at(0) is None
 
 
+def test_noise_of_rows_at_their_own_positions_is_each_rows_noise():
+    """Refilled slots draw each row at its own position in one call: row i is the
+    noise a per-position call makes for that sequence and position."""
+    from realign.runtime.sampling import gumbel_noise, gumbel_noise_rows
+
+    ids = torch.tensor([3, 7, 2 ** 33 + 5])
+    rows = gumbel_noise_rows(2 ** 40 + 9, ids, [0, 5, 2], 50)
+    for i, t in enumerate([0, 5, 2]):
+        assert torch.equal(rows[i], gumbel_noise(2 ** 40 + 9, ids[i:i + 1], range(t, t + 1), 50)[0, 0])
+    assert not torch.equal(rows[0], gumbel_noise_rows(2 ** 40 + 9, ids, [1, 5, 2], 50)[0])
+
+
 def test_waves_split_the_rows_contiguously_and_evenly():
     from realign.runtime.engines.waves import wave_bounds
 

@@ -165,34 +165,46 @@ class StageDecoder:
         return sum(t.nbytes for t in self.k + self.v)
 
     # ---- the two entry points ---------------------------------------------------------
-    def prefill(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def prefill(self, x: torch.Tensor, lengths: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         """Right-padded prompts need no mask beyond causality: a prompt position sees
         only earlier positions, all of them its own prompt's; the padding positions'
         outputs are never read, and the cache entries they leave are overwritten by the
         decode steps before any step attends to them. So the attention is
         ``is_causal`` (top-left aligned over the cache's whole key blocks), which lets
         SDPA pick a flash or memory-efficient kernel instead of building the
-        [b, heads, s, keys] scores of an explicit mask."""
+        [b, heads, s, keys] scores of an explicit mask. ``rows``: the cache rows the
+        prompts go to (a refilled slot, :mod:`~realign.runtime.engines.refill`); None:
+        rows ``0..b-1``."""
         b, s = x.shape[:2]
         span = key_span(s)
         pos = torch.arange(s, device=x.device)
 
         def attend(i, k, v):
-            self.k[i][:, :, :s] = k
-            self.v[i][:, :, :s] = v
-            return self.k[i][:, :, :span], self.v[i][:, :, :span]
+            if rows is None:
+                self.k[i][:, :, :s] = k
+                self.v[i][:, :, :s] = v
+                return self.k[i][:, :, :span], self.v[i][:, :, :span]
+            self.k[i][rows, :, :s] = k
+            self.v[i][rows, :, :s] = v
+            return self.k[i][rows, :, :span], self.v[i][rows, :, :span]
         return self._forward(x, pos.unsqueeze(0).expand(b, s), None, attend, lengths - 1)
 
-    def step(self, x: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """``kv_len``: an upper bound of ``pos + 1`` (the cache prefix attended)."""
+    def step(self, x: torch.Tensor, pos: torch.Tensor, kv_len: int,
+             rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``kv_len``: an upper bound of ``pos + 1`` (the cache prefix attended).
+        ``rows``: the cache rows ``x`` and ``pos`` are for (None: every row)."""
         kv_len = key_span(kv_len)
         keys = torch.arange(kv_len, device=x.device)
         mask = (keys.unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]  # [b, 1, 1, k]
+        at = self.rows if rows is None else rows
 
         def attend(i, k, v):
-            self.k[i][self.rows, :, pos] = k[:, :, 0]
-            self.v[i][self.rows, :, pos] = v[:, :, 0]
-            return self.k[i][:, :, :kv_len], self.v[i][:, :, :kv_len]
+            self.k[i][at, :, pos] = k[:, :, 0]
+            self.v[i][at, :, pos] = v[:, :, 0]
+            if rows is None:
+                return self.k[i][:, :, :kv_len], self.v[i][:, :, :kv_len]
+            return self.k[i][rows, :, :kv_len], self.v[i][rows, :, :kv_len]
         return self._forward(x, pos.unsqueeze(1), mask, attend, "newest")
 
     def score(self, x: torch.Tensor, pack: Pack | None = None) -> torch.Tensor:
@@ -223,7 +235,8 @@ class StageDecoder:
             return x
         every = isinstance(out, str) and out == "all"
         if not every:
-            x = x[:, -1] if isinstance(out, str) else x[self.rows, out]    # [b, h]
+            x = (x[:, -1] if isinstance(out, str)
+                 else x[torch.arange(x.shape[0], device=x.device), out])     # [b, h]
         x = F.rms_norm(x, (x.shape[-1],), self.final_norm, self.spec.norm_eps)
         x = F.linear(self._copy(x) if self.shard.head == "lm" else x, self.head)
         return x if every else gather_vocab(x, self.tp_group)

@@ -1,5 +1,6 @@
 """Generation engine of one replica: KV-cache decoding of a batch of variable-length
-prompts, at any TP and PP, in the plan's waves (:mod:`realign.runtime.engines.waves`).
+prompts, at any TP and PP, in the plan's waves (:mod:`realign.runtime.engines.waves`)
+or in slots that refill (:mod:`realign.runtime.engines.refill`).
 
 The forward is :class:`~realign.runtime.engines.decoder.StageDecoder` (why not
 megatron's inference engines: see there). A wave's prompts are right-padded and
@@ -18,6 +19,7 @@ import torch
 
 from realign.errors import UserError
 from realign.runtime.engines.base import gather_dp
+from realign.runtime.engines.refill import decode_refill
 from realign.runtime.engines.waves import decode_waves
 from realign.runtime.model import ModelShard
 from realign.runtime.sampling import SamplingParams
@@ -31,6 +33,7 @@ class Generation:
     logprobs: torch.Tensor     #: [b, max_new_tokens] float32, 0 after the end
     lengths: torch.Tensor      #: [b] generated tokens (a stop token included)
     kv_cache_peak_bytes: int = 0   #: the most KV-cache bytes this rank held at once
+    decode_steps: int = 0          #: decode iterations (waves.DecodeResult.decode_steps)
 
 
 class GenerateEngine:
@@ -56,10 +59,11 @@ class GenerateEngine:
             raise UserError(f"token ids must be in 0..{spec.vocab_size - 1}", field="prompts")
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
-                 waves: int = 1) -> Generation:
+                 waves: int = 1, refill: bool = False) -> Generation:
         """Continuations of ``prompts``; each data-parallel rank decodes its share in
         ``waves`` waves (the plan's micro-batches: the KV cache holds only the waves in
-        flight)."""
+        flight), or with ``refill`` in as many slots, each taking the next waiting prompt
+        when its sequence ends (:mod:`~realign.runtime.engines.refill`)."""
         self.check(prompts, sampling)
         if waves < 1:
             raise UserError(f"must be >= 1 (got {waves})", field="micro_batches")
@@ -72,10 +76,12 @@ class GenerateEngine:
         # benchmarks/step/README.md). What
         # leaves it is concatenated below, outside, into an ordinary tensor.
         with torch.inference_mode():
-            res = decode_waves(self.shard, mine, sampling, first, waves, self.pad_id)
+            decode = decode_refill if refill else decode_waves
+            res = decode(self.shard, mine, sampling, first, waves, self.pad_id)
         out = gather_dp(self.shard, torch.cat([res.tokens.double(), res.logprobs.double(),
                                                res.lengths.double().unsqueeze(1)], dim=1))
         n = sampling.max_new_tokens
         return Generation(tokens=out[:, :n].long(), logprobs=out[:, n:2 * n].float(),
                           lengths=out[:, 2 * n].long(),
-                          kv_cache_peak_bytes=res.kv_cache_peak_bytes)
+                          kv_cache_peak_bytes=res.kv_cache_peak_bytes,
+                          decode_steps=res.decode_steps)

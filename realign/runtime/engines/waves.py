@@ -45,6 +45,9 @@ class DecodeResult:
     logprobs: torch.Tensor     #: [b, n] float32, 0 after the end
     lengths: torch.Tensor      #: [b] long
     kv_cache_peak_bytes: int   #: the most KV-cache bytes this rank held at once
+    #: decode iterations (a step of every wave or slot group in flight), summed over
+    #: the groups that run one after another: what the planner prices per group
+    decode_steps: int = 0
 
 
 class _NoiseBlocks:
@@ -158,18 +161,18 @@ def decode_waves(shard: ModelShard, prompts: list[list[int]], p: SamplingParams,
     in_flight = min(len(bounds), g.layout.pp)
     stops = torch.tensor(list(p.stop_token_ids) or [-1], device=dev)
     done_waves: list[_Wave] = []
-    peak = 0
+    peak = steps = 0
     for k in range(0, len(bounds), in_flight):
         group = [_new_wave(shard, prompts, lo, hi, p, first_index, pad_id)
                  for lo, hi in bounds[k:k + in_flight]]
         peak = max(peak, sum(w.dec.cache_bytes for w in group))
-        _run_group(shard, group, p, stops, pad_id)
+        steps += _run_group(shard, group, p, stops, pad_id)
         for w in group:
             w.dec = None                   # the wave's KV cache goes with its decoder
         done_waves += group
     return DecodeResult(torch.cat([w.out_tok for w in done_waves]),
                         torch.cat([w.out_lp for w in done_waves]),
-                        torch.cat([w.out_len for w in done_waves]), peak)
+                        torch.cat([w.out_len for w in done_waves]), peak, steps)
 
 
 def _new_wave(shard: ModelShard, prompts, lo: int, hi: int, p: SamplingParams,
@@ -193,8 +196,9 @@ def _new_wave(shard: ModelShard, prompts, lo: int, hi: int, p: SamplingParams,
 
 
 def _run_group(shard: ModelShard, group: list[_Wave], p: SamplingParams,
-               stops: torch.Tensor, pad_id: int) -> None:
-    """Decode a group of waves to their ends, pipelined over the stages.
+               stops: torch.Tensor, pad_id: int) -> int:
+    """Decode a group of waves to their ends, pipelined over the stages; returns the
+    decode iterations it ran.
 
     Iteration ``t`` runs, for each wave not yet ended, the forward that yields token
     ``t`` (the prefill at ``t = 0``, else one step on token ``t - 1``). A stage other
@@ -204,7 +208,9 @@ def _run_group(shard: ModelShard, group: list[_Wave], p: SamplingParams,
     n = p.max_new_tokens
     last = g.is_last_stage
     links = _StageLinks(shard)
+    steps = 0
     for t in range(n if last else n + 1):
+        stepped = False
         for w in group:
             if w.finished:
                 continue
@@ -222,6 +228,7 @@ def _run_group(shard: ModelShard, group: list[_Wave], p: SamplingParams,
             else:
                 out = w.dec.step(x, pos=w.pos, kv_len=w.longest + t)
                 w.pos += 1
+                stepped = True
             if not last:
                 links.send_hidden(out)
                 continue
@@ -229,7 +236,9 @@ def _run_group(shard: ModelShard, group: list[_Wave], p: SamplingParams,
             w.record(t, choice, logp, stops, pad_id, n)
             if g.layout.pp > 1:
                 links.send_choice(choice, logp)
+        steps += stepped
     links.wait_all()
+    return steps
 
 
 def _choose(shard: ModelShard, logits: torch.Tensor, p: SamplingParams, w: _Wave, t: int):
