@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from planner.cost.cost_config import CostModelConfig
 from planner.errors import PlanError, from_validation
-from planner.graph.dataflow import DataflowGraph
+from planner.graph.dataflow import MFC, DataflowGraph
+from planner.graph.packing import PACK_BLOCK
 from planner.specs.cluster import ClusterSpec
 from planner.specs.layout import Layout, layout_problems, shard_placement
 from planner.specs.lora import LoraSpec
@@ -32,7 +33,9 @@ from planner.specs.model_spec import ModelSpec
 #: 7: multi-turn generate calls (the graph's MFC.turns).
 #: 8: LoRA per model (its adapters' settings; reallocations move only the adapters).
 #: 9: packed calls (the graph's MFC.packed: priced by their bins' tokens).
-PLAN_SCHEMA_VERSION = 9
+#: 10: the token budget of each packed scoring call (tokens per micro-batch, chosen by the
+#:     search); generate calls that refill their slots (the graph's MFC.refill).
+PLAN_SCHEMA_VERSION = 10
 
 
 class _Frozen(BaseModel):
@@ -75,6 +78,12 @@ class MFCAllocation(_Frozen):
     engine: Literal["own", "vllm"] = Field(
         "own", description="Generate calls: realign's own engine (waves) or vLLM "
         "(continuous batching, one engine per GPU; rollout.engine).")
+    token_budget: int | None = Field(
+        None, gt=0, description="Packed scoring calls whose micro-batches are not fixed: "
+        "the most tokens a bin (micro-batch) holds; each data-parallel rank packs its rows "
+        "first-fit decreasing into as many bins as that needs, and micro_batches is the "
+        "expected bin count. None for every other call: training keeps its rows per "
+        "micro-batch (each algorithm's loss is a mean over a micro-batch's rows).")
 
     @property
     def shards(self) -> tuple[int, int, int, int]:
@@ -247,6 +256,23 @@ def expected_reallocations(plan: ExecutionPlan) -> list[tuple[str, str]]:
             if a.role in train and a.kind != "train" and a.shards != train[a.role].shards]
 
 
+def budget_problems(a: MFCAllocation, m: MFC, where: str) -> list[str]:
+    """Why ``a``'s token budget cannot run ``m`` (empty when it can, or has none): only
+    packed scoring calls without fixed micro-batches have one, a multiple of
+    :data:`~planner.graph.packing.PACK_BLOCK` that holds a row at its cap."""
+    b = a.token_budget
+    if b is None:
+        return []
+    if not (m.kind == "inference" and m.packed and m.micro_batches is None):
+        return [f"{where}: token_budget is for packed inference calls without fixed "
+                f"micro-batches; this is a {m.kind} call (packed {m.packed}, micro_batches "
+                f"{m.micro_batches})"]
+    if b % PACK_BLOCK or b < m.seq_len:
+        return [f"{where}: token_budget {b} must be a multiple of {PACK_BLOCK} of at least "
+                f"the {m.seq_len} tokens of a row at its cap"]
+    return []
+
+
 def plan_problems(plan: ExecutionPlan) -> list[str]:
     """Why ``plan`` cannot be executed as it is (empty when it can): allocations that
     do not match its graph, meshes outside its cluster, layouts its models or batches
@@ -275,8 +301,11 @@ def plan_problems(plan: ExecutionPlan) -> list[str]:
         if a.mesh_name != a.mesh.name(gpn):
             out.append(f"{where}: mesh_name {a.mesh_name!r} is not its mesh's name "
                        f"{a.mesh.name(gpn)!r}")
-        out += [f"{where}: {p}" for p in layout_problems(a.layout, a.mesh, specs[a.role], m,
-                                                         a.micro_batches, plan.cluster)]
+        # a token budget's bins are not a split of the rows: no count to divide them by
+        out += [f"{where}: {p}" for p in layout_problems(
+            a.layout, a.mesh, specs[a.role], m,
+            a.micro_batches if a.token_budget is None else 1, plan.cluster)]
+        out += budget_problems(a, m, where)
         if a.optimizer_offload and a.kind != "train":
             out.append(f"{where}: optimizer_offload is for train calls, this is a {a.kind} call")
         if a.train_state_offload and a.kind != "train":

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from planner.graph.lengths import expected_call_tokens
-from planner.graph.packing import packed_shape, row_moments
+from planner.graph.packing import budget_shape, packed_shape, row_moments
 from planner.graph.padding import rollout_moments
 from planner.graph.refill import refill_shape
 from planner.plan import ExecutionPlan
@@ -27,7 +27,8 @@ def summary(plan: ExecutionPlan) -> dict:
         "mfcs": [
             {"name": a.mfc, "mesh": a.mesh_name, "first_gpu": a.mesh.first_gpu,
              "n_gpus": a.mesh.n_gpus, "tp": a.layout.tp, "pp": a.layout.pp, "dp": a.layout.dp,
-             "micro_batches": a.micro_batches, "time_s": a.time_s, "mem_bytes": a.mem_bytes,
+             "micro_batches": a.micro_batches, "token_budget": a.token_budget,
+             "time_s": a.time_s, "mem_bytes": a.mem_bytes,
              "optimizer_offload": a.optimizer_offload,
              "train_state_offload": a.train_state_offload, "host_bytes": a.host_bytes,
              "activation_recompute": a.activation_recompute,
@@ -152,12 +153,15 @@ def _steps_dict(plan: ExecutionPlan) -> dict | None:
 
 def bin_tokens(plan: ExecutionPlan) -> dict[str, float]:
     """Each packed call's priced tokens per micro-batch (a bin), by call name
-    (:func:`planner.graph.packing.packed_shape` under its allocation)."""
+    (:func:`planner.graph.packing.packed_shape` under its allocation, or
+    :func:`~planner.graph.packing.budget_shape` under its token budget)."""
     mfcs = {m.name: m for m in plan.graph.mfcs}
     out = {}
     for a in plan.allocations:
         m = mfcs[a.mfc]
-        if m.packed:
+        if m.packed and a.token_budget is not None:
+            out[a.mfc] = budget_shape(m, m.n_seqs / a.layout.dp, a.token_budget)[1]
+        elif m.packed:
             per_step = m.n_seqs / (m.n_minibatches if m.kind == "train" else 1)
             rows = per_step / a.layout.dp / a.micro_batches
             out[a.mfc] = packed_shape(m, rows, a.micro_batches, a.layout.dp)[0]
@@ -231,7 +235,8 @@ def table(plan: ExecutionPlan) -> str:
     """The plan as text. ``*`` marks estimates priced with a profile's rates, ``+off``
     a train call whose optimizer state is offloaded to host memory (Adam stepped there),
     ``+state`` one whose gradients and GPU optimizer state exist only during the call,
-    ``+rc`` one that recomputes each layer's activations in the backward."""
+    ``+rc`` one that recomputes each layer's activations in the backward; a packed
+    scoring call's micro-batches are its expected bins, with its token budget."""
     mark = "*" if plan.profile is not None else ""
     rows = [("MFC", "mesh", "GPUs", "TP", "PP", "DP", "micro", "engine", "time s",
              "mem GiB/GPU")]
@@ -240,7 +245,8 @@ def table(plan: ExecutionPlan) -> str:
                      + (" +state" if a.train_state_offload else "")
                      + (" +rc" if a.activation_recompute else ""), a.mesh_name,
                      str(a.mesh.n_gpus), str(a.layout.tp), str(a.layout.pp),
-                     str(a.layout.dp), str(a.micro_batches),
+                     str(a.layout.dp), str(a.micro_batches) + (
+                         f" (budget {a.token_budget} tok)" if a.token_budget else ""),
                      a.engine if a.kind == "generate" else "-", f"{a.time_s:.3f}{mark}",
                      f"{a.mem_bytes / GIB:.1f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -72,6 +72,7 @@ from planner.cost.refill_cost import refill_terms
 from planner.errors import PlanError
 from planner.graph.dataflow import MFC
 from planner.graph.lengths import expected_call_tokens
+from planner.graph.packing import budget_shape
 from planner.graph.padding import longest_prompt, padded_len
 from planner.specs.cluster import ClusterSpec
 from planner.specs.layout import Layout
@@ -237,8 +238,15 @@ class CostModel:
     def mfc_cost(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
                  layout: Layout, micro_batches: int, offload: bool = False,
                  state_offload: bool = False, recompute: bool = False,
-                 engine: str = "own", lora: LoraSpec | None = None) -> MFCCost:
-        """``lora``: the role trains (and runs) LoRA adapters on a frozen base."""
+                 engine: str = "own", lora: LoraSpec | None = None,
+                 token_budget: int | None = None) -> MFCCost:
+        """``lora``: the role trains (and runs) LoRA adapters on a frozen base.
+        ``token_budget``: a packed scoring call packs each data-parallel rank's rows into
+        bins of at most that many tokens (:func:`planner.graph.packing.budget_shape`
+        prices them; ``micro_batches`` is then not read)."""
+        if token_budget is not None and not (mfc.kind == "inference" and mfc.packed):
+            raise ValueError(f"a token budget applies to packed inference calls only, "
+                             f"not to {mfc.name} ({mfc.kind}, packed {mfc.packed})")
         if (offload or state_offload or recompute) and mfc.kind != "train":
             raise ValueError("optimizer and training-state offload and activation "
                              "recompute apply to train MFCs only")
@@ -258,9 +266,10 @@ class CostModel:
             terms = self._train_terms(mfc, spec, head, mesh, layout, micro_batches, offload,
                                       recompute, lora)
         else:
-            terms = self._inference_terms(mfc, spec, head, mesh, layout, micro_batches, lora)
+            terms = self._inference_terms(mfc, spec, head, mesh, layout, micro_batches, lora,
+                                          token_budget)
         weights, resident, act, host = mfc_memory(self.config, mfc, spec, head, layout, micro_batches,
-                                                    offload, recompute, lora)
+                                                    offload, recompute, lora, token_budget)
         adapters = self.config.param_dtype_bytes * self.lora_params(spec, head, layout, lora)
         if state_offload:
             # everything but the weights is there only while the call runs; what is
@@ -303,14 +312,17 @@ class CostModel:
         return moved / self.rates.host_link_bytes_per_s + shard_params / adam
 
     def _inference_terms(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
-                         layout: Layout, m: int, lora: LoraSpec | None = None
-                         ) -> dict[str, float]:
+                         layout: Layout, m: int, lora: LoraSpec | None = None,
+                         token_budget: int | None = None) -> dict[str, float]:
         r, dt = self.rates, self.config.param_dtype_bytes
         pp, dp = layout.pp, layout.dp
         tpn, dpn, ppn = self._nodes(mesh, layout)
         n_local = mfc.n_seqs / dp
-        b, s = n_local / m, padded_len(mfc)     # the batch padded to its longest
-        tok, ctx = micro_batch_tokens(mfc, b, m, dp)
+        s = padded_len(mfc)     # the batch padded to its longest
+        if token_budget is None:
+            tok, ctx = micro_batch_tokens(mfc, n_local / m, m, dp)
+        else:
+            m, tok, ctx = budget_shape(mfc, n_local, token_budget)
         costs = r.engine("inference")
         # per micro-batch and stage boundary: its hidden states to the next stage
         msg = messages(r.collective_s("p2p", tok * spec.hidden * dt, 2, ppn))

@@ -10,7 +10,9 @@ shard of the optimizer state, and the step adds the transfers and the host's Ada
 optimizer state the GPU keeps are there only during the train call (transient, not
 resident: between calls the state waits in host memory and the gradients are freed),
 and the call adds the state's two transfers (:meth:`planner.cost.cost_model.CostModel.state_transfer_s`);
-inference adds one micro-batch's layer activations and fp32 logits;
+inference adds one micro-batch's layer activations and fp32 logits (a packed scoring
+call with a token budget: of ``budget`` tokens, as a bin never holds more; otherwise
+``rows / m x seq_len`` tokens, the caps);
 generation adds the KV cache of the waves in flight (``g`` waves of ``b`` sequences,
 each allocated for ``prompt_len + gen_len`` positions rounded up to whole
 ``kv_cache_block_tokens`` blocks) and the logits of one step.
@@ -81,9 +83,11 @@ def wave_kv_bytes_per_seq(config: CostModelConfig, spec: ModelSpec, mfc: MFC, tp
 
 def mfc_memory(cfg: CostModelConfig, mfc: MFC, spec: ModelSpec, head: str, layout: Layout,
                m: int, offload: bool = False, recompute: bool = False,
-               lora: LoraSpec | None = None) -> tuple[float, float, float, float]:
+               lora: LoraSpec | None = None, token_budget: int | None = None
+               ) -> tuple[float, float, float, float]:
     """(weights, resident, activation, host) bytes per GPU of ``mfc`` at ``layout`` with
-    ``m`` micro-batches (the module docstring)."""
+    ``m`` micro-batches, or for a packed scoring call bins of at most ``token_budget``
+    tokens (the module docstring)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     dt = cfg.param_dtype_bytes
     weights = dt * (stage_params(spec, head, layout)
@@ -98,7 +102,7 @@ def mfc_memory(cfg: CostModelConfig, mfc: MFC, spec: ModelSpec, head: str, layou
         return weights, weights, act, 0.0
     train = mfc.kind == "train"
     seqs = mfc.n_seqs / (mfc.n_minibatches if train else 1) / dp
-    tok = seqs / m * mfc.seq_len
+    tok = seqs / m * mfc.seq_len if token_budget is None else float(token_budget)
     act_layer = tok * act_bytes_per_token_layer(cfg, spec, tp)
     if not train:
         return weights, weights, 2 * act_layer + 2 * 4.0 * tok * logit_cols, 0.0

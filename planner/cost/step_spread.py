@@ -65,7 +65,8 @@ def rollout_of(graph: DataflowGraph) -> MFC | None:
 def call_time_sd(cost: CostModel, graph: DataflowGraph, mfc: MFC, spec: ModelSpec, head: str,
                  mesh: DeviceMesh, layout: Layout, micro_batches: int, offload: bool = False,
                  state_offload: bool = False, recompute: bool = False,
-                 engine: str = "own", lora: LoraSpec | None = None) -> float:
+                 engine: str = "own", lora: LoraSpec | None = None,
+                 token_budget: int | None = None) -> float:
     """Standard deviation, over steps, of one call of ``mfc`` (seconds): 0 outside an
     asynchronous graph whose rollout has a length distribution, and for a call that
     neither generates that rollout nor reads its sequences (a call that carries their
@@ -82,7 +83,8 @@ def call_time_sd(cost: CostModel, graph: DataflowGraph, mfc: MFC, spec: ModelSpe
               else {"prompt_len": tokens, "gen_len": 0, "prompt_lengths": None})
         short = mfc.model_copy(update={**at, "lengths": None})
         return float(cost.mfc_cost(short, spec, head, mesh, layout, micro_batches, offload,
-                                   state_offload, recompute, engine, lora).time_s)
+                                   state_offload, recompute, engine, lora,
+                                   token_budget).time_s)
 
     if mfc.name == rollout.name:
         rows = mfc.n_seqs / layout.dp / micro_batches

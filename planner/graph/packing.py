@@ -15,9 +15,13 @@ prices what runs:
 How the runtime packs (:mod:`realign.data.packing`):
 
 - **inference** (reference, reward, critic scoring): outputs are per row, so each
-  data-parallel rank first-fit-decreasing packs its rows into at most the plan's
-  micro-batch count of bins, of the smallest budget (a multiple of
-  :data:`PACK_BLOCK`) that fits: a bin holds about ``rows x mean length / m`` tokens.
+  data-parallel rank first-fit-decreasing packs its rows into bins of at most the
+  plan's token budget (``MFCAllocation.token_budget``, chosen by the search among
+  :func:`budget_options` and priced by :func:`budget_shape`), as many bins as that
+  needs. A plan without a budget (fixed ``train.micro_batches``, a hand-made plan)
+  packs into at most the plan's micro-batch count of bins, of the smallest budget (a
+  multiple of :data:`PACK_BLOCK`) that fits: a bin holds about
+  ``rows x mean length / m`` tokens.
 - **training**: a micro-batch's loss is a mean over its own rows (token or sequence
   means, as each algorithm defines it), so training keeps the plan's rows per
   micro-batch and packs each micro-batch's rows into one bin, of the longest
@@ -121,6 +125,48 @@ def packed_shape(mfc: "MFC", rows: float, micro_batches: int, dp: int
         tokens += math.sqrt(var * rows) * expected_max_std_normal(micro_batches * dp)
     tokens = min(tokens + PACK_BLOCK / 2, round_block(rows * mfc.seq_len))
     return tokens, (sq + mean) / (2 * mean)
+
+
+def budget_shape(mfc: "MFC", rows: float, budget: int) -> tuple[int, float, float]:
+    """(expected bins, tokens of one packed micro-batch, mean attention context per
+    token) of a packed scoring call of ``mfc`` whose data-parallel rank packs ``rows``
+    rows first-fit decreasing into bins of at most ``budget`` tokens.
+
+    The rank's rows hold ``E = rows x mean`` tokens. One bin when ``E <= budget``, of
+    ``E`` plus half a block (the runtime's packs are as wide as the fullest bin,
+    block-rounded). Otherwise first-fit decreasing leaves each bin short of the budget
+    by what no remaining row fills, estimated as half a mean row: ``ceil(E / (budget -
+    mean / 2))`` bins (at least 2, at most one per row), each as wide as the budget (the
+    fullest bin reaches it but for a block). The context is that of
+    :func:`packed_shape`.
+
+    Example: rows always 8 tokens, 32 rows (256 tokens): budget 256 -> one bin of
+    256 tokens (the half block is capped by the budget); budget 64 -> 256 / 60 ->
+    5 bins of 64 tokens; context 4.5 either way."""
+    mean, _, sq = row_moments(mfc)
+    ctx = (sq + mean) / (2 * mean)
+    total = rows * mean
+    if total <= budget:
+        return 1, min(total + PACK_BLOCK / 2, float(budget)), ctx
+    bins = math.ceil(total / max(budget - mean / 2, 1.0))
+    return max(2, min(bins, math.ceil(rows))), float(budget), ctx
+
+
+def budget_options(mfc: "MFC", rows: int, max_bins: int) -> list[int]:
+    """Token budgets to price for a packed scoring call of ``mfc`` with ``rows`` rows per
+    data-parallel rank: from the smallest that holds any row (``round_block(seq_len)``)
+    to the rank's whole share at the caps (``round_block(rows x seq_len)``: one bin
+    whatever the lengths), with :data:`PACK_BLOCK` times the powers of two between; only
+    those whose expected bins (:func:`budget_shape`) are at most ``max_bins`` (the
+    largest always is: one bin).
+
+    Example: seq_len 100, 8 rows of always 100 tokens, up to 8 bins: 112 (8 bins), 128
+    (8), 256 (4), 512 (2) and 800 (one) -> [112, 128, 256, 512, 800]; up to 4 bins: 112
+    and 128 need 8, so [256, 512, 800]."""
+    lo, hi = round_block(mfc.seq_len), round_block(rows * mfc.seq_len)
+    out = sorted({lo, hi} | {PACK_BLOCK << k for k in range(hi.bit_length())
+                             if lo < PACK_BLOCK << k < hi})
+    return [b for b in out if b == hi or budget_shape(mfc, rows, b)[0] <= max_bins]
 
 
 def packed_graph(graph: "DataflowGraph") -> "DataflowGraph":

@@ -21,7 +21,9 @@ from planner.search.simulator import simulate
 def describe_candidate(prob: Problem, i: int, j: int) -> str:
     c = prob.cands[i][j]
     engine = " vllm" if c.engine == "vllm" else ""
-    return f"{c.mesh().name(prob.cluster.gpus_per_node)} {c.layout()} x{c.micro_batches}mb{engine}"
+    budget = f" budget {c.token_budget} tok" if c.token_budget is not None else ""
+    return (f"{c.mesh().name(prob.cluster.gpus_per_node)} {c.layout()} "
+            f"x{c.micro_batches}mb{engine}{budget}")
 
 
 def build_plan(name: str, prob: Problem, assign: list[int], cost_config: CostModelConfig,
@@ -43,7 +45,7 @@ def build_plan(name: str, prob: Problem, assign: list[int], cost_config: CostMod
             layout=c.layout(), micro_batches=c.micro_batches, time_s=c.time_s * m.every,
             mem_bytes=max(res.peak_bytes[g] for g in mesh.gpus), optimizer_offload=c.offload,
             host_bytes=c.host_bytes, train_state_offload=c.state_offload,
-            activation_recompute=c.recompute, engine=c.engine))
+            activation_recompute=c.recompute, engine=c.engine, token_budget=c.token_budget))
     reallocs = []
     for (model, i), (t, nbytes) in sorted(res.realloc.items()):
         src = prob.cands[prob.model_train_mfc[model]][assign[prob.model_train_mfc[model]]]

@@ -17,6 +17,7 @@ from planner.cost.step_spread import call_time_sd
 from planner.cost.vllm_cost import concurrency
 from planner.errors import PlanError
 from planner.graph.dataflow import MFC, DataflowGraph
+from planner.graph.packing import budget_options, budget_shape
 from planner.graph.records import RecordSize, record_sizes
 from planner.search.deadline import Deadline
 from planner.specs.cluster import ClusterSpec
@@ -73,12 +74,14 @@ class Candidate:
     time_sd_s: float = 0.0
     recompute: bool = False   #: train: each layer's forward again in the backward
     engine: str = "own"       #: generate: realign's own engine (waves) or vllm
+    #: packed scoring: tokens per bin (``micro_batches`` is then the expected bin count)
+    token_budget: int | None = None
 
     def at(self, first_gpu: int) -> "Candidate":
         """The same allocation on the mesh of its size that starts at ``first_gpu``.
 
         What ``dataclasses.replace`` does, written out: a frozen dataclass's ``__init__``
-        sets its 15 fields one ``object.__setattr__`` at a time, and the search makes one
+        sets its 16 fields one ``object.__setattr__`` at a time, and the search makes one
         copy per mesh and candidate (420,000 at 1024 GPUs); copying the field dict is
         several times faster and gives an equal, equally frozen object."""
         new = object.__new__(Candidate)
@@ -160,15 +163,31 @@ def _micro_batch_options(per_replica: int, cap: int, fixed: int | None = None) -
             and (m & (m - 1) == 0 or m == per_replica)]
 
 
+def _batching_options(mfc: MFC, per_replica: int, cap: int) -> list[tuple[int, int | None]]:
+    """(micro-batches, token budget) pairs to price for ``mfc`` with ``per_replica``
+    groups of rows per data-parallel rank: a packed scoring call whose micro-batches
+    are not fixed chooses a token budget (:func:`planner.graph.packing.budget_options`;
+    its micro-batches are the expected bins, rounded up); every other call a
+    micro-batch count (:func:`_micro_batch_options`) and no budget.
+
+    Example: an unpacked call with 8 rows per replica, cap 64: [(1, None), (2, None),
+    (4, None), (8, None)]."""
+    if mfc.kind == "inference" and mfc.packed and mfc.micro_batches is None:
+        rows = per_replica * mfc.group_size
+        return [(budget_shape(mfc, rows, b)[0], b) for b in budget_options(mfc, rows, cap)]
+    return [(m, None) for m in _micro_batch_options(per_replica, cap, mfc.micro_batches)]
+
+
 def _pareto(cands: list[Candidate]) -> list[Candidate]:
-    """Drop candidates of one placement beaten in time and memory by another."""
+    """Drop candidates of one placement beaten in time and memory by another (ties
+    broken by the fewer micro-batches, then the smaller token budget)."""
     keep = []
     for a in cands:
         dominated = any(
             b is not a and b.time_s <= a.time_s and b.activation_bytes <= a.activation_bytes
             and b.resident_bytes <= a.resident_bytes
-            and (b.time_s, b.activation_bytes, b.micro_batches)
-            < (a.time_s, a.activation_bytes, a.micro_batches)
+            and (b.time_s, b.activation_bytes, b.micro_batches, b.token_budget or 0)
+            < (a.time_s, a.activation_bytes, a.micro_batches, a.token_budget or 0)
             for b in cands)
         if not dominated:
             keep.append(a)
@@ -223,8 +242,8 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
             priced: list[Candidate] = []
             for lay in enumerate_layouts(proto, rm.spec, mfc, cluster):
                 group = []
-                for mb in _micro_batch_options(per_step // lay.dp // mfc.group_size,
-                                               cost.config.max_micro_batches, mfc.micro_batches):
+                for mb, budget in _batching_options(mfc, per_step // lay.dp // mfc.group_size,
+                                                    cost.config.max_micro_batches):
                     for off, state_off, rc, eng in product(
                             cost.offload_options(mfc), cost.state_offload_options(mfc),
                             cost.recompute_options(mfc), cost.engine_options(mfc, lay, mb)):
@@ -233,7 +252,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                         if eng == "vllm" and rm.lora is not None:
                             continue        # LoRA runs on realign's own engine
                         c = cost.mfc_cost(mfc, rm.spec, rm.head, proto, lay, mb, off, state_off,
-                                          rc, eng, rm.lora)
+                                          rc, eng, rm.lora, budget)
                         resident, weights = held_bytes(c, rm, mfc)
                         own = c.activation_bytes + (
                             resident if (mfc.kind == "train" or not trained
@@ -243,12 +262,12 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                         if own > limit or c.host_bytes > host_limit:
                             continue
                         sd = call_time_sd(cost, graph, mfc, rm.spec, rm.head, proto, lay, mb,
-                                          off, state_off, rc, eng, rm.lora)
+                                          off, state_off, rc, eng, rm.lora, budget)
                         group.append(Candidate(0, size, lay.tp, lay.pp, lay.dp, mb,
                                                (c.time_s + host) / mfc.every, resident,
                                                c.activation_bytes, weights, off,
                                                c.host_bytes, state_off, sd / mfc.every, rc,
-                                               eng))
+                                               eng, budget))
                 priced += _pareto(group)
             for mesh in group_meshes:
                 if allowed is None or allowed(mesh):

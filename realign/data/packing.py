@@ -94,15 +94,35 @@ def make_pack(tokens: torch.Tensor, lengths: torch.Tensor, bins: list[list[int]]
 
 
 def inference_packs(tokens: torch.Tensor, lengths: torch.Tensor, micro_batches: int,
-                    kernel: Kernel) -> list[Pack]:
-    """The packs a scoring call runs on one data-parallel rank's rows: first-fit
-    decreasing into at most ``micro_batches`` bins of the smallest block-rounded budget
-    that fits (:func:`planner.graph.packing.budget_for_bins`), one bin per pack, every
-    pack of that width (a static shape for the pipeline's stages)."""
+                    kernel: Kernel, token_budget: int | None = None) -> list[Pack]:
+    """The packs a scoring call runs on one data-parallel rank's rows, one bin per pack,
+    every pack of one width (a static shape for the pipeline's stages, which all see the
+    same rows and so pack them alike): :func:`inference_bins`."""
     lens = [int(x) for x in lengths.tolist()]
-    budget = budget_for_bins(lens, micro_batches)
-    return [make_pack(tokens, lengths, [b], budget, kernel)
-            for b in first_fit_decreasing(lens, budget)]
+    bins, width = inference_bins(lens, micro_batches, token_budget)
+    return [make_pack(tokens, lengths, [b], width, kernel) for b in bins]
+
+
+def inference_bins(lens: list[int], micro_batches: int, token_budget: int | None
+                   ) -> tuple[list[list[int]], int]:
+    """(bins, width) of a scoring call on one data-parallel rank's rows of lengths
+    ``lens``. With the plan's ``token_budget``: first-fit decreasing into bins of at
+    most that many tokens, as many as it takes, all as wide as the fullest bin rounded
+    up to a block. That width is at most the budget (a block multiple), so the memory
+    the plan priced at the budget holds; and where the rows fill less than the budget
+    (one bin, or bins that first-fit decreasing leaves short) the packs compute no
+    padding beyond the fullest bin's rounding. Without a budget: at most
+    ``micro_batches`` bins of the smallest block-rounded budget that fits
+    (:func:`planner.graph.packing.budget_for_bins`), all of that width.
+
+    Example: lengths [10, 3, 6, 1], budget 16 -> [[0, 2], [1, 3]] (16 and 4 tokens),
+    width 16; budget 48 -> one bin of 20 tokens, width 32; two micro-batches and no
+    budget -> the same two bins at the smallest budget that fits them, 16."""
+    if token_budget is None:
+        budget = budget_for_bins(lens, micro_batches)
+        return first_fit_decreasing(lens, budget), budget
+    bins = first_fit_decreasing(lens, token_budget)
+    return bins, round_block(max(sum(lens[i] for i in b) for b in bins))
 
 
 def train_packs(micro: list[dict[str, torch.Tensor]], kernel: Kernel) -> list[Pack]:
@@ -115,11 +135,12 @@ def train_packs(micro: list[dict[str, torch.Tensor]], kernel: Kernel) -> list[Pa
 
 
 def call_padding(lengths: torch.Tensor, width: int, dp: int, micro_batches: int,
-                 kind: Literal["inference", "train"], packing: bool) -> int:
+                 kind: Literal["inference", "train"], packing: bool,
+                 token_budget: int | None = None) -> int:
     """Positions holding no row's token that one scoring call (or one optimizer step of
     a training call) computes over all its data-parallel ranks, from the rows' lengths
-    alone, packed as :func:`inference_packs` / :func:`train_packs` pack them or padded
-    to ``width``: the ``padded_tokens`` metrics.
+    alone, packed as :func:`inference_packs` (with the plan's ``token_budget``, if any) /
+    :func:`train_packs` pack them or padded to ``width``: the ``padded_tokens`` metrics.
 
     Example: lengths [4, 2, 3, 1], width 4, dp 1, one micro-batch: padded 16 - 10 = 6;
     packed into one bin of 16: 6 too (rows this short fill less than a block), while
@@ -132,8 +153,8 @@ def call_padding(lengths: torch.Tensor, width: int, dp: int, micro_batches: int,
     for d in range(dp):
         mine = lens[d * per:(d + 1) * per]
         if kind == "inference":
-            budget = budget_for_bins(mine, micro_batches)
-            total += budget * len(first_fit_decreasing(mine, budget))
+            bins, pack_width = inference_bins(mine, micro_batches, token_budget)
+            total += pack_width * len(bins)
         else:
             size = per // micro_batches
             total += micro_batches * round_block(max(

@@ -109,6 +109,9 @@ class Call:
     train_state_offload: bool = False
     #: generate: realign's own engine (waves) or vllm (the plan's)
     engine: str = "own"
+    #: packed scoring: the most tokens of one bin (the plan's; ``micro_batches`` is then
+    #: the expected bin count); None: the micro-batch count bounds the bins
+    token_budget: int | None = None
 
     @property
     def name(self) -> str:
@@ -292,7 +295,8 @@ def compile_program(plan: ExecutionPlan) -> Program:
                         a.mem_bytes, a.optimizer_offload, a.host_bytes,
                         a.activation_recompute,
                         ahead=is_ahead, sees_update=is_ahead and r is None,
-                        train_state_offload=a.train_state_offload, engine=a.engine))
+                        train_state_offload=a.train_state_offload, engine=a.engine,
+                        token_budget=a.token_budget))
         for k in m.output_keys:
             holders[k] = ranks
         for rule in graph.rule_reward_after(m.name):

@@ -156,11 +156,12 @@ class Calls:
         rec = store[op.inputs[0]]
         batch = {"tokens": rec["tokens"], "lengths": rec["lengths"]}
         res = InferenceEngine(h.shard, micro_batches=op.micro_batches,
-                              packing=self.train_cfg.packing).inference(batch)
+                              packing=self.train_cfg.packing,
+                              token_budget=op.token_budget).inference(batch)
         key = op.outputs[0]
         pad = {f"padded_tokens.{op.name}": float(call_padding(
             batch["lengths"], batch["tokens"].shape[1], h.shard.groups.layout.dp,
-            op.micro_batches, "inference", self.train_cfg.packing))}
+            op.micro_batches, "inference", self.train_cfg.packing, op.token_budget))}
         if h.replica.head == "lm":
             return {key: {key: res["logprobs"]}}, pad
         if op.role == "reward":                 # a reward model scores whole sequences

@@ -98,6 +98,8 @@ def _variants(name: str) -> dict[str, object]:
             activation_recompute=True)),
         # a generate call on vLLM; another kind is refused
         "engine": edited(base, lambda r: _alloc(r, name).update(engine="vllm")),
+        # a packed scoring call packs by it; another call is refused
+        "token_budget": edited(base, lambda r: _alloc(r, name).update(token_budget=512)),
     }
 
 
@@ -254,3 +256,19 @@ def test_an_evaluation_runs_after_training_on_evaluation_steps_only():
     a = plan.allocation("actor.eval_sample")
     greedy_and_sample = [e for e in plan.timeline if e.name == "actor.eval_sample"]
     assert greedy_and_sample[0].end_s - greedy_and_sample[0].start_s == pytest.approx(a.time_s / 5)
+
+
+def test_a_packed_scoring_calls_token_budget_reaches_its_call():
+    from planner.cost.cost_config import CostModelConfig
+    from planner.graph.packing import packed_graph
+    from planner.search.search import search
+    spec = model_presets()["tiny-llama"]
+    models = {r: RoleModel(r, spec, head_of(r)) for r in ("actor", "ref")}
+    graph = packed_graph(build_graph("grpo", BatchShape(prompts_per_step=16, gen_len=64),
+                                     {"actor", "ref"}))
+    cluster = ClusterSpec(n_nodes=1, gpus_per_node=1, device=resolve_device("cpu"))
+    plan = search("t", graph, models, cluster, CostModelConfig())
+    calls = {op.name: op for op in compile_program(plan).ops if isinstance(op, Call)}
+    assert calls["ref.inference"].token_budget == plan.allocation("ref.inference").token_budget
+    assert calls["ref.inference"].token_budget is not None
+    assert calls["actor.train"].token_budget is None

@@ -11,12 +11,12 @@ from realign.runtime.engines.train import TrainConfig, TrainEngine
 LR, CLIP, EPS = 1e-2, 0.5, 1e-4
 
 
-def long_tail_batch(n=8, s=24, vocab=200, seed=3):
+def long_tail_batch(n=8, s=24, vocab=200, seed=3, lengths=(24, 5, 9, 3, 12, 2, 7, 17)):
     """Rows of very different lengths (mostly short, one at the width), the batch's
     shape of reasoning rollouts, with a per-token mask (a multi-turn action mask)."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (n, s), generator=g)
-    lengths = torch.tensor([s, 5, 9, 3, 12, 2, 7, 17])[:n]
+    lengths = torch.tensor(lengths)[:n]
     action = (torch.rand(n, s - 1, generator=g) < 0.7).float()
     return {"tokens": tokens, "lengths": lengths, "action_mask": action,
             "target": torch.linspace(-1, 1, n)}
@@ -37,11 +37,13 @@ def value_loss(outputs, mb):
     return err.sum() / valid.sum(), {}
 
 
-def padded_vs_packed(ctx, path, head, tp, pp, dp, micro):
+def padded_vs_packed(ctx, path, head, tp, pp, dp, micro, budget=None, lengths=None):
     """For ``head`` at tp x pp x dp with ``micro`` micro-batches: max |scoring padded -
     packed| before training, then two train steps each from the same weights: the
-    losses' and grad norms' largest relative difference, and max |scoring after - after|."""
-    batch = long_tail_batch()
+    losses' and grad norms' largest relative difference, and max |scoring after - after|.
+    ``budget``: packed scoring packs into bins of at most that many tokens (a plan's
+    token budget); ``lengths``: the rows' lengths (their order sets each DP rank's)."""
+    batch = long_tail_batch() if lengths is None else long_tail_batch(lengths=lengths)
     key = "logprobs" if head == "lm" else "values"
     loss = masked_nll if head == "lm" else value_loss
     # both replicas first: building one is collective over the world (its groups), so
@@ -51,7 +53,8 @@ def padded_vs_packed(ctx, path, head, tp, pp, dp, micro):
         return None
     got = {}
     for packing, shard in zip((False, True), shards):
-        scoring = InferenceEngine(shard, micro_batches=micro, packing=packing)
+        scoring = InferenceEngine(shard, micro_batches=micro, packing=packing,
+                                  token_budget=budget if packing else None)
         before = scoring.inference(batch)[key]
         engine = TrainEngine(shard, TrainConfig(lr=LR, clip_grad=CLIP, adam_eps=EPS,
                                                 packing=packing), micro_batches=micro)

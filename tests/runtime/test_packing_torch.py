@@ -50,6 +50,26 @@ def test_inference_and_train_packs():
     assert call_padding(lengths, 10, 1, 2, "inference", True) == 32 - 20
 
 
+def test_inference_packs_by_a_token_budget():
+    tokens, lengths = batch()                       # lengths 10, 3, 6, 1
+    packs = inference_packs(tokens, lengths, 1, "segments", token_budget=16)
+    assert [p.rows.tolist() for p in packs] == [[0, 2], [1, 3]]     # as many bins as it takes
+    assert {p.shape for p in packs} == {(1, 16)}
+    one = inference_packs(tokens, lengths, 4, "segments", token_budget=48)
+    assert len(one) == 1 and one[0].shape == (1, 32)     # the fullest bin's width, not 48
+    with pytest.raises(ValueError, match="exceeds"):
+        inference_packs(tokens, lengths, 1, "segments", token_budget=8)
+    # the metric counts exactly what the packs compute, rank by rank
+    for budget in (16, 32, 48):
+        for dp in (1, 2):
+            per = 4 // dp
+            want = sum(sum(p.padded_tokens() for p in inference_packs(
+                tokens[d * per:(d + 1) * per], lengths[d * per:(d + 1) * per], 1, "segments",
+                token_budget=budget)) for d in range(dp))
+            assert call_padding(lengths, 10, dp, 3, "inference", True, budget) == want
+    assert call_padding(lengths, 10, 1, 1, "inference", True, 16) == 32 - 20
+
+
 @pytest.mark.parametrize("kernel", ["segments", "flex"])
 def test_packed_attention_is_each_rows_own_causal_attention(kernel):
     if kernel == "flex":

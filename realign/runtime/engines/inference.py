@@ -62,13 +62,19 @@ def packed_head_outputs(shard: ModelShard, output: torch.Tensor, pack: Pack, col
 class InferenceEngine:
     """``inference(batch)`` for one replica; every rank of the replica calls it with the
     same whole batch and gets the whole result. ``packing``: the rows run packed
-    (:func:`realign.data.packing.inference_packs`), at most ``micro_batches`` packs per
-    data-parallel rank."""
+    (:func:`realign.data.packing.inference_packs`): into bins of at most the plan's
+    ``token_budget`` tokens, as many as that takes (data-parallel ranks may run
+    different counts: they meet only at the final gather, of equal row counts), or
+    without a budget at most ``micro_batches`` packs per data-parallel rank."""
 
-    def __init__(self, shard: ModelShard, micro_batches: int = 1, packing: bool = False):
+    def __init__(self, shard: ModelShard, micro_batches: int = 1, packing: bool = False,
+                 token_budget: int | None = None):
+        if token_budget is not None and not packing:
+            raise ValueError("a token budget packs rows: it needs packing=True")
         self.shard = shard
         self.micro_batches = micro_batches
         self.packing = packing
+        self.token_budget = token_budget
 
     def inference(self, batch: Batch) -> dict[str, torch.Tensor]:
         """LM head: ``{"logprobs": [b, s-1]}``. Value head: ``{"values": [b, s],
@@ -117,10 +123,11 @@ class InferenceEngine:
         """:meth:`_run` of the head outputs over packs instead of padded micro-batches;
         each pack's rows are written back to their places in the padded layout."""
         shard = self.shard
-        check_batch(batch, shard, self.micro_batches)
+        # a budget's bins are not a split of the rows (micro_batches is their expected count)
+        check_batch(batch, shard, self.micro_batches if self.token_budget is None else 1)
         local = local_batch(batch, shard)
         packs = inference_packs(local["tokens"], local["lengths"], self.micro_batches,
-                                kernel_for(shard.device.kind))
+                                kernel_for(shard.device.kind), self.token_budget)
         dec = StageDecoder(shard, max_len=batch["tokens"].shape[1])
         results = []
         with torch.inference_mode():
