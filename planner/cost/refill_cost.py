@@ -5,8 +5,8 @@ Per data-parallel rank, ``g = min(m, pp)`` slot groups of ``ceil(rows / m)`` slo
 waves' cache) share the rank's queue. Each group runs the expected decode steps and
 admitting iterations of :func:`planner.graph.refill.refill_shape` over its share of the
 rows: per admitting iteration, a prefill of its share of the admitted prompts (padded
-to their longest); per step, a decode pass of every slot at the mean context (the
-prompt plus half a mean response); the caches allocated once. The groups pipeline over
+to their longest); per step, a decode pass of every slot over the keys of its oldest
+slot (:func:`planner.graph.refill.oldest_age`); the caches allocated once. The groups pipeline over
 the stages as waves do (:func:`planner.cost.passes.decode_iteration`); the call ends
 with the slowest rank's gather.
 """
@@ -19,7 +19,7 @@ from planner.cost.engine_terms import Work, lagged
 from planner.cost.memory import wave_kv_bytes_per_seq
 from planner.cost.passes import decode_iteration, messages, pipelined
 from planner.graph.padding import longest_prompt
-from planner.graph.refill import refill_shape
+from planner.graph.refill import oldest_age, refill_shape
 
 if TYPE_CHECKING:
     from planner.cost.cost_model import CostModel
@@ -44,12 +44,12 @@ def refill_terms(cm: "CostModel", mfc: "MFC", spec: "ModelSpec", head: str,
     steps, admits = refill_shape(mfc, slots, rows, dp)
     a = rows / max(admits, 1.0)                    # prompts admitted together
     P, h = longest_prompt(mfc, a), spec.hidden
-    mean_len = mfc.lengths.expected() if mfc.lengths is not None else float(mfc.gen_len)
+    # a step attends over its oldest slot's keys
+    ctx = longest_prompt(mfc, slots) + oldest_age(mfc, slots)
     pre_c, dec_c = r.engine("prefill"), r.engine("decode")
     pre = cm.stage_works(spec, head, "prefill", a * P, P / 2, a, layout, tpn,
                          messages(r.collective_s("p2p", a * P * h * dt, 2, ppn)), lora=lora)
-    dec = cm.stage_works(spec, head, "decode", slots, longest_prompt(mfc, slots) + mean_len / 2,
-                         slots, layout, tpn,
+    dec = cm.stage_works(spec, head, "decode", slots, ctx, slots, layout, tpn,
                          messages(r.collective_s("p2p", slots * h * dt, 2, ppn)),
                          back=messages(r.collective_s("p2p", 2 * slots * 8, 2, ppn)), lora=lora)
     alloc = Work(seconds={"kv_alloc": g * r.mem_s(

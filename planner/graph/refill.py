@@ -82,6 +82,31 @@ def slot_schedule(lengths: list[int], slots: int, cap: int) -> list[tuple[int, i
     return out
 
 
+def oldest_age(mfc: "MFC", slots: int) -> float:
+    """Expected age (tokens generated) of the oldest of ``slots`` busy slots, the keys
+    a refilling step attends over beyond the prompt: in a steady stream a slot's age
+    has the renewal density ``P(L > a) / E[L]`` (a long sequence holds its slot long,
+    so it is met more often), and the oldest of ``slots`` independent ones has
+    ``E = sum_a (1 - F(a)^slots)``. Without a distribution: ``gen_len / 2`` per slot
+    (the rows of a round start together, as a wave's).
+
+    Example: every length 4 (cap 8): ages 0..3 equally likely; the oldest of 2:
+    1 - (1/4)^2 + 1 - (2/4)^2 + 1 - (3/4)^2 = 2.125."""
+    if mfc.lengths is None:
+        return mfc.gen_len / 2
+    return _oldest_age(mfc.lengths, max(1, slots))
+
+
+@functools.lru_cache(maxsize=512)
+def _oldest_age(lengths: GenLengths, slots: int) -> float:
+    """:func:`oldest_age` of a distribution."""
+    p = np.asarray(lengths.pmf(), dtype=float)
+    survival = 1.0 - np.cumsum(p)                 # P(L > a) for a = 1..n
+    ages = np.concatenate([[1.0], survival[:-1]])  # P(L > a) for a = 0..n-1
+    cdf = np.cumsum(ages) / ages.sum()
+    return float((1.0 - cdf[:-1] ** slots).sum())
+
+
 @functools.lru_cache(maxsize=512)
 def _simulate(lengths: GenLengths, cap: int, slots: int, rows: int, dp: int
               ) -> tuple[float, float]:

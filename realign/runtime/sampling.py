@@ -76,6 +76,12 @@ def _step_hashes(seed: int, positions, device) -> torch.Tensor:
                         dtype=torch.long, device=device)
 
 
+def position_hashes(seed: int, n: int, device=None) -> torch.Tensor:
+    """[n] the per-position part of the noise of positions ``0..n-1`` (made once per
+    call, then indexed: :func:`gumbel_noise_hashed`)."""
+    return _step_hashes(seed, range(n), device)
+
+
 def _uniform_of(row: torch.Tensor, vocab: int) -> torch.Tensor:
     """float64 uniforms [..., vocab] of each ``(seed, sequence, position)`` hash in ``row``."""
     tok = hash32(torch.arange(vocab, device=row.device) ^ 0x68E31DA4)
@@ -98,7 +104,13 @@ def gumbel_noise_rows(seed: int, seq_ids: torch.Tensor, positions: Sequence[int]
     ``positions[i]`` (generation that refills its slots: rows at different positions
     share a step); row ``i`` equals :func:`gumbel_noise` of ``seq_ids[i]`` at that
     position."""
-    steps = _step_hashes(seed, positions, seq_ids.device)
+    return gumbel_noise_hashed(_step_hashes(seed, positions, seq_ids.device), seq_ids, vocab)
+
+
+def gumbel_noise_hashed(steps: torch.Tensor, seq_ids: torch.Tensor, vocab: int
+                        ) -> torch.Tensor:
+    """:func:`gumbel_noise_rows` from each row's :func:`position_hashes` entry ``steps``
+    [b] (no per-row host work)."""
     u = _uniform_of(hash32(hash32(seq_ids.long() & _M32) ^ steps), vocab)
     return -torch.log(-torch.log(u))
 

@@ -38,36 +38,62 @@ import torch
 from planner.graph.lengths import STOP_CHECK_EVERY
 from realign.data.collate import pad_right
 from realign.runtime.engines.decoder import StageDecoder
-from realign.runtime.engines.waves import DecodeResult, _StageLinks, wave_bounds
+from realign.runtime.engines.waves import NOISE_BLOCK, DecodeResult, _StageLinks, wave_bounds
 from realign.runtime.model import ModelShard
-from realign.runtime.sampling import SamplingParams, choose_tokens, gumbel_noise_rows
+from realign.runtime.sampling import (
+    SamplingParams,
+    choose_tokens,
+    gumbel_noise_hashed,
+    position_hashes,
+)
 
 
 @dataclass
 class _Outputs:
-    """The rank's generated tokens, by prompt (local index) and generated position."""
+    """The rank's generated tokens, by prompt (local index) and generated position, plus
+    a spare row and column that the slots holding no sequence write to (so every slot
+    records in one vectorised write)."""
 
-    tokens: torch.Tensor       #: [rows, n] long
-    logprobs: torch.Tensor     #: [rows, n] float32
-    lengths: torch.Tensor      #: [rows] long
+    tokens: torch.Tensor       #: [rows + 1, n + 1] long
+    logprobs: torch.Tensor     #: [rows + 1, n + 1] float32
+    lengths: torch.Tensor      #: [rows + 1] long
 
 
 class _SlotGroup:
     """One group's slots: which prompt each holds (-1: free), how many tokens it has
-    generated, whether it has produced a stop token; its KV cache."""
+    generated, whether it has produced a stop token; its KV cache. What decides
+    admissions lives on the host (lists); what the forward and the records read, on the
+    device (tensors), rebuilt only when a slot changes hands."""
 
-    def __init__(self, shard: ModelShard, slots: int, max_len: int):
+    def __init__(self, shard: ModelShard, slots: int, max_len: int, spare: int):
         dev = shard.device.device
         with torch.inference_mode(False):      # RoPE tables cached for training too
             self.dec = StageDecoder(shard, max_len, cache_rows=slots)
+        self.spare = spare                     #: the outputs' spare row
         self.row = [-1] * slots
         self.made = [0] * slots
-        self.stopped = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self.made_t = torch.zeros(slots, dtype=torch.long, device=dev)
         self.choice = torch.zeros(slots, dtype=torch.long, device=dev)
-        self.ran: list[int] = []       #: the slots of the last forward (in slot order)
+        self.every = torch.arange(slots, device=dev)
         self.new: list[int] = []       #: the slots admitted for the next forward
         self.iters = 0
         self.steps = 0                 #: forwards that ran a decode step
+        self.ran = False               #: a forward ran since the last record
+        self.noise: _SlotNoise | None = None
+        #: records padding from now on: free, or its sequence has produced a stop token
+        self.dead = torch.ones(slots, dtype=torch.bool, device=dev)
+        self._changed(dev, [0] * slots)
+
+    def _changed(self, dev, plen: list[int]) -> None:
+        """Device copies of the slots' rows, prompt lengths and occupancy, and what
+        each iteration derives from them."""
+        self.row_t = torch.tensor([r if r >= 0 else self.spare for r in self.row], device=dev)
+        self.plen_t = torch.tensor(plen, device=dev)
+        self.busy = torch.tensor([r >= 0 for r in self.row], device=dev)
+        self.busy_long = self.busy.long()
+        #: a decoding slot's step feeds its newest token at ``pos_base + made``
+        self.pos_base = torch.where(self.busy, self.plen_t - 1, 0)
+        self.dead |= ~self.busy
 
     @property
     def slots(self) -> int:
@@ -79,37 +105,77 @@ class _SlotGroup:
 
     def record(self, choice: torch.Tensor, logp: torch.Tensor, out: _Outputs,
                stops: torch.Tensor, pad_id: int) -> None:
-        """The tokens ``choice`` [slots] of the last forward's slots."""
+        """The tokens ``choice`` [slots] of the last forward (every busy slot ran)."""
         if not self.ran:
             return
-        dev = choice.device
-        at = torch.tensor(self.ran, device=dev)
-        rows = torch.tensor([self.row[s] for s in self.ran], device=dev)
-        made = torch.tensor([self.made[s] for s in self.ran], device=dev)
-        live = ~self.stopped[at]
-        c = choice[at]
-        out.tokens[rows, made] = torch.where(live, c, pad_id)
-        out.logprobs[rows, made] = torch.where(live, logp[at], 0.0)
-        out.lengths[rows] += live.long()
-        self.stopped[at] |= torch.isin(c, stops)
-        self.choice[at] = c
-        for s in self.ran:
-            self.made[s] += 1
+        # a busy slot writes its token ``made`` (< n); a free one the spare row
+        at = (self.row_t, self.made_t)
+        out.tokens[at] = torch.where(self.dead, pad_id, choice)
+        out.logprobs[at] = torch.where(self.dead, 0.0, logp)
+        out.lengths.index_add_(0, self.row_t, (~self.dead).long())
+        self.dead |= torch.isin(choice, stops)
+        self.choice = choice
+        self.made_t += self.busy_long
+        self.made = [m + (r >= 0) for m, r in zip(self.made, self.row)]
+        self.ran = False
 
-    def release_and_admit(self, queue: list[int], n: int) -> None:
+    def release_and_admit(self, queue: list[int], n: int, plen: list[int]) -> None:
         """Free the slots whose sequence ended (a stop token: on a stop check only);
         fill free slots from the front of ``queue`` (consumed)."""
         check = self.iters % STOP_CHECK_EVERY == 0
-        stopped = self.stopped.tolist() if check and not self.idle else None
+        stopped = self.dead.tolist() if check and not self.idle else None
+        changed = False
         for s in range(self.slots):
             if self.row[s] >= 0 and (self.made[s] == n or (stopped and stopped[s])):
-                self.row[s] = -1
+                self.row[s], changed = -1, True
         self.new = []
         for s in range(self.slots):
             if self.row[s] < 0 and queue:
                 self.row[s], self.made[s] = queue.pop(0), 0
-                self.stopped[s] = False
                 self.new.append(s)
+        if changed or self.new:
+            dev = self.made_t.device
+            self._changed(dev, [plen[r] if r >= 0 else 0 for r in self.row])
+            if self.new:
+                idx = torch.tensor(self.new, device=dev)
+                self.made_t[idx] = 0
+                self.dead[idx] = False
+
+
+class _SlotNoise:
+    """The sampling noise of each slot's sequence, made a block of its positions at a
+    time (at most :data:`~realign.runtime.engines.waves.NOISE_BLOCK` values for the
+    group) when the slot takes a sequence or leaves its block, rather than every step:
+    the hashing is a dozen integer operations over [rows, vocabulary], as costly as a
+    small model's forward."""
+
+    def __init__(self, hashes: torch.Tensor, slots: int, vocab: int):
+        self.hashes, self.vocab = hashes, vocab
+        self.width = max(1, min(len(hashes), NOISE_BLOCK // max(1, slots * vocab)))
+        dev = hashes.device
+        self.block = torch.zeros(slots, self.width, vocab, dtype=torch.float64, device=dev)
+        self.start = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.made_from = [0] * slots
+        self.owner = [-1] * slots
+
+    def at(self, grp: "_SlotGroup", first_index: int) -> torch.Tensor:
+        """[slots, vocab] the noise of each slot's next token."""
+        stale = [s for s in range(grp.slots) if grp.row[s] >= 0 and (
+            self.owner[s] != grp.row[s]
+            or not self.made_from[s] <= grp.made[s] < self.made_from[s] + self.width)]
+        if stale:
+            dev = self.start.device
+            idx = torch.tensor(stale, device=dev)
+            start = torch.tensor([grp.made[s] for s in stale], device=dev)
+            pos = (start.unsqueeze(1) + torch.arange(self.width, device=dev)).clamp(
+                max=len(self.hashes) - 1)
+            ids = first_index + grp.row_t[idx]
+            self.block[idx] = gumbel_noise_hashed(self.hashes[pos], ids.unsqueeze(1), self.vocab)
+            self.start[idx] = start
+            for s in stale:
+                self.owner[s], self.made_from[s] = grp.row[s], grp.made[s]
+        off = (grp.made_t - self.start).clamp(0, self.width - 1)
+        return self.block[grp.every, off]
 
 
 def decode_refill(shard: ModelShard, prompts: list[list[int]], p: SamplingParams,
@@ -120,96 +186,126 @@ def decode_refill(shard: ModelShard, prompts: list[list[int]], p: SamplingParams
     g = shard.groups
     dev = shard.device.device
     n = p.max_new_tokens
-    bounds = wave_bounds(len(prompts), waves)
+    rows = len(prompts)
+    bounds = wave_bounds(rows, waves)
     slots = bounds[0][1] - bounds[0][0]
     longest = max(len(q) for q in prompts)
-    groups = [_SlotGroup(shard, slots, longest + n)
+    groups = [_SlotGroup(shard, slots, longest + n, rows)
               for _ in range(min(len(bounds), g.layout.pp))]
     peak = sum(grp.dec.cache_bytes for grp in groups)
-    out = _Outputs(tokens=torch.full((len(prompts), n), pad_id, dtype=torch.long, device=dev),
-                   logprobs=torch.zeros(len(prompts), n, device=dev),
-                   lengths=torch.zeros(len(prompts), dtype=torch.long, device=dev))
-    stops = torch.tensor(list(p.stop_token_ids) or [-1], device=dev)
-    plen = [len(q) for q in prompts]
-    queue = list(range(len(prompts)))
-    links = _StageLinks(shard)
+    hashes = None if p.greedy else position_hashes(p.seed, n, dev)
+    if hashes is not None and g.is_last_stage:
+        for grp in groups:
+            grp.noise = _SlotNoise(hashes, slots, shard.spec.vocab_size)
+    out = _Outputs(tokens=torch.full((rows + 1, n + 1), pad_id, dtype=torch.long, device=dev),
+                   logprobs=torch.zeros(rows + 1, n + 1, device=dev),
+                   lengths=torch.zeros(rows + 1, dtype=torch.long, device=dev))
+    run = _Run(shard, prompts, [len(q) for q in prompts], p, first_index, pad_id,
+               torch.tensor(list(p.stop_token_ids) or [-1], device=dev),
+               _StageLinks(shard), out)
+    queue = list(range(rows))
     live = list(groups)
     while live:
         for grp in list(live):
             if not g.is_last_stage and grp.ran:
-                grp.record(*links.recv_choice(grp.slots), out, stops, pad_id)
-            grp.release_and_admit(queue, n)
+                grp.record(*run.links.recv_choice(grp.slots), out, run.stops, pad_id)
+            grp.release_and_admit(queue, n, run.plen)
             if grp.idle:
                 live.remove(grp)
                 continue
-            _iterate(shard, grp, prompts, plen, p, first_index, links, out, stops, pad_id)
-    links.wait_all()
+            run.iterate(grp)
+    run.links.wait_all()
     for grp in groups:
         grp.dec = None                 # the caches go with their decoders
-    return DecodeResult(out.tokens, out.logprobs, out.lengths, peak,
+    return DecodeResult(out.tokens[:rows, :n], out.logprobs[:rows, :n], out.lengths[:rows], peak,
                         max(grp.steps for grp in groups))
 
 
-def _iterate(shard: ModelShard, grp: _SlotGroup, prompts: list[list[int]], plen: list[int],
-             p: SamplingParams, first_index: int, links: _StageLinks, out: _Outputs,
-             stops: torch.Tensor, pad_id: int) -> None:
-    """One forward of the group on this stage: the admitted prompts' prefill, then the
-    decoding slots' step; the last stage chooses, records and sends the tokens."""
-    g = shard.groups
-    dev = shard.device.device
-    last = g.is_last_stage
-    new = grp.new
-    going = [s for s in range(grp.slots) if grp.row[s] >= 0 and s not in new]
-    logits_new = logits_going = None
-    if new:
-        tokens, lengths = pad_right([prompts[grp.row[s]] for s in new], pad_id)
-        x = (tokens.to(dev) if g.is_first_stage
-             else links.recv_hidden(len(new), tokens.shape[1]))
-        h = grp.dec.prefill(x, lengths.to(dev), rows=torch.tensor(new, device=dev))
-        if last:
-            logits_new = h
-        else:
-            links.send_hidden(h)
-    if going:
+@dataclass
+class _Run:
+    """What every iteration of a call reads."""
+
+    shard: ModelShard
+    prompts: list[list[int]]
+    plen: list[int]
+    p: SamplingParams
+    first_index: int
+    pad_id: int
+    stops: torch.Tensor
+    links: _StageLinks
+    out: _Outputs
+
+    def iterate(self, grp: _SlotGroup) -> None:
+        """One forward of the group on this stage: the admitted prompts' prefill, then
+        the decoding slots' step; the last stage chooses, records and sends the tokens."""
+        g, links = self.shard.groups, self.links
+        dev = self.shard.device.device
+        last = g.is_last_stage
+        new = grp.new
+        going = [s for s in range(grp.slots) if grp.row[s] >= 0 and s not in new]
+        logits_new = logits_going = None
+        if new:
+            tokens, lengths = pad_right([self.prompts[grp.row[s]] for s in new], self.pad_id)
+            x = (tokens.to(dev) if g.is_first_stage
+                 else links.recv_hidden(len(new), tokens.shape[1]))
+            h = grp.dec.prefill(x, lengths.to(dev), rows=torch.tensor(new, device=dev))
+            if last:
+                logits_new = h
+            else:
+                links.send_hidden(h)
         every = 2 * len(going) > grp.slots
-        at = list(range(grp.slots)) if every else going
-        # a free or just-admitted slot in a whole-group step writes a cache entry its
-        # own next forward overwrites before attending to it (its prompt's end, or 0)
-        pos = [plen[grp.row[s]] + grp.made[s] - 1 if s in going
-               else (plen[grp.row[s]] if grp.row[s] >= 0 else 0) for s in at]
-        rows = None if every else torch.tensor(at, device=dev)
-        x = (grp.choice[at].unsqueeze(1) if g.is_first_stage
-             else links.recv_hidden(len(at), 1))
-        h = grp.dec.step(x, torch.tensor(pos, device=dev), max(pos) + 1, rows=rows)
-        grp.steps += 1
-        if last:
-            logits_going = h if not every else h[torch.tensor(going, device=dev)]
-        else:
-            links.send_hidden(h)
-    grp.ran = sorted(new + going)
-    grp.iters += 1
-    if not last:
-        return
-    choice = torch.zeros(grp.slots, dtype=torch.long, device=dev)
-    logp = torch.zeros(grp.slots, device=dev)
-    for slots_, logits in ((new, logits_new), (going, logits_going)):
-        if slots_:
-            c, lp = _choose(shard, logits, p, [first_index + grp.row[s] for s in slots_],
-                            [grp.made[s] for s in slots_])
-            at = torch.tensor(slots_, device=dev)
+        if going:
+            kv_len = max(self.plen[grp.row[s]] + grp.made[s] for s in going)
+            if every:
+                # a free or just-admitted slot writes a cache entry its own next forward
+                # overwrites before attending to it (its prompt's end; a free slot's
+                # stale position)
+                pos = grp.pos_base + grp.made_t
+                if new:
+                    pos = torch.where(grp.made_t == 0, grp.plen_t, pos)
+                x = grp.choice.unsqueeze(1)
+                rows = None
+            else:
+                rows = torch.tensor(going, device=dev)
+                pos = grp.plen_t[rows] + grp.made_t[rows] - 1
+                x = grp.choice[rows].unsqueeze(1)
+            if not g.is_first_stage:
+                x = links.recv_hidden(x.shape[0], 1)
+            h = grp.dec.step(x, pos, kv_len, rows=rows)
+            grp.steps += 1
+            if last:
+                logits_going = h
+            else:
+                links.send_hidden(h)
+        grp.ran = True
+        grp.iters += 1
+        if not last:
+            return
+        choice = torch.zeros(grp.slots, dtype=torch.long, device=dev)
+        logp = torch.zeros(grp.slots, device=dev)
+        noise = grp.noise.at(grp, self.first_index) if grp.noise is not None else None
+        if logits_going is not None:
+            at = None if every else torch.tensor(going, device=dev)
+            c, lp = self._choose(logits_going, grp, at, noise)
+            if at is None:
+                choice, logp = c, lp
+            else:
+                choice[at], logp[at] = c, lp
+        if logits_new is not None:
+            at = torch.tensor(new, device=dev)
+            c, lp = self._choose(logits_new, grp, at, noise)
             choice[at], logp[at] = c, lp
-    grp.record(choice, logp, out, stops, pad_id)
-    if g.layout.pp > 1:
-        links.send_choice(choice, logp)
+        grp.record(choice, logp, self.out, self.stops, self.pad_id)
+        if g.layout.pp > 1:
+            links.send_choice(choice, logp)
 
-
-def _choose(shard: ModelShard, logits: torch.Tensor, p: SamplingParams, seq_ids: list[int],
-            positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's token at its own generated position and its log-prob."""
-    logits = logits.float()[:, : shard.spec.vocab_size]
-    ids = torch.tensor(seq_ids, device=logits.device)
-    noise = (None if p.greedy
-             else gumbel_noise_rows(p.seed, ids, positions, shard.spec.vocab_size))
-    choice = choose_tokens(logits, p, ids, 0, noise)
-    logp = logits.log_softmax(-1).gather(1, choice.unsqueeze(1)).squeeze(1)
-    return choice, logp
+    def _choose(self, logits: torch.Tensor, grp: _SlotGroup, at: torch.Tensor | None,
+                noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token of each slot in ``at`` (None: every slot) at its own generated
+        position (``noise``: every slot's, None when greedy), and its log-prob."""
+        logits = logits.float()[:, :self.shard.spec.vocab_size]
+        ids = self.first_index + (grp.row_t if at is None else grp.row_t[at])
+        if noise is not None and at is not None:
+            noise = noise[at]
+        choice = choose_tokens(logits, self.p, ids, 0, noise)
+        return choice, logits.log_softmax(-1).gather(1, choice.unsqueeze(1)).squeeze(1)
