@@ -21,13 +21,13 @@ cache: ``g = min(waves, pp)`` slot groups (as many as waves in flight), each of
 
 Every stage walks the groups in the same order and takes the same decisions from the
 same recorded tokens, so the point-to-point messages of
-:class:`~realign.runtime.engines.waves._StageLinks` meet as in waves. A sequence's
+:class:`~realign.runtime.engines.waves.StageLinks` meet as in waves. A sequence's
 tokens do not depend on its neighbours: the forward is row-independent and the sampling
 noise is a function of (seed, sequence, position) (:mod:`realign.runtime.sampling`), so
 greedy and sampled outputs are those of waves (tested against them).
 
-The cost model prices this by its expected decode steps
-(:func:`planner.graph.lengths.refill_steps`).
+The cost model prices this by its expected decode steps and admitting iterations
+(:func:`planner.graph.refill.refill_shape`, :mod:`planner.cost.refill_cost`).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import torch
 from planner.graph.lengths import STOP_CHECK_EVERY
 from realign.data.collate import pad_right
 from realign.runtime.engines.decoder import StageDecoder
-from realign.runtime.engines.waves import NOISE_BLOCK, DecodeResult, _StageLinks, wave_bounds
+from realign.runtime.engines.waves import NOISE_BLOCK, DecodeResult, StageLinks, wave_bounds
 from realign.runtime.model import ModelShard
 from realign.runtime.sampling import (
     SamplingParams,
@@ -202,7 +202,7 @@ def decode_refill(shard: ModelShard, prompts: list[list[int]], p: SamplingParams
                    lengths=torch.zeros(rows + 1, dtype=torch.long, device=dev))
     run = _Run(shard, prompts, [len(q) for q in prompts], p, first_index, pad_id,
                torch.tensor(list(p.stop_token_ids) or [-1], device=dev),
-               _StageLinks(shard), out)
+               StageLinks(shard), out)
     queue = list(range(rows))
     live = list(groups)
     while live:
@@ -232,7 +232,7 @@ class _Run:
     first_index: int
     pad_id: int
     stops: torch.Tensor
-    links: _StageLinks
+    links: StageLinks
     out: _Outputs
 
     def iterate(self, grp: _SlotGroup) -> None:

@@ -111,7 +111,7 @@ class _Wave:
 
 
 @dataclass
-class _StageLinks:
+class StageLinks:
     """The point-to-point traffic of one pipeline stage (world ranks of its peers)."""
 
     shard: ModelShard
@@ -207,7 +207,7 @@ def _run_group(shard: ModelShard, group: list[_Wave], p: SamplingParams,
     g = shard.groups
     n = p.max_new_tokens
     last = g.is_last_stage
-    links = _StageLinks(shard)
+    links = StageLinks(shard)
     steps = 0
     for t in range(n if last else n + 1):
         stepped = False
