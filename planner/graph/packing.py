@@ -132,19 +132,22 @@ def budget_shape(mfc: "MFC", rows: float, budget: int) -> tuple[int, float, floa
     token) of a packed scoring call of ``mfc`` whose data-parallel rank packs ``rows``
     rows first-fit decreasing into bins of at most ``budget`` tokens.
 
-    The rank's rows hold ``E = rows x mean`` tokens. One bin when ``E <= budget``, of
-    ``E`` plus half a block (the runtime's packs are as wide as the fullest bin,
-    block-rounded). Otherwise first-fit decreasing leaves each bin short of the budget
-    by what no remaining row fills, estimated as half a mean row: ``ceil(E / (budget -
-    mean / 2))`` bins (at least 2, at most one per row), each as wide as the budget (the
-    fullest bin reaches it but for a block). The context is that of
-    :func:`packed_shape`.
+    Rows all of one length ``L`` (no length distribution): ``floor(budget / L)`` rows a
+    bin, exactly, as wide as they are (block-rounded). Otherwise the rank's rows hold
+    ``E = rows x mean`` tokens: one bin when ``E <= budget``, of ``E`` plus half a block
+    (the runtime's packs are as wide as the fullest bin, block-rounded); beyond,
+    first-fit decreasing leaves each bin short of the budget by what no remaining row
+    fills, estimated as half a mean row: ``ceil(E / (budget - mean / 2))`` bins (at
+    least 2, at most one per row), each as wide as the budget (the fullest bin reaches
+    it but for a block). The context is that of :func:`packed_shape`.
 
-    Example: rows always 8 tokens, 32 rows (256 tokens): budget 256 -> one bin of
-    256 tokens (the half block is capped by the budget); budget 64 -> 256 / 60 ->
-    5 bins of 64 tokens; context 4.5 either way."""
-    mean, _, sq = row_moments(mfc)
+    Example: rows always 8 tokens, 32 rows: budget 256 -> one bin of 256 tokens;
+    budget 60 -> 7 rows a bin, 5 bins of 64 (56 block-rounded); context 4.5 either way."""
+    mean, var, sq = row_moments(mfc)
     ctx = (sq + mean) / (2 * mean)
+    if var == 0:
+        per = min(max(1, int(budget // mean)), max(1, math.ceil(rows)))
+        return math.ceil(rows / per), float(round_block(per * mean)), ctx
     total = rows * mean
     if total <= budget:
         return 1, min(total + PACK_BLOCK / 2, float(budget)), ctx
@@ -156,16 +159,22 @@ def budget_options(mfc: "MFC", rows: int, max_bins: int) -> list[int]:
     """Token budgets to price for a packed scoring call of ``mfc`` with ``rows`` rows per
     data-parallel rank: from the smallest that holds any row (``round_block(seq_len)``)
     to the rank's whole share at the caps (``round_block(rows x seq_len)``: one bin
-    whatever the lengths), with :data:`PACK_BLOCK` times the powers of two between; only
-    those whose expected bins (:func:`budget_shape`) are at most ``max_bins`` (the
-    largest always is: one bin).
+    whatever the lengths), with :data:`PACK_BLOCK` times the powers of two between, and
+    the budgets that pack the rows in about ``m`` bins for ``m`` a power of two or
+    ``rows`` (``ceil(rows / m)`` mean rows, plus half a mean row of first-fit waste
+    when lengths vary); only those whose expected bins (:func:`budget_shape`) are at
+    most ``max_bins`` (the largest always is: one bin).
 
     Example: seq_len 100, 8 rows of always 100 tokens, up to 8 bins: 112 (8 bins), 128
-    (8), 256 (4), 512 (2) and 800 (one) -> [112, 128, 256, 512, 800]; up to 4 bins: 112
-    and 128 need 8, so [256, 512, 800]."""
+    (8), 208 (4 bins of 2 rows), 256 (4), 400 (2 of 4), 512 (2) and 800 (one) ->
+    [112, 128, 208, 256, 400, 512, 800]; up to 4 bins: [208, 256, 400, 512, 800]."""
     lo, hi = round_block(mfc.seq_len), round_block(rows * mfc.seq_len)
-    out = sorted({lo, hi} | {PACK_BLOCK << k for k in range(hi.bit_length())
-                             if lo < PACK_BLOCK << k < hi})
+    mean, var, _ = row_moments(mfc)
+    waste = mean / 2 if var > 0 else 0.0
+    fits = {round_block(math.ceil(rows / m) * mean + waste)
+            for m in [1 << k for k in range(rows.bit_length())] + [rows]}
+    out = sorted({lo, hi} | {b for b in fits if lo < b < hi}
+                 | {PACK_BLOCK << k for k in range(hi.bit_length()) if lo < PACK_BLOCK << k < hi})
     return [b for b in out if b == hi or budget_shape(mfc, rows, b)[0] <= max_bins]
 
 

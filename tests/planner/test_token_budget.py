@@ -58,15 +58,19 @@ def cpu(mem_bytes: float | None = None) -> ClusterSpec:
 def test_budget_shape_by_hand():
     m = scoring()                                   # rows always 8 tokens
     assert budget_shape(m, 32, 256) == (1, 256.0, 4.5)
-    assert budget_shape(m, 32, 512) == (1, 256 + PACK_BLOCK / 2, 4.5)
-    assert budget_shape(m, 32, 64) == (5, 64.0, 4.5)    # 256 / (64 - 4)
+    assert budget_shape(m, 32, 512) == (1, 256.0, 4.5)  # whole rows: no more than they are
+    assert budget_shape(m, 32, 60) == (5, 64.0, 4.5)    # 7 rows a bin, 56 block-rounded
     assert budget_shape(scoring(prompt_len=8, gen_len=8), 3, 16)[0] == 3   # one per row
+    tail = scoring(n=32, prompt_len=4, gen_len=60, lengths=GenLengths(max_len=60, mean=4.0))
+    total = 32 * (4 + 4.0)                          # rows of 8 tokens on average
+    assert budget_shape(tail, 32, 512)[:2] == (1, pytest.approx(total + PACK_BLOCK / 2))
+    assert budget_shape(tail, 32, 64)[:2] == (math.ceil(total / (64 - 8 / 2)), 64.0)
 
 
 def test_budget_options_by_hand():
     m = scoring(n=8, prompt_len=50, gen_len=50)
-    assert budget_options(m, 8, 8) == [112, 128, 256, 512, 800]
-    assert budget_options(m, 8, 4) == [256, 512, 800]
+    assert budget_options(m, 8, 8) == [112, 128, 208, 256, 400, 512, 800]
+    assert budget_options(m, 8, 4) == [208, 256, 400, 512, 800]
     assert budget_options(m, 8, 1) == [800]          # the whole share always stays
     assert all(b % PACK_BLOCK == 0 and b >= round_block(m.seq_len)
                for b in budget_options(scoring(n=512, gen_len=300,
