@@ -15,14 +15,8 @@ slowest stage's pass plus its point-to-point send:
   reduce-scatter plus an all-gather of the new weights), the global grad-norm
   all-reduces (model-parallel group), and the optimizer's ``param_s`` per local
   parameter; times mini-batches x epochs;
-* generate, in waves (:mod:`realign.runtime.engines.waves`): ``g = min(m, pp)`` waves
-  in flight, ``ceil(m / g)`` groups one after another. A group: its waves' caches
-  zeroed, ``(g + pp - 1)`` prefill slots, then per decode step ``pp`` slots (a wave
-  passes every stage; ``g <= pp`` waves share them). Decode steps: the expected length
-  of a wave's longest sequence minus one (the prefill yields the first token), from
-  the generation-length distribution (:mod:`planner.graph.lengths`); then the output
-  gathered over DP. With ``MFC.refill`` the waves' cache is slots that take the next
-  waiting prompt, priced by their expected decode steps (:mod:`planner.cost.refill_cost`).
+* generate, in waves or in slots that refill (``MFC.refill``):
+  :mod:`planner.cost.generate_terms`; then the output gathered over DP.
 
 A wave prefills its prompts padded to its longest, and inference and training of a
 rollout read its rows padded to the batch's longest: they are priced at the expected
@@ -46,21 +40,19 @@ reallocation of the model moves once its frozen base is in place (docs/lora.md).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.engine_terms import Work, lagged, overlapped, stage_pass
+from planner.cost.generate_terms import refill_terms, wave_terms
 from planner.cost.lora_terms import adapter_params
 from planner.cost.memory import (
     kv_cache_bytes,
     mfc_memory,
     stage_params,
     trainable_params,
-    wave_kv_bytes_per_seq,
 )
 from planner.cost.passes import (
-    decode_iteration,
     messages,
     micro_batch_tokens,
     pipelined,
@@ -68,12 +60,10 @@ from planner.cost.passes import (
 )
 from planner.cost.profile import ProfileTable
 from planner.cost.rates import Rates
-from planner.cost.refill_cost import refill_terms
 from planner.errors import PlanError
 from planner.graph.dataflow import MFC
-from planner.graph.lengths import expected_call_tokens
 from planner.graph.packing import budget_shape
-from planner.graph.padding import longest_prompt, padded_len
+from planner.graph.padding import padded_len
 from planner.specs.cluster import ClusterSpec
 from planner.specs.layout import Layout
 from planner.specs.lora import LoraSpec
@@ -377,37 +367,6 @@ class CostModel:
     def _generate_terms(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
                         layout: Layout, m: int, lora: LoraSpec | None = None
                         ) -> dict[str, float]:
-        if mfc.refill:                     # slots that take the next prompt
-            return refill_terms(self, mfc, spec, head, mesh, layout, m, lora)
-        r, dt = self.rates, self.config.param_dtype_bytes
-        tp, pp, dp = layout.tp, layout.pp, layout.dp
-        tpn, dpn, ppn = self._nodes(mesh, layout)
-        n_local = mfc.n_seqs / dp
-        b = n_local / m                    # sequences per wave
-        g = min(m, pp)                     # waves in flight together
-        groups = math.ceil(m / g)          # groups of waves, one after another
-        P, h = longest_prompt(mfc, b), spec.hidden     # a wave's prompts padded to its longest
-        pre_c, dec_c = r.engine("prefill"), r.engine("decode")
-        pre = self.stage_works(spec, head, "prefill", b * P, P / 2, b, layout, tpn,
-                           messages(r.collective_s("p2p", b * P * h * dt, 2, ppn)), lora=lora)
-        tokens = expected_call_tokens(mfc, b, groups, dp)   # the slowest DP rank's
-        steps = max(0.0, tokens - 1.0)     # the prefill yields the first token
-        # per step: the hidden state to the next stage, the chosen tokens back
-        dec = self.stage_works(spec, head, "decode", b, P + tokens / 2, b, layout, tpn,
-                           messages(r.collective_s("p2p", b * h * dt, 2, ppn)),
-                           back=messages(r.collective_s("p2p", 2 * b * 8, 2, ppn)), lora=lora)
-        alloc = Work(seconds={"kv_alloc": g * r.mem_s(
-            b * wave_kv_bytes_per_seq(self.config, spec, mfc, tp, pp))})
-        n = mfc.gen_len
-        call = Work(seconds={"dp_comm": r.collective_s("all_gather", mfc.n_seqs * (2 * n + 1) * 8,
-                                                       dp, dpn)},
-                    counts={"call_s": 1.0, "collective_s": float(dp > 1)})
-        ranks = layout.world
-        terms = {f"prefill_{k}": v for k, v in lagged(Work().add(
-            pipelined(pre, g, pre_c).add(alloc), groups), ranks).terms(pre_c).items()}
-        for k, v in lagged(Work().add(decode_iteration(dec, g, dec_c), groups * steps),
-                           ranks).terms(dec_c).items():
-            terms[f"decode_{k}"] = v
-        for k, v in call.terms(pre_c).items():
-            terms[k] = terms.get(k, 0.0) + v
-        return terms
+        """In waves, or in slots that refill (:mod:`planner.cost.generate_terms`)."""
+        terms = refill_terms if mfc.refill else wave_terms
+        return terms(self, mfc, spec, head, mesh, layout, m, lora)

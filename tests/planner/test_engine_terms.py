@@ -21,8 +21,8 @@ import math
 import pytest
 
 from planner.cost.cost_config import CostModelConfig
-from planner.cost.cost_model import decode_iteration, pipelined
 from planner.cost.engine_terms import Work, expected_max_normal, lagged, layer_gemms, rank_lag, stage_pass
+from planner.cost.passes import decode_iteration, pipelined
 from planner.cost.profile import EngineCosts
 from planner.cost.rates import Rates
 from planner.specs.cluster import ClusterSpec, DeviceSpec

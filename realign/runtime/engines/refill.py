@@ -27,7 +27,7 @@ noise is a function of (seed, sequence, position) (:mod:`realign.runtime.samplin
 greedy and sampled outputs are those of waves (tested against them).
 
 The cost model prices this by its expected decode steps and admitting iterations
-(:func:`planner.graph.refill.refill_shape`, :mod:`planner.cost.refill_cost`).
+(:func:`planner.graph.refill.refill_shape`, :mod:`planner.cost.generate_terms`).
 """
 from __future__ import annotations
 
