@@ -15,12 +15,5 @@ for mode in packed padded; do
       > "experiments/_bench_$mode.yaml"
 done
 sed -i 's/^  clip_grad: 1.0/  clip_grad: 1.0\n  packing: false/' experiments/_bench_padded.yaml
-for r in $(seq 1 "$ROUNDS"); do
-  for mode in packed padded; do
-    rm -rf "$OUT/reason-sync-$mode"
-    .venv/bin/realign run "experiments/_bench_$mode.yaml" > "$OUT/$mode-$r.log" 2>&1
-    mkdir -p "$OUT/$mode-$r" && cp "$OUT/reason-sync-$mode/"{metrics.jsonl,plan.json} "$OUT/$mode-$r/"
-    uptime >> "$OUT/load.txt"
-  done
-done
-rm -f experiments/_bench_packed.yaml experiments/_bench_padded.yaml
+source "$(dirname "$0")/rounds.sh"
+run_rounds "$ROUNDS" "$OUT" packed padded

@@ -27,12 +27,5 @@ YAML
 done
 sed -i 's/  refill: REFILL/  refill: true/' experiments/_bench_refill.yaml
 sed -i 's/  refill: REFILL/  refill: false/' experiments/_bench_waves.yaml
-for r in $(seq 1 "$ROUNDS"); do
-  for mode in refill waves; do
-    rm -rf "$OUT/reason-sync-$mode"
-    .venv/bin/realign run "experiments/_bench_$mode.yaml" > "$OUT/$mode-$r.log" 2>&1
-    mkdir -p "$OUT/$mode-$r" && cp "$OUT/reason-sync-$mode/"{metrics.jsonl,plan.json} "$OUT/$mode-$r/"
-    uptime >> "$OUT/load.txt"
-  done
-done
-rm -f experiments/_bench_refill.yaml experiments/_bench_waves.yaml
+source "$(dirname "$0")/rounds.sh"
+run_rounds "$ROUNDS" "$OUT" refill waves
