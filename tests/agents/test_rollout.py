@@ -168,7 +168,9 @@ def test_a_group_decodes_while_the_other_groups_tools_run():
         loop = EpisodeLoop(cfg, tools_env(nap), enc, dec, budget=10_000, max_context=100_000)
         states = loop.run([enc("Q")] * 8, episodes(8), scripted(turns, decode_s=0.2))
         waits[groups] = loop.metrics(states)["rollout.env_wait_s"]
-    assert waits[1] >= 2 * 0.1                 # two turns of calls, waited for in full
+    # two turns of calls waited for nearly in full (the loop starts waiting a moment
+    # after the calls start)
+    assert waits[1] >= 0.75 * 2 * 0.1
     assert waits[2] < waits[1] / 2, waits
 
 
