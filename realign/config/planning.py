@@ -339,15 +339,41 @@ def resolve_plan(cfg: ExperimentConfig, base: Path, models: dict[str, RoleModel]
                            models, cluster)
         return plan
     if cfg.plan.manual:
-        # manual allocations for the proximal call ask for the asynchronous graph
-        asynchronous = PROXIMAL_MFC in cfg.plan.manual
-        if asynchronous and not allows_async(cfg):
-            raise UserError(f"plan.manual places {PROXIMAL_MFC}, which only an asynchronous "
-                            "run has; set algorithm.max_staleness to 1 or more",
-                            field="plan.manual")
-        graph = experiment_graph(cfg, models, base, asynchronous)
+        graph = manual_graph(cfg, models, base, list(cfg.plan.manual))
         allocs = {k: Allocation(mesh=v.mesh, layout=v.layout, micro_batches=v.micro_batches)
                   for k, v in cfg.plan.manual.items()}
         return manual_plan(cfg.name, graph, models, cluster, allocs, cost_config(cfg, base),
                            profile=load_profile(cfg, base))
     return plan_experiment(cfg, base)
+
+
+def manual_graph(cfg: ExperimentConfig, models: dict[str, RoleModel], base: Path,
+                 placed: list[str]) -> DataflowGraph:
+    """The graph a ``plan.manual`` that places the calls ``placed`` runs: the
+    asynchronous one where the experiment lets generation run ahead
+    (``algorithm.max_staleness`` >= 1) and ``placed`` has :data:`PROXIMAL_MFC`, else
+    the synchronous one (which has it too where vLLM may generate or with ``tis_cap``).
+    A :class:`UserError` at ``plan.manual`` unless ``placed`` is exactly its calls: it
+    lists them, what is missing and what is unknown, and why the proximal call is or
+    is not in the graph."""
+    asynchronous = PROXIMAL_MFC in placed and allows_async(cfg)
+    graph = experiment_graph(cfg, models, base, asynchronous)
+    names = [m.name for m in graph.mfcs]
+    missing = [n for n in names if n not in placed]
+    unknown = [n for n in placed if n not in names]
+    if not (missing or unknown):
+        return graph
+    why = ""
+    if PROXIMAL_MFC in missing:
+        why = (f"; this run has {PROXIMAL_MFC} because "
+               + (f"rollout.engine is {cfg.rollout.engine}" if cfg.rollout.scores_rollout()
+                  else "algorithm.params.tis_cap is set"))
+    elif PROXIMAL_MFC in unknown:
+        why = (f"; {PROXIMAL_MFC} is in a run that generates ahead (algorithm.max_staleness "
+               ">= 1), or where vLLM may generate (rollout.engine vllm or auto) or "
+               "algorithm.params.tis_cap is set")
+    raise UserError(f"needs one allocation for each call of this run's graph, exactly: "
+                    f"{', '.join(names)}"
+                    + (f"; missing {', '.join(missing)}" if missing else "")
+                    + (f"; unknown {', '.join(unknown)}" if unknown else "") + why,
+                    field="plan.manual")
