@@ -9,9 +9,17 @@ import pytest
 import torch
 
 from realign.agents.rollout import _State, episode_records
-from realign.algorithms import grpo, ppo, reinforce_pp, rloo
-from realign.algorithms.common import batch_mask
-from realign.algorithms.params import GRPOConfig, PPOConfig, ReinforcePPConfig, RLOOConfig
+from realign.algorithms import dapo, dr_grpo, grpo, gspo, ppo, reinforce_pp, rloo
+from realign.algorithms.common import batch_mask, minibatch, pop_stats
+from realign.algorithms.params import (
+    DAPOConfig,
+    DrGRPOConfig,
+    GRPOConfig,
+    GSPOConfig,
+    PPOConfig,
+    ReinforcePPConfig,
+    RLOOConfig,
+)
 
 pytestmark = pytest.mark.torch
 
@@ -120,6 +128,42 @@ def test_rloo_reinforce_pp_and_ppo_train_on_model_tokens_only(name):
         vloss, _ = ppo.critic_loss(values, prepared, cfg)
         vloss.backward()
         assert_zero_grad_at_observations(values.grad.unsqueeze(2))
+
+
+@pytest.mark.parametrize("name", ["dapo", "gspo", "dr_grpo"])
+def test_dapo_gspo_and_dr_grpo_train_on_model_tokens_only(name):
+    """Each with a KL term, so its masking is covered too; DAPO through the mini-batch
+    its token-level mean divides by (the model tokens of both rows: 5 + 2)."""
+    batch = two_turn_batch()
+    batch["ref_logprobs"] = batch["logprobs"] - 0.05 * batch["action_mask"]
+    logits, lp = new_logprobs(batch, seed=1)
+    batch["logprobs"] = lp.detach() * batch["action_mask"]       # ratio 1: no clipping
+    if name == "dapo":
+        cfg = DAPOConfig(samples_per_prompt=2, prompts_per_step=1, gen_len=100, kl_coef=0.1)
+        prepared, _ = pop_stats(dapo.prepare(batch, cfg))
+        prepared = minibatch(prepared, 0, 1)
+        assert torch.equal(prepared["loss_mask"], batch_mask(batch))
+        assert prepared["minibatch_tokens"].tolist() == [7.0, 7.0]
+        loss_fn = dapo.actor_loss_fn(cfg)
+    elif name == "gspo":
+        cfg = GSPOConfig(samples_per_prompt=2, kl_coef=0.1)
+        prepared, loss_fn = grpo.prepare(batch, cfg), gspo.actor_loss_fn(cfg)
+    else:
+        cfg = DrGRPOConfig(samples_per_prompt=2, gen_len=100, kl_coef=0.1)
+        prepared, loss_fn = dr_grpo.prepare(batch, cfg), dr_grpo.actor_loss_fn(cfg)
+    obs = torch.zeros_like(prepared["advantages"], dtype=torch.bool)
+    obs[0, OBS[0]] = True
+    assert torch.count_nonzero(prepared["advantages"][obs]) == 0
+    model = batch_mask(batch) > 0
+    assert torch.count_nonzero(prepared["advantages"][model]) == int(model.sum())
+    loss, metrics = loss_fn(lp, prepared)
+    loss.backward()
+    assert_zero_grad_at_observations(logits.grad)
+    assert metrics["kl"].item() > 0
+    # what the observation's log-probs are does not move the loss
+    moved = lp.detach().clone()
+    moved[0, OBS[0]] += 3.0
+    assert loss_fn(moved, prepared)[0].item() == pytest.approx(loss.item(), rel=1e-6)
 
 
 def test_gae_bootstraps_across_an_observation():
