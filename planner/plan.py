@@ -35,7 +35,8 @@ from planner.specs.model_spec import ModelSpec
 #: 9: packed calls (the graph's MFC.packed: priced by their bins' tokens).
 #: 10: the token budget of each packed scoring call (tokens per micro-batch, chosen by the
 #:     search); generate calls that refill their slots (the graph's MFC.refill).
-PLAN_SCHEMA_VERSION = 10
+#: 11: DAPO's sampling rounds (the graph's MFC.sampling_rounds: expected passes per step).
+PLAN_SCHEMA_VERSION = 11
 
 
 class _Frozen(BaseModel):

@@ -40,7 +40,7 @@ reallocation of the model moves once its frozen base is in place (docs/lora.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.engine_terms import Work, lagged, overlapped, stage_pass
@@ -240,6 +240,12 @@ class CostModel:
         if (offload or state_offload or recompute) and mfc.kind != "train":
             raise ValueError("optimizer and training-state offload and activation "
                              "recompute apply to train MFCs only")
+        if mfc.sampling_rounds != 1.0:     # DAPO's sampling rounds: that many passes
+            one = self.mfc_cost(mfc.model_copy(update={"sampling_rounds": 1.0}), spec, head,
+                                mesh, layout, micro_batches, offload, state_offload,
+                                recompute, engine, lora, token_budget)
+            return replace(one, time_s=one.time_s * mfc.sampling_rounds,
+                           terms_s={k: v * mfc.sampling_rounds for k, v in one.terms_s.items()})
         if mfc.turns is not None:          # multi-turn episodes: priced turn by turn
             from planner.cost.turns import multi_turn_cost
             return multi_turn_cost(mfc, lambda sub: self.mfc_cost(

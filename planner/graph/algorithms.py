@@ -34,6 +34,7 @@ from planner.graph.batch_shape import EvalShape as EvalShape
 from planner.graph.batch_shape import prompts_generated as prompts_generated
 from planner.graph.dataflow import MFC, DataflowGraph, Evaluation, RuleReward
 from planner.graph.lengths import GenLengths
+from planner.graph.sampling_rounds import expected_rounds
 from planner.graph.turns import Turns
 
 Algorithm = Literal["ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft", "rm",
@@ -256,7 +257,8 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
                 lengths: GenLengths | None = None, max_staleness: int = 0,
                 asynchronous: bool = False,
                 prompt_lengths: GenLengths | None = None,
-                score_rollout: bool = False, turns: Turns | None = None) -> DataflowGraph:
+                score_rollout: bool = False, turns: Turns | None = None,
+                max_sampling_rounds: int = 1) -> DataflowGraph:
     """The dataflow graph of ``algorithm`` for the configured model ``roles``.
     ``train_micro_batches``: every train call runs with exactly this many micro-batches
     (``train.micro_batches``); None lets the planner choose. ``evaluation``: the actor
@@ -272,7 +274,10 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
     corrects with. ``asynchronous`` (needs a bound of at least 1): rollout generation runs one step
     ahead of training, and the actor's current policy scores the rollout before it
     trains (:func:`_proximal`). ``turns``: every generate call (rollout and
-    evaluations) is multi-turn episodes of this shape (:mod:`planner.graph.turns`)."""
+    evaluations) is multi-turn episodes of this shape (:mod:`planner.graph.turns`).
+    ``max_sampling_rounds`` (DAPO): the step generates and scores again until its batch
+    is full, at most this many rounds, priced at the expected rounds
+    (:func:`_sampling_rounds`)."""
     if asynchronous and max_staleness < 1:
         raise PlanError("asynchronous execution needs max_staleness >= 1",
                         field="algorithm.max_staleness")
@@ -328,6 +333,8 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
     if score_rollout and not (spec.generates and spec.runs_ahead):
         raise PlanError(f"{algorithm} takes no correction of its rollout's log-probs, so the "
                         "training forward does not score them", field="rollout.engine")
+    if max_sampling_rounds > 1:
+        calls = _sampling_rounds(calls, shape, algorithm, max_sampling_rounds, asynchronous)
     if asynchronous or score_rollout:
         calls = _proximal(calls)
     return DataflowGraph(algorithm=algorithm, mfcs=tuple(calls), rule_rewards=tuple(rules),
@@ -354,6 +361,27 @@ def _with_lengths(calls: list[MFC], lengths: GenLengths | None,
         else:
             out.append(m)
     return out
+
+
+def _sampling_rounds(calls: list[MFC], shape: BatchShape, algorithm: str, max_rounds: int,
+                     asynchronous: bool) -> list[MFC]:
+    """DAPO's dynamic sampling in rounds: the rollout's generate call and the calls that
+    score its sequences run once per round, priced at the expected rounds
+    (:func:`planner.graph.sampling_rounds.expected_rounds` at
+    ``shape.dropped_group_frac``); the train call, at the batch it trains, once."""
+    field = "algorithm.params.max_sampling_rounds"
+    if algorithm != "dapo":
+        raise PlanError(f"{algorithm} drops no groups, so it samples once a step", field=field)
+    if asynchronous:
+        raise PlanError("a rollout generated one step ahead cannot be sampled again until "
+                        "the batch is full; set max_sampling_rounds to 1 or "
+                        "algorithm.max_staleness to 0", field=field)
+    rounds = expected_rounds(shape.prompts_generated, shape.prompts_per_step,
+                             shape.dropped_group_frac or 0.0, max_rounds)
+    rollout = next(m for m in calls if m.kind == "generate" and "seqs" in m.output_keys)
+    return [m.model_copy(update={"sampling_rounds": rounds})
+            if m is rollout or (m.kind == "inference" and rollout.output_keys[0] in m.input_keys)
+            else m for m in calls]
 
 
 #: The call that scores an asynchronous rollout with the actor's current policy.

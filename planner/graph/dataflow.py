@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.errors import PlanError
 from planner.graph.lengths import GenLengths
+from planner.graph.sampling_rounds import MAX_SAMPLING_ROUNDS
 from planner.graph.turns import Turns
 
 Kind = Literal["generate", "inference", "train"]
@@ -78,6 +79,11 @@ class MFC(BaseModel):
     turns: Turns | None = Field(None, description="generate: multi-turn episodes with an "
                                 "environment (rollout.env / rollout.tools); None: one "
                                 "response per prompt.")
+    sampling_rounds: float = Field(
+        1.0, ge=1, le=MAX_SAMPLING_ROUNDS, description="generate, and the calls that score "
+        "its rollout: the expected passes per step (DAPO's dynamic sampling generates and "
+        "scores again until the batch is full: planner.graph.sampling_rounds), each of "
+        "n_seqs sequences; priced at that many passes, memory at one.")
 
     @property
     def seq_len(self) -> int:
@@ -103,6 +109,8 @@ class MFC(BaseModel):
             raise PlanError("a generate call is not packed", field=f"mfc {self.name}")
         if self.refill and self.kind != "generate":
             raise PlanError("only a generate call refills its slots", field=f"mfc {self.name}")
+        if self.sampling_rounds != 1.0 and self.kind == "train":
+            raise PlanError("a train call runs once a step", field=f"mfc {self.name}")
         if self.greedy and self.kind != "generate":
             raise PlanError("only a generate call can be greedy", field=f"mfc {self.name}")
         return self

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from planner.errors import UserError, from_validation
 from planner.graph.algorithms import MAX_DROPPED_GROUP_FRAC, BatchShape
+from planner.graph.sampling_rounds import MAX_SAMPLING_ROUNDS
 
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean"]
@@ -203,6 +204,14 @@ class DAPOConfig(ClippedPGParams):
                                         "20480 tokens: 0.2); 0: no shaping.")
     overlong_penalty: float = Field(1.0, ge=0, description="The most the overlong shaping "
                                     "takes off a reward (the paper's 1).")
+    max_sampling_rounds: int = Field(
+        1, ge=1, le=MAX_SAMPLING_ROUNDS, description="Dynamic sampling as the paper does it: "
+        "a step generates for prompts_generated prompts, keeps the informative groups, and "
+        "generates again (new prompts, seeds from the step and the round) until "
+        "prompts_per_step are kept or this many rounds have run; a step still short then "
+        "trains its informative groups with constant ones at loss weight 0 (the metrics say "
+        "so). The plan prices the expected rounds at algorithm.dropped_group_frac. 1: one "
+        "round (over-generation only).")
 
     @model_validator(mode="after")
     def _over_generation_needs_dynamic_sampling(self) -> "DAPOConfig":
@@ -211,6 +220,11 @@ class DAPOConfig(ClippedPGParams):
                             "the step generate for more prompts than it trains, which only "
                             "dynamic sampling drops; set dynamic_sampling: true or the "
                             "share to 0", field="algorithm.params.dynamic_sampling")
+        if self.max_sampling_rounds > 1 and not self.dynamic_sampling:
+            raise UserError(f"max_sampling_rounds {self.max_sampling_rounds} samples again "
+                            "for the groups dynamic sampling drops; set dynamic_sampling: "
+                            "true or max_sampling_rounds to 1",
+                            field="algorithm.params.max_sampling_rounds")
         return self
 
 
@@ -245,6 +259,14 @@ class DrGRPOConfig(ClippedPGParams):
     kl_coef: float = Field(0.0, ge=0, description="beta: weight of the KL loss to the "
                            "reference (0: none, and no reference model needed).")
     kl_estimator: KLEstimator = Field("k3", description="KL estimator of the KL loss.")
+
+
+def max_sampling_rounds(params: AlgorithmParams) -> int:
+    """The most sampling rounds a step takes: DAPO's ``max_sampling_rounds`` with dynamic
+    sampling on, else 1."""
+    if isinstance(params, DAPOConfig) and params.dynamic_sampling:
+        return params.max_sampling_rounds
+    return 1
 
 
 #: every algorithm's parameters, told apart by their ``algorithm``

@@ -1,0 +1,112 @@
+"""DAPO's sampling rounds in the planner: the expected rounds (against a brute-force
+twin), the graph's rollout calls that carry them, and their price."""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import pytest
+
+from planner.errors import PlanError
+from planner.graph.algorithms import BatchShape, build_graph
+from planner.graph.dataflow import MFC
+from planner.graph.sampling_rounds import (
+    MAX_SAMPLING_ROUNDS,
+    binomial_cdf_below,
+    expected_rounds,
+    full_batch_chance,
+)
+from planner.specs.layout import Layout
+from planner.specs.mesh import DeviceMesh
+from tests.planner.test_cost_model import TOY, cost_model, mfc
+
+pytestmark = pytest.mark.pure
+
+SHAPE = BatchShape(prompts_per_step=8, samples_per_prompt=4, prompt_len=16, gen_len=32,
+                   ppo_minibatches=2, dropped_group_frac=0.25)
+
+
+@pytest.mark.parametrize("n,p,k", [(4, 0.5, 2), (10, 0.3, 0), (10, 0.3, 11), (12, 0.9, 7),
+                                   (30, 0.55, 16), (7, 1.0, 7), (7, 0.0, 1)])
+def test_binomial_cdf_below_sums_the_terms(n, p, k):
+    brute = sum(math.comb(n, j) * p ** j * (1 - p) ** (n - j) for j in range(min(k, n + 1)))
+    assert binomial_cdf_below(n, p, k) == pytest.approx(brute, rel=1e-12, abs=1e-300)
+
+
+def rounds_by_enumeration(n: int, wanted: int, f: float, max_rounds: int) -> float:
+    """The slow twin: the round loop itself, state by state (kept so far), each round's
+    kept groups by their binomial distribution."""
+    q = 1 - f
+    pmf = [math.comb(n, j) * q ** j * f ** (n - j) for j in range(n + 1)]
+
+    @lru_cache(maxsize=None)
+    def rounds_from(kept: int, done: int) -> float:
+        if kept >= wanted or done == max_rounds:
+            return 0.0
+        return 1.0 + sum(pj * rounds_from(min(wanted, kept + j), done + 1)
+                         for j, pj in enumerate(pmf))
+    return rounds_from(0, 0)
+
+
+@pytest.mark.parametrize("n,wanted,f,r", [(11, 8, 0.25, 4), (6, 6, 0.5, 8), (3, 2, 0.9, 5),
+                                          (30, 16, 0.45, 4), (8, 8, 0.0, 3), (5, 4, 0.7, 1)])
+def test_expected_rounds_equal_the_loop_enumerated(n, wanted, f, r):
+    assert expected_rounds(n, wanted, f, r) == pytest.approx(
+        rounds_by_enumeration(n, wanted, f, r), rel=1e-10)
+
+
+def test_expected_rounds_grow_with_the_drop_rate_within_the_cap():
+    got = [expected_rounds(30, 16, f, 6) for f in (0.0, 0.3, 0.45, 0.6, 0.8, 0.95)]
+    assert got[0] == 1.0
+    assert all(a < b for a, b in zip(got, got[1:]))
+    assert got[-1] <= 6
+    assert expected_rounds(30, 16, 0.95, 1) == 1.0
+    # the docstring's example: one round short in about a third of the steps
+    assert expected_rounds(30, 16, 0.45, 4) == pytest.approx(1.355, abs=5e-4)
+    assert full_batch_chance(30, 16, 0.45, 4) == pytest.approx(1.0, abs=1e-12)
+    assert full_batch_chance(30, 16, 0.45, 1) == pytest.approx(1 - 0.3552, abs=1e-4)
+    with pytest.raises(ValueError):
+        expected_rounds(30, 16, 0.45, MAX_SAMPLING_ROUNDS + 1)
+
+
+def test_the_rollout_and_its_scoring_carry_the_rounds_not_the_train_call():
+    g = {m.name: m for m in build_graph("dapo", SHAPE, {"actor", "ref", "reward"},
+                                        max_sampling_rounds=4).mfcs}
+    want = expected_rounds(11, 8, 0.25, 4)           # 11 prompts a round, 8 kept
+    assert 1.0 < want < 4.0
+    for name in ("actor.generate", "reward.inference", "ref.inference"):
+        assert g[name].sampling_rounds == pytest.approx(want)
+        assert g[name].n_seqs == 44                  # each round: the plan's shape
+    assert g["actor.train"].sampling_rounds == 1.0 and g["actor.train"].n_seqs == 32
+    # a synchronous rollout scored by the training forward: once, after the rounds
+    s = {m.name: m for m in build_graph("dapo", SHAPE, {"actor"}, max_sampling_rounds=4,
+                                        score_rollout=True).mfcs}
+    assert s["actor.prox_inference"].sampling_rounds == 1.0
+    one = build_graph("dapo", SHAPE, {"actor"})
+    assert all(m.sampling_rounds == 1.0 for m in one.mfcs)
+
+
+def test_rounds_refused_where_they_cannot_run():
+    with pytest.raises(PlanError, match="samples once") as e:
+        build_graph("grpo", SHAPE.model_copy(update={"dropped_group_frac": None}), {"actor"},
+                    max_sampling_rounds=2)
+    assert e.value.field == "algorithm.params.max_sampling_rounds"
+    with pytest.raises(PlanError, match="one step ahead") as e:
+        build_graph("dapo", SHAPE, {"actor"}, max_sampling_rounds=2, max_staleness=1,
+                    asynchronous=True)
+    assert e.value.field == "algorithm.params.max_sampling_rounds"
+    with pytest.raises(PlanError, match="once a step"):
+        MFC.model_validate({**mfc("train").model_dump(), "sampling_rounds": 2.0})
+
+
+@pytest.mark.parametrize("kind", ["generate", "inference"])
+def test_a_call_of_several_rounds_costs_that_many_passes_and_the_memory_of_one(kind):
+    cm = cost_model()
+    one = cm.mfc_cost(mfc(kind), TOY, "lm", DeviceMesh(first_gpu=0, n_gpus=2),
+                      Layout(tp=2), 2)
+    more = cm.mfc_cost(mfc(kind).model_copy(update={"sampling_rounds": 1.7}), TOY, "lm",
+                       DeviceMesh(first_gpu=0, n_gpus=2), Layout(tp=2), 2)
+    assert more.time_s == pytest.approx(1.7 * one.time_s, rel=1e-12)
+    assert more.terms_s == pytest.approx({k: 1.7 * v for k, v in one.terms_s.items()})
+    assert (more.weights_bytes, more.resident_bytes, more.activation_bytes) == (
+        one.weights_bytes, one.resident_bytes, one.activation_bytes)
