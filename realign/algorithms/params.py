@@ -4,8 +4,12 @@ typed to every worker, the controller and the launchers without importing torch.
 
 One class per algorithm, all on one base (unknown keys are errors, values frozen), the
 clipped policy-gradient family (PPO, GRPO, ReMax, REINFORCE++, RLOO, DAPO, GSPO, Dr.
-GRPO) on a shared base declaring what they share once, and the preference losses (DPO,
-online DPO) on another. A class's ``algorithm`` names it (the tag of
+GRPO) on a shared base declaring what they share once (DAPO and GSPO on one that adds
+the upper clip range), and the preference losses (DPO, online DPO) on another.
+Parameters that contradict each other are refused
+(:func:`~realign.algorithms.param_paths.contradiction`; the pairs: docs/algorithms.md):
+values alone in validators, keys the experiment wrote together in
+:meth:`AlgorithmParams.check_written`. A class's ``algorithm`` names it (the tag of
 :data:`AnyParams`). ``samples_per_prompt`` belongs to the batch shape
 (``algorithm.samples_per_prompt``), as do ``prompts_per_step``, ``gen_len`` and
 ``dropped_group_frac``: :func:`make_params` sets them, and a class that reads one
@@ -14,13 +18,14 @@ declares it without a default. The losses that read these live with each algorit
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Mapping, Union
+from typing import Annotated, Any, Collection, Literal, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from planner.errors import UserError, from_validation
 from planner.graph.algorithms import MAX_DROPPED_GROUP_FRAC, BatchShape
 from planner.graph.sampling_rounds import MAX_SAMPLING_ROUNDS
+from realign.algorithms.param_paths import SHAPE_OWNED, contradiction
 
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean"]
@@ -34,6 +39,12 @@ class AlgorithmParams(BaseModel):
 
     algorithm: str
 
+    def check_written(self, written: Collection[str]) -> None:
+        """A :class:`UserError` where keys the experiment wrote (``written``, its
+        ``algorithm.params``) contradict each other: a value that another one makes
+        unused. Checks of values alone are validators (they hold for a reloaded run too,
+        which has every field written)."""
+
 
 class ClippedPGParams(AlgorithmParams):
     """What the clipped policy-gradient family shares (PPO, GRPO, ReMax, REINFORCE++,
@@ -41,24 +52,61 @@ class ClippedPGParams(AlgorithmParams):
 
     kl_coef: float = Field(0.05, ge=0, description="beta: weight of the KL to the reference "
                            "(where it enters is each algorithm's: the reward or the loss).")
-    clip_ratio: float = Field(0.2, gt=0, description="epsilon of the clipped surrogate.")
-    behave_weight_cap: float = Field(5.0, gt=0, description="Asynchronous runs: cap of the "
+    clip_ratio: float = Field(0.2, gt=0, lt=1, description="epsilon of the clipped "
+                              "surrogate: the ratio is clipped to [1 - epsilon, 1 + "
+                              "epsilon], a range of positive ratios.")
+    behave_weight_cap: float = Field(5.0, ge=1, description="Asynchronous runs: cap of the "
                                      "behaviour importance weight pi_prox/pi_behaviour "
-                                     "of the decoupled PPO loss.")
+                                     "of the decoupled PPO loss (at least 1, the weight "
+                                     "of an on-policy token).")
     tis_cap: float | None = Field(
-        None, gt=0, description="Truncated importance sampling (Yao et al. 2025, \"Your "
+        None, ge=1, description="Truncated importance sampling (Yao et al. 2025, \"Your "
         "Efficient RL Framework Secretly Brings You Off-Policy RL Training\"): the actor's "
         "training forward scores the rollout before the update (actor.prox_inference, "
         "priced by the plan) and each token's clipped loss, taken against those log-probs, "
         "is weighted by min(pi_train / pi_rollout, tis_cap): the correction for a rollout "
-        "engine (vLLM) whose log-probs differ from training's. Asynchronous runs use it in "
-        "place of behave_weight_cap. None: off.")
+        "engine (vLLM) whose log-probs differ from training's. At least 1. Asynchronous "
+        "runs use it in place of behave_weight_cap (so the two are not written with "
+        "different values). None: off.")
 
     @property
     def importance_cap(self) -> float:
         """The cap of the behaviour importance weight: ``tis_cap`` when set, else
         ``behave_weight_cap``."""
         return self.tis_cap if self.tis_cap is not None else self.behave_weight_cap
+
+    def check_written(self, written: Collection[str]) -> None:
+        """``behave_weight_cap`` written beside a ``tis_cap`` of another value, which
+        takes its place."""
+        super().check_written(written)
+        if (self.tis_cap is not None and "behave_weight_cap" in written
+                and self.behave_weight_cap != self.tis_cap):
+            raise contradiction("behave_weight_cap", self.behave_weight_cap, "tis_cap",
+                                self.tis_cap, "one cap: tis_cap caps every importance "
+                                "weight (asynchronous runs' too) in place of "
+                                "behave_weight_cap; leave behave_weight_cap out")
+
+
+class ClipHigherParams(ClippedPGParams):
+    """A clipped policy gradient with an upper clip range of its own (DAPO, GSPO): the
+    ratio is clipped to [1 - clip_ratio, 1 + clip_ratio_high], never narrower above
+    than below."""
+
+    clip_ratio: float = Field(0.2, gt=0, lt=1, description="epsilon_low: the ratio is "
+                              "clipped below at 1 - epsilon_low.")
+    clip_ratio_high: float = Field(0.28, gt=0, description="epsilon_high: the ratio is "
+                                   "clipped above at 1 + epsilon_high (at least "
+                                   "clip_ratio).")
+
+    @model_validator(mode="after")
+    def _clip_higher(self) -> "ClipHigherParams":
+        if self.clip_ratio_high < self.clip_ratio:
+            raise contradiction(
+                "clip_ratio_high", self.clip_ratio_high, "clip_ratio", self.clip_ratio,
+                f"clip_ratio_high >= clip_ratio (these clip the ratio to "
+                f"[{1 - self.clip_ratio:.6g}, {1 + self.clip_ratio_high:.6g}], narrower above "
+                "than below: swapped bounds?)")
+        return self
 
 
 class PPOConfig(ClippedPGParams):
@@ -124,7 +172,16 @@ class PreferenceParams(AlgorithmParams):
                         "the reference.")
     loss: Literal["sigmoid", "ipo"] = Field("sigmoid", description="sigmoid (DPO) or ipo.")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Probability that a "
-                                   "preference label is flipped (sigmoid loss only).")
+                                   "preference label is flipped (sigmoid loss only: 0 "
+                                   "with ipo).")
+
+    @model_validator(mode="after")
+    def _smoothing_needs_sigmoid(self) -> "PreferenceParams":
+        if self.label_smoothing > 0 and self.loss != "sigmoid":
+            raise contradiction("label_smoothing", self.label_smoothing, "loss", self.loss,
+                                "label_smoothing 0 with loss ipo (the IPO loss has no "
+                                "label noise term); smoothing needs loss sigmoid")
+        return self
 
 
 class DPOConfig(PreferenceParams):
@@ -171,7 +228,7 @@ class OnlineDPOConfig(PreferenceParams):
                                     "the pair.")
 
 
-class DAPOConfig(ClippedPGParams):
+class DAPOConfig(ClipHigherParams):
     """DAPO hyper-parameters (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement
     Learning System at Scale", arXiv 2503.14476); defaults are the paper's."""
 
@@ -201,7 +258,9 @@ class DAPOConfig(ClippedPGParams):
                                         "the overlong reward shaping: a response longer "
                                         "than (1 - this) * gen_len loses up to "
                                         "overlong_penalty, linearly (the paper's 4096 of "
-                                        "20480 tokens: 0.2); 0: no shaping.")
+                                        "20480 tokens: 0.2); the buffer, round(this * "
+                                        "gen_len) tokens, is 1 to gen_len - 1 tokens; 0: "
+                                        "no shaping.")
     overlong_penalty: float = Field(1.0, ge=0, description="The most the overlong shaping "
                                     "takes off a reward (the paper's 1).")
     max_sampling_rounds: int = Field(
@@ -227,8 +286,39 @@ class DAPOConfig(ClippedPGParams):
                             field="algorithm.params.max_sampling_rounds")
         return self
 
+    @model_validator(mode="after")
+    def _overlong_buffer_in_tokens(self) -> "DAPOConfig":
+        frac, n = self.overlong_buffer_frac, self.gen_len
+        if frac > 0 and not 1 <= round(frac * n) <= n - 1:
+            allowed = ("0 (no shaping): a gen_len of 1 token leaves no room for a buffer"
+                       if n < 2 else
+                       f"0 (no shaping), or a buffer of 1 to gen_len - 1 tokens: above "
+                       f"{0.5 / n:.6g} and below {(n - 0.5) / n:.6g}")
+            raise contradiction("overlong_buffer_frac", frac, "gen_len", n,
+                                f"{allowed} (this one is round({frac * n:.6g}) = "
+                                f"{round(frac * n)} tokens)")
+        return self
 
-class GSPOConfig(ClippedPGParams):
+    def check_written(self, written: Collection[str]) -> None:
+        """An ``overlong_penalty`` written where ``overlong_buffer_frac`` 0 turns the
+        shaping off, or an ``overlong_buffer_frac`` written where ``overlong_penalty``
+        0 does."""
+        super().check_written(written)
+        if ("overlong_penalty" in written and self.overlong_penalty > 0
+                and self.overlong_buffer_frac == 0):
+            raise contradiction("overlong_penalty", self.overlong_penalty,
+                                "overlong_buffer_frac", 0.0, "a penalty with a buffer above "
+                                "0 (a buffer of 0 turns the shaping off); give the buffer, "
+                                "or leave overlong_penalty out")
+        if ("overlong_buffer_frac" in written and self.overlong_buffer_frac > 0
+                and self.overlong_penalty == 0):
+            raise contradiction("overlong_buffer_frac", self.overlong_buffer_frac,
+                                "overlong_penalty", 0.0, "a buffer with a penalty above 0 "
+                                "(a penalty of 0 turns the shaping off); give the penalty, "
+                                "or leave overlong_buffer_frac out")
+
+
+class GSPOConfig(ClipHigherParams):
     """GSPO hyper-parameters (Zheng et al. 2025, "Group Sequence Policy Optimization",
     arXiv 2507.18071): one importance ratio and one clip per sequence."""
 
@@ -283,16 +373,6 @@ PARAMS: Mapping[str, type[AlgorithmParams]] = {
               SFTConfig, RMConfig, RejectionSamplingConfig, OnlineDPOConfig, DAPOConfig,
               GSPOConfig, DrGRPOConfig)}
 
-#: what the batch shape sets (``algorithm.<its name>``), never ``algorithm.params``:
-#: the name a user might write in params -> the batch shape's field
-SHAPE_OWNED: Mapping[str, str] = {"samples_per_prompt": "samples_per_prompt",
-                                  "prompts_per_step": "prompts_per_step",
-                                  "gen_len": "gen_len",
-                                  "dropped_group_frac": "dropped_group_frac",
-                                  "ppo_epochs": "ppo_epochs", "minibatches": "ppo_minibatches",
-                                  "ppo_minibatches": "ppo_minibatches"}
-
-
 def make_params(name: str, params: Mapping[str, Any], shape: BatchShape) -> AlgorithmParams:
     """Algorithm ``name``'s parameters from the experiment's ``algorithm.params`` and the
     fields its batch shape owns; a :class:`UserError` naming ``algorithm.params.<key>``
@@ -305,10 +385,12 @@ def make_params(name: str, params: Mapping[str, Any], shape: BatchShape) -> Algo
     from_shape = {k: getattr(shape, v) for k, v in SHAPE_OWNED.items()
                   if k in cls.model_fields}
     try:
-        return cls(**params, **from_shape)
+        out = cls(**params, **from_shape)
     except ValidationError as e:
         raise from_validation(e, cls, prefix="algorithm.params",
                               unknown=f"unknown hyper-parameter of {name}",
                               hidden=("algorithm", *from_shape),
                               renames={k: f"algorithm.{SHAPE_OWNED[k]}" for k in from_shape}
                               ) from None
+    out.check_written(set(params))
+    return out
