@@ -1,6 +1,7 @@
 """Environments and tools by name, checked before any worker starts: a missing module,
 an import error, a class without ``reset(episode)`` / ``step(turn)``, a constructor
-that rejects ``rollout.env_args``, a tool without a usable schema or two tools of one
+that rejects ``rollout.env_args`` or raises (``SystemExit`` included), a module that
+calls ``sys.exit`` while importing, a tool without a usable schema or two tools of one
 name are each a :class:`~realign.errors.UserError` (exit 2) naming the field."""
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Callable
 
 from realign.agents.config import MultiTurn
 from realign.agents.interface import Environment, Episode, Tool
-from realign.agents.tools import as_tool
+from realign.agents.observation import observation_chars
+from realign.agents.tools import Raised, as_tool, start
 from realign.errors import UserError
 from realign.rewards.registry import import_object
 
@@ -18,8 +20,9 @@ from realign.rewards.registry import import_object
 def load_env_class(spec: str, env_args: dict, base_dir: str | Path | None,
                    field: str = "rollout.env") -> type:
     """The environment class named ``spec``, its methods' signatures checked and one
-    instance made with ``env_args`` (so a constructor that raises fails here)."""
-    cls = import_object(spec, field, base_dir)
+    instance made with ``env_args`` (so a constructor that raises fails here), in a
+    thread as the run makes them."""
+    cls = _import(spec, field, base_dir)
     if not inspect.isclass(cls):
         raise UserError(f"{spec} is a {type(cls).__name__}; an environment is a class with "
                         "reset(episode) and step(turn) methods", field=field)
@@ -41,11 +44,22 @@ def load_env_class(spec: str, env_args: dict, base_dir: str | Path | None,
         raise UserError(f"{spec}{inspect.signature(cls)} does not take rollout.env_args "
                         f"{sorted(env_args)}: {e}", field="rollout.env_args") from None
     try:
-        cls(**env_args)
-    except Exception as e:
-        raise UserError(f"{spec}(**rollout.env_args) raised {type(e).__name__}: {e}",
-                        field=field) from e
+        start(lambda: cls(**env_args)).result()
+    except Raised as e:
+        raise UserError(f"{spec}(**rollout.env_args) raised {e}", field=field) from None
     return cls
+
+
+def _import(spec: str, field: str, base_dir: str | Path | None):
+    """:func:`import_object`, with a module that calls ``sys.exit`` while importing (an
+    argparse at its top level) a :class:`UserError` too. Only ``SystemExit``: a
+    ``KeyboardInterrupt`` here, in the main thread, may be the user's Ctrl-C."""
+    try:
+        return import_object(spec, field, base_dir)
+    except SystemExit as e:
+        raise UserError(f"importing {spec} called sys.exit({e.code!r}); a module named "
+                        "here must import without exiting (parse arguments under "
+                        "if __name__ == '__main__')", field=field) from None
 
 
 def load_tools(specs: list[str], base_dir: str | Path | None) -> dict[str, Tool]:
@@ -54,7 +68,7 @@ def load_tools(specs: list[str], base_dir: str | Path | None) -> dict[str, Tool]
     for i, spec in enumerate(specs):
         field = f"rollout.tools[{i}]"
         try:
-            tool = as_tool(import_object(spec, field, base_dir), spec)
+            tool = as_tool(_import(spec, field, base_dir), spec)
         except ValueError as e:
             raise UserError(str(e), field=field) from None
         if tool.name in out:
@@ -79,4 +93,5 @@ def env_factory(cfg: MultiTurn, base_dir: str | Path | None) -> Callable[[], Env
     if cfg.env_args:
         raise UserError("rollout.env_args are for rollout.env", field="rollout.env_args")
     tools = load_tools(cfg.tools, base_dir)
-    return lambda: ToolEnvironment(tools, cfg.tool_timeout_s, cfg.error_penalty)
+    chars = observation_chars(cfg.max_observation_tokens)
+    return lambda: ToolEnvironment(tools, cfg.tool_timeout_s, cfg.error_penalty, chars)

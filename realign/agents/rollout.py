@@ -30,6 +30,7 @@ import torch
 
 from realign.agents.config import MultiTurn
 from realign.agents.interface import Environment, Episode, Step
+from realign.agents.observation import cut_observation
 from realign.agents.tools import ToolFailure, start, wait
 from realign.data.collate import contiguous_ranges, pad_right
 
@@ -115,7 +116,7 @@ class EpisodeLoop:
                         continue
                     # (after the last turn too: its reward counts)
                     text = self.decode(s.response[s.answer_start:])
-                    s.pending = self._start(lambda s=s, text=text: s.env.step(text))
+                    s.pending = self._start(lambda s=s, text=text: _as_step(s.env.step(text)))
         for s in states:
             self._finish(s, last=True)
         return states
@@ -139,7 +140,8 @@ class EpisodeLoop:
 
     def _reset(self, s: _State, ep: Episode) -> Step:
         s.env = self.make_env()
-        return Step(observation=s.env.reset(ep))
+        observation = s.env.reset(ep)
+        return _as_step(("" if observation is None else observation, 0.0, False))
 
     def _finish(self, s: _State, reset: bool = False, last: bool = False) -> None:
         """Wait for the episode's pending step and apply it: its observation joins the
@@ -150,9 +152,8 @@ class EpisodeLoop:
         s.pending = None
         t0 = time.monotonic()
         try:
-            took, value = wait(fut, deadline, self.cfg.tool_timeout_s + 1.0)
-            step = _as_step(value)
-        except Exception as e:          # a ToolFailure (timeout) or the step's own
+            took, step = wait(fut, deadline, self.cfg.tool_timeout_s + 1.0)
+        except Exception as e:          # a ToolFailure (timeout) or Raised: the step's own
             took = self.cfg.tool_timeout_s if isinstance(e, ToolFailure) else 0.0
             step = Step(reward=-self.cfg.error_penalty, done=True)
             self.count.env_errors += 1
@@ -176,9 +177,9 @@ class EpisodeLoop:
             s.done = True
         if s.done or last or not step.observation:
             return
-        ids = self.encode(step.observation)
-        if len(ids) > self.cfg.max_observation_tokens:
-            ids = ids[:self.cfg.max_observation_tokens]
+        ids, cut = cut_observation(step.observation, self.encode,
+                                   self.cfg.max_observation_tokens)
+        if cut:
             self.count.truncated += 1
         if len(ids) >= s.budget:                # no room left for another turn
             ids = ids[:s.budget]
@@ -215,7 +216,10 @@ def _timed(fn: Callable[[], object]) -> tuple[float, object]:
 
 def _as_step(value) -> Step:
     """An environment's return as a :class:`Step` (a Step, or an (observation, reward,
-    done) tuple); anything else raises (the episode ends as an environment error)."""
+    done) tuple) of plain values: a ``str`` observation, float reward and info counts,
+    a bool; anything else raises (the episode ends as an environment error). Called in
+    the step's own thread, like everything else that may run user code (a subclass's
+    ``__float__``, ``__bool__``, ``__str__``)."""
     if isinstance(value, tuple) and len(value) == 3:
         value = Step(*value)
     if not isinstance(value, Step):
@@ -226,7 +230,8 @@ def _as_step(value) -> Step:
     reward = float(value.reward)
     if reward != reward or reward in (float("inf"), float("-inf")):
         raise ValueError(f"the reward {value.reward!r} is not finite")
-    return Step(value.observation, reward, bool(value.done), dict(value.info))
+    info = {str(k): float(v) for k, v in dict(value.info).items()}
+    return Step(str.__str__(value.observation), reward, bool(value.done), info)
 
 
 def episode_records(states: list[_State], pad_id: int) -> tuple[dict, dict]:

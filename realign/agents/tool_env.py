@@ -14,10 +14,15 @@ class ToolEnvironment(Environment):
     """Each failed call (malformed, an unknown tool, bad arguments, a tool that raised,
     timed out or returned no text) answers ``error: ...`` in its response tags, costs
     ``error_penalty`` of the turn's reward, and counts in ``tool_errors`` and in
-    ``tool_error.<kind>``."""
+    ``tool_error.<kind>``. A call's answer is read up to ``max_result_chars``
+    characters (unset: whole); the run sets it to what an observation can show
+    (:func:`~realign.agents.observation.observation_chars`), so the rest would never
+    be seen anyway."""
 
-    def __init__(self, tools: dict[str, Tool], timeout_s: float, error_penalty: float = 0.0):
+    def __init__(self, tools: dict[str, Tool], timeout_s: float, error_penalty: float = 0.0,
+                 max_result_chars: int | None = None):
         self.tools, self.timeout_s, self.error_penalty = tools, timeout_s, error_penalty
+        self.max_result_chars = max_result_chars
 
     def reset(self, episode: Episode) -> str:
         return ""
@@ -37,7 +42,7 @@ class ToolEnvironment(Environment):
                 if tool is None:
                     raise ToolFailure("unknown_tool", f"no tool named {call.name!r} (tools: "
                                       f"{', '.join(sorted(self.tools))})")
-                started.append((tool, start_tool(tool, call.arguments)))
+                started.append((tool, start_tool(tool, call.arguments, self.max_result_chars)))
             except ToolFailure as e:
                 started.append(e)
         parts, info = [], {"tool_calls": float(len(calls)), "tool_errors": 0.0}

@@ -1,7 +1,9 @@
 """Tools: a plain function as a :class:`~realign.agents.interface.Tool`, and running
 one call safely (arguments checked against the tool's JSON schema, a timeout, the
-result turned into text). Every failure is a :class:`ToolFailure` whose message the
-model is shown; nothing a tool does stops the run."""
+result turned into text, at most a given number of characters of it). Every failure
+is a :class:`ToolFailure` whose message the model is shown; nothing a tool does stops
+the run: it runs in a thread of its own (:func:`start`), which contains whatever it
+raises, ``SystemExit`` and ``KeyboardInterrupt`` included."""
 from __future__ import annotations
 
 import inspect
@@ -90,8 +92,34 @@ def check_arguments(tool: Tool, arguments: dict) -> None:
                           f"{e.message}") from None
 
 
+class Raised(Exception):
+    """What user code (a tool, an environment's constructor, ``reset`` or ``step``)
+    raised in its thread, whatever it was (``SystemExit`` from ``sys.exit`` or argparse,
+    ``KeyboardInterrupt``, ``GeneratorExit`` included), as an ordinary exception. Its
+    text is taken in that thread (``str()`` of a user's exception is user code too);
+    the exception itself is not kept (nor the frames its traceback holds)."""
+
+    def __init__(self, error: BaseException):
+        self.type_name = type(error).__name__
+        try:
+            self.text = str(error)
+        except BaseException:  # user code's, in its own thread
+            self.text = "(its str() raised too)"
+        super().__init__(f"{self.type_name}: {self.text}" if self.text else self.type_name)
+
+
 def start(fn: Callable[[], Any]) -> Future:
-    """``fn()`` started in a daemon thread; its result (or exception) in the future.
+    """``fn()`` started in a daemon thread; its result in the future, or whatever it
+    raised as a :class:`Raised`.
+
+    Why every ``BaseException``: the thread runs nothing but user code, and there a
+    ``SystemExit`` or ``KeyboardInterrupt`` is something the code raised itself (a real
+    SIGINT is delivered to the main thread, never to this one; the interpreter's own
+    exit does not raise in daemon threads), so it is that call's failure, not a request
+    to stop the process. ``GeneratorExit`` too: ``run`` is no generator that could be
+    closed. The waiting thread then catches ``Exception`` only, so what it sees of its
+    own (a real SIGINT's ``KeyboardInterrupt``, a ``SystemExit`` of the process's
+    shutdown) still propagates.
 
     Why not ``concurrent.futures.ThreadPoolExecutor``: its threads are joined when the
     interpreter exits, so one tool that hangs for ever would hang the worker's exit.
@@ -101,9 +129,11 @@ def start(fn: Callable[[], Any]) -> Future:
 
     def run() -> None:
         try:
-            fut.set_result(fn())
-        except BaseException as e:      # handed to whoever waits, who decides
-            fut.set_exception(e)
+            value = fn()
+        except BaseException as e:  # user code's: see above
+            fut.set_exception(Raised(e))
+            return
+        fut.set_result(value)
 
     threading.Thread(target=run, daemon=True, name="realign-env").start()
     return fut
@@ -111,38 +141,59 @@ def start(fn: Callable[[], Any]) -> Future:
 
 def wait(fut: Future, deadline: float, timeout_s: float) -> Any:
     """The future's result, waiting until ``deadline`` (``time.monotonic()``); past it
-    a :class:`ToolFailure` (timeout). Exceptions of the call are re-raised here."""
+    a :class:`ToolFailure` (timeout). What the call raised comes as :class:`Raised`."""
     try:
         return fut.result(timeout=max(0.0, deadline - time.monotonic()))
     except FutureTimeout:
         raise ToolFailure("timeout", f"timed out after {timeout_s:g} s") from None
 
 
-def result_text(value: Any, name: str) -> str:
+def result_text(value: Any, name: str, max_chars: int | None = None) -> str:
     """A tool's return value as text: a string as it is, anything JSON can write as
-    JSON; anything else is a :class:`ToolFailure` (bad_result)."""
+    JSON, either cut to its first ``max_chars`` characters (the JSON is not written
+    past them); anything else is a :class:`ToolFailure` (bad_result).
+
+    >>> result_text("abcdef", "t", 3), result_text(list(range(10**7)), "t", 8)
+    ('abc', '[0, 1, 2')
+    """
     if isinstance(value, str):
-        return value
+        return str.__str__(value)[:max_chars]          # a plain str, even of a subclass
+    chunks: list[str] = []
+    size = 0
     try:
-        return json.dumps(value)
+        for chunk in json.JSONEncoder().iterencode(value):
+            chunks.append(chunk)
+            size += len(chunk)
+            if max_chars is not None and size >= max_chars:
+                break
     except (TypeError, ValueError):
         raise ToolFailure("bad_result", f"{name} returned a {type(value).__name__}, "
                           "not text") from None
+    return "".join(chunks)[:max_chars]
 
 
-def start_tool(tool: Tool, arguments: dict) -> Future:
-    """One call of ``tool`` started (arguments checked first: a
-    :class:`ToolFailure` here); :func:`finish_tool` waits for its text."""
+def start_tool(tool: Tool, arguments: dict, max_chars: int | None = None) -> Future:
+    """One call of ``tool`` started (arguments checked first: a :class:`ToolFailure`
+    here); its text (cut to ``max_chars``), or the :class:`ToolFailure` of a result
+    that is no text, is made in the call's own thread; :func:`finish_tool` waits."""
     check_arguments(tool, arguments)
-    return start(lambda: tool.fn(**arguments))
+
+    def call() -> str | ToolFailure:
+        value = tool.fn(**arguments)
+        try:
+            return result_text(value, tool.name, max_chars)
+        except ToolFailure as e:
+            return e
+
+    return start(call)
 
 
 def finish_tool(tool: Tool, fut: Future, deadline: float, timeout_s: float) -> str:
-    """The started call's result as text; every failure a :class:`ToolFailure`."""
+    """The started call's text; every failure a :class:`ToolFailure`."""
     try:
         value = wait(fut, deadline, timeout_s)
-    except ToolFailure:
-        raise
-    except Exception as e:
-        raise ToolFailure("raised", f"{tool.name} raised {type(e).__name__}: {e}") from None
-    return result_text(value, tool.name)
+    except Raised as e:
+        raise ToolFailure("raised", f"{tool.name} raised {e}") from None
+    if isinstance(value, ToolFailure):
+        raise value
+    return value

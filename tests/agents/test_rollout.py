@@ -1,8 +1,13 @@
 """The multi-turn loop with a scripted generator (no model): observations in the
-context and out of the action mask, turns, budgets, failures of an environment, and
-tool calls of a batch running concurrently with each other and with decoding."""
+context and out of the action mask, turns, budgets, failures of an environment (exits
+and interrupts it raises included), and tool calls of a batch running concurrently
+with each other and with decoding."""
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import threading
 import time
 
 import pytest
@@ -185,3 +190,71 @@ def test_the_same_inputs_give_the_same_records():
         runs.append(episode_records(states, 0))
     for k in runs[0][0]:
         assert torch.equal(runs[0][0][k], runs[1][0][k]), k
+
+
+class Exits:
+    """An environment that exits or interrupts in ``reset`` or ``step`` where its
+    episode's index says; episode 0 behaves."""
+
+    def reset(self, episode):
+        self.how = {2: "reset:exit", 3: "reset:interrupt", 4: "step:exit",
+                    5: "step:interrupt", 6: "step:generator_exit"}.get(episode.index, "")
+        self._maybe("reset")
+        return ""
+
+    def step(self, turn):
+        self._maybe("step")
+        return Step("ok", 1.0, False)
+
+    def _maybe(self, where: str) -> None:
+        at, _, what = self.how.partition(":")
+        if at != where:
+            return
+        if what == "exit":
+            sys.exit(2)
+        raise {"interrupt": KeyboardInterrupt, "generator_exit": GeneratorExit}[what]()
+
+
+def test_an_environment_that_exits_or_interrupts_ends_its_episode_never_the_run():
+    made = []
+
+    def make_env():
+        made.append(1)
+        if len(made) == 2:                   # the second episode's constructor exits
+            raise SystemExit(3)
+        return Exits()
+
+    cfg = MultiTurn(env="m:Exits", max_turns=2, error_penalty=0.5, env_groups=1)
+    loop = EpisodeLoop(cfg, make_env, enc, dec, budget=300, max_context=1000)
+    states = loop.run([enc("Q")] * 7, episodes(7), scripted({0: "a", 1: "b"}))
+    # 0: two turns, each answered "ok" (1.0); 1-3 fail before the first turn, 4-6 at it
+    assert [s.turns for s in states] == [2, 0, 0, 0, 1, 1, 1]
+    assert [sum(s.turn_rewards) for s in states] == [2.0, 0, 0, 0, -0.5, -0.5, -0.5]
+    assert dec(states[0].response) == "aoka"
+    m = loop.metrics(states)
+    assert m["rollout.env_errors"] == 6 and m["rollout.env_error.raised"] == 6
+
+
+def test_a_real_sigint_while_the_loop_waits_still_interrupts():
+    """A KeyboardInterrupt of the process's own (a SIGINT while the loop waits for a
+    step) is not the environment's error: it propagates."""
+    class Slow:
+        def reset(self, episode):
+            return ""
+
+        def step(self, turn):
+            time.sleep(5)
+            return Step("late", 0.0, False)
+
+    cfg = MultiTurn(env="m:Slow", max_turns=2, tool_timeout_s=20, env_groups=1)
+    loop = EpisodeLoop(cfg, Slow, enc, dec, budget=300, max_context=1000)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            loop.run([enc("Q")], episodes(1), scripted({0: "a", 1: "b"}))
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, old)
+    assert loop.count.env_errors == 0

@@ -1,7 +1,14 @@
 """Tool-call parsing, tools from functions, and every failure a tool can have turned
-into an observation (the built-in tool environment)."""
+into an observation (the built-in tool environment), exits and interrupts raised by
+a tool included; a tool's answer read up to its character bound."""
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
 import time
 
 import pytest
@@ -105,3 +112,93 @@ def test_a_turn_without_a_call_ends_the_episode_and_calls_run_concurrently():
 def _sleepy(s: float) -> str:
     time.sleep(s)
     return "slept"
+
+
+def _exits(x: int) -> str:
+    sys.exit(2)
+
+
+def _argparse(argv: str) -> str:
+    """A tool that parses its arguments like a command line (``--n`` is required)."""
+    parser = argparse.ArgumentParser(prog="count")
+    parser.add_argument("--n", type=int, required=True)
+    return str(parser.parse_args(argv.split()).n)
+
+
+def _interrupts(x: int) -> str:
+    raise KeyboardInterrupt
+
+
+def _generator_exit(x: int) -> str:
+    raise GeneratorExit("closed")
+
+
+def _unprintable(x: int) -> str:
+    class Odd(SystemExit):
+        def __str__(self):
+            raise KeyboardInterrupt
+    raise Odd(3)
+
+
+@pytest.mark.parametrize("fn, arguments, shown", [
+    (_exits, {"x": 1}, "error: _exits raised SystemExit: 2"),
+    (_argparse, {"argv": "--m 3"}, "error: _argparse raised SystemExit: 2"),
+    (_interrupts, {"x": 1}, "error: _interrupts raised KeyboardInterrupt"),
+    (_generator_exit, {"x": 1}, "error: _generator_exit raised GeneratorExit: closed"),
+    (_unprintable, {"x": 1}, "error: _unprintable raised Odd: (its str() raised too)"),
+])
+def test_a_tool_that_exits_or_interrupts_is_an_error_observation(fn, arguments, shown):
+    """sys.exit, argparse's exit on a missing argument, KeyboardInterrupt and
+    GeneratorExit raised by the tool are that call's failure (the environment's step
+    returns), and the next call of the same turn still runs."""
+    tools = {t.name: t for t in (as_tool(fn, fn.__name__), as_tool(add, "add"))}
+    step = ToolEnvironment(tools, 5.0, 0.5).step(
+        format_call(fn.__name__, arguments) + format_call("add", {"a": 1, "b": 2}))
+    assert step.observation == (f"<tool_response>{shown}</tool_response>"
+                                "<tool_response>3</tool_response>")
+    assert step.info["tool_errors"] == 1 and step.info["tool_error.raised"] == 1
+    assert step.reward == -0.5 and not step.done
+    if fn is _argparse:                      # given its argument, the same tool answers
+        step = ToolEnvironment(tools, 5.0).step(format_call("_argparse", {"argv": "--n 7"}))
+        assert step.observation == "<tool_response>7</tool_response>"
+
+
+def test_a_real_sigint_while_waiting_for_a_tool_still_interrupts():
+    """The process's own KeyboardInterrupt (a SIGINT delivered to the main thread while
+    it waits for a call) is not a tool's failure: it propagates."""
+    env = ToolEnvironment({"_sleepy": as_tool(_sleepy, "m:_sleepy")}, 20.0)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            env.step(format_call("_sleepy", {"s": 5.0}))
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, old)
+
+
+def test_an_answer_is_read_up_to_its_character_bound():
+    """Text cut to the bound; JSON written only up to it (a list of a million numbers
+    is not serialised whole); a result that is no text still a bad_result."""
+    def long_text(x: int) -> str:
+        return "y" * 10_000_000
+
+    def long_list(x: int):
+        return list(range(1_000_000))
+
+    def bad_late(x: int):
+        return [1, 2, object()]
+
+    tools = {t.name: t for t in map(lambda f: as_tool(f, f.__name__),
+                                    (long_text, long_list, bad_late))}
+    env = ToolEnvironment(tools, 5.0, max_result_chars=100)
+    step = env.step(format_call("long_text", {"x": 1}))
+    assert step.observation == "<tool_response>" + "y" * 100 + "</tool_response>"
+    step = env.step(format_call("long_list", {"x": 1}))
+    assert step.observation == ("<tool_response>" + json.dumps(list(range(100)))[:100]
+                                + "</tool_response>")
+    step = env.step(format_call("bad_late", {"x": 1}))
+    assert step.info["tool_error.bad_result"] == 1
+    assert ToolEnvironment(tools, 5.0).step(format_call("long_list", {"x": 1})).observation \
+        == "<tool_response>" + json.dumps(list(range(1_000_000))) + "</tool_response>"
