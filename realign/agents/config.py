@@ -29,7 +29,8 @@ class MultiTurn(BaseModel):
         "algorithm.gen_len). A turn also ends at the end token or at a '</tool_call>' token.")
     max_observation_tokens: int = Field(
         64, gt=0, description="An observation longer than this many tokens is cut to it "
-        "(counted in rollout.truncated_observations).")
+        "(counted in rollout.truncated_observations); only its first this * 256 + 256 "
+        "characters are read (of a tool's answer) and tokenized.")
     tool_timeout_s: float = Field(
         10.0, gt=0, description="Per call: a tool (or an environment's step) that takes "
         "longer is abandoned; the model sees 'error: timed out'.")
