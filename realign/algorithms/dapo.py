@@ -5,12 +5,15 @@ Scale", arXiv 2503.14476): GRPO with four changes.
   eps_low (0.2 / 0.28), so a token the policy finds unlikely can grow more before the
   clip stops it.
 - Dynamic sampling: groups whose samples all got the same reward carry no advantage;
-  they are dropped and the batch is filled with informative groups. Here the step
-  generates for ``prompts_generated`` prompts (priced by the plan from the expected
-  share of constant groups, ``algorithm.dropped_group_frac``) and trains the first
-  ``prompts_per_step`` informative groups (:func:`~realign.algorithms.selection.keep_informative`).
-  A step that finds too few fills up with constant groups at loss weight 0: the train
-  call trains the rows the plan priced, and the metrics say how often (shortfall).
+  they are dropped and the batch is filled with informative groups. Each sampling round
+  generates for ``prompts_generated`` prompts (over-sized by the expected share of
+  constant groups, ``algorithm.dropped_group_frac``); with ``max_sampling_rounds`` > 1
+  the step samples again until ``prompts_per_step`` informative groups are kept
+  (:mod:`realign.worker.sampling_loop`: the batch reaching ``prepare`` is then those
+  groups), else it trains the first ``prompts_per_step`` informative groups of its one
+  round (:func:`~realign.algorithms.selection.keep_informative`). A step that finds
+  too few fills up with constant groups at loss weight 0: the train call trains the
+  rows the plan priced, and the metrics say how often (shortfall).
 - Token-level loss: one mean over every token of the mini-batch (not a mean of
   per-sequence means), so a long response weighs by its length
   (:func:`~realign.algorithms.common.minibatch_token_mean`: exact across micro-batches
@@ -67,18 +70,20 @@ def overlong_shaping(response_len: torch.Tensor, max_len: int, buffer_len: int,
 def prepare(batch: Batch, cfg: DAPOConfig) -> Batch:
     """The trained groups (dynamic sampling), their ``loss_mask`` (response tokens;
     none for a filler group) and ``advantages`` [rows, s-1] from the length-shaped
-    rewards. Statistics: ``dropped_group_frac`` (generated groups with a constant
-    reward), ``shortfall_frac`` (trained groups that are fillers), ``surplus_groups``
-    (informative groups generated and not trained), ``generated_per_trained`` (groups
-    generated per group trained), ``overlong_frac`` (trained responses the shaping
-    penalised)."""
+    rewards. Statistics: ``shortfall_frac`` (trained groups that are fillers),
+    ``overlong_frac`` (trained responses the shaping penalised) and, of a step sampled
+    once, ``dropped_group_frac`` (generated groups with a constant reward),
+    ``surplus_groups`` (informative groups generated and not trained) and
+    ``generated_per_trained`` (groups generated per group trained); a step sampled in
+    rounds has these from its rounds (:mod:`realign.worker.sampling_loop`)."""
     require(batch, "rewards")
     g, wanted = cfg.samples_per_prompt, cfg.prompts_per_step
     generated = batch["tokens"].shape[0] // g
-    expected = prompts_generated(wanted, cfg.dropped_group_frac or 0.0)
+    rounds = cfg.dynamic_sampling and cfg.max_sampling_rounds > 1
+    expected = wanted if rounds else prompts_generated(wanted, cfg.dropped_group_frac or 0.0)
     if generated != expected:
-        raise UserError(f"the step generated for {generated} prompts, the batch shape says "
-                        f"{expected}", field="algorithm.dropped_group_frac")
+        raise UserError(f"the step's batch holds {generated} prompts' groups, the batch "
+                        f"shape says {expected}", field="algorithm.dropped_group_frac")
     kept = keep_informative(batch["rewards"], g, wanted, "algorithm.samples_per_prompt")
     rows = kept.rows if cfg.dynamic_sampling else torch.arange(wanted * g)
     filler = kept.filler if cfg.dynamic_sampling else torch.zeros(wanted * g, dtype=torch.bool)
@@ -90,11 +95,13 @@ def prepare(batch: Batch, cfg: DAPOConfig) -> Batch:
     mask = batch_mask(out) * (~filler).float().unsqueeze(1)
     out["loss_mask"] = mask
     out["advantages"] = broadcast_to_tokens(adv, mask)
-    return with_stats(out, dropped_group_frac=kept.dropped / generated,
-                      shortfall_frac=kept.shortfall / wanted if cfg.dynamic_sampling else 0.0,
-                      surplus_groups=kept.surplus if cfg.dynamic_sampling else 0,
-                      generated_per_trained=generated / wanted,
-                      overlong_frac=float((shaping < 0).float().mean()))
+    stats = dict(shortfall_frac=kept.shortfall / wanted if cfg.dynamic_sampling else 0.0,
+                 overlong_frac=float((shaping < 0).float().mean()))
+    if not rounds:
+        stats.update(dropped_group_frac=kept.dropped / generated,
+                     surplus_groups=kept.surplus if cfg.dynamic_sampling else 0,
+                     generated_per_trained=generated / wanted)
+    return with_stats(out, **stats)
 
 
 def actor_loss(logprobs_new: torch.Tensor, batch: Batch, cfg: DAPOConfig

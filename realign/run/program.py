@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from planner.graph.dataflow import MFC
+from planner.graph.algorithms import PROXIMAL_MFC
+from planner.graph.dataflow import MFC, DataflowGraph
 from planner.plan import ExecutionPlan, MFCAllocation
 
 #: The shortest collective timeout (torch's default for NCCL and gloo is 10 minutes).
@@ -164,6 +165,24 @@ Op = Realloc | Send | Call | RuleReward | Evaluate | Release
 
 
 @dataclass(frozen=True)
+class RoundSpan:
+    """DAPO's sampling rounds (:mod:`realign.worker.sampling_loop`): ``ops[start:end]``
+    generate the rollout and score it; they run again, on a round's own prompts, until
+    ``groups_wanted`` informative groups are kept or the rounds run out. No op of the
+    span releases a copy (the rounds reuse it) and every op of it runs every step."""
+
+    start: int
+    end: int
+    keys: tuple[str, ...]        #: records the span makes, kept across rounds
+    rewards_key: str             #: the rewards a round is judged by ...
+    decider: int                 #: ... held by this rank (the first holder)
+    group_size: int              #: samples per prompt
+    groups_per_round: int        #: prompts a round generates for
+    groups_wanted: int           #: groups the train call trains
+    role: str                    #: the trained role (its metrics' prefix)
+
+
+@dataclass(frozen=True)
 class Program:
     replicas: tuple[Replica, ...]
     ops: tuple[Op, ...]
@@ -175,6 +194,8 @@ class Program:
     head: int = 0
     prologue: tuple[Op, ...] = ()
     max_staleness: int = 0
+    #: DAPO's sampling rounds (None: the rollout runs once a step)
+    rounds: RoundSpan | None = None
 
     @property
     def asynchronous(self) -> bool:
@@ -233,9 +254,11 @@ def _key(a: MFCAllocation) -> str:
     return replica_key(a.role, a.mesh.first_gpu, a.mesh.n_gpus, a.layout.tp, a.layout.pp)
 
 
-def compile_program(plan: ExecutionPlan) -> Program:
+def compile_program(plan: ExecutionPlan, round_group_size: int | None = None) -> Program:
     """The replicas to build and the ops of one step, from ``plan`` (consistent by
-    construction: :func:`planner.plan.plan_problems`).
+    construction: :func:`planner.plan.plan_problems`). ``round_group_size`` (DAPO's
+    sampling rounds: the samples per prompt): the rollout and its scoring form the
+    program's :class:`RoundSpan`, and the copies they use are released after it.
 
     An asynchronous plan's step (the simulator's order, :mod:`planner.search.simulator`):
     first the reallocations of the weights its rollout generation runs with, then the
@@ -314,15 +337,56 @@ def compile_program(plan: ExecutionPlan) -> Program:
         flat += ops
         if replicas[key].reallocated:
             last_use[(key, ops[-1].every)] = len(flat) - 1
-    last = {i: key for (key, _), i in last_use.items()}
+    span = _round_span(graph, flat) if round_group_size is not None else None
+    if span is not None:        # released after the rounds, not inside one
+        last_use = {k: span[1] - 1 if span[0] <= i < span[1] else i
+                    for k, i in last_use.items()}
+    last: dict[int, list[str]] = {}
+    for (key, _), i in last_use.items():
+        last.setdefault(i, []).append(key)
     out: list[Op] = []
+    where: dict[int, int] = {}          #: flat index -> out index
     for i, op in enumerate(flat):
+        where[i] = len(out)
         out.append(op)
-        if i in last:
-            out.append(Release(op.every, last[i], replicas[last[i]].ranks))
+        for key in last.get(i, ()):
+            out.append(Release(op.every, key, replicas[key].ranks))
     prologue = tuple(replace(op, ahead=False, sees_update=False) if isinstance(op, Call)
                      else replace(op, ahead=False)
                      for op in out
                      if isinstance(op, (Call, RuleReward)) and op.ahead)
+    rounds = None
+    if span is not None and round_group_size is not None:
+        start, end = where[span[0]], where[span[1] - 1] + 1
+        rounds = _span_of(plan, out, start, end, round_group_size)
     return Program(tuple(replicas.values()), tuple(out), datasets, plan.cluster.n_gpus,
-                   head=len(head), prologue=prologue, max_staleness=graph.max_staleness)
+                   head=len(head), prologue=prologue, max_staleness=graph.max_staleness,
+                   rounds=rounds)
+
+
+def _round_span(graph: DataflowGraph, flat: list[Op]) -> tuple[int, int]:
+    """[first, last + 1) of the ops (in ``flat``) of the rollout's generate call and the
+    calls that score its sequences (not the training forward's proximal pass, which
+    scores the batch the rounds made), with the sends and rule rewards between them."""
+    rollout = next(m for m in graph.mfcs if m.kind == "generate" and not m.is_eval)
+    seqs = rollout.output_keys[0]
+    names = {rollout.name} | {m.name for m in graph.mfcs if m.kind == "inference"
+                              and seqs in m.input_keys and m.name != PROXIMAL_MFC}
+    mine = [i for i, op in enumerate(flat) if isinstance(op, Call) and op.name in names]
+    last = mine[-1]
+    while last + 1 < len(flat) and isinstance(flat[last + 1], RuleReward):
+        last += 1
+    return mine[0], last + 1
+
+
+def _span_of(plan: ExecutionPlan, ops: list[Op], start: int, end: int,
+             group_size: int) -> RoundSpan:
+    calls = [op for op in ops[start:end] if isinstance(op, Call)]
+    rules = [op for op in ops[start:end] if isinstance(op, RuleReward)]
+    keys = tuple(k for c in calls for k in c.outputs) + tuple(r.out_key for r in rules)
+    holder = next((r.ranks for r in rules if r.out_key == "rewards"), None) or next(
+        c.ranks for c in calls if "rewards" in c.outputs)
+    train = next(m for m in plan.graph.mfcs if m.kind == "train")
+    return RoundSpan(start, end, keys, "rewards", holder[0], group_size,
+                     calls[0].mfc.n_seqs // group_size, train.n_seqs // group_size,
+                     train.role)

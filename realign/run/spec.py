@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.errors import from_validation
 from planner.plan import ExecutionPlan
-from realign.algorithms.params import AnyParams
+from realign.algorithms.params import AnyParams, DAPOConfig, max_sampling_rounds
 from realign.config.experiment import ExperimentConfig
 from realign.errors import UserError
 from realign.run.program import Program, compile_program
@@ -77,8 +77,12 @@ class RunSpec(BaseModel):
         return self.run_dir / "final" / self.final_role
 
     def program(self) -> Program:
-        """The compiled program of the plan (what every worker executes each step)."""
-        return compile_program(self.plan)
+        """The compiled program of the plan (what every worker executes each step), with
+        DAPO's sampling rounds where ``algorithm.params.max_sampling_rounds`` > 1."""
+        p = self.params
+        group = (p.samples_per_prompt if isinstance(p, DAPOConfig)
+                 and max_sampling_rounds(p) > 1 else None)
+        return compile_program(self.plan, round_group_size=group)
 
     def collective_timeout_s(self) -> float:
         """How long a worker waits on its peers: ``run.collective_timeout_s``, or long

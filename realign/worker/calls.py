@@ -41,6 +41,9 @@ from realign.worker.replicas import Hosted
 #: train metrics that are the same on every rank of the replica (the rest are the
 #: loss function's, per DP rank)
 GLOBAL_TRAIN_METRICS = ("grad_norm", "update_ok")
+#: how far apart the generation seeds of a step's sampling rounds are (beyond any
+#: step's: steps are ``len(prompts)`` apart)
+ROUND_SEED_STRIDE = 1_000_000_007
 
 
 class Calls:
@@ -71,18 +74,21 @@ class Calls:
         self.train_engines: dict[str, TrainEngine] = {}
 
     # ---- dispatch ------------------------------------------------------------------
-    def call(self, op: Call, h: Hosted, store: dict[str, Record], step: int):
+    def call(self, op: Call, h: Hosted, store: dict[str, Record], step: int,
+             sampling_round: int = 0):
         """``(records, metrics, dp_parts)``: the records the call made, its metrics
         (the op's first rank reports them) and this rank's share of the metrics the
         controller averages over data-parallel ranks (a train call's loss metrics, from
-        one rank of each DP rank's last stage; empty elsewhere)."""
+        one rank of each DP rank's last stage; empty elsewhere). ``sampling_round``:
+        DAPO's sampling round of the step (generation seeds derive from it)."""
         if op.kind == "train":
             return self.train(op, h, store, step)
-        fn = {"generate": self.generate, "inference": self.inference}[op.kind]
-        return *fn(op, h, store, step), {}
+        if op.kind == "generate":
+            return *self.generate(op, h, store, step, sampling_round), {}
+        return *self.inference(op, h, store, step), {}
 
     # ---- generate ------------------------------------------------------------------
-    def generate(self, op: Call, h: Hosted, store, step):
+    def generate(self, op: Call, h: Hosted, store, step, sampling_round: int = 0):
         prompts_rec = store[op.inputs[0]]
         rows = [prompts_rec["tokens"][i, :int(n)].tolist()
                 for i, n in enumerate(prompts_rec["lengths"])]
@@ -91,8 +97,10 @@ class Calls:
         params = SamplingParams(
             **self.sampling.model_dump(), max_new_tokens=op.mfc.gen_len, greedy=op.mfc.greedy,
             stop_token_ids=(self.eos_id,) if self.eos_id is not None else (),
-            # sampling seeds follow the batch (an ahead call makes the next step's)
-            seed=self.seed * 1_000_003 + (step + op.ahead) * len(prompts))
+            # sampling seeds follow the batch (an ahead call makes the next step's) and
+            # DAPO's sampling round
+            seed=self.seed * 1_000_003 + (step + op.ahead) * len(prompts)
+            + sampling_round * ROUND_SEED_STRIDE)
         metrics: dict = {}
         kv_peaks = [0]        # the most KV-cache bytes of the call's generations (turns)
         steps = [0]           # their decode iterations (realign's own engine)

@@ -35,6 +35,7 @@ from realign.run.program import Call, Evaluate, Program, Realloc, Release, RuleR
 from realign.runtime.realloc_glue import reallocate_replica, release_copy
 from realign.worker.records import Record, recv_record, send_record
 from realign.worker.replicas import Hosted
+from realign.worker.sampling_loop import SamplingLoop, merge_round_metrics
 
 
 class StepRunner:
@@ -52,13 +53,15 @@ class StepRunner:
         self.carried_metrics: dict[str, float] = {}
 
     def run(self, step: int, dataset: dict[str, Record], evaluate: bool = False,
-            next_dataset: dict[str, Record] | None = None, prologue: bool = False
-            ) -> dict[str, dict[str, float]]:
+            next_dataset: dict[str, Record] | None = None, prologue: bool = False,
+            rounds: SamplingLoop | None = None) -> dict[str, dict[str, float]]:
         """``{"metrics": ..., "dp_parts": ...}``: this rank's report of the step (see
         :func:`realign.controller.controller.merge_metrics`); ``evaluate``: the step ends
         with the evaluation's ops. Asynchronous programs: ``next_dataset`` is the next
         step's batch (None on the last step: nothing is made ahead); ``prologue``: no
-        rollout was made ahead for this step, so it is generated first."""
+        rollout was made ahead for this step, so it is generated first. ``rounds``:
+        DAPO's sampling rounds of this step (the program's span runs again while the
+        batch is short)."""
         store: dict[str, Record] = dict(dataset)
         store.update(self.carried)
         metrics: dict[str, float] = dict(self.carried_metrics)
@@ -70,7 +73,9 @@ class StepRunner:
         spans: list[list] = []
         me = self.rank
         plan_ops = self.program.ops_for(evaluate, prologue=prologue, last=next_dataset is None)
-        for i, op in enumerate(plan_ops):
+        walk = rounds.walk(plan_ops, store, metrics) if rounds else enumerate(plan_ops)
+        for i, op in walk:
+            again = rounds is not None and rounds.round > 0
             if me not in op.ranks:
                 continue
             lead = me == op.ranks[0]
@@ -83,17 +88,18 @@ class StepRunner:
                 self._send(op, store)
             elif isinstance(op, Call):
                 where, mine = (ahead, ahead_metrics) if op.ahead else (store, metrics)
-                out, m, parts = self.calls.call(op, self.hosted[op.replica], where, step)
+                out, m, parts = self.calls.call(op, self.hosted[op.replica], where, step,
+                                                sampling_round=rounds.round if rounds else 0)
                 where.update(out)
                 dp_parts.update(parts)
                 if lead:
-                    mine.update(m)
+                    merge_round_metrics(mine, m) if again else mine.update(m)
             elif isinstance(op, RuleReward):
                 where, mine = (ahead, ahead_metrics) if op.ahead else (store, metrics)
                 out, m = self.calls.rule_reward(op, where, step + op.ahead)
                 where.update(out)
                 if lead:
-                    mine.update(m)
+                    merge_round_metrics(mine, m) if again else mine.update(m)
             elif isinstance(op, Evaluate):
                 m = self.calls.evaluate(op, store, step)
                 if lead:
@@ -104,7 +110,10 @@ class StepRunner:
             if not isinstance(op, Release):
                 spans.append([i, wall0, wall0 + time.perf_counter() - t0])
                 if lead:
-                    ops.append([i, *describe(op), list(op.ranks), timed_metric(op)])
+                    label, metric = describe(op)[0], timed_metric(op)
+                    if rounds is not None:
+                        label, metric = rounds.tag(label, metric)
+                    ops.append([i, label, describe(op)[1], list(op.ranks), metric])
         self.carried = {k: v for k, v in ahead.items() if k not in (next_dataset or {})}
         self.carried_metrics = ahead_metrics
         return {"metrics": metrics, "dp_parts": dp_parts, "ops": ops, "spans": spans}

@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 from realign.algorithms import registry
+from realign.algorithms.params import max_sampling_rounds
 from realign.data.datasets import load_dataset
+from realign.data.sampler import PromptSampler
 from realign.data.step_batch import prompts_record, step_batch
 from realign.data.tokenizer import load_tokenizer, pad_id
 from realign.errors import UserError
@@ -30,9 +32,12 @@ from realign.runtime.optimizer_state import load_optimizer_state, optimizer_stat
 from realign.worker.calls import Calls
 from realign.worker.replicas import build_replicas
 from realign.worker.runner import StepRunner
+from realign.worker.sampling_loop import SamplingLoop
 
 #: a rank file's entry of the rollout generated ahead and not yet trained on
 IN_FLIGHT = "in_flight"
+#: how far apart the data seeds of DAPO's sampling rounds are
+ROUND_DATA_SEED = 7919
 
 _RESHARDED = ("it was written by an optimizer sharded differently (train."
               "distributed_optimizer, or the plan's data-parallel layout)")
@@ -157,6 +162,27 @@ class Session:
             out["eval_prompts"] = self.eval_record
         return out
 
+    def round_prompts(self, step: int, sampling_round: int) -> dict:
+        """DAPO's sampling round ``sampling_round`` (1, 2, ...) of step ``step``: as many
+        prompts as the first round, the ``step``-th batch of an order of the training
+        data of the round's own (shuffled, seeded by the data's seed and the round), so
+        they derive from (step, round) alone."""
+        c = self.dataset.config
+        n = self.cfg.algorithm.shape().prompts_generated
+        sampler = PromptSampler(len(self.dataset), n,
+                                seed=c.seed + ROUND_DATA_SEED * sampling_round, shuffle=True)
+        sampler.consumed = step * n
+        batch = prompts_record(self.dataset.take(sampler.next_batch()), self.pad)
+        return {self.algo.spec.dataset_key: batch}
+
+    def sampling_loop(self, step: int) -> SamplingLoop | None:
+        """The step's sampling rounds (None: the program samples once a step)."""
+        span = self.program.rounds
+        if span is None:
+            return None
+        return SamplingLoop(span, max_sampling_rounds(self.spec.params), self.rank, self.pad,
+                            lambda r: self.round_prompts(step, r))
+
     def evaluates_at(self, step: int) -> bool:
         """Whether step ``step`` (0-based) ends with an evaluation: after the first step,
         after every ``eval.interval``-th, and after the last."""
@@ -168,7 +194,8 @@ class Session:
         ahead = self.program.asynchronous and step + 1 < self.spec.steps
         report = self.runner.run(step, self.dataset_record(step), self.evaluates_at(step),
                                  next_dataset=self.dataset_record(step + 1) if ahead else None,
-                                 prologue=self.needs_prologue)
+                                 prologue=self.needs_prologue,
+                                 rounds=self.sampling_loop(step))
         self.needs_prologue = False
         return report
 
