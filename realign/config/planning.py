@@ -16,7 +16,7 @@ from planner.plan import ExecutionPlan, ModeResult
 from planner.search.problem import RoleModel, head_of
 from planner.search.search import SearchSettings, search
 from planner.specs.model_spec import model_presets, model_spec_from_hf_config
-from realign.algorithms.params import ClippedPGParams, make_params
+from realign.algorithms.params import ClippedPGParams, make_params, max_sampling_rounds
 from realign.config.experiment import ExperimentConfig
 from realign.config.host_work import resolve_host_work
 from realign.config.lengths import data_prompt_lengths, recorded_lengths, recorded_turns
@@ -155,7 +155,7 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
     training prompts' lengths (``data.train``) and its staleness bound;
     ``asynchronous``: generation one step ahead of training; scoring and training
     packed with ``train.packing``; generation refilling its slots with
-    ``rollout.refill``; ``lengths``:
+    ``rollout.refill``; DAPO's sampling rounds priced (``max_sampling_rounds``); ``lengths``:
     :func:`graph_lengths`, read already (None: read here)."""
     responses, prompts = lengths if lengths is not None else graph_lengths(cfg, base)
     graph = build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models),
@@ -163,7 +163,9 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
                        evaluation=eval_shape(cfg, base), lengths=responses,
                        max_staleness=cfg.algorithm.max_staleness, asynchronous=asynchronous,
                        prompt_lengths=prompts, score_rollout=scores_rollout(cfg),
-                       turns=turns_shape(cfg, base))
+                       turns=turns_shape(cfg, base),
+                       max_sampling_rounds=max_sampling_rounds(make_params(
+                           cfg.algorithm.name, cfg.algorithm.params, cfg.algorithm.shape())))
     graph = refill_graph(graph) if cfg.rollout.refill else graph
     return packed_graph(graph) if cfg.train.packing else graph
 
