@@ -75,6 +75,14 @@ class CostModelConfig(BaseModel):
         "waves), 'vllm' (vLLM, continuous batching, one engine per GPU: TP 1, PP 1) or "
         "'auto' (the search prices both for each call and keeps the faster plan). Set from "
         "the experiment's rollout.engine.")
+    decode_capture: Literal["auto", "on", "off"] = Field(
+        "auto", description="realign's own engine: its decode steps captured once per shape "
+        "and replayed (CUDA graphs; rollout.capture). On a device that runs kernels "
+        "asynchronously (the GPU presets) a captured step's host cost is per step, not per "
+        "layer: no decode_layer_overhead_s ('auto' and 'on'). Elsewhere (the cpu device) "
+        "the step is priced as measured, eager ('auto' keeps the CPU eager; 'on' compiles "
+        "it, measured within a few per cent of eager: benchmarks/generate/README.md). "
+        "Set from the experiment's rollout.capture.")
     vllm_max_num_seqs: int = Field(
         256, gt=0, description="vLLM: the most sequences one engine decodes at once "
         "(its max_num_seqs; rollout.vllm.max_num_seqs).")

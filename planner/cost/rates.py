@@ -76,6 +76,8 @@ class Rates:
         for kind in ("train", "inference", "prefill", "decode", *vllm):
             self.sources[f"engine {kind}"] = (
                 "profile" if profile and kind in profile.engines else preset)
+        if self.captured_decode:
+            self.sources["engine decode"] += ", captured (no per-layer host cost)"
         for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p"):
             for inter in (False, True):
                 where = "across nodes" if inter else "within a node"
@@ -150,14 +152,21 @@ class Rates:
         decode step on a device that runs kernels asynchronously (GPUs) has no per-layer
         host cost: vLLM replays each decode step as a CUDA graph (its default,
         ``enforce_eager=False``), so launches do not grow with the layers; elsewhere
-        it is priced like realign's own decode step."""
-        if self.profile is not None and kind in self.profile.engines:
-            return self.profile.engines[kind]
+        it is priced like realign's own decode step. realign's own decode step, captured
+        (:attr:`captured_decode`), has no per-layer host cost either, the profile's
+        included (a profile's decode engine times the eager step)."""
         dev, cfg = self.cluster.device, self.config
+        if self.profile is not None and kind in self.profile.engines:
+            costs = self.profile.engines[kind]
+            if kind == "decode" and self.captured_decode:
+                return costs.model_copy(update={"layer_s": 0.0})
+            return costs
         train = kind == "train"
         mem = self.mem_bytes_per_s
         decode_layer = dev.decode_layer_overhead_s
         if kind == "vllm_decode" and dev.async_kernels:
+            decode_layer = 0.0
+        if kind == "decode" and self.captured_decode:
             decode_layer = 0.0
         return EngineCosts(
             call_s=dev.call_overhead_s,
@@ -169,6 +178,14 @@ class Rates:
             token_s=0.0,
             param_s=((cfg.optimizer_step_bytes_per_param + cfg.grad_dtype_bytes) / mem
                      if train else 0.0))
+
+    @property
+    def captured_decode(self) -> bool:
+        """Whether realign's own decode step is priced as captured and replayed: CUDA
+        graphs on a device that runs kernels asynchronously, unless
+        ``decode_capture`` is off (``rollout.capture``; on the cpu device the step is
+        priced as measured: :class:`~planner.cost.cost_config.CostConfig`)."""
+        return self.cluster.device.async_kernels and self.config.decode_capture != "off"
 
     # ---- transfers -------------------------------------------------------------------
     def send_costs(self) -> TransferCosts:

@@ -25,6 +25,7 @@ tokens, 8 keys took about twice as long as 16: benchmarks/step/README.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,9 @@ from planner.cost.cost_config import KV_CACHE_BLOCK_TOKENS
 from realign.data.packing import Pack
 from realign.runtime.engines.packed_attention import packed_attention
 from realign.runtime.model import TE_NAMES, ModelShard
+
+if TYPE_CHECKING:
+    from realign.runtime.engines.captured_step import CapturedSteps
 
 #: cached attention spans whole blocks of this many keys (16 fp32 = one AVX-512 vector);
 #: the cache is allocated in such blocks, as the planner prices it
@@ -158,6 +162,11 @@ class StageDecoder:
         self.k = [torch.zeros(shape, dtype=dtype, device=dev) for _ in cached]
         self.v = [torch.zeros(shape, dtype=dtype, device=dev) for _ in cached]
         self.rows = torch.arange(max(cache_rows, 1), device=dev)
+        #: keys the cache holds per row (whole :data:`KEY_BLOCK` blocks)
+        self.cache_keys = shape[2]
+        #: the decode steps' captures, when the call replays them
+        #: (:func:`~realign.runtime.engines.captured_step.capture_steps`)
+        self.replay: CapturedSteps | None = None
 
     @property
     def cache_bytes(self) -> int:
@@ -193,7 +202,16 @@ class StageDecoder:
     def step(self, x: torch.Tensor, pos: torch.Tensor, kv_len: int,
              rows: torch.Tensor | None = None) -> torch.Tensor:
         """``kv_len``: an upper bound of ``pos + 1`` (the cache prefix attended).
-        ``rows``: the cache rows ``x`` and ``pos`` are for (None: every row)."""
+        ``rows``: the cache rows ``x`` and ``pos`` are for (None: every row). With
+        :attr:`replay` set, the step is replayed from its capture
+        (:mod:`~realign.runtime.engines.captured_step`), else run eagerly."""
+        if self.replay is not None:
+            return self.replay.step(x, pos, kv_len, rows)
+        return self.eager_step(x, pos, kv_len, rows)
+
+    def eager_step(self, x: torch.Tensor, pos: torch.Tensor, kv_len: int,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`step` run op by op: the host issues every layer's kernels."""
         kv_len = key_span(kv_len)
         keys = torch.arange(kv_len, device=x.device)
         mask = (keys.unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]  # [b, 1, 1, k]

@@ -19,6 +19,7 @@ import torch
 
 from realign.errors import UserError
 from realign.runtime.engines.base import gather_dp
+from realign.runtime.engines.captured_step import CaptureSetting, capture_mode
 from realign.runtime.engines.refill import decode_refill
 from realign.runtime.engines.waves import decode_waves
 from realign.runtime.model import ModelShard
@@ -59,11 +60,14 @@ class GenerateEngine:
             raise UserError(f"token ids must be in 0..{spec.vocab_size - 1}", field="prompts")
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
-                 waves: int = 1, refill: bool = False) -> Generation:
+                 waves: int = 1, refill: bool = False,
+                 capture: CaptureSetting = "auto") -> Generation:
         """Continuations of ``prompts``; each data-parallel rank decodes its share in
         ``waves`` waves (the plan's micro-batches: the KV cache holds only the waves in
         flight), or with ``refill`` in as many slots, each taking the next waiting prompt
-        when its sequence ends (:mod:`~realign.runtime.engines.refill`)."""
+        when its sequence ends (:mod:`~realign.runtime.engines.refill`). ``capture``:
+        whether the decode steps are captured once per shape and replayed
+        (``rollout.capture``; :mod:`~realign.runtime.engines.captured_step`)."""
         self.check(prompts, sampling)
         if waves < 1:
             raise UserError(f"must be >= 1 (got {waves})", field="micro_batches")
@@ -77,7 +81,8 @@ class GenerateEngine:
         # leaves it is concatenated below, outside, into an ordinary tensor.
         with torch.inference_mode():
             decode = decode_refill if refill else decode_waves
-            res = decode(self.shard, mine, sampling, first, waves, self.pad_id)
+            res = decode(self.shard, mine, sampling, first, waves, self.pad_id,
+                         capture_mode(capture, self.shard.device.kind))
         out = gather_dp(self.shard, torch.cat([res.tokens.double(), res.logprobs.double(),
                                                res.lengths.double().unsqueeze(1)], dim=1))
         n = sampling.max_new_tokens

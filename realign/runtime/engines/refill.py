@@ -37,6 +37,7 @@ import torch
 
 from planner.graph.lengths import STOP_CHECK_EVERY
 from realign.data.collate import pad_right
+from realign.runtime.engines.captured_step import CaptureMode, capture_steps, rows_bucket
 from realign.runtime.engines.decoder import StageDecoder
 from realign.runtime.engines.waves import NOISE_BLOCK, DecodeResult, StageLinks, wave_bounds
 from realign.runtime.model import ModelShard
@@ -65,10 +66,11 @@ class _SlotGroup:
     admissions lives on the host (lists); what the forward and the records read, on the
     device (tensors), rebuilt only when a slot changes hands."""
 
-    def __init__(self, shard: ModelShard, slots: int, max_len: int, spare: int):
+    def __init__(self, shard: ModelShard, slots: int, max_len: int, spare: int,
+                 capture: CaptureMode | None = None):
         dev = shard.device.device
         with torch.inference_mode(False):      # RoPE tables cached for training too
-            self.dec = StageDecoder(shard, max_len, cache_rows=slots)
+            self.dec = capture_steps(StageDecoder(shard, max_len, cache_rows=slots), capture)
         self.spare = spare                     #: the outputs' spare row
         self.row = [-1] * slots
         self.made = [0] * slots
@@ -179,10 +181,12 @@ class _SlotNoise:
 
 
 def decode_refill(shard: ModelShard, prompts: list[list[int]], p: SamplingParams,
-                  first_index: int, waves: int, pad_id: int) -> DecodeResult:
+                  first_index: int, waves: int, pad_id: int,
+                  capture: CaptureMode | None = None) -> DecodeResult:
     """Generate for ``prompts`` (this DP rank's, global indices from ``first_index``) in
     slots that refill (module docs); every stage of the replica calls it alike and gets
-    the whole result."""
+    the whole result. ``capture``: how the groups' decode steps are captured and
+    replayed (:mod:`~realign.runtime.engines.captured_step`; None: eager)."""
     g = shard.groups
     dev = shard.device.device
     n = p.max_new_tokens
@@ -190,7 +194,7 @@ def decode_refill(shard: ModelShard, prompts: list[list[int]], p: SamplingParams
     bounds = wave_bounds(rows, waves)
     slots = bounds[0][1] - bounds[0][0]
     longest = max(len(q) for q in prompts)
-    groups = [_SlotGroup(shard, slots, longest + n, rows)
+    groups = [_SlotGroup(shard, slots, longest + n, rows, capture)
               for _ in range(min(len(bounds), g.layout.pp))]
     peak = sum(grp.dec.cache_bytes for grp in groups)
     hashes = None if p.greedy else position_hashes(p.seed, n, dev)
@@ -266,15 +270,17 @@ class _Run:
                 x = grp.choice.unsqueeze(1)
                 rows = None
             else:
-                rows = torch.tensor(going, device=dev)
+                rows = torch.tensor(going + self._padding(grp, going), device=dev)
                 pos = grp.plen_t[rows] + grp.made_t[rows] - 1
+                if rows.shape[0] > len(going):
+                    pos[len(going):] = grp.plen_t[rows[len(going):]]
                 x = grp.choice[rows].unsqueeze(1)
             if not g.is_first_stage:
                 x = links.recv_hidden(x.shape[0], 1)
             h = grp.dec.step(x, pos, kv_len, rows=rows)
             grp.steps += 1
             if last:
-                logits_going = h
+                logits_going = h[:len(going)]
             else:
                 links.send_hidden(h)
         grp.ran = True
@@ -298,6 +304,17 @@ class _Run:
         grp.record(choice, logp, self.out, self.stops, self.pad_id)
         if g.layout.pp > 1:
             links.send_choice(choice, logp)
+
+    @staticmethod
+    def _padding(grp: _SlotGroup, going: list[int]) -> list[int]:
+        """Slots that fill a captured step's rows up to its bucket
+        (:func:`~realign.runtime.engines.captured_step.rows_bucket`; none for an eager
+        step): slots not decoding, at their prompt's length, where a just-admitted slot's
+        own next step writes before it attends and a free slot's next prefill writes."""
+        if grp.dec.replay is None:
+            return []
+        extra = rows_bucket(len(going), grp.slots) - len(going)
+        return [s for s in range(grp.slots) if s not in going][:extra]
 
     def _choose(self, logits: torch.Tensor, grp: _SlotGroup, at: torch.Tensor | None,
                 noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

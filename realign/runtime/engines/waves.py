@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from planner.graph.lengths import STOP_CHECK_EVERY
 from realign.data.collate import contiguous_ranges, pad_right
+from realign.runtime.engines.captured_step import CaptureMode, capture_steps
 from realign.runtime.engines.decoder import StageDecoder
 from realign.runtime.model import ModelShard
 from realign.runtime.sampling import SamplingParams, choose_tokens, gumbel_noise
@@ -152,9 +153,12 @@ class StageLinks:
 
 
 def decode_waves(shard: ModelShard, prompts: list[list[int]], p: SamplingParams,
-                 first_index: int, waves: int, pad_id: int) -> DecodeResult:
+                 first_index: int, waves: int, pad_id: int,
+                 capture: CaptureMode | None = None) -> DecodeResult:
     """Generate for ``prompts`` (this DP rank's, global indices from ``first_index``) in
-    ``waves`` waves; every stage of the replica calls it alike and gets the whole result."""
+    ``waves`` waves; every stage of the replica calls it alike and gets the whole result.
+    ``capture``: how each wave's decode steps are captured and replayed
+    (:mod:`~realign.runtime.engines.captured_step`; None: eager)."""
     g = shard.groups
     dev = shard.device.device
     bounds = wave_bounds(len(prompts), waves)
@@ -163,7 +167,7 @@ def decode_waves(shard: ModelShard, prompts: list[list[int]], p: SamplingParams,
     done_waves: list[_Wave] = []
     peak = steps = 0
     for k in range(0, len(bounds), in_flight):
-        group = [_new_wave(shard, prompts, lo, hi, p, first_index, pad_id)
+        group = [_new_wave(shard, prompts, lo, hi, p, first_index, pad_id, capture)
                  for lo, hi in bounds[k:k + in_flight]]
         peak = max(peak, sum(w.dec.cache_bytes for w in group))
         steps += _run_group(shard, group, p, stops, pad_id)
@@ -176,7 +180,7 @@ def decode_waves(shard: ModelShard, prompts: list[list[int]], p: SamplingParams,
 
 
 def _new_wave(shard: ModelShard, prompts, lo: int, hi: int, p: SamplingParams,
-              first_index: int, pad_id: int) -> _Wave:
+              first_index: int, pad_id: int, capture: CaptureMode | None) -> _Wave:
     dev = shard.device.device
     n = p.max_new_tokens
     tokens, plen = pad_right(prompts[lo:hi], pad_id)
@@ -184,7 +188,7 @@ def _new_wave(shard: ModelShard, prompts, lo: int, hi: int, p: SamplingParams,
     # the RoPE tables made here are cached (on the shard, in megatron) for training
     # forwards too: keep them ordinary tensors
     with torch.inference_mode(False):
-        dec = StageDecoder(shard, tokens.shape[1] + n, cache_rows=b)
+        dec = capture_steps(StageDecoder(shard, tokens.shape[1] + n, cache_rows=b), capture)
     seq_ids = torch.arange(first_index + lo, first_index + hi, device=dev)
     return _Wave(tokens=tokens.to(dev), plen=plen.to(dev), dec=dec, seq_ids=seq_ids,
                  noise=_NoiseBlocks(p, seq_ids, n, shard.spec.vocab_size),
