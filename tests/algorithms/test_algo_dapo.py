@@ -172,9 +172,23 @@ def test_without_dynamic_sampling_every_group_trains():
     assert out["loss_mask"].sum() == 8
 
 
+def test_a_batch_sampled_in_rounds_is_the_trained_groups_with_their_fillers():
+    # the rounds kept one informative group (1, 0) and reserved a constant one (0, 0)
+    raw = _rollout([1, 0, 0, 0], [2, 2, 2, 2])
+    c = cfg(prompts_per_step=2, dropped_group_frac=0.5, max_sampling_rounds=3,
+            overlong_buffer_frac=0.0)
+    out, stats = pop_stats(dapo.prepare(raw, c))
+    assert out["policy_version"].tolist() == [0, 1, 2, 3]
+    assert out["loss_mask"].sum(1).tolist() == [2, 2, 0, 0]
+    # what was dropped and generated comes from the rounds (realign.worker.sampling_loop)
+    assert stats == {"shortfall_frac": 0.5, "overlong_frac": 0.0}
+    with pytest.raises(UserError, match="holds 3 prompts' groups, the batch shape says 2"):
+        dapo.prepare(_rollout([1, 0] * 3, [2] * 6), c)
+
+
 def test_the_batch_must_be_the_shape_generated_for():
     raw = _rollout([1, 0, 0, 1], [2, 2, 2, 2])
-    with pytest.raises(UserError, match="generated for 2 prompts, the batch shape says 3"):
+    with pytest.raises(UserError, match="holds 2 prompts' groups, the batch shape says 3"):
         dapo.prepare(raw, cfg(prompts_per_step=2, dropped_group_frac=1 / 3))
 
 
@@ -207,7 +221,19 @@ def test_bad_values_name_their_key():
     shape = BatchShape(samples_per_prompt=4, dropped_group_frac=0.25)
     for params, field in (({"clip_ratio_high": 0}, "algorithm.params.clip_ratio_high"),
                           ({"overlong_buffer_frac": 1.0}, "algorithm.params.overlong_buffer_frac"),
-                          ({"dynamic_sampling": False}, "algorithm.params.dynamic_sampling")):
+                          ({"dynamic_sampling": False}, "algorithm.params.dynamic_sampling"),
+                          ({"max_sampling_rounds": 0}, "algorithm.params.max_sampling_rounds"),
+                          ({"max_sampling_rounds": 65}, "algorithm.params.max_sampling_rounds"),
+                          ({"max_sampling_rounds": 2.5}, "algorithm.params.max_sampling_rounds"),
+                          ({"max_sampling_rounds": "many"},
+                           "algorithm.params.max_sampling_rounds")):
         with pytest.raises(UserError) as e:
             make_params("dapo", params, shape)
         assert e.value.field == field
+    once = BatchShape(samples_per_prompt=4)
+    with pytest.raises(UserError, match="samples again") as e:
+        make_params("dapo", {"dynamic_sampling": False, "max_sampling_rounds": 2}, once)
+    assert e.value.field == "algorithm.params.max_sampling_rounds"
+    with pytest.raises(UserError, match="allowed|less than or equal") as e:
+        make_params("dapo", {"max_sampling_rounds": 65}, shape)
+    assert "65" in str(e.value)
