@@ -150,10 +150,16 @@ class RunConfig(_Strict):
                        f"{MAX_STEPS:.0e}).")
     checkpoint_interval: int = Field(5, gt=0, description="Steps between checkpoints.")
     seed: int = Field(0, ge=0, description="Seed of initialisation and sampling.")
+    call_timeout_s: float | None = Field(
+        None, gt=0, description="How long one call (or reallocation, transfer, reward) may "
+        "run once all its ranks have reached it before the controller fails the run, naming "
+        "the call and the ranks that did not arrive at its collectives. Unset: per call, 10x "
+        "the plan's estimate of it, at least 600 s.")
     collective_timeout_s: float | None = Field(
-        None, gt=0, description="How long a worker waits on its peers before the run fails. "
-        "Unset: long enough for the plan's calls (10x a step's estimated duration if every "
-        "call ran in turn, at least 600 s).")
+        None, gt=0, description="The process groups' own timeout (gloo/NCCL): how long a "
+        "worker waits in one collective before it fails by itself, a backstop behind "
+        "call_timeout_s. Unset: 10x a step's estimated duration if every call ran in turn, "
+        "at least 600 s, and at least the longest call timeout plus 60 s.")
 
 
 class LocalLauncherConfig(_Strict):

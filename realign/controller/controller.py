@@ -4,7 +4,10 @@ metrics and checkpoints, and stops everything when a worker fails.
 Only small messages pass through it (commands, metrics, tracebacks); tensors move
 worker to worker. A failed worker is named with its traceback (or the tail of its
 log when it died without one), the others are stopped, and ``run`` returns 1 within
-seconds; nothing waits forever on a dead peer.
+seconds; nothing waits forever on a dead peer. A call that runs past its time limit
+is named with the ranks that hold it up (:mod:`realign.controller.hangs`, from the
+workers' heartbeats), and ``run`` returns 1. A stop signal makes the run finish its
+step, checkpoint and return 3 (:mod:`realign.controller.stopping`).
 """
 from __future__ import annotations
 
@@ -17,7 +20,10 @@ from functools import cached_property
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 
+from realign.controller.hangs import Beat, HangWatch
 from realign.controller.metrics import MetricsLog, Progress, restore
+from realign.controller.step_report import merge_metrics, op_events
+from realign.controller.stopping import EXIT_PREEMPTED, StopNow, StopRequest
 from realign.launch.base import Launcher, worker_env
 from realign.run import checkpoint
 from realign.run.program import Program
@@ -36,11 +42,19 @@ class WorkerFailed(Exception):
         super().__init__(f"worker {rank} failed")
 
 
+class CallTimedOut(Exception):
+    """A call ran past its time limit: the message names it and who holds it up."""
+
+
 class Controller:
     def __init__(self, spec: RunSpec, launcher: Launcher, out=None):
         self.spec, self.launcher = spec, launcher
         self.out = out or sys.stdout
         self.conns: dict[int, Connection] = {}
+        #: each worker's second connection: its heartbeats (realign.worker.watchdog)
+        self.watches: dict[int, Connection] = {}
+        self.hangs = HangWatch()
+        self.stop = StopRequest()
         self.master_port = 0        #: the launcher's rendezvous port (0: rank 0 chooses)
         #: the metrics lines of the steps since the last checkpoint, which the next
         #: checkpoint keeps (a damaged metrics.jsonl is restored from them on resume)
@@ -85,7 +99,10 @@ class Controller:
         want = list(self.conns) if ranks is None else ranks
         while len(got) < len(want):
             pending = [c for r, c in self.conns.items() if r in want and r not in got]
-            for conn in wait(pending, timeout=POLL_S):
+            for conn in wait(pending + list(self.watches.values()), timeout=POLL_S):
+                if conn not in pending:
+                    self._beat(conn)
+                    continue
                 rank = next(r for r, c in self.conns.items() if c is conn)
                 try:
                     msg = self._handle(rank, conn.recv())
@@ -98,7 +115,24 @@ class Controller:
                     raise WorkerFailed(rank, f"sent {msg[0]!r}, expected {expect!r}")
                 got[rank] = msg
             self._check_exits()
+            self._check_progress()
         return got
+
+    def _beat(self, conn: Connection) -> None:
+        try:
+            self.hangs.observe(Beat.of(conn.recv()))
+        except (EOFError, OSError):          # the worker is gone: its exit is reported
+            self.watches = {r: c for r, c in self.watches.items() if c is not conn}
+
+    def _check_progress(self) -> None:
+        """Fail on a call past its time limit; say once that a stop was asked for."""
+        hang = self.hangs.overdue(time.monotonic())
+        if hang is not None:
+            raise CallTimedOut(hang)
+        if self.stop.requested and not self.stop.noted:
+            self.stop.noted = True
+            print(f"realign run: {self.stop.name}: finishing the step, then a checkpoint "
+                  "and exit 3 (another signal stops at once)", file=self.out, flush=True)
 
     def broadcast(self, msg: tuple) -> None:
         for conn in self.conns.values():
@@ -120,7 +154,7 @@ class Controller:
         self.launcher.start(envs, logs)
         deadline = time.monotonic() + ACCEPT_TIMEOUT_S
         self.listener._listener._socket.settimeout(POLL_S)
-        while len(self.conns) < s.n_workers:
+        while len(self.conns) < s.n_workers or len(self.watches) < s.n_workers:
             if time.monotonic() > deadline:
                 raise WorkerFailed(-1, f"only {len(self.conns)} of {s.n_workers} workers "
                                        f"connected within {ACCEPT_TIMEOUT_S:.0f} s")
@@ -129,8 +163,8 @@ class Controller:
             except (socket.timeout, TimeoutError):
                 self._check_exits()
                 continue
-            rank = conn.recv()[1]
-            self.conns[rank] = conn
+            kind, rank = conn.recv()
+            (self.watches if kind == "watch" else self.conns)[rank] = conn
 
     def relay_store_port(self) -> None:
         """Without a rendezvous port of the launcher's, rank 0 serves the world's store
@@ -169,6 +203,11 @@ class Controller:
         return sorted(r.key for r in self.program.replicas if r.trained)
 
     def run(self) -> int:
+        """Train to the end (0), or until a stop signal (3), a failure or a hang (1)."""
+        with self.stop.installed():
+            return self._run()
+
+    def _run(self) -> int:
         s = self.spec
         resume = self.resume_point()
         start = resume[0] if resume else 0
@@ -179,6 +218,7 @@ class Controller:
                   f"{s.final_dir.name} at {s.final_dir}", file=self.out)
             return 0
         log = MetricsLog(s.run_dir, start)
+        grace_s = 5.0
         try:
             if resume:
                 print(f"resuming from {resume[1]} (step {start})", file=self.out, flush=True)
@@ -190,30 +230,11 @@ class Controller:
             self.broadcast(("setup", s.model_dump_json(), str(resume[1]) if resume else None))
             self.relay_store_port()
             self.gather("ready")
-            progress = Progress(s.steps, start, self.out)
-            # Workers need nothing from the controller between steps, so the next step
-            # is sent as soon as this one is done (unless a checkpoint comes first) and
-            # the logging overlaps it. A step's time runs from its predecessor's end
-            # (or its own start after a checkpoint) to its own end.
-            t0 = time.perf_counter()
             if not finished:
-                self.broadcast(("step", start))
-            for step in range(start, s.steps):
-                replies = self.gather("done")
-                now = time.perf_counter()
-                wall, t0 = now - t0, now
-                save = (step + 1) % s.checkpoint_interval == 0 or step + 1 == s.steps
-                if not save:
-                    self.broadcast(("step", step + 1))
-                reports = [m[2] for m in replies.values()]
-                row = merge_metrics(step, reports, wall)
-                self.unsaved_lines.append(log.write(row, op_events(reports)))
-                progress.update(step, row)
-                if save:
-                    self.save_checkpoint(step + 1)
-                    if step + 1 < s.steps:
-                        t0 = time.perf_counter()
-                        self.broadcast(("step", step + 1))
+                done = self.train(start, log)
+                if done < s.steps:
+                    self.broadcast(("stop",))
+                    return self._stopped(done)
             part = checkpoint.final_part(s.final_dir)
             if part.exists():
                 shutil.rmtree(part)             # a killed run's half-written final model
@@ -232,9 +253,66 @@ class Controller:
                 print(f"\nrealign run: worker {e.rank} failed:\n{e.detail}", file=sys.stderr,
                       flush=True)
             return 1
+        except CallTimedOut as e:
+            print(f"\nrealign run: {e}; the workers are stopped (exit 1)", file=sys.stderr,
+                  flush=True)
+            return 1
+        except StopNow as e:
+            grace_s = 0.0
+            last = checkpoint.latest(s.run_dir)
+            print(f"\nrealign run: {e}: workers killed; "
+                  + (f"the last complete checkpoint is {last[1].name}" if last else
+                     "no checkpoint yet") + "; run the same command again to resume "
+                  f"(exit {EXIT_PREEMPTED}: preempted, resumable)", file=self.out, flush=True)
+            return EXIT_PREEMPTED
         finally:
+            self.stop.ignore_more()
             log.close()
-            self.launcher.stop()
+            self.launcher.stop(grace_s)
+
+    def train(self, start: int, log: MetricsLog) -> int:
+        """Run steps ``start`` .. ``run.steps - 1``, checkpointing every
+        ``run.checkpoint_interval`` steps and after the last one; a stop signal ends it
+        after the step in flight and its checkpoint. Returns the steps done."""
+        s = self.spec
+        if self.stop.requested:                   # asked during set-up: nothing to save
+            return start
+        progress = Progress(s.steps, start, self.out)
+        # Workers need nothing from the controller between steps, so the next step is
+        # sent as soon as this one is done (unless a checkpoint comes first) and the
+        # logging overlaps it. A step's time runs from its predecessor's end (or its own
+        # start after a checkpoint) to its own end.
+        t0 = time.perf_counter()
+        self.broadcast(("step", start))
+        for step in range(start, s.steps):
+            replies = self.gather("done")
+            now = time.perf_counter()
+            wall, t0 = now - t0, now
+            save = ((step + 1) % s.checkpoint_interval == 0 or step + 1 == s.steps
+                    or self.stop.requested)
+            if not save:
+                self.broadcast(("step", step + 1))
+            reports = [m[2] for m in replies.values()]
+            row = merge_metrics(step, reports, wall)
+            self.unsaved_lines.append(log.write(row, op_events(reports)))
+            progress.update(step, row)
+            if save:
+                self.save_checkpoint(step + 1)
+                if self.stop.requested:
+                    return step + 1
+                if step + 1 < s.steps:
+                    t0 = time.perf_counter()
+                    self.broadcast(("step", step + 1))
+        return s.steps
+
+    def _stopped(self, done: int) -> int:
+        """Say how a run stopped by a signal resumes; the exit code."""
+        last = checkpoint.latest(self.spec.run_dir)
+        where = f"checkpoint {last[1].name}" if last else "the start (no checkpoint yet)"
+        print(f"realign run: stopped by {self.stop.name} after step {done} of "
+              f"{self.spec.steps}; resumes from {where}: run the same command again "
+              f"(exit {EXIT_PREEMPTED}: preempted, resumable)", file=self.out, flush=True)
+        return EXIT_PREEMPTED
 
     def restore_metrics(self, start: int) -> None:
         """metrics.jsonl holds each of the ``start`` steps done exactly once: lines a
@@ -270,62 +348,3 @@ class Controller:
             "trained": self.trained,
             # the ranks holding the rollout generated ahead (asynchronous plans)
             "in_flight_ranks": list(self.program.ahead_ranks) if done_steps < s.steps else []})
-
-
-def _last_spans(reports: list[dict]) -> tuple[dict[int, float], dict[int, float]]:
-    """Per op index: its last rank's start and its last rank's end (every rank reports
-    its own ``spans``; before its peers arrive a rank only waits for them)."""
-    starts: dict[int, float] = {}
-    ends: dict[int, float] = {}
-    for rep in reports:
-        for i, t0, t1 in rep.get("spans", []):
-            starts[i] = max(starts.get(i, t0), t0)
-            ends[i] = max(ends.get(i, t1), t1)
-    return starts, ends
-
-
-def op_events(reports: list[dict]) -> list[list]:
-    """The step's ops as ``[label, kind, start, end, gpus]``: named by their lead rank,
-    timed from their last rank's start to their last rank's end."""
-    starts, ends = _last_spans(reports)
-    out = []
-    for rep in reports:
-        for i, label, kind, gpus, _metric in rep.get("ops", []):
-            out.append([label, kind, starts[i], max(ends[i], starts[i]), gpus])
-    return sorted(out, key=lambda e: e[2])
-
-
-def op_times(reports: list[dict]) -> dict[str, float]:
-    """``time.<mfc>`` and ``time.realloc.<mfc>``: each timed op's last rank's end minus
-    its last rank's start."""
-    starts, ends = _last_spans(reports)
-    return {metric: max(0.0, ends[i] - starts[i]) for rep in reports
-            for i, _label, _kind, _gpus, metric in rep.get("ops", []) if metric}
-
-
-def merge_metrics(step: int, reports: list[dict], wall_s: float) -> dict:
-    """One row per step from every worker's report: the union of what the ops' lead
-    ranks reported (``metrics``), each timed op's duration (:func:`op_times`), the bytes
-    each reallocation's ranks received summed (``realloc_bytes.<mfc>``, and
-    ``realloc_bytes`` in all), and the mean of each ``dp_parts`` metric over the
-    workers that reported it (one per data-parallel rank, equal shares of the batch)."""
-    row: dict = {"step": step, "step_time_s": wall_s}
-    row.update(op_times(reports))
-    received: dict[str, float] = {}
-    shares: dict[str, list[float]] = {}
-    for rep in reports:
-        for k, v in rep["metrics"].items():
-            if k.startswith("realloc_bytes.") and ".r" in k:
-                name = k.rsplit(".r", 1)[0]
-                received[name] = received.get(name, 0.0) + v
-            else:
-                row[k] = v
-        for k, v in rep["dp_parts"].items():
-            shares.setdefault(k, []).append(v)
-    row.update({k: sum(v) / len(v) for k, v in shares.items()})
-    if received:
-        row.update(received)
-        row["realloc_bytes"] = sum(received.values())
-    if "gen_tokens" in row and wall_s > 0:
-        row["tokens_per_s"] = row["gen_tokens"] / wall_s
-    return row

@@ -6,6 +6,14 @@ Inside the allocation the script runs the controller on the job's first node
 submitted with ``--requeue``: a requeued job starts the controller again, which resumes
 from the run folder's last complete checkpoint.
 
+Before the time limit Slurm sends the batch shell SIGUSR1 (``--signal=B:USR1@<lead>``,
+:func:`signal_lead_s`); the shell passes it to the controller, which finishes its step,
+checkpoints and exits 3 (preempted, resumable), and the shell then requeues the job
+(``scontrol requeue``). SIGUSR1 because Slurm's own signals mean something else: SIGTERM
+is what ``scancel`` and the time limit itself send (a cancelled job must not requeue),
+and USR1 is sent by nothing else. The shell requeues only after a USR1: a controller
+stopped by ``scancel``'s SIGTERM exits 3 too, and stays stopped.
+
 :class:`SlurmBackend` answers ``status``/``logs``/``cancel`` with ``scontrol`` and
 ``scancel`` (``sacct`` when the cluster keeps accounting and has forgotten the job).
 """
@@ -22,10 +30,30 @@ from pathlib import Path
 from realign.errors import UserError
 from realign.launch.jobs import JobBackend, JobRecord, JobState, wait_finished
 from realign.launch.slurm_common import CMD_TIMEOUT_S, gpu_flags, job_shape, parse_kv, slurm, slurm_options
+from realign.run.exit_codes import EXIT_PREEMPTED
 
 #: client commands ``realign submit`` needs on PATH
 SUBMIT_COMMANDS = ("sbatch", "sinfo", "scontrol")
 SCRIPT = "job.sbatch"
+#: the signal's lead over the time limit: at least this ...
+MIN_SIGNAL_LEAD_S = 300
+#: ... and this many estimated steps plus :data:`SAVE_ALLOWANCE_S` for the checkpoint
+SIGNAL_LEAD_STEPS = 3.0
+SAVE_ALLOWANCE_S = 120.0
+#: the most sbatch --signal accepts
+MAX_SIGNAL_LEAD_S = 65535
+
+
+def signal_lead_s(iteration_time_s: float | None) -> int:
+    """Seconds before the time limit at which the job is asked to stop: room for the
+    step in flight (:data:`SIGNAL_LEAD_STEPS` times the plan's estimate of one: estimates
+    are rough) and a checkpoint, at least :data:`MIN_SIGNAL_LEAD_S`.
+
+    >>> signal_lead_s(0.02), signal_lead_s(100.0), signal_lead_s(1e6)
+    (300, 420, 65535)
+    """
+    need = SIGNAL_LEAD_STEPS * (iteration_time_s or 0.0) + SAVE_ALLOWANCE_S
+    return int(min(MAX_SIGNAL_LEAD_S, max(MIN_SIGNAL_LEAD_S, -(-need // 1))))
 
 
 def partition_nodes(sinfo_out: str, partition: str | None) -> tuple[str, int, list[str]]:
@@ -60,8 +88,10 @@ def partition_nodes(sinfo_out: str, partition: str | None) -> tuple[str, int, li
 
 # ---- the batch script -----------------------------------------------------------------
 def batch_script(run_dir: Path, opts, nodes: int, tasks_per_node: int, experiment: str,
-                 plan_text: str, python: str = sys.executable, device: str = "cpu") -> str:
-    """The readable ``sbatch`` script of a prepared run folder."""
+                 plan_text: str, python: str = sys.executable, device: str = "cpu",
+                 lead_s: int = MIN_SIGNAL_LEAD_S) -> str:
+    """The readable ``sbatch`` script of a prepared run folder; ``lead_s``: how long
+    before the time limit the job is asked to stop (:func:`signal_lead_s`)."""
     q = shlex.quote
     logs = run_dir / "logs"
     lines = [
@@ -84,16 +114,35 @@ def batch_script(run_dir: Path, opts, nodes: int, tasks_per_node: int, experimen
         lines.append(f"#SBATCH --account={opts.account}")
     lines += [
         "#SBATCH --requeue",
+        f"#SBATCH --signal=B:USR1@{lead_s}",
         "#SBATCH --open-mode=append",
         f"#SBATCH --output={logs}/controller-%j.log",
     ]
     lines += [f"#SBATCH {flag}" for flag in opts.sbatch_flags]
-    lines += ["", "set -eo pipefail"]
+    lines += ["", "set -o pipefail"]
     lines += [f"export {k}={q(v)}" for k, v in sorted(opts.env.items())]
     lines += [
         'echo "realign: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
         '$SLURM_JOB_NODELIST, controller on $(hostname)"',
-        f"exec {q(python)} -m realign.controller.main {q(str(run_dir))} --launcher slurm-step",
+        "# The controller runs in the background so that this shell can pass it the",
+        f"# signals: USR1, {lead_s} s before the time limit (--signal), asks it to finish its",
+        "# step and checkpoint; it then exits 3 and the job requeues itself. TERM (scancel)",
+        "# stops it the same way without a requeue.",
+        f"{q(python)} -m realign.controller.main {q(str(run_dir))} --launcher slurm-step &",
+        "controller=$!",
+        "asked=",
+        "trap 'asked=USR1; kill -USR1 $controller' USR1",
+        "trap 'kill -TERM $controller' TERM",
+        "trap 'kill -INT $controller' INT",
+        "while :; do",
+        "    wait $controller; rc=$?",
+        "    kill -0 $controller 2>/dev/null || break     # a trap ended the wait, not an exit",
+        "done",
+        f'if [ "$rc" -eq {EXIT_PREEMPTED} ] && [ "$asked" = USR1 ]; then',
+        '    echo "realign: stopped before the time limit; requeueing job $SLURM_JOB_ID"',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$rc"',
         "",
     ]
     return "\n".join(lines)
@@ -120,7 +169,8 @@ class SlurmBackend(JobBackend):
         (spec.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         script = batch_script(spec.run_dir, opts, nodes, per_node, cfg.name,
                               f"{plan.cluster.n_nodes}x{plan.cluster.gpus_per_node} "
-                              f"{plan.cluster.device.name}", device=cfg.device)
+                              f"{plan.cluster.device.name}", device=cfg.device,
+                              lead_s=signal_lead_s(plan.iteration_time_s))
         path = spec.run_dir / SCRIPT
         path.write_text(script)
         if args.dry_run:

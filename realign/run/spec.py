@@ -23,6 +23,14 @@ from realign.config.experiment import ExperimentConfig
 from realign.errors import UserError
 from realign.run.program import Program, compile_program
 
+#: The shortest default call timeout (torch's default collective timeout is 10 minutes).
+MIN_CALL_TIMEOUT_S = 600.0
+#: How many times the plan's estimate of a call it may take by default (estimates are
+#: rough; a slow call must not kill the run).
+CALL_TIMEOUT_SAFETY = 10.0
+#: The default process-group timeout exceeds the longest call timeout by this much.
+COLLECTIVE_MARGIN_S = 60.0
+
 
 class RunSpec(BaseModel):
     """A prepared run: the checked config, the plan it executes and where things are."""
@@ -84,10 +92,26 @@ class RunSpec(BaseModel):
                  and max_sampling_rounds(p) > 1 else None)
         return compile_program(self.plan, round_group_size=group)
 
+    def call_timeout_s(self, op: object) -> float:
+        """How long op ``op`` of the program may run once all its ranks have reached it:
+        ``run.call_timeout_s``, or :data:`CALL_TIMEOUT_SAFETY` times the plan's estimate of
+        it (calls and reallocations), never below :data:`MIN_CALL_TIMEOUT_S`."""
+        if self.config.run.call_timeout_s is not None:
+            return self.config.run.call_timeout_s
+        return max(MIN_CALL_TIMEOUT_S, CALL_TIMEOUT_SAFETY * getattr(op, "estimate_s", 0.0))
+
     def collective_timeout_s(self) -> float:
-        """How long a worker waits on its peers: ``run.collective_timeout_s``, or long
-        enough for the plan (:meth:`Program.collective_timeout_s`)."""
-        return self.config.run.collective_timeout_s or self.program().collective_timeout_s()
+        """How long a worker waits in one collective before it fails by itself (the
+        process groups' timeout): ``run.collective_timeout_s``, or long enough for the
+        plan (:meth:`Program.collective_timeout_s`) and :data:`COLLECTIVE_MARGIN_S` more
+        than the longest call timeout, so that the controller's named error
+        (``run.call_timeout_s``) comes first."""
+        if self.config.run.collective_timeout_s is not None:
+            return self.config.run.collective_timeout_s
+        program = self.program()
+        longest = max((self.call_timeout_s(op) for op in (*program.ops, *program.prologue)),
+                      default=0.0)
+        return max(program.collective_timeout_s(), longest + COLLECTIVE_MARGIN_S)
 
     # ---- the file ------------------------------------------------------------------
     def save(self) -> Path:

@@ -3,7 +3,8 @@
 Joins the controller (address and key in the environment), receives the set-up,
 joins the gloo/NCCL world, builds its replicas, then serves commands: ``step``,
 ``save``, ``final``, ``stop``. Any exception is reported to the controller with its
-traceback before the process exits non-zero.
+traceback before the process exits non-zero. A second connection carries heartbeats
+and ends the worker when the controller is gone (:mod:`realign.worker.watchdog`).
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import sys
 import traceback
 from multiprocessing.connection import Client
 
+from realign.worker.watchdog import Position, stall_hook, tracked_waits, watch
 
-def serve(conn, rank: int, world: int) -> None:
+
+def serve(conn, rank: int, world: int, position: Position) -> None:
     from realign.run.spec import RunSpec
     from realign.runtime.polled_wait import polled_waits
     from realign.worker.rendezvous import join_store
@@ -22,11 +25,15 @@ def serve(conn, rank: int, world: int) -> None:
     msg = conn.recv()
     assert msg[0] == "setup", msg
     spec = RunSpec.model_validate_json(msg[1])
+    position.timeout_of = spec.call_timeout_s
     store = join_store(conn, rank, world, spec.collective_timeout_s())
     session = Session(spec, rank, world, store, resume_dir=msg[2])
+    session.runner.position = position
+    session.runner.stall = stall_hook(os.environ)
     conn.send(("ready", rank))
     # gloo on CPU: poll collectives rather than sleep in them (see polled_wait.py)
-    with polled_waits() if session.dev.kind == "cpu" else contextlib.nullcontext():
+    with polled_waits() if session.dev.kind == "cpu" else contextlib.nullcontext(), \
+            tracked_waits(position):
         _commands(conn, session, rank)
 
 
@@ -52,8 +59,13 @@ def main() -> int:
     host, port = os.environ["REALIGN_CONTROLLER"].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["REALIGN_AUTHKEY"]))
     conn.send(("hello", rank))
+    # the second connection: heartbeats, and an exit when the controller is gone
+    position = Position()
+    beats = Client((host, int(port)), authkey=bytes.fromhex(os.environ["REALIGN_AUTHKEY"]))
+    beats.send(("watch", rank))
+    watch(beats, rank, position)
     try:
-        serve(conn, rank, world)
+        serve(conn, rank, world, position)
         return 0
     except BaseException as e:
         from realign.errors import UserError

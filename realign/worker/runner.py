@@ -19,12 +19,14 @@ between data-parallel ranks (a train call's loss) come from every DP rank as
 ``dp_parts`` and the controller averages them (no collective in the step for it).
 Every rank records when it started and ended each of its ops (wall clock, ``spans``),
 and the first rank names the op (``ops``): the controller takes an op's duration from
-its last rank's start to its last rank's end (:func:`realign.controller.controller.
+its last rank's start to its last rank's end (:func:`realign.controller.step_report.
 merge_metrics`), so a rank that arrives early and waits for its peers does not count
-the wait as the op's time.
+the wait as the op's time. Each op entered and left is noted in ``position``, which the
+worker's heartbeats carry (:mod:`realign.worker.watchdog`).
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -35,6 +37,7 @@ from realign.run.program import Call, Evaluate, Program, Realloc, Release, RuleR
 from realign.runtime.realloc_glue import reallocate_replica, release_copy
 from realign.worker.records import Record, recv_record, send_record
 from realign.worker.replicas import Hosted
+from realign.worker.watchdog import STALL_ENV, Position
 from realign.worker.sampling_loop import SamplingLoop, merge_round_metrics
 
 
@@ -51,12 +54,16 @@ class StepRunner:
         #: the rollout made ahead for the next step (records, and its metrics)
         self.carried: dict[str, Record] = {}
         self.carried_metrics: dict[str, float] = {}
+        #: where this rank is, for the heartbeats (realign.worker.watchdog)
+        self.position = Position()
+        #: the test-only stall (rank, call, seconds, from step) of watchdog.STALL_ENV, once
+        self.stall: tuple[int, str, float, int] | None = None
 
     def run(self, step: int, dataset: dict[str, Record], evaluate: bool = False,
             next_dataset: dict[str, Record] | None = None, prologue: bool = False,
             rounds: SamplingLoop | None = None) -> dict[str, dict[str, float]]:
         """``{"metrics": ..., "dp_parts": ...}``: this rank's report of the step (see
-        :func:`realign.controller.controller.merge_metrics`); ``evaluate``: the step ends
+        :func:`realign.controller.step_report.merge_metrics`); ``evaluate``: the step ends
         with the evaluation's ops. Asynchronous programs: ``next_dataset`` is the next
         step's batch (None on the last step: nothing is made ahead); ``prologue``: no
         rollout was made ahead for this step, so it is generated first. ``rounds``:
@@ -81,12 +88,14 @@ class StepRunner:
             lead = me == op.ranks[0]
             wall0 = time.time()
             t0 = time.perf_counter()
+            self.position.enter(step, i, describe(op)[0], op)
             if isinstance(op, Realloc):
                 stats = self._realloc(op)
                 metrics[f"realloc_bytes.{op.to_mfc}.r{me}"] = float(stats.bytes_received)
             elif isinstance(op, Send):
                 self._send(op, store)
             elif isinstance(op, Call):
+                self._maybe_stall(op, step)
                 where, mine = (ahead, ahead_metrics) if op.ahead else (store, metrics)
                 out, m, parts = self.calls.call(op, self.hosted[op.replica], where, step,
                                                 sampling_round=rounds.round if rounds else 0)
@@ -107,6 +116,7 @@ class StepRunner:
             elif isinstance(op, Release):
                 h = self.hosted[op.replica]
                 h.released = release_copy(h.shard)
+            self.position.leave()
             if not isinstance(op, Release):
                 spans.append([i, wall0, wall0 + time.perf_counter() - t0])
                 if lead:
@@ -117,6 +127,14 @@ class StepRunner:
         self.carried = {k: v for k, v in ahead.items() if k not in (next_dataset or {})}
         self.carried_metrics = ahead_metrics
         return {"metrics": metrics, "dp_parts": dp_parts, "ops": ops, "spans": spans}
+
+    def _maybe_stall(self, op: Call, step: int) -> None:
+        st = self.stall
+        if st is not None and st[:2] == (self.rank, op.name) and step >= st[3]:
+            self.stall = None
+            print(f"{STALL_ENV}: rank {self.rank} stalls {st[2]:g} s in {op.name} at step "
+                  f"{step}", file=sys.stderr, flush=True)
+            time.sleep(st[2])
 
     def _realloc(self, op: Realloc):
         src, dst = self.hosted[op.src], self.hosted[op.dst]
