@@ -1,4 +1,4 @@
-"""LLaMA-family decoders (LLaMA-2/3, Qwen2/2.5, Mistral) as megatron-core ``GPTModel``
+"""LLaMA-family decoders (LLaMA-2/3, Qwen2/2.5, Qwen3, Mistral) as megatron-core ``GPTModel``
 shards of one replica, with a language-model head or a scalar value head, and the
 adapter from local megatron parameters to the planner's logical tensors.
 
