@@ -3,7 +3,8 @@ machine (the same run as ``realign run``, but the command returns at once).
 
 The job id is ``local-<pid>`` of a small shell that runs the controller and records
 its exit code in ``RUN/logs/local-job.rc``; ``cancel`` interrupts the controller
-(SIGINT: it stops its workers on the way out) and marks the job cancelled.
+(SIGINT: it finishes its step, checkpoints and stops its workers; exit 3) and marks the
+job cancelled. A controller stopped by a signal (exit 3) is ``PREEMPTED``: resumable.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from realign.errors import UserError
 from realign.launch.jobs import JobBackend, JobRecord, JobState
+from realign.run.exit_codes import EXIT_PREEMPTED
 
 RC_FILE = "local-job.rc"
 CANCELLED_FILE = "local-job.cancelled"
@@ -78,6 +80,9 @@ class LocalJobBackend(JobBackend):
             rc = int((logs / RC_FILE).read_text())
         except (OSError, ValueError):
             return JobState("UNKNOWN", "the controller ended without recording its exit code")
+        if rc == EXIT_PREEMPTED:
+            return JobState("PREEMPTED", f"exit {rc}: stopped after a checkpoint; submit the "
+                                         "run folder again to resume")
         return JobState("COMPLETED" if rc == 0 else "FAILED", f"exit {rc}")
 
     def cancel(self, job: JobRecord, timeout_s: float = 25.0) -> JobState:
