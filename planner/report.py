@@ -92,7 +92,9 @@ def lora_lines(plan: ExecutionPlan) -> list[str]:
             continue
         n, total = m.lora.total_params(m.spec), m.spec.total_params(m.head)
         out.append(f"{m.role}: LoRA rank {m.lora.rank} (scale {m.lora.scale:g}) on "
-                   f"{', '.join(m.lora.target_modules)}: {n / 1e6:.1f}M adapter parameters "
+                   f"{', '.join(m.lora.target_modules)}"
+                   f"{' (one A per fused layer)' if m.lora.shared_a else ''}: "
+                   f"{n / 1e6:.1f}M adapter parameters "
                    f"({100 * n / total:.2f} % of {total / 1e9:.2f}B) carry the gradients and "
                    "optimizer state; reallocations move only them")
     return out

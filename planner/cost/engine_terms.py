@@ -195,12 +195,11 @@ def stage_pass(r: Rates, spec: ModelSpec, head: str, kind: str, rows: float, ctx
             comm += r.collective_s("all_reduce", act, tp, tp_nodes)
         if lora is not None:
             # per target: the row-parallel adapters sum x A^T forward, the column-parallel
-            # ones the gradient of x A^T backward ([rows, rank] each)
-            row = sum(1 for t in lora.target_modules if t not in COLUMN)
-            col = len(lora.target_modules) - row
-            k_lora = layers * (row + (col if train else 0))
-            n_coll += k_lora
-            comm += k_lora * r.collective_s("all_reduce", rows * lora.rank * dt, tp, tp_nodes)
+            # ones the gradient of x A^T backward ([rows, A's rows] each)
+            summed = [lora.a_rows(t) for t in lora.targets if train or t not in COLUMN]
+            n_coll += layers * len(summed)
+            comm += layers * sum(r.collective_s("all_reduce", rows * width * dt, tp, tp_nodes)
+                                 for width in summed)
         if last and lm:
             if kind in ("train", "inference"):
                 n_coll += 3

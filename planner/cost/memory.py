@@ -107,8 +107,8 @@ def mfc_memory(cfg: CostModelConfig, mfc: MFC, spec: ModelSpec, head: str, layou
     if not train:
         return weights, weights, 2 * act_layer + 2 * 4.0 * tok * logit_cols, 0.0
     in_flight = min(pp, m)
-    if lora is not None:    # each target keeps x A^T ([tokens, rank]) for the backward
-        act_layer += tok * lora.rank * len(lora.target_modules) * dt
+    if lora is not None:    # each target keeps x A^T ([tokens, A's rows]) for the backward
+        act_layer += tok * lora.z_width() * dt
     per_layer = (tok * spec.hidden * dt) if recompute else act_layer
     act = in_flight * spec.n_layers / pp * per_layer + (act_layer if recompute else 0)
     act += 2 * 4.0 * tok * logit_cols

@@ -102,7 +102,10 @@ def check_plan_matches(plan: ExecutionPlan, graph: DataflowGraph, models: dict[s
 
 
 def _lora_text(lora: LoraSpec | None) -> str:
-    return "none" if lora is None else f"rank {lora.rank} on {', '.join(lora.target_modules)}"
+    if lora is None:
+        return "none"
+    shared = " with one A per fused layer" if lora.shared_a else ""
+    return f"rank {lora.rank} on {', '.join(lora.target_modules)}{shared}"
 
 
 #: MFC fields that only price a call (the length distributions); a plan priced with

@@ -1,21 +1,28 @@
 """LoRA adapters: their settings, and the logical tensors they add to a model.
 
 An adapter on a linear layer ``y = x W^T`` adds ``(alpha / rank) * (x A^T) B^T``, with
-``A`` [rank, in] and ``B`` [out, rank]; the base ``W`` is frozen. The targets are
-megatron's four linear layers of every decoder layer:
+``A`` [rank, in] and ``B`` [out, rank]; the base ``W`` is frozen. PEFT adapts each
+Hugging Face projection on its own; megatron fuses q/k/v into ``linear_qkv`` and
+gate/up into ``linear_fc1``. realign keeps PEFT's function and parameter count on the
+fused layers: a fused layer with adapted parts ``S`` holds one ``A`` of ``|S| * rank``
+rows (the parts' ``A`` stacked in megatron's order) and one ``B`` of the adapted parts'
+output rows only, in megatron's row order; part ``p``'s rows of ``B`` read only part
+``p``'s block of ``x A^T`` (a block-structured ``B``, stored dense by rows). So any
+subset of the parts may be adapted (``q_proj`` and ``v_proj`` alone) and the trainable
+parameters are PEFT's: ``|S| * rank * in + rank * out(S)``.
 
-========== =========================== =============== ===========================
+========== =========================== =============== ==============================
 target     Hugging Face (PEFT) names   base sharding   adapter sharding under TP
-========== =========================== =============== ===========================
-linear_qkv q_proj, k_proj, v_proj      column (out)    A whole, B split by output
+========== =========================== =============== ==============================
+linear_qkv q_proj, k_proj, v_proj      column (out)    A whole, B split by query group
 linear_proj o_proj                     row (in)        A split by input, B whole
 linear_fc1 gate_proj, up_proj          column, 2 parts A whole, B split part by part
 linear_fc2 down_proj                   row (in)        A split by input, B whole
-========== =========================== =============== ===========================
+========== =========================== =============== ==============================
 
-megatron fuses q/k/v (and gate/up) into one layer, so one ``A`` serves the fused
-layer: the PEFT equivalent is q_proj, k_proj and v_proj with equal ``A`` and ``B``
-split by rows (:mod:`realign.runtime.lora_peft` writes and reads it so).
+``shared_a`` (off by default) is the cheaper variant: one ``A`` of ``rank`` rows shared
+by a fused layer's adapted parts (fewer parameters than PEFT; a PEFT adapter loads only
+if its fused parts have equal ``A``).
 
 The adapters are described with the same :class:`LogicalTensor` as the base weights,
 so the planner prices and the runtime moves the very same slices
@@ -33,8 +40,7 @@ from planner.specs.param_layout import LogicalTensor
 Target = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 TARGETS: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
-#: Hugging Face (PEFT) module names -> megatron's fused target; a fused target needs
-#: every one of its names
+#: Hugging Face (PEFT) module names -> megatron's target that holds them
 HF_TARGETS: dict[str, str] = {
     "q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
     "o_proj": "linear_proj", "gate_proj": "linear_fc1", "up_proj": "linear_fc1",
@@ -45,6 +51,8 @@ HF_NAMES: dict[str, tuple[str, ...]] = {
     "linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
     "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",),
 }
+#: every Hugging Face name, in the order targets resolve to
+HF_ORDER: tuple[str, ...] = tuple(n for t in TARGETS for n in HF_NAMES[t])
 #: column-parallel targets (output split over TP); the others are row-parallel
 COLUMN = ("linear_qkv", "linear_fc1")
 #: the submodule of a decoder layer that holds each target
@@ -53,38 +61,46 @@ MODULE_OF = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
 
 
 def resolve_targets(names: list[str]) -> tuple[str, ...]:
-    """Target names as a user writes them -> megatron's targets, in :data:`TARGETS`
-    order. Accepts megatron's names, PEFT's (a fused layer needs all its parts) and
-    ``all-linear``. Raises ValueError (pydantic names the field) on a name that matches
-    no layer, or on part of a fused layer.
+    """Target names as a user writes them -> the Hugging Face projections they adapt,
+    in :data:`HF_ORDER`. Accepts megatron's names (a fused layer: all its parts), PEFT's
+    (any subset of a fused layer's parts) and ``all-linear``. Raises ValueError
+    (pydantic names the field) on a name that matches no layer.
 
-    ``["q_proj", "k_proj", "v_proj", "down_proj"]`` -> ``("linear_qkv", "linear_fc2")``.
+    ``["v_proj", "q_proj", "linear_fc2"]`` -> ``("q_proj", "v_proj", "down_proj")``.
     """
     if not names:
         raise ValueError("no target modules: name at least one of " + ", ".join(TARGETS)
                          + " (or their PEFT names, or all-linear)")
     out: set[str] = set()
-    hf_seen: set[str] = set()
     for n in names:
         if n == "all-linear":
-            out.update(TARGETS)
+            out.update(HF_ORDER)
         elif n in TARGETS:
-            out.add(n)
+            out.update(HF_NAMES[n])
         elif n in HF_TARGETS:
-            hf_seen.add(n)
-            out.add(HF_TARGETS[n])
+            out.add(n)
         else:
             raise ValueError(f"target module {n!r} matches no layer of a LLaMA-family "
                              f"decoder; allowed: {', '.join(TARGETS)}, "
                              f"{', '.join(HF_TARGETS)} or all-linear")
-    for target, parts in HF_NAMES.items():
-        named = [p for p in parts if p in hf_seen]
-        if named and len(named) != len(parts) and target not in names:
-            missing = ", ".join(p for p in parts if p not in named)
-            raise ValueError(f"{', '.join(named)} without {missing}: realign fuses "
-                             f"{', '.join(parts)} into one layer ({target}) with one "
-                             "adapter; name all of them (or the fused name)")
-    return tuple(t for t in TARGETS if t in out)
+    return tuple(n for n in HF_ORDER if n in out)
+
+
+def part_rows(spec: ModelSpec, target: str, tp: int = 1) -> tuple[int, tuple[int, ...]]:
+    """(groups, rows of each part per group) of a target's output rows on one TP rank of
+    ``tp``, in megatron's order: the rows are ``groups`` repetitions of the parts' blocks.
+
+    linear_qkv: one group per query group, ``[q: heads/group * d, k: d, v: d]`` (TP splits
+    the groups); linear_fc1: one group ``[gate: ffn/tp, up: ffn/tp]``; the row-parallel
+    targets: one group of one part. LLaMA-2 70B (8 query groups of 8 heads, d 128) at
+    tp 2: linear_qkv -> ``(4, (1024, 128, 128))``.
+    """
+    if target == "linear_qkv":
+        d, groups = spec.kv_channels, spec.n_kv_heads
+        return groups // tp, ((spec.n_heads // groups) * d, d, d)
+    if target == "linear_fc1":
+        return 1, (spec.ffn_hidden // tp, spec.ffn_hidden // tp)
+    return 1, (target_dims(spec, target)[1],)
 
 
 class LoraSpec(BaseModel):
@@ -99,9 +115,14 @@ class LoraSpec(BaseModel):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' "
                            "input while training (0: none).")
     target_modules: tuple[str, ...] = Field(
-        TARGETS, description="Layers that get an adapter: linear_qkv, linear_proj, "
-        "linear_fc1, linear_fc2 (megatron's names), their PEFT names (q_proj+k_proj+v_proj, "
-        "o_proj, gate_proj+up_proj, down_proj) or all-linear. Default: all four.")
+        HF_ORDER, description="Layers that get an adapter: PEFT's names (q_proj, k_proj, "
+        "v_proj, o_proj, gate_proj, up_proj, down_proj; any subset), megatron's "
+        "(linear_qkv = q_proj+k_proj+v_proj, linear_proj, linear_fc1 = gate_proj+up_proj, "
+        "linear_fc2) or all-linear. Default: all seven. Held as PEFT's names.")
+    shared_a: bool = Field(
+        False, description="One A of rank r shared by the adapted parts of a fused layer "
+        "(q/k/v, gate/up) instead of PEFT's A per part: fewer trained parameters than "
+        "PEFT, and init_from then needs an adapter whose fused parts have equal A.")
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -116,22 +137,43 @@ class LoraSpec(BaseModel):
     def scale(self) -> float:
         return (self.alpha if self.alpha is not None else self.rank) / self.rank
 
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """megatron's layers that carry an adapter, in :data:`TARGETS` order."""
+        return tuple(t for t in TARGETS if self.parts(t))
+
+    def parts(self, target: str) -> tuple[str, ...]:
+        """The adapted Hugging Face parts of ``target``, in megatron's order."""
+        return tuple(n for n in HF_NAMES[target] if n in self.target_modules)
+
+    def a_rows(self, target: str) -> int:
+        """Rows of ``target``'s ``A``: rank per adapted part (rank with ``shared_a``)."""
+        return self.rank * (1 if self.shared_a else len(self.parts(target)))
+
+    def b_rows(self, spec: ModelSpec, target: str, tp: int = 1) -> int:
+        """Rows of ``target``'s ``B`` on one TP rank: the adapted parts' output rows."""
+        groups, rows = part_rows(spec, target, tp)
+        return groups * sum(r for n, r in zip(HF_NAMES[target], rows)
+                            if n in self.target_modules)
+
     def layer_tensors(self, spec: ModelSpec, layer: int) -> list[LogicalTensor]:
         """The adapter tensors of decoder layer ``layer`` (global number), named after
-        the base weight's module: ``decoder.layers.3.mlp.linear_fc1.lora_A``."""
+        the base weight's module: ``decoder.layers.3.mlp.linear_fc1.lora_A``. A fused
+        layer's ``B`` splits over TP like its base (by query group; gate and up part by
+        part)."""
         out = []
-        for target in self.target_modules:
-            k, n = target_dims(spec, target)
+        for target in self.targets:
+            k, _n = target_dims(spec, target)
             pre = f"decoder.layers.{layer}.{MODULE_OF[target]}.{target}."
             content = f"decoder.layers.{layer}.lora.{target}."
-            r = self.rank
+            r, a, b = self.rank, self.a_rows(target), self.b_rows(spec, target)
             if target in COLUMN:
-                parts = 2 if target == "linear_fc1" else 1
-                out += [LogicalTensor(pre + "lora_A", (r, k), None, 1, content + "A", layer),
-                        LogicalTensor(pre + "lora_B", (n, r), 0, parts, content + "B", layer)]
+                parts = len(self.parts(target)) if target == "linear_fc1" else 1
+                out += [LogicalTensor(pre + "lora_A", (a, k), None, 1, content + "A", layer),
+                        LogicalTensor(pre + "lora_B", (b, r), 0, parts, content + "B", layer)]
             else:
-                out += [LogicalTensor(pre + "lora_A", (r, k), 1, 1, content + "A", layer),
-                        LogicalTensor(pre + "lora_B", (n, r), None, 1, content + "B", layer)]
+                out += [LogicalTensor(pre + "lora_A", (a, k), 1, 1, content + "A", layer),
+                        LogicalTensor(pre + "lora_B", (b, r), None, 1, content + "B", layer)]
         return out
 
     def layer_params(self, spec: ModelSpec) -> tuple[int, int]:
@@ -145,20 +187,29 @@ class LoraSpec(BaseModel):
         return sharded, replicated
 
     def total_params(self, spec: ModelSpec) -> int:
+        """Trained adapter parameters of the whole model (PEFT's count for the same
+        targets and rank, unless ``shared_a``)."""
         s, r = self.layer_params(spec)
         return spec.n_layers * (s + r)
 
     def gemms(self, spec: ModelSpec, tp: int) -> list[tuple[float, float]]:
         """(K, N) of one layer's adapter GEMMs on one TP rank: ``x A^T`` then ``z B^T``
-        per target (the row-parallel ones read the rank's input slice)."""
+        per target (the row-parallel ones read the rank's input slice; a fused layer's
+        parts each multiply their own rank-wide block of ``z``, together one GEMM of
+        K = rank over the adapted rows)."""
         out: list[tuple[float, float]] = []
-        for target in self.target_modules:
-            k, n = target_dims(spec, target)
+        for target in self.targets:
+            k, _n = target_dims(spec, target)
             if target in COLUMN:
-                out += [(k, self.rank), (self.rank, n / tp)]
+                out += [(k, self.a_rows(target)), (self.rank, self.b_rows(spec, target, tp))]
             else:
-                out += [(k / tp, self.rank), (self.rank, n)]
+                out += [(k / tp, self.rank), (self.rank, self.b_rows(spec, target))]
         return out
+
+    def z_width(self) -> int:
+        """Columns of ``x A^T`` summed over one layer's targets (what the backward keeps
+        per token, and what the TP all-reduces of the adapters carry)."""
+        return sum(self.a_rows(t) for t in self.targets)
 
 
 def target_dims(spec: ModelSpec, target: str) -> tuple[int, int]:

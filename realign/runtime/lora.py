@@ -2,10 +2,13 @@
 
 :func:`attach_lora` gives each targeted linear layer (``linear_qkv``, ``linear_proj``,
 ``linear_fc1``, ``linear_fc2``: :mod:`planner.specs.lora`) two new parameters,
-``lora_A`` [rank, in] and ``lora_B`` [out, rank], sharded as the planner's logical
-tensors say (a column-parallel layer's B split by output, a row-parallel layer's A split
-by input, the other factor whole on every TP rank), and freezes everything else but a
-value head. The update ``scale * B A x`` (:func:`lora_delta`) is added
+``lora_A`` and ``lora_B``, sharded as the planner's logical tensors say (a
+column-parallel layer's B split by output, a row-parallel layer's A split by input, the
+other factor whole on every TP rank), and freezes everything else but a value head. A
+fused layer (q/k/v, gate/up) carries PEFT's adapters of its adapted parts: ``A`` is
+their ``A`` stacked ([parts * rank, in]), ``B`` their output rows in megatron's order,
+each part's rows reading its own rank-wide block of ``x A^T`` (:func:`fused_out`). The
+update ``scale * B A x`` (:func:`lora_delta`) is added
 
 * in megatron's ``GPTModel`` forward by a forward hook on the layer (training with
   ``train.forward: megatron``), and
@@ -50,7 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from planner.specs.lora import COLUMN, MODULE_OF, LoraSpec, target_dims
+from planner.specs.lora import COLUMN, HF_NAMES, MODULE_OF, LoraSpec, part_rows, target_dims
 
 LORA_PARAMS = ("lora_A", "lora_B")
 
@@ -68,14 +71,35 @@ def init_seed(seed: int, layer: int, target: str) -> int:
 
 
 def initial_a(lora: LoraSpec, spec, layer: int, target: str, seed: int) -> torch.Tensor:
-    """The full initial ``A`` [rank, in] in fp32: PEFT's default, Kaiming-uniform with
-    ``a = sqrt(5)``, i.e. uniform in ``±1/sqrt(in)`` (``B`` starts at zero, so the model
-    starts as its base)."""
+    """The full initial ``A`` [A's rows, in] in fp32: PEFT's default for each part,
+    Kaiming-uniform with ``a = sqrt(5)``, i.e. uniform in ``±1/sqrt(in)`` (``B`` starts
+    at zero, so the model starts as its base)."""
     k, _n = target_dims(spec, target)
     g = torch.Generator().manual_seed(init_seed(seed, layer, target))
     bound = 1.0 / math.sqrt(k)
-    return (torch.rand(lora.rank, k, generator=g, dtype=torch.float64) * 2 - 1).mul(
-        bound).float()
+    return (torch.rand(lora.a_rows(target), k, generator=g, dtype=torch.float64) * 2 - 1
+            ).mul(bound).float()
+
+
+def part_plan(lora: LoraSpec, spec, target: str, tp: int
+              ) -> tuple[int, tuple[tuple[int, int | None], ...]]:
+    """How a column-parallel target's local output is made from ``x A^T``: (groups,
+    ``(rows, block)`` per part of a group in megatron's order), ``block`` the part's
+    rank-wide block of ``x A^T`` (0 for every part with ``shared_a``), None for a part
+    without adapter (its rows get no update).
+
+    q_proj and v_proj of a model with 2 query groups of 2 heads of 8 at tp 1:
+    ``(2, ((16, 0), (8, None), (8, 1)))``.
+    """
+    groups, rows = part_rows(spec, target, tp)
+    adapted = lora.parts(target)
+    out = []
+    for name, n in zip(HF_NAMES[target], rows):
+        block = None
+        if name in adapted:
+            block = 0 if lora.shared_a else adapted.index(name)
+        out.append((n, block))
+    return groups, tuple(out)
 
 
 def target_module(layer: torch.nn.Module, target: str) -> torch.nn.Module:
@@ -100,16 +124,18 @@ def attach_lora(shard, lora: LoraSpec, seed: int) -> None:
     layers = stage_layers(spec.n_layers, g.layout.pp, g.pp_rank)
     for local, layer in enumerate(shard.module.decoder.layers):
         glob = layers[local]
-        for target in lora.target_modules:
+        for target in lora.targets:
             mod = target_module(layer, target)
-            k, n = target_dims(spec, target)
+            k, _n = target_dims(spec, target)
             a_full = initial_a(lora, spec, glob, target, seed)
             if target in COLUMN:
                 a = a_full
-                b = torch.zeros(n // tp, lora.rank)
+                b = torch.zeros(lora.b_rows(spec, target, tp), lora.rank)
+                mod.lora_parts = part_plan(lora, spec, target, tp)
             else:
                 a = a_full[:, tp_rank * k // tp:(tp_rank + 1) * k // tp]
-                b = torch.zeros(n, lora.rank)
+                b = torch.zeros(lora.b_rows(spec, target), lora.rank)
+                mod.lora_parts = (1, ((b.shape[0], 0),))
             mod.lora_A = torch.nn.Parameter(a.to(device=device, dtype=dtype).contiguous())
             mod.lora_B = torch.nn.Parameter(b.to(device=device, dtype=dtype))
             if target in COLUMN:
@@ -117,7 +143,7 @@ def attach_lora(shard, lora: LoraSpec, seed: int) -> None:
             else:
                 set_tensor_model_parallel_attributes(mod.lora_A, True, 1, 1)
             mod.lora_column = target in COLUMN
-            mod.lora_scale = lora.scale
+            mod.lora_scale, mod.lora_rank = lora.scale, lora.rank
             mod.lora_dropout = lora.dropout
             mod.lora_tp_group = g.pgs.tp if tp > 1 else None
             mod.lora_tp, mod.lora_tp_rank = tp, tp_rank
@@ -161,7 +187,36 @@ def lora_delta(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             z = reduce_from_tensor_model_parallel_region(z, group)
         else:
             dist.all_reduce(z, group=group)
-    return F.linear(z, mod.lora_B) * mod.lora_scale
+    return fused_out(z, mod.lora_B, mod.lora_parts, mod.lora_rank) * mod.lora_scale
+
+
+def fused_out(z: torch.Tensor, b: torch.Tensor, parts, rank: int) -> torch.Tensor:
+    """``B``'s output of ``z = x A^T`` (any leading dimensions) on one TP rank, ``parts``
+    as :func:`part_plan` gives them: each adapted part's rows of ``B`` times its block of
+    ``z``, zeros for a part without adapter, laid out in megatron's row order. One GEMM
+    when every part reads the same block (one part, or ``shared_a``)."""
+    groups, plan = parts
+    if all(block == 0 for _n, block in plan):
+        return F.linear(z, b)
+    lead = z.shape[:-1]
+    bg = b.view(groups, -1, rank)
+    outs, row = [], 0
+    for n, block in plan:
+        if block is None:
+            outs.append(z.new_zeros(*lead, groups, n))
+            continue
+        bp = bg[:, row:row + n].reshape(groups * n, rank)
+        row += n
+        zp = z[..., block * rank:(block + 1) * rank]
+        outs.append(F.linear(zp, bp).view(*lead, groups, n))
+    return torch.cat(outs, -1).reshape(*lead, -1)
+
+
+def delta_weight(mod: torch.nn.Module) -> torch.Tensor:
+    """``scale * B A`` of one adapted layer on this TP rank (fp32), shaped like the
+    rank's base weight: what merging adds to it."""
+    a, b = mod.lora_A.float(), mod.lora_B.float()
+    return fused_out(a.t(), b, mod.lora_parts, mod.lora_rank).t() * mod.lora_scale
 
 
 def _dropout(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor:

@@ -6,11 +6,14 @@ PEFT's folder: ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alpha`
 ``...lora_B.weight`` [out, r] per adapted module (PEFT loads it with
 ``PeftModel.from_pretrained(base, folder)``).
 
-realign fuses q/k/v (and gate/up) into one megatron layer with one ``A``; written out,
-q_proj, k_proj and v_proj share that ``A`` and split ``B`` by rows (un-interleaving
-megatron's query-group-major rows as the base weight's export does), which is the same
-function. Read in, an adapter whose fused parts have different ``A`` cannot be one
-adapter on the fused layer: :func:`check_peft_adapter` says so (exit 2).
+megatron fuses q/k/v (and gate/up) into one layer; realign's adapter on it is PEFT's
+adapters of the adapted parts (:mod:`planner.specs.lora`): written out, part ``p`` gets
+block ``p`` of the fused ``A`` and its own rows of ``B`` (un-interleaving megatron's
+query-group-major rows as the base weight's export does); read in, the parts' ``A`` are
+stacked and their ``B`` interleaved again. So any PEFT LoRA adapter of a supported
+family loads, whichever projections it adapts. With ``shared_a`` the fused ``A`` is
+written to every part, and an adapter whose fused parts have different ``A`` is refused
+(:func:`check_peft_adapter`, exit 2).
 
 A value head (critic, reward model) is trained whole: written as PEFT's
 ``modules_to_save`` (``score``).
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from planner.specs.lora import COLUMN, HF_NAMES, MODULE_OF, LoraSpec
+from planner.specs.lora import COLUMN, HF_NAMES, HF_TARGETS, MODULE_OF, LoraSpec, part_rows
 from planner.specs.model_spec import ModelSpec
 from planner.specs.param_layout import LogicalTensor, layer_tensors
 from realign.errors import UserError
@@ -47,27 +50,44 @@ def base_tensor(spec: ModelSpec, layer: int, target: str) -> LogicalTensor:
     return next(t for t in layer_tensors(spec, layer) if t.name == want)
 
 
-def hf_keys(layer: int, target: str, factor: str) -> list[str]:
-    """PEFT's keys of one factor (``A`` or ``B``) of a target, one per HF module."""
-    return [f"{PREFIX}model.layers.{layer}.{HF_MODULE[target]}.{n}.lora_{factor}.weight"
-            for n in HF_NAMES[target]]
+def hf_key(layer: int, name: str, factor: str) -> str:
+    """PEFT's key of one factor (``A`` or ``B``) of a Hugging Face module (``q_proj``)."""
+    return (f"{PREFIX}model.layers.{layer}.{HF_MODULE[HF_TARGETS[name]]}.{name}"
+            f".lora_{factor}.weight")
 
 
-def b_to_hf(spec: ModelSpec, layer: int, target: str, full_b: torch.Tensor) -> list[torch.Tensor]:
-    """A full ``B`` in megatron's row order -> the HF modules' ``B`` (in HF_NAMES order)."""
-    from realign.runtime.hf_checkpoint import to_hf
-    return list(to_hf(base_tensor(spec, layer, target), full_b, spec).values())
+def b_to_hf(spec: ModelSpec, lora: LoraSpec, target: str, full_b: torch.Tensor
+            ) -> list[torch.Tensor]:
+    """A full ``B`` in megatron's row order -> the adapted parts' ``B`` (in
+    ``lora.parts(target)`` order)."""
+    groups, rows = part_rows(spec, target)
+    sizes = [n for name, n in zip(HF_NAMES[target], rows) if name in lora.parts(target)]
+    r = full_b.shape[1]
+    blocks = full_b.reshape(groups, -1, r).split(sizes, dim=1)
+    return [b.reshape(-1, r).contiguous() for b in blocks]
 
 
 def b_from_hf(spec: ModelSpec, target: str, parts: list[torch.Tensor]) -> torch.Tensor:
-    """The HF modules' ``B`` -> one full ``B`` in megatron's row order."""
-    if target == "linear_qkv":
-        d, groups = spec.kv_channels, spec.n_kv_heads
-        q, k, v = parts
-        r = q.shape[1]
-        return torch.cat([q.reshape(groups, -1, r), k.reshape(groups, d, r),
-                          v.reshape(groups, d, r)], dim=1).reshape(-1, r)
-    return torch.cat(parts)
+    """The adapted parts' ``B`` (in megatron's part order) -> one full ``B`` in
+    megatron's row order (query-group-major for q/k/v)."""
+    groups, _rows = part_rows(spec, target)
+    r = parts[0].shape[1]
+    return torch.cat([p.reshape(groups, -1, r) for p in parts], dim=1).reshape(-1, r)
+
+
+def a_to_hf(lora: LoraSpec, target: str, full_a: torch.Tensor) -> list[torch.Tensor]:
+    """A full ``A`` -> the adapted parts' ``A`` (each its block; the one ``A`` to every
+    part with ``shared_a``)."""
+    n = len(lora.parts(target))
+    if lora.shared_a:
+        return [full_a.clone() for _ in range(n)]       # one file entry each
+    return [a.contiguous() for a in full_a.split(lora.rank)]
+
+
+def a_from_hf(lora: LoraSpec, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The adapted parts' ``A`` -> the fused ``A`` (the first with ``shared_a``, whose
+    parts :func:`check_peft_adapter` found equal)."""
+    return parts[0] if lora.shared_a else torch.cat(parts)
 
 
 # ---- out ----------------------------------------------------------------------------
@@ -90,13 +110,10 @@ def _full_adapters(shard) -> dict[str, torch.Tensor]:
             out[f"{PREFIX}score.weight"] = full
             continue
         target, factor = name.split(".")[-2], name.split(".")[-1][-1]
-        if factor == "A":
-            for key in hf_keys(t.layer, target, "A"):
-                out[key] = full.clone()         # one file entry each (safetensors)
-        else:
-            for key, part in zip(hf_keys(t.layer, target, "B"), b_to_hf(spec, t.layer, target,
-                                                                         full)):
-                out[key] = part.contiguous()
+        parts = a_to_hf(lora, target, full) if factor == "A" else b_to_hf(spec, lora, target,
+                                                                           full)
+        for hf_name, part in zip(lora.parts(target), parts):
+            out[hf_key(t.layer, hf_name, factor)] = part
     return out
 
 
@@ -106,7 +123,7 @@ def peft_config(lora: LoraSpec, head: str, base_path: str) -> dict:
         "base_model_name_or_path": str(base_path), "r": lora.rank,
         "lora_alpha": lora.alpha if lora.alpha is not None else lora.rank,
         "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False,
-        "target_modules": sorted(n for t in lora.target_modules for n in HF_NAMES[t]),
+        "target_modules": sorted(lora.target_modules),
         "modules_to_save": ["score"] if head == "value" else None,
         "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
         "use_dora": False, "layers_to_transform": None, "rank_pattern": {},
@@ -143,7 +160,7 @@ def save_merged_checkpoint(shard, folder: str | Path, hf_config: dict) -> None:
     Each TP rank merges its own slice (a column-parallel layer's rows, a row-parallel
     layer's columns); the base weights are restored afterwards."""
     from realign.runtime.hf_checkpoint import save_hf_checkpoint
-    from realign.runtime.lora import adapted
+    from realign.runtime.lora import adapted, delta_weight
 
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     with torch.no_grad():
@@ -151,8 +168,7 @@ def save_merged_checkpoint(shard, folder: str | Path, hf_config: dict) -> None:
             for mod in adapted(layer).values():
                 w = mod.weight
                 kept.append((w, w.detach().clone()))
-                delta = (mod.lora_B.float() @ mod.lora_A.float()) * mod.lora_scale
-                w.add_(delta.to(w.dtype))
+                w.add_(delta_weight(mod).to(w.dtype))
         try:
             save_hf_checkpoint(shard, folder, hf_config)
         finally:
@@ -169,12 +185,26 @@ def read_peft_adapter(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     return json.loads((p / CONFIG).read_text()), load_file(str(p / WEIGHTS))
 
 
+#: PEFT settings realign's adapters cannot express -> the value they must have
+PLAIN_LORA = {"use_dora": False, "use_rslora": False, "bias": "none", "lora_bias": False,
+              "fan_in_fan_out": False, "layers_to_transform": None, "rank_pattern": {},
+              "alpha_pattern": {}, "trainable_token_indices": None,
+              "target_parameters": None, "layer_replication": None, "use_qalora": False}
+
+
+def adapted_modules(tensors: dict[str, torch.Tensor]) -> set[str]:
+    """The Hugging Face projection names that carry a ``lora_A`` somewhere in a PEFT
+    adapter's tensors (what it adapts, whatever its config's patterns)."""
+    return {key.split(".")[-3] for key in tensors if key.endswith(".lora_A.weight")}
+
+
 def check_peft_adapter(folder: str | Path, spec: ModelSpec, head: str, lora: LoraSpec,
                        field: str) -> None:
     """:class:`UserError` naming ``field`` unless the PEFT adapter at ``folder`` fits
-    this model and these settings: LoRA, the same rank, alpha and target modules, every
-    tensor present with the shape the base implies, and one ``A`` per fused layer.
-    Reads files only (before any worker starts)."""
+    this model and these settings: plain LoRA (no DoRA, rsLoRA, bias, per-module ranks
+    or layer subset), the same rank and alpha, the same adapted projections, every
+    tensor present with the shape the base implies, and with ``shared_a`` one ``A`` per
+    fused layer. Reads files only (before any worker starts)."""
     p = Path(folder)
     if not (p / CONFIG).is_file() or not (p / WEIGHTS).is_file():
         raise UserError(f"{str(folder)!r} is not a PEFT adapter folder (needs {CONFIG} and "
@@ -182,39 +212,50 @@ def check_peft_adapter(folder: str | Path, spec: ModelSpec, head: str, lora: Lor
     cfg, tensors = read_peft_adapter(p)
     if cfg.get("peft_type") != "LORA":
         raise UserError(f"the adapter is {cfg.get('peft_type')!r}, not LORA", field=field)
+    for key, plain in PLAIN_LORA.items():
+        value = cfg.get(key)
+        if not (value is None or value == plain or (not value and not plain)):
+            raise UserError(f"the adapter has {key}={cfg.get(key)!r}; realign's LoRA runs "
+                            f"plain LoRA ({key}={plain!r})", field=field)
+    saved = set(cfg.get("modules_to_save") or []) - ({"score"} if head == "value" else set())
+    if saved:
+        raise UserError(f"the adapter also trains {sorted(saved)} whole (modules_to_save); "
+                        "realign trains only the adapters (and a value model's score head)",
+                        field=field)
     alpha = lora.alpha if lora.alpha is not None else lora.rank
     for key, mine, what in (("r", lora.rank, "rank"), ("lora_alpha", alpha, "alpha")):
         if cfg.get(key) != mine:
             raise UserError(f"the adapter has {key}={cfg.get(key)}, the settings' {what} is "
                             f"{mine}: set them alike", field=field)
-    want = {n for t in lora.target_modules for n in HF_NAMES[t]}
-    got = set(cfg.get("target_modules") or [])
+    got, want = adapted_modules(tensors), set(lora.target_modules)
     if got != want:
-        raise UserError(f"the adapter targets {sorted(got)}, the settings {sorted(want)} "
+        raise UserError(f"the adapter adapts {sorted(got)}, the settings {sorted(want)} "
                         "(target_modules): set them alike", field=field)
     from realign.runtime.hf_checkpoint import hf_shapes
 
     for layer in range(spec.n_layers):
-        for target in lora.target_modules:
+        for target in lora.targets:
             base = base_tensor(spec, layer, target)
             k = base.shape[1]
-            outs = [s[0] for s in hf_shapes(base, spec)]
-            a_keys, b_keys = hf_keys(layer, target, "A"), hf_keys(layer, target, "B")
-            for key, shape in [(a, (lora.rank, k)) for a in a_keys] + [
-                    (b, (o, lora.rank)) for b, o in zip(b_keys, outs)]:
-                if key not in tensors:
-                    raise UserError(f"the adapter lacks {key!r}: it was not made for this "
-                                    f"{spec.n_layers}-layer model", field=field)
-                if tuple(tensors[key].shape) != shape:
-                    raise UserError(f"{key!r} has shape {tuple(tensors[key].shape)}; this base "
-                                    f"model implies {shape}: the adapter was made for "
-                                    "another base", field=field)
-            a0 = tensors[a_keys[0]]
-            if any(not torch.equal(a0, tensors[a]) for a in a_keys[1:]):
-                raise UserError(f"{', '.join(HF_NAMES[target])} of layer {layer} have different "
-                                f"lora_A: realign fuses them into {target} with one A, so it "
-                                "can start only from an adapter whose fused parts share A "
-                                "(such as the ones it writes)", field=field)
+            outs = dict(zip(HF_NAMES[target], (s[0] for s in hf_shapes(base, spec))))
+            names = lora.parts(target)
+            for name in names:
+                for factor, shape in (("A", (lora.rank, k)), ("B", (outs[name], lora.rank))):
+                    key = hf_key(layer, name, factor)
+                    if key not in tensors:
+                        raise UserError(f"the adapter lacks {key!r}: it was not made for this "
+                                        f"{spec.n_layers}-layer model", field=field)
+                    if tuple(tensors[key].shape) != shape:
+                        raise UserError(f"{key!r} has shape {tuple(tensors[key].shape)}; this "
+                                        f"base model implies {shape}: the adapter was made "
+                                        "for another base", field=field)
+            a0 = tensors[hf_key(layer, names[0], "A")]
+            if lora.shared_a and any(not torch.equal(a0, tensors[hf_key(layer, n, "A")])
+                                     for n in names[1:]):
+                raise UserError(f"{', '.join(names)} of layer {layer} have different lora_A: "
+                                f"with shared_a realign gives {target} one A, so it can "
+                                "start only from an adapter whose fused parts share A; set "
+                                "shared_a: false to load any PEFT adapter", field=field)
     if head == "value" and f"{PREFIX}score.weight" not in tensors:
         raise UserError("the adapter has no score head (modules_to_save) for this value "
                         "model", field=field)
@@ -227,18 +268,21 @@ def load_peft_adapter(shard, folder: str | Path) -> None:
     from realign.runtime.lora import adapted
 
     _cfg, tensors = read_peft_adapter(folder)
-    g, spec = shard.groups, shard.spec
+    g, spec, lora = shard.groups, shard.spec, shard.lora
     tp, tp_rank = g.layout.tp, g.tp_rank
     layers = stage_layers(spec.n_layers, g.layout.pp, g.pp_rank)
     with torch.no_grad():
         for local, layer in enumerate(shard.module.decoder.layers):
             glob = layers[local]
+            b_tensor = {t.name.split(".")[-2]: t for t in lora.layer_tensors(spec, glob)
+                        if t.name.endswith("lora_B")}
             for target, mod in adapted(layer).items():
-                a = tensors[hf_keys(glob, target, "A")[0]]
-                b = b_from_hf(spec, target, [tensors[k] for k in hf_keys(glob, target, "B")])
+                names = lora.parts(target)
+                a = a_from_hf(lora, [tensors[hf_key(glob, n, "A")] for n in names])
+                b = b_from_hf(spec, target, [tensors[hf_key(glob, n, "B")] for n in names])
                 if target in COLUMN:
-                    t = base_tensor(spec, glob, target)
-                    b = torch.cat([b[lo:hi] for lo, hi in t.shard_ranges(tp_rank, tp)])
+                    b = torch.cat([b[lo:hi] for lo, hi in
+                                   b_tensor[target].shard_ranges(tp_rank, tp)])
                 else:
                     k = a.shape[1]
                     a = a[:, tp_rank * k // tp:(tp_rank + 1) * k // tp]

@@ -1,6 +1,7 @@
 """LoRA on real gloo ranks: realign's adapters (in both of its forwards, at TP1 and TP2)
-against PEFT's on the same base, initialisation and batch; scoring through them at TP2
-and PP2. One 2-rank world (conftest)."""
+against PEFT's own (every projection its own A) on the same base, initialisation and
+batch; PEFT's files in (any subset of q/k/v and gate/up, LLaMA, Qwen2, Qwen3) and out;
+scoring through them at TP2 and PP2. One 2-rank world (conftest)."""
 from __future__ import annotations
 
 import pytest
@@ -73,3 +74,55 @@ def test_lora_training_is_the_same_at_every_layout(world2, tiny_models, head, mo
                 assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel), key
                 assert b["update_ok"] == 1.0
             assert float((o - out).abs().max()) < 2e-3, key
+
+
+def test_shared_a_matches_peft_with_equal_a_on_fused_parts(world2, tiny_models):
+    """``shared_a``: one A per fused layer is PEFT with the parts' A equal (their
+    gradients summed); the same at TP2."""
+    from planner.specs.lora import LoraSpec
+
+    lora = LoraSpec(rank=4, alpha=8, shared_a=True)
+    for tp in (1, 2):
+        res = [r for r in world2.run("cases_lora:peft_parity", tiny_models["llama"], tp,
+                                     "plain", lora) if r is not None]
+        assert len(res) == tp
+        for loss_diff, grad_rel, frozen in res:
+            assert loss_diff < 1e-5 and grad_rel < 1e-4 and frozen
+
+
+TARGET_SETS = [["all-linear"], ["q_proj", "v_proj"], ["k_proj", "o_proj", "up_proj"],
+               ["gate_proj", "down_proj", "v_proj"]]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("targets", TARGET_SETS, ids=lambda t: "+".join(t))
+def test_an_adapter_saved_by_peft_loads_and_gives_peft_merged_logits(
+        world2, tiny_models, model, tp, targets):
+    """A PEFT adapter (its own random A and B per projection, any subset of the fused
+    layers' parts) passes init_from's check, loads at TP1 and TP2 (B's parts sharded by
+    query group and by ffn column) and gives the logits of PEFT's merged model (within
+    1e-5 of the largest logit: fp32 rounding; PEFT's merged and unmerged models differ by
+    about 5e-6 of it); realign trains as many parameters as PEFT."""
+    res = [r for r in world2.run("cases_lora:peft_file_logits", tiny_models[model], tp,
+                                 targets) if r is not None]
+    assert len(res) == tp
+    for merged_rel, base_diff, n_ours, n_peft in res:
+        assert merged_rel <= 1e-5
+        assert base_diff > 1e-2                   # the adapters change the model
+        assert n_ours == n_peft
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("targets", [["all-linear"], ["q_proj", "v_proj"]],
+                         ids=lambda t: "+".join(t))
+def test_realign_export_loads_in_peft_with_the_same_logits(world2, tiny_models, tp, targets):
+    from planner.specs.lora import LoraSpec
+
+    res = [r for r in world2.run("cases_lora:export_logits", tiny_models["qwen2"], tp,
+                                 targets) if r is not None]
+    assert len(res) == 1
+    rel, adapted, config_targets = res[0]
+    assert rel <= 1e-5                            # of the largest logit, as above
+    want = sorted(LoraSpec(rank=4, target_modules=targets).target_modules)
+    assert adapted == want and config_targets == want
