@@ -14,7 +14,7 @@ from realign.agents.interface import Environment, Episode, Tool
 from realign.agents.observation import observation_chars
 from realign.agents.tools import Raised, as_tool, start
 from realign.errors import UserError
-from realign.rewards.registry import import_object
+from realign.usercode import import_object
 
 
 def load_env_class(spec: str, env_args: dict, base_dir: str | Path | None,
@@ -22,7 +22,7 @@ def load_env_class(spec: str, env_args: dict, base_dir: str | Path | None,
     """The environment class named ``spec``, its methods' signatures checked and one
     instance made with ``env_args`` (so a constructor that raises fails here), in a
     thread as the run makes them."""
-    cls = _import(spec, field, base_dir)
+    cls = import_object(spec, field, base_dir)
     if not inspect.isclass(cls):
         raise UserError(f"{spec} is a {type(cls).__name__}; an environment is a class with "
                         "reset(episode) and step(turn) methods", field=field)
@@ -50,25 +50,13 @@ def load_env_class(spec: str, env_args: dict, base_dir: str | Path | None,
     return cls
 
 
-def _import(spec: str, field: str, base_dir: str | Path | None):
-    """:func:`import_object`, with a module that calls ``sys.exit`` while importing (an
-    argparse at its top level) a :class:`UserError` too. Only ``SystemExit``: a
-    ``KeyboardInterrupt`` here, in the main thread, may be the user's Ctrl-C."""
-    try:
-        return import_object(spec, field, base_dir)
-    except SystemExit as e:
-        raise UserError(f"importing {spec} called sys.exit({e.code!r}); a module named "
-                        "here must import without exiting (parse arguments under "
-                        "if __name__ == '__main__')", field=field) from None
-
-
 def load_tools(specs: list[str], base_dir: str | Path | None) -> dict[str, Tool]:
     """Tool name -> tool, from ``rollout.tools``."""
     out: dict[str, Tool] = {}
     for i, spec in enumerate(specs):
         field = f"rollout.tools[{i}]"
         try:
-            tool = as_tool(_import(spec, field, base_dir), spec)
+            tool = as_tool(import_object(spec, field, base_dir), spec)
         except ValueError as e:
             raise UserError(str(e), field=field) from None
         if tool.name in out:
