@@ -9,9 +9,14 @@ records one step's kernels for a fixed shape and replays them in one call:
 
 * ``graph`` (CUDA): a ``torch.cuda.CUDAGraph`` per shape, replayed with one launch;
   every capture of a decoder shares one memory pool;
-* ``compile`` (CPU): ``torch.compile`` of the eager step. Measured on the bench model on
-  a 2-core CPU it gains little and compiles for about a minute per shape
-  (benchmarks/generate/README.md), so ``auto`` keeps the CPU eager.
+* ``compile`` (CPU): ``torch.compile`` of the eager step, one compilation per shape.
+  Measured on a 2-core CPU (benchmarks/generate/README.md) it removes most of a small
+  model's per-layer Python cost but gains a few per cent on the bench model, whose
+  steps are arithmetic, and compiles for about a minute per shape: ``auto`` keeps the
+  CPU eager;
+* ``trace``: the same capture traced by ``torch.compile`` without code generation (its
+  ``eager`` backend): every shape, buffer and bucket of a capture, in seconds rather
+  than minutes, so the CPU tests check the capture's outputs against the eager step's.
 
 What makes a capture reusable across steps: the KV cache is the decoder's, allocated
 for the whole call; the inputs a step reads (its tokens or hidden states, the rows'
@@ -34,7 +39,7 @@ import torch
 
 from realign.runtime.engines.decoder import KEY_BLOCK, StageDecoder, key_span
 
-CaptureMode = Literal["graph", "compile"]
+CaptureMode = Literal["graph", "compile", "trace"]
 #: ``rollout.capture``: "auto" captures where it pays (CUDA), "on" everywhere, "off" never
 CaptureSetting = Literal["auto", "on", "off"]
 
@@ -42,6 +47,9 @@ CaptureSetting = Literal["auto", "on", "off"]
 #: multiple of it: at most twice the keys of a short step, at most this many extra keys
 #: for a long one, and a few dozen captures for a 4096-token cache
 SPAN_STEP = 256
+#: compilations one decoder's steps may keep (torch's default, 8, would run the ninth
+#: shape eagerly without saying so)
+RECOMPILE_LIMIT = 512
 
 
 def capture_mode(setting: CaptureSetting, device_kind: str) -> CaptureMode | None:
@@ -118,11 +126,18 @@ class CapturedSteps:
         sx, spos = x.clone(), pos.clone()
         srows = rows.clone() if rows is not None else None
         dec = self.dec
-        if self.mode == "compile":
+        if self.mode in ("compile", "trace"):
             if self._compiled is None:
-                self._compiled = torch.compile(dec.eager_step, dynamic=False)
+                self._compiled = torch.compile(
+                    dec.eager_step, dynamic=False,
+                    backend="inductor" if self.mode == "compile" else "eager")
             fn = self._compiled
-            return _Capture(sx, spos, srows, lambda: fn(sx, spos, span, srows))
+
+            def compiled() -> torch.Tensor:
+                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
+                                                accumulated_recompile_limit=RECOMPILE_LIMIT):
+                    return fn(sx, spos, span, srows)
+            return _Capture(sx, spos, srows, compiled)
         # warm-up on a side stream (library handles and workspaces are made outside the
         # capture); it writes the very cache entries the first replay writes again
         side = torch.cuda.Stream()

@@ -280,7 +280,7 @@ class _Run:
             h = grp.dec.step(x, pos, kv_len, rows=rows)
             grp.steps += 1
             if last:
-                logits_going = h[:len(going)]
+                logits_going = h if every else h[:len(going)]    # not the padding
             else:
                 links.send_hidden(h)
         grp.ran = True
