@@ -93,6 +93,21 @@ def budget_for_bins(lengths: Sequence[int], bins: int, block: int = PACK_BLOCK) 
     return budget
 
 
+def group_bins(lengths: Sequence[int], group: int, budget: int) -> list[list[int]]:
+    """Row indices of a training micro-batch per bin: the rows in ``group``s of
+    consecutive rows (a preference pair: 2), whole groups packed first-fit decreasing
+    by their token sums into bins of at most ``budget`` tokens; each bin's rows in
+    index order (a pair stays chosen, rejected).
+
+    Example: lengths [3, 5, 2, 4], budget 7, group 1 -> [[1, 2], [0, 3]]; group 2 (sums
+    8 and 6) needs a budget of 8 at least: 14 -> [[0, 1, 2, 3]], 8 -> [[0, 1], [2, 3]]."""
+    if len(lengths) % group:
+        raise ValueError(f"{len(lengths)} rows do not split into groups of {group}")
+    sums = [sum(lengths[i:i + group]) for i in range(0, len(lengths), group)]
+    return [sorted(r for u in b for r in range(u * group, (u + 1) * group))
+            for b in first_fit_decreasing(sums, budget)]
+
+
 def row_moments(mfc: "MFC") -> tuple[float, float, float]:
     """Mean, variance and mean square of one row's length (``prompt + response``).
 

@@ -9,6 +9,8 @@ Shapes: ``b`` sequences of ``s`` tokens; per-token log-probs, advantages and mas
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Union
 
 import torch
@@ -21,8 +23,65 @@ Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 #: A reduction of a per-token loss: a named one, or ``fn(per_token, mask) -> scalar``
 Aggregate = Union[LossAgg, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+#: Each row's count in a loss's normaliser, [b] (:class:`TrainLoss`)
+RowWeights = Callable[[Batch], torch.Tensor]
 #: Keys a ``prepare`` step adds for the train call's metrics (scalars), not to train on
 STAT_PREFIX = "stat."
+
+
+@dataclass(frozen=True)
+class TrainLoss:
+    """A loss function and what its mean is over: ``weights(batch)`` gives each row's
+    count in the denominator of ``fn``'s mean over a micro-batch (1 for a mean over
+    rows or pairs, the row's masked tokens for a token mean, 1 or 0 for a mean over
+    the sequences that have any).
+
+    ``fn`` returns a micro-batch's mean loss; the training engine scales it by the
+    micro-batch's share of the mini-batch's total weight, so the step's gradient is
+    that of the mean over the whole mini-batch however its rows are split into
+    micro-batches (a token mean over every token of the mini-batch, a sequence mean
+    over every row), equal micro-batches or token-budget bins of any row counts.
+    Example: a token mean over rows of 1, 1, 3 and 3 tokens, losses 2, 2, 1, 1 per
+    token, in two micro-batches of two rows: 2 x 2/8 + 1 x 6/8 = 1.25, the mini-batch's
+    (4 + 6) / 8; a plain mean of the two micro-batch means would give 1.5."""
+
+    fn: LossFn
+    weights: RowWeights
+
+    def __call__(self, outputs: torch.Tensor, batch: Batch
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.fn(outputs, batch)
+
+
+def per_row(batch: Batch) -> torch.Tensor:
+    """Weight 1 per row: a mean over rows (or over pairs of two rows each)."""
+    return torch.ones(batch["tokens"].shape[0])
+
+
+def loss_mask_of(batch: Batch) -> torch.Tensor:
+    """The batch's ``loss_mask`` (SFT, rejection sampling)."""
+    require(batch, "loss_mask")
+    return batch["loss_mask"]
+
+
+def aggregate_weights(mode: LossAgg, mask_of: Callable[[Batch], torch.Tensor]) -> RowWeights:
+    """The row weights of :func:`aggregate` over ``mask_of(batch)``: ``token_mean``, the
+    row's masked tokens; ``seq_mean_token_mean``, 1 for a row with any, else 0."""
+    if mode not in ("token_mean", "seq_mean_token_mean"):
+        raise ValueError(f"unknown loss aggregation {mode!r}")
+    return partial(_aggregate_weights, mode=mode, mask_of=mask_of)   # picklable
+
+
+def _aggregate_weights(batch: Batch, mode: LossAgg,
+                       mask_of: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
+    tokens = mask_of(batch).sum(1)
+    return tokens if mode == "token_mean" else (tokens > 0).to(tokens.dtype)
+
+
+def loss_weights(loss: "LossFn | TrainLoss") -> RowWeights:
+    """The row weights of a training loss: its own, or :func:`per_row` for a plain
+    function (a mean over its micro-batch's rows)."""
+    return loss.weights if isinstance(loss, TrainLoss) else per_row
 
 
 def require(batch: Batch, *keys: str) -> None:
@@ -108,7 +167,8 @@ def token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Ten
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregate) -> torch.Tensor:
     """Reduce a per-token loss to a scalar: ``token_mean`` averages over all response
-    tokens of the micro-batch; ``seq_mean_token_mean`` averages each sequence's tokens,
+    tokens of the micro-batch (over the mini-batch once the engine weighs it by
+    :func:`aggregate_weights`); ``seq_mean_token_mean`` averages each sequence's tokens,
     then the sequences that have any (the GRPO paper's 1/G sum_i 1/|o_i| sum_t); a
     callable reduces as it says (DAPO's :func:`minibatch_token_mean`, Dr. GRPO's
     constant normaliser)."""
@@ -306,11 +366,10 @@ def minibatch_token_mean(per_token: torch.Tensor, mask: torch.Tensor, batch: Bat
     """A micro-batch's share of the mean over every masked token of its mini-batch:
     sum(per_token * mask) * (minibatch_rows / rows here) / minibatch_tokens.
 
-    The train engine averages the micro-batches' losses (and the data-parallel ranks'),
-    so a plain token mean per micro-batch weighs a short micro-batch's tokens more
-    than a long one's; scaled this way the average over the P = minibatch_rows / rows
-    equal micro-batches is exactly sum over the mini-batch / its token count (DAPO's
-    token-level loss). Example: a mini-batch of 4 rows with 1, 1, 3, 3 tokens in 2
+    Its weights are :func:`per_row`: the train engine weighs each micro-batch by its
+    share of the mini-batch's rows, so the weighted sum over micro-batches of any row
+    counts (equal ones, or token-budget bins) is exactly sum over the mini-batch / its
+    token count (DAPO's token-level loss). Example: a mini-batch of 4 rows with 1, 1, 3, 3 tokens in 2
     micro-batches, loss 2 on each token of the first and 1 on each of the second: its
     token mean is (2 * 2 + 6 * 1) / 8 = 1.25; this gives 4 * 2 / 8 = 1 and 6 * 2 / 8 =
     1.5, mean 1.25, where token means per micro-batch give (2 + 1) / 2 = 1.5."""

@@ -64,7 +64,7 @@ def test_make_config_takes_shape_fields_from_the_batch_shape():
 def test_duplicates_rejected():
     a = ALGORITHMS["sft"]
     with pytest.raises(ValueError, match="'sft' registered twice"):
-        registry._table(a, Algorithm("sft", a.config, a.prepare, a.losses))
+        registry._table(a, Algorithm("sft", a.config, a.prepare, a.losses, a.normalisers))
 
 
 def _rollout(b=4, s=6, seed=0):

@@ -8,8 +8,17 @@ The loss is supplied by the algorithm: ``loss_fn(outputs, micro_batch) -> (loss,
 metrics)`` where ``outputs`` are the per-token log-probs [b, s-1] (LM head) or values
 [b, s] (value head) of the micro-batch, differentiable, zero past each length;
 ``loss`` is the micro-batch's mean loss (a scalar) and ``metrics`` a dict of scalar
-tensors. Gradients are those of the mean loss over micro-batches and data-parallel
-ranks.
+tensors. A :class:`~realign.algorithms.common.TrainLoss` also says what the mean is
+over (each row's weight: 1, or its tokens); a plain function is a mean over rows.
+
+A step's micro-batches are the plan's equal row counts, or (``token_budget``, packed
+training) first-fit-decreasing bins of at most that many tokens, of whole groups of
+``group_size`` rows (preference pairs), as many as the rank's rows take: data-parallel
+ranks may run different numbers. Either way each micro-batch's loss is scaled by its
+share of the mini-batch's total weight (times the micro-batches and data-parallel
+ranks that megatron's schedule and DDP average over), so the gradient is exactly that
+of the loss's mean over the whole mini-batch: a token mean over all its tokens, a
+sequence mean over all its rows, whatever the split. Metrics are weighted by rows.
 """
 from __future__ import annotations
 
@@ -20,16 +29,18 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from planner.graph.packing import group_bins
+from realign.algorithms.common import TrainLoss, loss_weights
 from realign.data.packing import Pack, train_packs
 from realign.errors import NonFiniteError, UserError
 from realign.runtime.device import cuda_tensor_type_names
 from realign.runtime.engines.base import (
     Batch,
     check_batch,
+    dp_rows,
     local_batch,
     position_ids,
     run_schedule,
-    split,
 )
 from realign.runtime.engines.decoder import StageDecoder
 from realign.runtime.engines.inference import head_outputs, packed_head_outputs
@@ -44,12 +55,15 @@ LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Ten
 
 class TrainEngine:
     """``train_step(batch, loss_fn)`` for one replica, each step in ``micro_batches``
-    micro-batches per DP rank (the plan's). Every rank of the replica calls it with the
-    same whole batch; the returned metrics are the same on every rank."""
+    micro-batches per DP rank (the plan's), or packed into bins of at most
+    ``token_budget`` tokens of whole ``group_size`` row groups (the plan's token
+    budget; packed training only). Every rank of the replica calls it with the same
+    whole batch; the returned metrics are the same on every rank."""
 
     def __init__(self, shard: ModelShard, cfg: TrainConfig, micro_batches: int = 1,
                  optimizer_offload: bool = False, recompute: bool = False,
-                 state_offload: bool = False):
+                 state_offload: bool = False, token_budget: int | None = None,
+                 group_size: int = 1):
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -57,7 +71,14 @@ class TrainEngine:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        if token_budget is not None and not (cfg.packing and cfg.forward != "megatron"):
+            raise UserError(
+                f"a train call's token budget ({token_budget} tokens) packs its rows into "
+                f"bins: it needs train.packing true and the plain forward (this run: packing "
+                f"{cfg.packing}, forward {cfg.forward}); plan again with these settings",
+                field="train.packing")
         self.shard, self.cfg, self.micro_batches = shard, cfg, micro_batches
+        self.token_budget, self.group_size = token_budget, group_size
         self.optimizer_offload, self.recompute = optimizer_offload, recompute
         pgs, dev, config = shard.groups.pgs, shard.device, shard.config
         if optimizer_offload and (dev.kind != "cuda" or not cfg.uses_distributed_optimizer(
@@ -128,7 +149,7 @@ class TrainEngine:
             if was:
                 self.parking.park()
 
-    def train_step(self, batch: Batch, loss_fn: LossFn, dp_mean: bool = True
+    def train_step(self, batch: Batch, loss_fn: LossFn | TrainLoss, dp_mean: bool = True
                    ) -> dict[str, float]:
         """One optimiser step over the batch; returns ``loss``, ``grad_norm``,
         ``update_ok`` and the loss function's metrics (means over micro-batches and DP).
@@ -139,8 +160,12 @@ class TrainEngine:
         that averages them over DP itself (the controller does, from each DP rank's
         report)."""
         shard = self.shard
-        check_batch(batch, shard, self.micro_batches)
-        micro = split(local_batch(batch, shard), self.micro_batches)
+        check_batch(batch, shard, self.micro_batches if self.token_budget is None else 1)
+        local = local_batch(batch, shard)
+        parts = self.micro_rows(local["lengths"])
+        micro = [{k: v[rows] for k, v in local.items()} for rows in parts]
+        scales = loss_scales(loss_weights(loss_fn)(batch), dp_rows(shard, len(batch["lengths"])),
+                             parts, shard.groups.layout.dp)
         if not self.model.training:      # a recursive walk over every module otherwise
             self.model.train()
         self.model.zero_grad_buffer()
@@ -152,7 +177,7 @@ class TrainEngine:
         cols = s - (shard.head == "lm")
 
         def forward_step(data_iterator, model):
-            mb, pack = next(data_iterator)
+            mb, pack, (scale, share) = next(data_iterator)
             if forward is None:
                 out = model(mb["tokens"], position_ids(mb["tokens"]), None)
             elif pack is None:
@@ -164,12 +189,14 @@ class TrainEngine:
                 outputs = (head_outputs(shard, output, mb) if pack is None
                            else packed_head_outputs(shard, output, pack, cols))
                 loss, metrics = loss_fn(outputs, mb)
-                return loss, {"loss": loss.detach().clone(), **{k: torch.as_tensor(v).detach().clone()
-                                                        for k, v in metrics.items()}}
+                loss = loss * scale     # its share of the mini-batch's mean
+                return loss, {"loss": loss.detach().clone(),
+                              **{k: torch.as_tensor(v).detach() * share
+                                 for k, v in metrics.items()}}
             return out, loss_func
 
         reduced = run_schedule(shard, self.model, forward_step,
-                               list(zip(micro, packs or [None] * len(micro))),
+                               list(zip(micro, packs or [None] * len(micro), scales)),
                                forward_only=False, collect_non_loss_data=False,
                                shape=packs[0].shape if packs else micro[0]["tokens"].shape)
         with cuda_tensor_type_names(self.shard.device):
@@ -178,6 +205,21 @@ class TrainEngine:
         metrics["grad_norm"] = grad_norm
         metrics["update_ok"] = float(bool(update_ok))
         return metrics
+
+    def micro_rows(self, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """Row indices of each micro-batch of this rank's rows of ``lengths``: the
+        plan's equal split, or with a token budget the bins of
+        :func:`planner.graph.packing.group_bins`."""
+        rows = len(lengths)
+        if self.token_budget is None:
+            return list(torch.arange(rows, device=lengths.device).chunk(self.micro_batches))
+        lens = [int(x) for x in lengths.tolist()]
+        try:
+            bins = group_bins(lens, self.group_size, self.token_budget)
+        except ValueError as e:
+            raise UserError(f"the train call's rows do not pack into its token budget: {e}",
+                            field="plan.token_budget") from None
+        return [torch.tensor(b, dtype=torch.long, device=lengths.device) for b in bins]
 
     def _plain_forward(self, seq_len: int) -> Callable[..., torch.Tensor]:
         """tokens [b, s] (or a pack's [bins, width] and the pack) -> this stage's output
@@ -216,6 +258,28 @@ class TrainEngine:
             dist.all_reduce(vals, group=g.pgs.dp)
             vals /= g.layout.dp
         return {k: float(v) for k, v in zip(keys, vals)}
+
+
+def loss_scales(weights: torch.Tensor, mine: slice, parts: list[torch.Tensor], dp: int
+                ) -> list[tuple[float, float]]:
+    """(loss scale, metric scale) of each of this data-parallel rank's micro-batches.
+
+    ``weights`` [b] are every row's count in the loss's normaliser over the whole
+    mini-batch, ``mine`` this rank's rows and ``parts`` its micro-batches' row indices
+    within them. megatron's schedule divides each micro-batch's loss by this rank's
+    micro-batch count ``n`` and DDP averages the ``dp`` ranks' gradients, so a loss
+    scaled by ``W_mb / W x n x dp`` gives the gradient of sum over micro-batches of
+    ``W_mb / W x mean_mb``: the mean over the mini-batch. A metric is scaled by
+    ``rows_mb / rows x n``: the mean over micro-batches is then weighted by rows.
+
+    Example: weights [1, 1, 3, 3] (a token mean), one rank, micro-batches [0, 1] and
+    [2, 3]: loss scales 2/8 x 2 = 0.5 and 6/8 x 2 = 1.5; metric scales 1 and 1. A
+    mini-batch without weight (no token counts): loss scales 0."""
+    total = float(weights.sum())
+    local = weights[mine]
+    n, rows = len(parts), sum(len(p) for p in parts)
+    return [((float(local[p.cpu()].sum()) / total if total > 0 else 0.0) * n * dp,
+             len(p) * n / rows) for p in parts]
 
 
 def _local_means(reduced: list[dict]) -> dict[str, float]:
