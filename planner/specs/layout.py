@@ -113,6 +113,9 @@ def model_layout_problems(layout: Layout, model: ModelSpec) -> list[str]:
                    f"{model.n_kv_heads} KV heads")
     if model.ffn_hidden % layout.tp:
         out.append(f"tp={layout.tp} must divide ffn_hidden {model.ffn_hidden}")
+    if model.moe is not None and model.moe.expert_ffn_hidden % layout.tp:
+        out.append(f"tp={layout.tp} must divide the experts' ffn hidden "
+                   f"{model.moe.expert_ffn_hidden}")
     if model.padded_vocab % layout.tp:
         out.append(f"tp={layout.tp} must divide the padded vocabulary {model.padded_vocab}")
     if model.n_layers % layout.pp:

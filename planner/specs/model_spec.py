@@ -1,9 +1,14 @@
 """ModelSpec: architecture numbers of a LLaMA-family decoder, and its parameter counts.
 
 Only numbers live here (no weights): layers, hidden size, heads, KV heads (grouped
-query attention), FFN size (SwiGLU), vocabulary, tied embeddings, QKV bias. Presets
-come from ``planner/presets/models.json``; a Hugging Face ``config.json`` is read by
-:func:`model_spec_from_hf_config`.
+query attention), FFN size (SwiGLU), vocabulary, tied embeddings, QKV bias, and for a
+mixture of experts (:class:`MoeSpec`, Qwen3-MoE) the experts, how many each token uses
+and which layers keep the dense MLP. Presets come from ``planner/presets/models.json``;
+a Hugging Face ``config.json`` is read by :func:`model_spec_from_hf_config`.
+
+A mixture of experts has two sizes: all its parameters (:meth:`ModelSpec.total_params`:
+memory holds every expert) and those one token multiplies through
+(:meth:`ModelSpec.active_params`: compute runs the router's top-k experts only).
 """
 from __future__ import annotations
 
@@ -52,15 +57,57 @@ class RopeScaling(BaseModel):
         return self
 
 
+class MoeSpec(BaseModel):
+    """The mixture of experts of a sparse decoder (Qwen3-MoE): on each sparse layer a
+    router (``[n_experts, hidden]``, softmax over the experts, the ``top_k`` best) and
+    ``n_experts`` SwiGLU experts of ``expert_ffn_hidden``, in place of the dense MLP.
+    No shared experts (Qwen3-MoE has none)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n_experts: int = Field(gt=0, description="Routed experts per sparse layer "
+                           "(config.json's num_experts).")
+    top_k: int = Field(gt=0, description="Experts each token is sent to "
+                       "(num_experts_per_tok).")
+    expert_ffn_hidden: int = Field(gt=0, description="SwiGLU intermediate size of one "
+                                   "expert (moe_intermediate_size).")
+    norm_topk_prob: bool = Field(False, description="The top-k routing weights are "
+                                 "renormalised to sum to 1 (else: their softmax "
+                                 "probabilities over all experts).")
+    dense_layers: tuple[int, ...] = Field((), description="Layers (0-based) that keep the "
+                                          "dense MLP of ffn_hidden: config.json's "
+                                          "mlp_only_layers and the layers off its "
+                                          "decoder_sparse_step.")
+    router_aux_loss_coef: float = Field(0.0, ge=0, description="Weight of the router's "
+                                        "load-balancing loss in training "
+                                        "(router_aux_loss_coef).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "MoeSpec":
+        if self.top_k > self.n_experts:
+            raise PlanError(f"num_experts_per_tok ({self.top_k}) must be at most num_experts "
+                            f"({self.n_experts}): a token is sent to top-k of the experts",
+                            field="model.moe.top_k")
+        if list(self.dense_layers) != sorted(set(self.dense_layers)):
+            raise PlanError(f"dense_layers {list(self.dense_layers)} must be increasing "
+                            "without repeats", field="model.moe.dense_layers")
+        return self
+
+    def expert_params(self, hidden: int) -> int:
+        """Parameters of one expert (gate, up and down projections)."""
+        return 3 * self.expert_ffn_hidden * hidden
+
+
 class ModelSpec(BaseModel):
-    """Architecture of a dense decoder-only transformer of a supported family
-    (:mod:`planner.specs.families`: LLaMA, Mistral, Qwen2, Qwen3)."""
+    """Architecture of a decoder-only transformer of a supported family
+    (:mod:`planner.specs.families`: LLaMA, Mistral, Qwen2, Qwen3, and Qwen3-MoE's
+    mixture of experts)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(description="Preset or user name, used in plans and reports.")
     family: str = Field("llama", description="config.json's model_type: llama | mistral | "
-                        "qwen2 | qwen3 (its weight names and forward options).")
+                        "qwen2 | qwen3 | qwen3_moe (its weight names and forward options).")
     n_layers: int = Field(gt=0, description="Number of transformer layers.")
     hidden: int = Field(gt=0, description="Hidden size (model width).")
     n_heads: int = Field(gt=0, description="Attention (query) heads.")
@@ -77,6 +124,8 @@ class ModelSpec(BaseModel):
     rope_scaling: RopeScaling | None = Field(None, description="RoPE scaled beyond the "
                                              "pretraining window; None: plain RoPE.")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+    moe: MoeSpec | None = Field(None, description="The mixture of experts (Qwen3-MoE); "
+                                "None: every layer has the dense MLP.")
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
@@ -85,6 +134,10 @@ class ModelSpec(BaseModel):
         if self.family not in FAMILIES:
             raise PlanError(f"model family {self.family!r} is not supported (allowed: "
                             f"{', '.join(FAMILIES)})", field="model")
+        if (self.moe is not None) != (FAMILIES[self.family].moe_fields is not None):
+            raise PlanError(f"model family {self.family!r} "
+                            + ("has no experts: leave moe out" if self.moe is not None
+                               else "is a mixture of experts: give moe"), field="model.moe")
         if self.head_dim is None and self.hidden % self.n_heads:
             raise PlanError(
                 f"hidden ({self.hidden}) must be divisible by n_heads ({self.n_heads}) "
@@ -93,6 +146,10 @@ class ModelSpec(BaseModel):
             raise PlanError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
                 f"({self.n_kv_heads})", field="model")
+        if self.moe is not None and self.moe.dense_layers and (
+                self.moe.dense_layers[-1] >= self.n_layers or self.moe.dense_layers[0] < 0):
+            raise PlanError(f"moe.dense_layers {list(self.moe.dense_layers)} must lie in "
+                            f"0..{self.n_layers - 1}", field="model.moe.dense_layers")
         return self
 
     # ---- derived sizes -------------------------------------------------------
@@ -112,21 +169,54 @@ class ModelSpec(BaseModel):
         """Rows of the fused QKV projection: (heads + 2 kv heads) x head size."""
         return (self.n_heads + 2 * self.n_kv_heads) * self.kv_channels
 
-    def layer_sharded_params(self) -> int:
-        """Parameters of one layer that TP splits (QKV, proj, fc1, fc2, QKV bias)."""
+    def is_sparse(self, layer: int) -> bool:
+        """Layer ``layer`` (0-based) routes its tokens to experts (else: the dense MLP)."""
+        return self.moe is not None and layer not in self.moe.dense_layers
+
+    def sparse_layers(self) -> int:
+        """How many layers carry experts."""
+        return 0 if self.moe is None else self.n_layers - len(self.moe.dense_layers)
+
+    def _attention_sharded_params(self) -> int:
         h, d = self.hidden, self.kv_channels
         qkv = self.qkv_out * h + (self.qkv_out if self.qkv_bias else 0)
-        proj = h * self.n_heads * d
-        mlp = 2 * self.ffn_hidden * h + self.ffn_hidden * h
-        return qkv + proj + mlp
+        return qkv + h * self.n_heads * d
 
-    def layer_replicated_params(self) -> int:
-        """Parameters of one layer that every TP rank holds whole (two RMSNorms, and the
-        per-head query and key norms where the family has them)."""
-        return 2 * self.hidden + (2 * self.kv_channels if self.qk_norm else 0)
+    def _mlp_sharded_params(self, sparse: bool) -> int:
+        """The MLP's TP-split weights: the dense SwiGLU, or every expert of a sparse
+        layer (TP splits each expert as it splits the dense MLP)."""
+        if sparse:
+            assert self.moe is not None
+            return self.moe.n_experts * self.moe.expert_params(self.hidden)
+        return 3 * self.ffn_hidden * self.hidden
 
-    def layer_params(self) -> int:
-        return self.layer_sharded_params() + self.layer_replicated_params()
+    def _heaviest_is_sparse(self) -> bool:
+        """The layer the per-layer sizes describe: a sparse one when the model has any
+        and it outweighs the dense MLP."""
+        if self.sparse_layers() == 0:
+            return False
+        if self.sparse_layers() == self.n_layers:
+            return True
+        router = self.hidden * self.moe.n_experts if self.moe is not None else 0
+        return self._mlp_sharded_params(True) + router >= self._mlp_sharded_params(False)
+
+    def layer_sharded_params(self, layer: int | None = None) -> int:
+        """Parameters of a layer that TP splits (QKV, proj, the MLP or every expert's
+        fc1 and fc2, QKV bias). ``layer`` None: the heaviest layer (every layer of a
+        dense model; a bound for a mixture of experts whose dense layers are lighter)."""
+        sparse = self._heaviest_is_sparse() if layer is None else self.is_sparse(layer)
+        return self._attention_sharded_params() + self._mlp_sharded_params(sparse)
+
+    def layer_replicated_params(self, layer: int | None = None) -> int:
+        """Parameters of a layer that every TP rank holds whole (two RMSNorms, the
+        per-head query and key norms where the family has them, a sparse layer's
+        router); ``layer`` None: the heaviest layer's."""
+        sparse = self._heaviest_is_sparse() if layer is None else self.is_sparse(layer)
+        router = self.moe.n_experts * self.hidden if sparse and self.moe is not None else 0
+        return 2 * self.hidden + (2 * self.kv_channels if self.qk_norm else 0) + router
+
+    def layer_params(self, layer: int | None = None) -> int:
+        return self.layer_sharded_params(layer) + self.layer_replicated_params(layer)
 
     def embedding_params(self) -> int:
         """Word embedding (vocab-parallel: TP splits the padded vocabulary)."""
@@ -136,16 +226,52 @@ class ModelSpec(BaseModel):
         """Output head: ``lm`` (vocab x hidden, vocab-parallel) or ``value`` (hidden -> 1)."""
         return self.padded_vocab * self.hidden if head == "lm" else self.hidden
 
-    def total_params(self, head: str = "lm") -> int:
-        """All parameters of one full copy; a tied LM head is counted once."""
-        n = self.n_layers * self.layer_params() + self.embedding_params() + self.hidden
+    def _outside_params(self, head: str) -> int:
+        n = self.embedding_params() + self.hidden
         if head == "value" or not self.tied_embeddings:
             n += self.head_params(head)
         return n
 
+    def total_params(self, head: str = "lm") -> int:
+        """All parameters of one full copy (every expert); a tied LM head is counted
+        once. The vocabulary is the padded one (:attr:`padded_vocab`)."""
+        if self.moe is None:
+            return self.n_layers * self.layer_params() + self._outside_params(head)
+        return (sum(self.layer_params(i) for i in range(self.n_layers))
+                + self._outside_params(head))
+
+    def active_params(self, head: str = "lm") -> int:
+        """Parameters one token uses: :meth:`total_params` less, on every sparse layer,
+        the experts the router does not pick (all but ``top_k``). Equal to the total
+        for a dense model."""
+        if self.moe is None:
+            return self.total_params(head)
+        idle = self.moe.n_experts - self.moe.top_k
+        return self.total_params(head) - self.sparse_layers() * idle * self.moe.expert_params(
+            self.hidden)
+
     def matmul_params_per_token(self, head: str) -> int:
-        """Weights a token multiplies through in a forward pass (no embedding lookup)."""
-        return self.n_layers * self.layer_sharded_params() + self.head_params(head)
+        """Weights a token multiplies through in a forward pass (no embedding lookup):
+        a sparse layer's router and its top-k experts."""
+        n = self.head_params(head)
+        for i in range(self.n_layers):
+            n += self._attention_sharded_params()
+            if self.is_sparse(i):
+                assert self.moe is not None
+                n += self.moe.n_experts * self.hidden + self.moe.top_k * self.moe.expert_params(
+                    self.hidden)
+            else:
+                n += self._mlp_sharded_params(False)
+        return n
+
+    def mlp_activation_width(self) -> int:
+        """Columns of a token's stored MLP activations in the heaviest layer (fc1's
+        output and the gated product): ``3 x ffn`` for the dense MLP, ``3 x top_k x
+        expert ffn`` plus the router's logits for a sparse layer."""
+        dense = 3 * self.ffn_hidden if self.sparse_layers() < self.n_layers else 0
+        if self.moe is None:
+            return dense
+        return max(dense, 3 * self.moe.top_k * self.moe.expert_ffn_hidden + self.moe.n_experts)
 
 
 _PRESET_DIR = Path(__file__).parents[1] / "presets"

@@ -9,6 +9,12 @@ Sharding: a TP-sharded tensor is split along ``shard_dim`` into ``tp`` equal sha
 a tensor with ``parts=2`` (SwiGLU fc1 = [gate; up]) is split part by part, so TP
 rank ``i`` holds rows ``[p*n/2 + i*n/(2*tp), p*n/2 + (i+1)*n/(2*tp))`` of each part
 ``p``. Replicated tensors (RMSNorm weights, a value head) are whole on every TP rank.
+
+A sparse layer of a mixture of experts (:class:`~planner.specs.model_spec.MoeSpec`)
+holds, in place of the MLP's fc1 and fc2, the router ``mlp.router.weight``
+([experts, hidden], whole on every TP rank) and each expert's
+``mlp.experts.local_experts.<e>.linear_fc1.weight`` / ``linear_fc2.weight``, split by TP
+as the dense MLP's are (megatron-core's ``SequentialMLP`` names).
 """
 from __future__ import annotations
 
@@ -74,9 +80,29 @@ def layer_tensors(spec: ModelSpec, layer: int) -> list[LogicalTensor]:
         LogicalTensor(pre + "self_attention.linear_proj.weight",
                       (h, spec.n_heads * spec.kv_channels), 1, 1, pre + "proj", layer),
         LogicalTensor(pre + "pre_mlp_layernorm.weight", (h,), None, 1, pre + "ln2", layer),
+    ]
+    if spec.moe is not None and spec.is_sparse(layer):
+        return t + expert_tensors(spec, layer)
+    t += [
         LogicalTensor(pre + "mlp.linear_fc1.weight", (2 * f, h), 0, 2, pre + "fc1", layer),
         LogicalTensor(pre + "mlp.linear_fc2.weight", (h, f), 1, 1, pre + "fc2", layer),
     ]
+    return t
+
+
+def expert_tensors(spec: ModelSpec, layer: int) -> list[LogicalTensor]:
+    """The router and the experts of sparse layer ``layer``; an expert's content is
+    ``decoder.layers.<i>.experts.<e>.expert_fc1`` (``expert_fc2``)."""
+    assert spec.moe is not None
+    h, f, pre = spec.hidden, spec.moe.expert_ffn_hidden, f"decoder.layers.{layer}."
+    t = [LogicalTensor(pre + "mlp.router.weight", (spec.moe.n_experts, h), None, 1,
+                       pre + "router", layer)]
+    for e in range(spec.moe.n_experts):
+        ex = f"{pre}mlp.experts.local_experts.{e}."
+        t += [LogicalTensor(ex + "linear_fc1.weight", (2 * f, h), 0, 2,
+                            f"{pre}experts.{e}.expert_fc1", layer),
+              LogicalTensor(ex + "linear_fc2.weight", (h, f), 1, 1,
+                            f"{pre}experts.{e}.expert_fc2", layer)]
     return t
 
 

@@ -59,7 +59,7 @@ def test_presets_have_their_published_sizes(name, billions):
 
 @pytest.mark.parametrize("change,says", [
     ({"model_type": "gpt_neox"}, "model_type 'gpt_neox' is not supported (allowed: "
-                                 "llama, mistral, qwen2, qwen3)"),
+                                 "llama, mistral, qwen2, qwen3, qwen3_moe)"),
     ({"num_experts": 64}, "a mixture of experts (64 experts) is not supported"),
     ({"num_local_experts": 8}, "a mixture of experts (8 experts) is not supported"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
@@ -83,6 +83,6 @@ def test_a_uniform_window_caps_the_sequence_and_every_family_has_its_module(tmp_
     spec = spec_of(tmp_path, {**QWEN3_06B, "use_sliding_window": True, "sliding_window": 4096,
                               "max_window_layers": 28})
     assert spec.max_seq_len == 4096
-    assert set(FAMILIES) == {"llama", "mistral", "qwen2", "qwen3"}
+    assert set(FAMILIES) == {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"}
     assert FAMILIES["qwen3"].layer_names("q_norm") == ("self_attn.q_norm.weight",)
     assert FAMILIES["llama"].layer_names("fc1") == ("mlp.gate_proj.weight", "mlp.up_proj.weight")

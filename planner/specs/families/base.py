@@ -9,7 +9,7 @@ the tensors it adds. :func:`spec_fields` maps a config onto ModelSpec's fields.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from planner.errors import PlanError
 
@@ -47,24 +47,30 @@ class DecoderFamily:
     qkv_bias: bool = False                #: q/k/v projections have a bias by default
     qk_norm: bool = False                 #: per-head RMSNorm on queries and keys (Qwen3)
     window_by_default: bool = False       #: ``sliding_window`` applies unless switched off
-    #: HF names of the layer tensors this family adds (kind -> names)
+    #: HF names of the layer tensors this family adds (kind -> names); an expert's
+    #: names hold ``{expert}``, its number
     extra_layer_names: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: a mixture of experts' fields of ModelSpec (``moe``) from a config; None: a dense
+    #: family, whose configs with experts are refused
+    moe_fields: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
 
-    def layer_names(self, kind: str) -> tuple[str, ...]:
-        """HF names (within ``model.layers.<i>.``) of a layer tensor of this kind."""
+    def layer_names(self, kind: str, expert: int | None = None) -> tuple[str, ...]:
+        """HF names (within ``model.layers.<i>.``) of a layer tensor of this kind
+        (``expert``: the expert's number, for an expert's tensors)."""
         if kind in self.extra_layer_names:
-            return self.extra_layer_names[kind]
+            names = self.extra_layer_names[kind]
+            return names if expert is None else tuple(n.format(expert=expert) for n in names)
         return LLAMA_LAYER_NAMES[kind]
 
 
 def refusals(cfg: Mapping[str, Any], family: DecoderFamily) -> str | None:
-    """Why realign cannot run this config (None when it can): a mixture of experts, a
-    rope scaling it does not compute, sliding windows on some layers only, an MLP
-    bias."""
+    """Why realign cannot run this config (None when it can): a mixture of experts in a
+    dense family, a rope scaling it does not compute, sliding windows on some layers
+    only, an MLP bias."""
     experts = max(_int(cfg.get(k)) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-    if experts > 0:
-        return (f"a mixture of experts ({experts} experts) is not supported: realign "
-                "trains dense decoders")
+    if experts > 0 and family.moe_fields is None:
+        return (f"a mixture of experts ({experts} experts) is not supported in model_type "
+                f"{family.model_type!r}: realign runs experts of model_type qwen3_moe only")
     rope = rope_parameters(cfg)
     kind = rope.get("rope_type") or "default"
     if kind not in ROPE_TYPES:
@@ -152,6 +158,7 @@ def spec_fields(cfg: Mapping[str, Any], family: DecoderFamily) -> dict[str, Any]
         rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
         rope_scaling=rope_scaling_fields(cfg),
         norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        moe=family.moe_fields(cfg) if family.moe_fields is not None else None,
     )
 
 
