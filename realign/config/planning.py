@@ -110,6 +110,7 @@ def cost_config(cfg: ExperimentConfig, base: Path | None = None) -> CostModelCon
     cost = cost.model_copy(update={"distributed_optimizer": runs,
                                    "param_dtype_bytes": dtype_bytes,
                                    "generate_engine": engine,
+                                   "decode_capture": cfg.rollout.capture,
                                    "vllm_max_num_seqs": vllm.max_num_seqs,
                                    "vllm_kv_cache_bytes": vllm.kv_cache_gib * 2 ** 30})
     return cost if base is None else resolve_host_work(cfg, base, cost)

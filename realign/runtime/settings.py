@@ -121,6 +121,14 @@ class Rollout(MultiTurn):
         "KV-cache slot to the next waiting prompt, instead of each wave of the plan "
         "waiting for its longest (docs/packing.md); the planner prices its expected "
         "decode steps. false: static waves, for comparison.")
+    capture: Literal["auto", "on", "off"] = Field(
+        "auto", description="realign's own engine: each decode step shape captured once and "
+        "replayed, so the host does not issue every layer's kernels every step "
+        "(docs/gpu.md): 'auto' captures on CUDA (CUDA graphs) and keeps the CPU eager, "
+        "'on' also compiles the CPU's steps (torch.compile: about a minute per shape, "
+        "a few per cent faster on the bench model: benchmarks/generate/README.md), 'off' "
+        "runs eager everywhere. Outputs equal the eager steps'; the planner prices a "
+        "captured GPU step without a per-layer host cost.")
     vllm: VLLMSettings = Field(default_factory=VLLMSettings)
     logprob_diff_threshold: float = Field(
         0.01, gt=0, description="The train call logs the share of response tokens whose "

@@ -29,6 +29,7 @@ from realign.data.packing import call_padding
 from realign.errors import NonFiniteError, UserError
 from realign.rewards.scoring import decoded_answers, scores
 from realign.run.program import Call, Evaluate, RuleReward
+from realign.runtime.engines.captured_step import CaptureSetting
 from realign.runtime.engines.generate import GenerateEngine
 from realign.runtime.engines.inference import InferenceEngine
 from realign.runtime.engines.train import TrainEngine
@@ -50,7 +51,8 @@ class Calls:
     def __init__(self, *, specs, algorithm, algo_params, train_cfg: TrainConfig,
                  sampling: Sampling, tokenizer, pad_id: int, eos_id: int | None, reward_fn,
                  verifier, seed: int, max_staleness: int = 0, asynchronous: bool = False,
-                 logprob_diff_threshold: float = 0.01, multi_turn=None, make_env=None):
+                 logprob_diff_threshold: float = 0.01, multi_turn=None, make_env=None,
+                 capture: CaptureSetting = "auto"):
         """``reward_fn``: the rule reward (None with a reward model); ``verifier``: what
         counts as correct in evaluations (None without an eval section);
         ``max_staleness``: the most policy versions a trained sample may lag;
@@ -64,6 +66,8 @@ class Calls:
         self.make_env = make_env
         self.asynchronous = asynchronous
         self.logprob_diff_threshold = logprob_diff_threshold
+        #: rollout.capture: the own engine's decode steps captured and replayed
+        self.capture = capture
         #: replica key -> its vLLM engine on this rank (generate calls with engine vllm)
         self.vllm_engines: dict = {}
         self.specs = specs
@@ -124,7 +128,7 @@ class Calls:
 
             def engine(rows, p):
                 return peak(own.generate(rows, p, waves=op.micro_batches,
-                                         refill=op.mfc.refill))
+                                         refill=op.mfc.refill, capture=self.capture))
         prefix = "greedy_" if op.mfc.greedy else ""
         if op.mfc.is_eval:                       # an evaluation's generation
             prefix = f"eval.{'greedy' if op.mfc.greedy else 'sample'}_"
@@ -238,7 +242,8 @@ class Calls:
                     sub = minibatch(batch, m, n_mb)
                     padded += call_padding(sub["lengths"], sub["tokens"].shape[1],
                                            h.shard.groups.layout.dp, op.micro_batches,
-                                           "train", engine.packing)
+                                           "train", engine.packing, op.token_budget,
+                                           op.mfc.group_size)
                     # the loss metrics are averaged over DP by the controller (no
                     # collective): each DP rank's last stage reports its own
                     try:
@@ -280,7 +285,8 @@ class Calls:
             self.train_engines[op.replica] = TrainEngine(
                 h.shard, self.train_cfg, micro_batches=op.micro_batches,
                 optimizer_offload=op.optimizer_offload, recompute=op.activation_recompute,
-                state_offload=op.train_state_offload)
+                state_offload=op.train_state_offload, token_budget=op.token_budget,
+                group_size=op.mfc.group_size)
         return self.train_engines[op.replica]
 
 
