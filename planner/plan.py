@@ -36,7 +36,9 @@ from planner.specs.model_spec import ModelSpec
 #: 10: the token budget of each packed scoring call (tokens per micro-batch, chosen by the
 #:     search); generate calls that refill their slots (the graph's MFC.refill).
 #: 11: DAPO's sampling rounds (the graph's MFC.sampling_rounds: expected passes per step).
-PLAN_SCHEMA_VERSION = 11
+#: 12: the token budget of packed training calls too (bins of whole row groups; each
+#:     micro-batch's loss weighted by its share of the mini-batch's normaliser).
+PLAN_SCHEMA_VERSION = 12
 
 
 class _Frozen(BaseModel):
@@ -80,11 +82,11 @@ class MFCAllocation(_Frozen):
         "own", description="Generate calls: realign's own engine (waves) or vLLM "
         "(continuous batching, one engine per GPU; rollout.engine).")
     token_budget: int | None = Field(
-        None, gt=0, description="Packed scoring calls whose micro-batches are not fixed: "
-        "the most tokens a bin (micro-batch) holds; each data-parallel rank packs its rows "
-        "first-fit decreasing into as many bins as that needs, and micro_batches is the "
-        "expected bin count. None for every other call: training keeps its rows per "
-        "micro-batch (each algorithm's loss is a mean over a micro-batch's rows).")
+        None, gt=0, description="Packed scoring and training calls whose micro-batches "
+        "are not fixed: the most tokens a bin (micro-batch) holds; each data-parallel rank "
+        "packs its rows (a training call: one optimizer step's, in whole groups of "
+        "group_size rows) first-fit decreasing into as many bins as that needs, and "
+        "micro_batches is the expected bin count. None for every other call.")
 
     @property
     def shards(self) -> tuple[int, int, int, int]:
@@ -259,18 +261,21 @@ def expected_reallocations(plan: ExecutionPlan) -> list[tuple[str, str]]:
 
 def budget_problems(a: MFCAllocation, m: MFC, where: str) -> list[str]:
     """Why ``a``'s token budget cannot run ``m`` (empty when it can, or has none): only
-    packed scoring calls without fixed micro-batches have one, a multiple of
-    :data:`~planner.graph.packing.PACK_BLOCK` that holds a row at its cap."""
+    packed scoring and training calls without fixed micro-batches have one, a multiple
+    of :data:`~planner.graph.packing.PACK_BLOCK` that holds a row (a group of
+    ``group_size`` rows: a preference pair) at its cap."""
     b = a.token_budget
     if b is None:
         return []
-    if not (m.kind == "inference" and m.packed and m.micro_batches is None):
-        return [f"{where}: token_budget is for packed inference calls without fixed "
-                f"micro-batches; this is a {m.kind} call (packed {m.packed}, micro_batches "
-                f"{m.micro_batches})"]
-    if b % PACK_BLOCK or b < m.seq_len:
+    if not (m.kind in ("inference", "train") and m.packed and m.micro_batches is None):
+        return [f"{where}: token_budget is for packed scoring and training calls without "
+                f"fixed micro-batches; this is a {m.kind} call (packed {m.packed}, "
+                f"micro_batches {m.micro_batches})"]
+    need = m.group_size * m.seq_len
+    if b % PACK_BLOCK or b < need:
+        rows = "a row" if m.group_size == 1 else f"a group of {m.group_size} rows"
         return [f"{where}: token_budget {b} must be a multiple of {PACK_BLOCK} of at least "
-                f"the {m.seq_len} tokens of a row at its cap"]
+                f"the {need} tokens of {rows} at its cap"]
     return []
 
 

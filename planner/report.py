@@ -161,10 +161,10 @@ def bin_tokens(plan: ExecutionPlan) -> dict[str, float]:
     out = {}
     for a in plan.allocations:
         m = mfcs[a.mfc]
+        per_step = m.n_seqs / (m.n_minibatches if m.kind == "train" else 1)
         if m.packed and a.token_budget is not None:
-            out[a.mfc] = budget_shape(m, m.n_seqs / a.layout.dp, a.token_budget)[1]
+            out[a.mfc] = budget_shape(m, per_step / a.layout.dp, a.token_budget)[1]
         elif m.packed:
-            per_step = m.n_seqs / (m.n_minibatches if m.kind == "train" else 1)
             rows = per_step / a.layout.dp / a.micro_batches
             out[a.mfc] = packed_shape(m, rows, a.micro_batches, a.layout.dp)[0]
     return out

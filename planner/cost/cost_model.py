@@ -231,12 +231,14 @@ class CostModel:
                  engine: str = "own", lora: LoraSpec | None = None,
                  token_budget: int | None = None) -> MFCCost:
         """``lora``: the role trains (and runs) LoRA adapters on a frozen base.
-        ``token_budget``: a packed scoring call packs each data-parallel rank's rows into
-        bins of at most that many tokens (:func:`planner.graph.packing.budget_shape`
-        prices them; ``micro_batches`` is then not read)."""
-        if token_budget is not None and not (mfc.kind == "inference" and mfc.packed):
-            raise ValueError(f"a token budget applies to packed inference calls only, "
-                             f"not to {mfc.name} ({mfc.kind}, packed {mfc.packed})")
+        ``token_budget``: a packed scoring or training call packs each data-parallel
+        rank's rows (a training call: those of one optimizer step) into bins of at most
+        that many tokens (:func:`planner.graph.packing.budget_shape` prices them;
+        ``micro_batches`` is then not read)."""
+        if token_budget is not None and not (mfc.kind in ("inference", "train")
+                                             and mfc.packed):
+            raise ValueError(f"a token budget applies to packed scoring and training calls "
+                             f"only, not to {mfc.name} ({mfc.kind}, packed {mfc.packed})")
         if (offload or state_offload or recompute) and mfc.kind != "train":
             raise ValueError("optimizer and training-state offload and activation "
                              "recompute apply to train MFCs only")
@@ -260,7 +262,7 @@ class CostModel:
             terms = self._generate_terms(mfc, spec, head, mesh, layout, micro_batches, lora)
         elif mfc.kind == "train":
             terms = self._train_terms(mfc, spec, head, mesh, layout, micro_batches, offload,
-                                      recompute, lora)
+                                      recompute, lora, token_budget)
         else:
             terms = self._inference_terms(mfc, spec, head, mesh, layout, micro_batches, lora,
                                           token_budget)
@@ -333,13 +335,17 @@ class CostModel:
 
     def _train_terms(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
                      layout: Layout, m: int, offload: bool = False,
-                     recompute: bool = False, lora: LoraSpec | None = None
-                     ) -> dict[str, float]:
+                     recompute: bool = False, lora: LoraSpec | None = None,
+                     token_budget: int | None = None) -> dict[str, float]:
         r, cfg, dt = self.rates, self.config, self.config.param_dtype_bytes
         tp, pp, dp = layout.tp, layout.pp, layout.dp
         tpn, dpn, ppn = self._nodes(mesh, layout)
         steps = mfc.n_minibatches * mfc.n_epochs
-        tok, ctx = micro_batch_tokens(mfc, mfc.n_seqs / mfc.n_minibatches / dp / m, m, dp)
+        rows = mfc.n_seqs / mfc.n_minibatches / dp      # one optimizer step's, per rank
+        if token_budget is None:
+            tok, ctx = micro_batch_tokens(mfc, rows / m, m, dp)
+        else:
+            m, tok, ctx = budget_shape(mfc, rows, token_budget)
         costs = r.engine("train")
         # per micro-batch and stage boundary: activations forward, their gradients back
         msg = messages(r.collective_s("p2p", tok * spec.hidden * dt, 2, ppn), 2)

@@ -11,8 +11,8 @@ optimizer state the GPU keeps are there only during the train call (transient, n
 resident: between calls the state waits in host memory and the gradients are freed),
 and the call adds the state's two transfers (:meth:`planner.cost.cost_model.CostModel.state_transfer_s`);
 inference adds one micro-batch's layer activations and fp32 logits (a packed scoring
-call with a token budget: of ``budget`` tokens, as a bin never holds more; otherwise
-``rows / m x seq_len`` tokens, the caps);
+or training call with a token budget: of ``budget`` tokens, as a bin never holds more;
+otherwise ``rows / m x seq_len`` tokens, the caps);
 generation adds the KV cache of the waves in flight (``g`` waves of ``b`` sequences,
 each allocated for ``prompt_len + gen_len`` positions rounded up to whole
 ``kv_cache_block_tokens`` blocks) and the logits of one step.
@@ -54,7 +54,7 @@ def trainable_params(spec: ModelSpec, head: str, layout: Layout,
 def act_bytes_per_token_layer(config: CostModelConfig, spec: ModelSpec, tp: int) -> float:
     """Stored activations of one token in one layer (flash attention)."""
     dt = config.param_dtype_bytes
-    sharded = spec.qkv_out + spec.n_heads * spec.kv_channels + 3 * spec.ffn_hidden
+    sharded = spec.qkv_out + spec.n_heads * spec.kv_channels + spec.mlp_activation_width()
     return dt * (5 * spec.hidden + sharded / tp)
 
 def kv_cache_bytes(config: CostModelConfig, spec: ModelSpec, mfc: MFC, layout: Layout,
@@ -86,8 +86,8 @@ def mfc_memory(cfg: CostModelConfig, mfc: MFC, spec: ModelSpec, head: str, layou
                lora: LoraSpec | None = None, token_budget: int | None = None
                ) -> tuple[float, float, float, float]:
     """(weights, resident, activation, host) bytes per GPU of ``mfc`` at ``layout`` with
-    ``m`` micro-batches, or for a packed scoring call bins of at most ``token_budget``
-    tokens (the module docstring)."""
+    ``m`` micro-batches, or for a packed scoring or training call bins of at most
+    ``token_budget`` tokens (``m`` their expected count; the module docstring)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     dt = cfg.param_dtype_bytes
     weights = dt * (stage_params(spec, head, layout)

@@ -22,12 +22,16 @@ How the runtime packs (:mod:`realign.data.packing`):
   packs into at most the plan's micro-batch count of bins, of the smallest budget (a
   multiple of :data:`PACK_BLOCK`) that fits: a bin holds about
   ``rows x mean length / m`` tokens.
-- **training**: a micro-batch's loss is a mean over its own rows (token or sequence
-  means, as each algorithm defines it), so training keeps the plan's rows per
-  micro-batch and packs each micro-batch's rows into one bin, of the longest
-  micro-batch's token count over the call (block-rounded: one static shape for every
-  micro-batch, as pipeline stages need). The per-token terms and their normalisation
-  are those of the padded step.
+- **training**: with the plan's token budget, each data-parallel rank packs one
+  optimizer step's rows first-fit decreasing into bins of at most the budget, whole
+  groups of ``group_size`` rows at a time (:func:`group_bins`: preference pairs stay
+  together), one micro-batch per bin, as many as that takes; without one (fixed
+  ``train.micro_batches``, a hand-made plan) the plan's equal rows per micro-batch,
+  one bin each. Every bin of a step is as wide as its fullest (block-rounded: one
+  static shape, as pipeline stages need). Each micro-batch's loss is weighted by its
+  share of the mini-batch's normaliser (its rows or tokens:
+  :class:`realign.algorithms.common.TrainLoss`), so the step's gradient is that of the
+  mean over the whole mini-batch whatever the bins hold.
 """
 from __future__ import annotations
 
@@ -147,8 +151,10 @@ def budget_shape(mfc: "MFC", rows: float, budget: int) -> tuple[int, float, floa
     token) of a packed scoring call of ``mfc`` whose data-parallel rank packs ``rows``
     rows first-fit decreasing into bins of at most ``budget`` tokens.
 
-    Rows all of one length ``L`` (no length distribution): ``floor(budget / L)`` rows a
-    bin, exactly, as wide as they are (block-rounded). Otherwise the rank's rows hold
+    A training call's ``rows`` are one optimizer step's; its bins hold whole groups
+    of ``mfc.group_size`` rows (preference pairs). Rows all of one length ``L`` (no
+    length distribution): ``floor(budget / L)`` rows a bin (whole groups), exactly, as
+    wide as they are (block-rounded). Otherwise the rank's rows hold
     ``E = rows x mean`` tokens: one bin when ``E <= budget``, of ``E`` plus half a block
     (the runtime's packs are as wide as the fullest bin, block-rounded); beyond,
     first-fit decreasing leaves each bin short of the budget by what no remaining row
@@ -161,7 +167,8 @@ def budget_shape(mfc: "MFC", rows: float, budget: int) -> tuple[int, float, floa
     mean, var, sq = row_moments(mfc)
     ctx = (sq + mean) / (2 * mean)
     if var == 0:
-        per = min(max(1, int(budget // mean)), max(1, math.ceil(rows)))
+        g = mfc.group_size
+        per = min(max(1, int(budget // (mean * g))) * g, max(g, math.ceil(rows)))
         return math.ceil(rows / per), float(round_block(per * mean)), ctx
     total = rows * mean
     if total <= budget:
@@ -171,8 +178,10 @@ def budget_shape(mfc: "MFC", rows: float, budget: int) -> tuple[int, float, floa
 
 
 def budget_options(mfc: "MFC", rows: int, max_bins: int) -> list[int]:
-    """Token budgets to price for a packed scoring call of ``mfc`` with ``rows`` rows per
-    data-parallel rank: from the smallest that holds any row (``round_block(seq_len)``)
+    """Token budgets to price for a packed scoring or training call of ``mfc`` with
+    ``rows`` rows per data-parallel rank (a training call: per optimizer step): from the
+    smallest that holds any row (``round_block(seq_len)``; a group of ``group_size``
+    rows, for pairs)
     to the rank's whole share at the caps (``round_block(rows x seq_len)``: one bin
     whatever the lengths), with :data:`PACK_BLOCK` times the powers of two between, and
     the budgets that pack the rows in about ``m`` bins for ``m`` a power of two or
@@ -183,7 +192,7 @@ def budget_options(mfc: "MFC", rows: int, max_bins: int) -> list[int]:
     Example: seq_len 100, 8 rows of always 100 tokens, up to 8 bins: 112 (8 bins), 128
     (8), 208 (4 bins of 2 rows), 256 (4), 400 (2 of 4), 512 (2) and 800 (one) ->
     [112, 128, 208, 256, 400, 512, 800]; up to 4 bins: [208, 256, 400, 512, 800]."""
-    lo, hi = round_block(mfc.seq_len), round_block(rows * mfc.seq_len)
+    lo, hi = round_block(mfc.group_size * mfc.seq_len), round_block(rows * mfc.seq_len)
     mean, var, _ = row_moments(mfc)
     waste = mean / 2 if var > 0 else 0.0
     fits = {round_block(math.ceil(rows / m) * mean + waste)

@@ -165,14 +165,15 @@ def _micro_batch_options(per_replica: int, cap: int, fixed: int | None = None) -
 
 def _batching_options(mfc: MFC, per_replica: int, cap: int) -> list[tuple[int, int | None]]:
     """(micro-batches, token budget) pairs to price for ``mfc`` with ``per_replica``
-    groups of rows per data-parallel rank: a packed scoring call whose micro-batches
-    are not fixed chooses a token budget (:func:`planner.graph.packing.budget_options`;
-    its micro-batches are the expected bins, rounded up); every other call a
-    micro-batch count (:func:`_micro_batch_options`) and no budget.
+    groups of rows per data-parallel rank (a training call: per optimizer step): a
+    packed scoring or training call whose micro-batches are not fixed chooses a token
+    budget (:func:`planner.graph.packing.budget_options`; its micro-batches are the
+    expected bins, rounded up); every other call a micro-batch count
+    (:func:`_micro_batch_options`) and no budget.
 
     Example: an unpacked call with 8 rows per replica, cap 64: [(1, None), (2, None),
     (4, None), (8, None)]."""
-    if mfc.kind == "inference" and mfc.packed and mfc.micro_batches is None:
+    if mfc.kind in ("inference", "train") and mfc.packed and mfc.micro_batches is None:
         rows = per_replica * mfc.group_size
         return [(budget_shape(mfc, rows, b)[0], b) for b in budget_options(mfc, rows, cap)]
     return [(m, None) for m in _micro_batch_options(per_replica, cap, mfc.micro_batches)]

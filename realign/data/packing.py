@@ -17,7 +17,12 @@ from typing import Literal
 
 import torch
 
-from planner.graph.packing import budget_for_bins, first_fit_decreasing, round_block
+from planner.graph.packing import (
+    budget_for_bins,
+    first_fit_decreasing,
+    group_bins,
+    round_block,
+)
 
 #: which attention kernel runs the pack (realign.runtime.engines.packed_attention)
 Kernel = Literal["flex", "segments"]
@@ -126,9 +131,9 @@ def inference_bins(lens: list[int], micro_batches: int, token_budget: int | None
 
 
 def train_packs(micro: list[dict[str, torch.Tensor]], kernel: Kernel) -> list[Pack]:
-    """One pack per training micro-batch, holding that micro-batch's rows in order (its
-    loss is a mean over its own rows: the plan's micro-batches keep their rows), all of
-    the width of the fullest micro-batch, block-rounded."""
+    """One pack per training micro-batch (the plan's equal rows, or a token budget's
+    bin: :func:`planner.graph.packing.group_bins`), holding that micro-batch's rows in
+    order, all of the width of the fullest micro-batch, block-rounded."""
     width = round_block(max(int(mb["lengths"].sum()) for mb in micro))
     return [make_pack(mb["tokens"], mb["lengths"], [list(range(len(mb["lengths"])))],
                       width, kernel) for mb in micro]
@@ -136,11 +141,13 @@ def train_packs(micro: list[dict[str, torch.Tensor]], kernel: Kernel) -> list[Pa
 
 def call_padding(lengths: torch.Tensor, width: int, dp: int, micro_batches: int,
                  kind: Literal["inference", "train"], packing: bool,
-                 token_budget: int | None = None) -> int:
+                 token_budget: int | None = None, group_size: int = 1) -> int:
     """Positions holding no row's token that one scoring call (or one optimizer step of
     a training call) computes over all its data-parallel ranks, from the rows' lengths
     alone, packed as :func:`inference_packs` (with the plan's ``token_budget``, if any) /
-    :func:`train_packs` pack them or padded to ``width``: the ``padded_tokens`` metrics.
+    :func:`train_packs` pack them (a training call with a budget: in the bins of
+    :func:`planner.graph.packing.group_bins`, whole groups of ``group_size`` rows) or
+    padded to ``width``: the ``padded_tokens`` metrics.
 
     Example: lengths [4, 2, 3, 1], width 4, dp 1, one micro-batch: padded 16 - 10 = 6;
     packed into one bin of 16: 6 too (rows this short fill less than a block), while
@@ -155,6 +162,9 @@ def call_padding(lengths: torch.Tensor, width: int, dp: int, micro_batches: int,
         if kind == "inference":
             bins, pack_width = inference_bins(mine, micro_batches, token_budget)
             total += pack_width * len(bins)
+        elif token_budget is not None:
+            bins = group_bins(mine, group_size, token_budget)
+            total += len(bins) * round_block(max(sum(mine[i] for i in b) for b in bins))
         else:
             size = per // micro_batches
             total += micro_batches * round_block(max(

@@ -109,7 +109,7 @@ def test_memory_is_priced_at_the_budget_not_the_caps():
                              token_budget=budget).activation_bytes
     assert act(1024) < act(4096) < act(16384)
     assert act(4096) == pytest.approx(act(mb=64) * 4096 / (4 * 512))   # 4 rows at the cap
-    with pytest.raises(ValueError, match="packed inference calls only"):
+    with pytest.raises(ValueError, match="packed scoring and training calls only"):
         cost.mfc_cost(scoring(packed=False), TINY, "lm", ONE, Layout(), 1, token_budget=64)
 
 
@@ -147,7 +147,7 @@ def test_the_search_picks_a_budget_within_memory_where_the_caps_do_not_fit():
     assert a.token_budget is not None and a.token_budget in budget_options(ref, 256, 8)
     assert a.micro_batches == budget_shape(ref, 256, a.token_budget)[0]
     assert a.mem_bytes <= plan.mem_limit_bytes
-    assert all(x.token_budget is None for x in plan.allocations if x.mfc != a.mfc)
+    assert all(x.token_budget is None for x in plan.allocations if x.kind == "generate")
     assert f"budget {a.token_budget} tok" in table(plan)
     assert not plan_problems(plan)
     again = ExecutionPlan.from_json(plan.to_json())
@@ -157,10 +157,10 @@ def test_the_search_picks_a_budget_within_memory_where_the_caps_do_not_fit():
 def test_a_budget_on_another_call_is_a_plan_problem():
     graph, models, cfg, _ = _problem()
     plan = search("t", graph, models, cpu(), cfg)
-    bad = [x.model_copy(update={"token_budget": 512}) if x.kind == "train" else x
+    bad = [x.model_copy(update={"token_budget": 512}) if x.kind == "generate" else x
            for x in plan.allocations]
     problems = plan_problems(plan.model_copy(update={"allocations": tuple(bad)}))
-    assert any("token_budget is for packed inference calls" in p for p in problems)
+    assert any("token_budget is for packed scoring and training calls" in p for p in problems)
     small = [x.model_copy(update={"token_budget": 100}) if x.kind == "inference" else x
              for x in plan.allocations]
     problems = plan_problems(plan.model_copy(update={"allocations": tuple(small)}))
