@@ -9,8 +9,8 @@ is. A daemon thread owns the second connection instead: every :data:`BEAT_S` it 
 the worker's :class:`Position` (which op of which step it is in, for how long, and
 whether it waits on a peer in a collective); an end of file on the connection (the
 controller's process ended, even by SIGKILL: its sockets close with it) ends the worker
-at once with :data:`EXIT_CONTROLLER_GONE`, taking down its process group when it leads
-one (a vLLM engine's processes).
+at once with :data:`EXIT_CONTROLLER_GONE` (SIGKILLed with its process group when it
+leads one: a vLLM engine's processes go too).
 
 The test-only hook :data:`STALL_ENV` (``REALIGN_TEST_STALL=RANK:CALL:SECONDS[:STEP]``)
 makes rank RANK sleep SECONDS inside call CALL (e.g. ``actor.generate``) the first time
@@ -99,9 +99,8 @@ def _gone(rank: int) -> None:
     print(f"worker {rank}: the controller is gone (its connection closed); exiting",
           file=sys.stderr, flush=True)
     if os.getpgid(0) == os.getpid():          # leads its group: take its children along
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         with contextlib.suppress(OSError):
-            os.killpg(os.getpid(), signal.SIGTERM)
+            os.killpg(os.getpid(), signal.SIGKILL)
     os._exit(EXIT_CONTROLLER_GONE)
 
 
