@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from statistics import NormalDist
 
+from planner.cost.moe_terms import mlp_gemms, sparse_mlp_s
 from planner.cost.profile import EngineCosts
 from planner.cost.rates import Rates
 from planner.specs.lora import COLUMN, LoraSpec
@@ -138,10 +139,10 @@ def lagged(w: Work, ranks: int) -> Work:
 
 def layer_gemms(spec: ModelSpec, tp: int) -> list[tuple[float, float]]:
     """(K, N) of one layer's GEMMs on one TP rank: QKV, projection, FC1 (gate and up),
-    FC2."""
-    h, f = spec.hidden, spec.ffn_hidden
-    return [(h, spec.qkv_out / tp), (spec.n_heads * spec.kv_channels / tp, h),
-            (h, 2 * f / tp), (f / tp, h)]
+    FC2; a mixture of experts' MLP is priced apart (:mod:`planner.cost.moe_terms`)."""
+    h = spec.hidden
+    attention = [(h, spec.qkv_out / tp), (spec.n_heads * spec.kv_channels / tp, h)]
+    return attention if spec.moe is not None else attention + mlp_gemms(spec, tp)
 
 
 def stage_pass(r: Rates, spec: ModelSpec, head: str, kind: str, rows: float, ctx: float,
@@ -164,9 +165,13 @@ def stage_pass(r: Rates, spec: ModelSpec, head: str, kind: str, rows: float, ctx
     heads = spec.n_heads / tp
     w = Work()
     if lora is not None and train:
-        base = sum(2 * r.gemm_s(rows, k, n) for k, n in layer_gemms(spec, tp))
+        def price(m: float, k: float, n: float) -> float:
+            return 2 * r.gemm_s(m, k, n)
     else:
-        base = sum(r.gemm_s(rows, k, n, train) for k, n in layer_gemms(spec, tp))
+        def price(m: float, k: float, n: float) -> float:
+            return r.gemm_s(m, k, n, train)
+    base = (sum(price(rows, k, n) for k, n in layer_gemms(spec, tp))
+            + sparse_mlp_s(spec, rows, tp, price))
     adapters = (sum(r.gemm_s(rows, k, n, train) for k, n in lora.gemms(spec, tp))
                 if lora is not None else 0.0)
     gemm = layers * (base + adapters)
