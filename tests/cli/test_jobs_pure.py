@@ -97,12 +97,13 @@ def test_batch_script_lines():
     assert sb == ["#SBATCH --job-name=realign-ppo", "#SBATCH --nodes=2",
                   "#SBATCH --ntasks-per-node=8", "#SBATCH --cpus-per-task=4",
                   "#SBATCH --time=02:00:00", "#SBATCH --partition=p1", "#SBATCH --requeue",
-                  "#SBATCH --open-mode=append",
+                  "#SBATCH --signal=B:USR1@300", "#SBATCH --open-mode=append",
                   "#SBATCH --output=/runs/r 1/logs/controller-%j.log",
                   "#SBATCH --exclusive", "#SBATCH --gres=gpu:8"]
     assert "export NCCL_DEBUG=WARN" in s
-    assert s.rstrip().endswith("exec /venv/bin/python -m realign.controller.main '/runs/r 1' "
-                               "--launcher slurm-step")
+    assert ("/venv/bin/python -m realign.controller.main '/runs/r 1' --launcher slurm-step &"
+            in s.splitlines())
+    assert s.rstrip().endswith('exit "$rc"')
 
 
 def test_a_cuda_job_asks_for_gpus_and_each_task_finds_its_own():
