@@ -4,11 +4,15 @@ Pure: no I/O, no environment variables. Steps:
 1. price every candidate allocation of every MFC (:mod:`planner.search.problem`);
 2. build the hand-written heuristic plans (:mod:`planner.search.heuristics`) in that space;
 3. search from them: exact branch and bound when the space is small, else
-   simulated annealing in the C++ core from each seed, anytime: each seed's walk runs
-   chains of doubling length, each from the best it has found, until
+   simulated annealing in the C++ core, anytime, in two phases. First one walk from
+   each seed and from ``anneal_random_starts`` random plans, the walks taking turns:
+   each walk's chains double in length, each from the best it has found, until
    ``anneal_patience`` chains in a row improve it by less than 0.5 % (converged) or it
-   falls 2 % behind the leading walk, or the steps (``anneal_steps``) or the time are
-   spent;
+   falls 2 % behind the leading walk. Then fresh walks from the best plan so far, each
+   with new random numbers, until ``anneal_restarts`` of them in a row find nothing
+   better. Then a deterministic local search (:func:`~planner.search.polish.polish`:
+   one call's layout, two calls' meshes together, two pairs trading meshes) climbs
+   from the best. The steps (``anneal_steps``) and the time bound all of it;
 4. the best plan found is never worse than any heuristic (they are its seeds).
 ``time_limit_s`` bounds all of it on the wall clock (:class:`~planner.search.deadline.Deadline`):
 a phase that runs out of time stops with what it has (the search keeps the best seed),
@@ -31,12 +35,13 @@ from planner.cost.profile import ProfileTable
 from planner.errors import InfeasibleError, PlanError
 from planner.graph.dataflow import DataflowGraph
 from planner.plan import ExecutionPlan, HeuristicResult, SearchInfo
-from planner.search.anneal import AnnealSettings
+from planner.search.anneal import AnnealSettings, SplitMix64
 from planner.search.core_bridge import CoreSimulator
 from planner.search.deadline import Deadline
 from planner.search.exact import branch_and_bound
 from planner.search.heuristics import HEURISTICS, Sim, not_applicable
 from planner.search.plan_build import build_plan, describe_candidate
+from planner.search.polish import polish
 from planner.search.problem import Problem, RoleModel, async_splits, build_problem
 from planner.search.simulator import energy, simulate
 from planner.specs.cluster import MAX_NODES, ClusterSpec
@@ -56,8 +61,13 @@ class SearchSettings(BaseModel):
                               "(the walks usually converge well before).")
     anneal_start_steps: int = Field(5000, gt=0, description="Length of each seed's first "
                                     "annealing chain; each further chain is twice as long.")
-    anneal_patience: int = Field(1, gt=0, description="Chains in a row that improve a seed's "
-                                 "best by less than 0.5 % before its walk counts as converged.")
+    anneal_patience: int = Field(2, gt=0, description="Chains in a row that improve a walk's "
+                                 "best by less than 0.5 % before the walk counts as converged.")
+    anneal_random_starts: int = Field(2, ge=0, description="Walks from random plans beside "
+                                      "those from the heuristics' plans.")
+    anneal_restarts: int = Field(2, ge=0, description="Walks from the best plan so far (new "
+                                 "random numbers each) that in a row find nothing better "
+                                 "before the annealing stops.")
     exact_max_space: int = Field(100_000, gt=0, description="Largest space searched exactly under auto.")
     exact_max_nodes: int = Field(2_000_000, gt=0, description="Node budget of branch and bound.")
     n_iters: int = Field(3, gt=0, le=16, description="Iterations simulated per estimate.")
@@ -104,30 +114,23 @@ class _Walk:
     misses: int = 0
 
 
-def _anneal(sim: CoreSimulator, seeds: list[list[int]], s: SearchSettings,
-            deadline: Deadline) -> tuple[list[int] | None, float, int, bool]:
-    """Anytime annealing from each seed, the seeds' walks taking turns: a walk's next
-    chain starts from its best and is twice as long as the last one, until
-    ``anneal_patience`` chains in a row gain less than :data:`CONVERGED_GAIN` (then the
-    walk has converged) or it falls :data:`BEHIND_SHARE` behind the leading walk, or
-    the steps or the time run out. (best, its energy, steps, every walk converged)."""
-    prob = sim.prob
-    walks = []
-    for a in seeds:
-        start = sim(a)
-        walks.append(_Walk(list(a), energy(prob, start) if start.feasible else math.inf,
-                           s.anneal_start_steps))
+def _walks(sim: CoreSimulator, walks: list[_Walk], s: SearchSettings, deadline: Deadline,
+           stream: int, spent: int) -> int:
+    """Run ``walks`` in turns (each chain from its walk's best, twice as long as the
+    last) until every walk has converged or fallen behind, or the steps (``spent`` of
+    them gone already) or the time run out. ``stream`` keeps the random numbers of
+    separate calls apart. Returns the steps run."""
     steps, chain = 0, 0
-    while steps < s.anneal_steps and any(w.misses < s.anneal_patience for w in walks):
+    while spent + steps < s.anneal_steps and any(w.misses < s.anneal_patience for w in walks):
         for k, w in enumerate(walks):
             if w.misses >= s.anneal_patience:
                 continue
             left = deadline.left_s()
-            if left <= 0 or steps >= s.anneal_steps:
+            if left <= 0 or spent + steps >= s.anneal_steps:
                 break
-            n = min(w.next_steps, s.anneal_steps - steps)
-            r = sim.anneal(w.best, AnnealSettings(n_steps=n, seed=s.seed + 1000 * k + chain),
-                           time_limit_s=left)
+            n = min(w.next_steps, s.anneal_steps - spent - steps)
+            seed = s.seed + 1_000_003 * stream + 1000 * k + chain
+            r = sim.anneal(w.best, AnnealSettings(n_steps=n, seed=seed), time_limit_s=left)
             steps += r.steps
             if r.feasible and r.energy < w.energy * (1 - CONVERGED_GAIN):
                 w.best, w.energy, w.misses = r.assign, r.energy, 0
@@ -143,8 +146,43 @@ def _anneal(sim: CoreSimulator, seeds: list[list[int]], s: SearchSettings,
                 w.misses = s.anneal_patience
         if deadline.left_s() <= 0:
             break
-    best = min(walks, key=lambda w: w.energy)
+    return steps
+
+
+def random_starts(prob: Problem, n: int, seed: int) -> list[list[int]]:
+    """``n`` plans with every MFC on a candidate drawn at random (SplitMix64 of ``seed``)."""
+    rng = SplitMix64(seed)
+    return [[int(rng.next() % len(cs)) for cs in prob.cands] for _ in range(n)]
+
+
+def _anneal(sim: CoreSimulator, seeds: list[list[int]], s: SearchSettings,
+            deadline: Deadline) -> tuple[list[int] | None, float, int, bool]:
+    """Anytime annealing in two phases (the module's step 3): walks from the seeds and
+    from random plans, then walks from the best plan so far until
+    ``anneal_restarts`` in a row find nothing better. (best, its energy, steps, every
+    walk converged)."""
+    prob = sim.prob
+
+    def walk(a: list[int]) -> _Walk:
+        start = sim(a)
+        return _Walk(list(a), energy(prob, start) if start.feasible else math.inf,
+                     s.anneal_start_steps)
+
+    walks = [walk(a) for a in seeds + random_starts(prob, s.anneal_random_starts, s.seed)]
+    steps = _walks(sim, walks, s, deadline, 0, 0)
     done = all(w.misses >= s.anneal_patience for w in walks)
+    best = min(walks, key=lambda w: w.energy)
+    fails, stream = 0, 1
+    while (done and fails < s.anneal_restarts and best.energy < math.inf
+           and steps < s.anneal_steps and deadline.left_s() > 0):
+        w = walk(best.best)
+        steps += _walks(sim, [w], s, deadline, stream, steps)
+        done = w.misses >= s.anneal_patience
+        stream += 1
+        if w.energy < best.energy:
+            best, fails = w, 0
+        else:
+            fails += 1
     return (best.best if best.energy < math.inf else None), best.energy, steps, done
 
 
@@ -217,6 +255,8 @@ def _search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], clust
         best, steps, complete = r.assign, r.nodes, r.complete
     else:
         best, _e, steps, converged = _anneal(sim, unique, s, deadline)
+        if best is not None:
+            best = polish(prob, sim, best, deadline)[0]
         complete = False
     if best is None:        # out of time before the search found one: the best seed that fits
         fits = [a for a in unique if sim(a).feasible]

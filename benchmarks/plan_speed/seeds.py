@@ -1,0 +1,183 @@
+"""Does the searched plan depend on the search's seed? Plans every GPU experiment (and,
+with ``--sweep``, every case of the plan sweep) once per seed and records, per setting,
+the best and worst estimated iteration time over the seeds, their spread (worst / best
+- 1) and the search times.
+
+Each round plans every setting with every seed in turn (seeds interleaved, so a slow
+spell of the machine hits each alike), in this process: the search time is what the
+plan reports (pricing the candidates, the heuristics, the search), not Python's start.
+
+    python benchmarks/plan_speed/seeds.py --seeds 0-7 --sweep --out benchmarks/plan_speed/seeds_DATE.json
+
+Settings: every ``experiments/*.yaml`` that plans for GPUs as written, the 8B GRPO
+long-tail experiment also padded with generation in waves (``train.packing: false``,
+``rollout.refill: false``), and ``benchmarks/plan_sweep.yaml``'s cases. Time limits are
+the experiments' own. Measure with nothing else running: on a 2-vCPU machine another
+process moves the search times several-fold (the plans do not move: the walks stop on
+steps, not on the clock, unless the time limit is reached).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+EXPERIMENTS = [
+    "experiments/grpo-llama3.1-8b-16gpu-longtail.yaml",
+    "experiments/grpo-llama3.1-8b-16gpu-longtail.yaml+padded-waves",
+    "experiments/grpo-qwen2.5-7b-16gpu.yaml",
+    "experiments/ppo-llama2-7b-8gpu.yaml",
+    "experiments/ppo-llama3-8b-16gpu.yaml",
+    "experiments/ppo-llama2-70b-128gpu.yaml",
+    "experiments/ppo-llama2-70b-1024gpu.yaml",
+    "experiments/public/ppo-llama2-7b-8gpu.yaml",
+    "experiments/public/ppo-llama2-13b-8gpu.yaml",
+    "experiments/public/ppo-llama2-70b-16gpu.yaml",
+    "experiments/public/ppo-llama2-70b-16gpu-lora.yaml",
+    "experiments/public/ppo-llama2-70b-32gpu.yaml",
+]
+#: the variant suffix -> the YAML sections it overrides
+VARIANTS = {"padded-waves": {"train": {"packing": False}, "rollout": {"refill": False}}}
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0-7"`` -> [0..7]; ``"0,3,5"`` -> [0, 3, 5]."""
+    if "-" in text:
+        lo, hi = text.split("-")
+        return list(range(int(lo), int(hi) + 1))
+    return [int(x) for x in text.split(",")]
+
+
+def experiment_planner(spec: str, tmp: Path) -> Callable[[int], dict]:
+    """A function seed -> one plan's numbers for experiment ``spec`` (a path, with
+    ``+variant`` for one of :data:`VARIANTS`)."""
+    from realign.config.loading import load_experiment
+    from realign.config.planning import plan_experiment
+
+    path, _, variant = spec.partition("+")
+    src = REPO / path
+    if variant:
+        doc = yaml.safe_load(src.read_text())
+        for section, values in VARIANTS[variant].items():
+            doc.setdefault(section, {}).update(values)
+        src = tmp / f"{src.stem}-{variant}.yaml"
+        src.write_text(yaml.safe_dump(doc))
+    cfg, base = load_experiment(str(src))
+    base = REPO / Path(path).parent if variant else base
+
+    def plan(seed: int) -> dict:
+        p = plan_experiment(cfg, base, {"method": None, "time_limit_s": None, "seed": seed})
+        return numbers(p)
+    return plan
+
+
+def sweep_planners() -> dict[str, Callable[[int], dict]]:
+    """seed -> numbers, for every case of ``benchmarks/plan_sweep.yaml``."""
+    from planner.graph.algorithms import BatchShape, build_graph
+    from planner.search.problem import RoleModel, head_of
+    from planner.search.search import SearchSettings, search
+    from planner.specs.cluster import ClusterSpec, resolve_device
+    from planner.specs.model_spec import model_presets
+
+    sweep = yaml.safe_load((REPO / "benchmarks" / "plan_sweep.yaml").read_text())
+    presets, device, gpn = model_presets(), resolve_device(sweep["device"]), sweep["gpus_per_node"]
+    algo = dict(sweep["algorithm"])
+    name = algo.pop("name")
+    out: dict[str, Callable[[int], dict]] = {}
+    for actor, critic, n_gpus in sweep["cases"]:
+        for gen in sweep["gen_lens"]:
+            cluster = ClusterSpec(n_nodes=max(1, n_gpus // gpn), gpus_per_node=min(gpn, n_gpus),
+                                  device=device)
+            sizes = {"actor": actor, "ref": actor, "critic": critic, "reward": critic}
+            graph = build_graph(name, BatchShape(gen_len=gen, **algo), set(sizes))
+            models = {r: RoleModel(r, presets[m], head_of(r)) for r, m in sizes.items()}
+            label = f"sweep {actor}+{critic}/{n_gpus}/{gen}"
+
+            def plan(seed: int, graph=graph, models=models, cluster=cluster, label=label) -> dict:
+                settings = SearchSettings(**{**sweep.get("plan", {}), "seed": seed})
+                return numbers(search(label, graph, models, cluster, settings=settings))
+            out[label] = plan
+    return out
+
+
+def numbers(plan) -> dict:
+    return {"iteration_time_s": plan.iteration_time_s,
+            "search_time_s": plan.search.search_time_s, "steps": plan.search.steps,
+            "converged": plan.search.converged, "method": plan.search.method,
+            "megatron_s": next((h.iteration_time_s for h in plan.heuristics
+                                if h.name == "megatron"), None)}
+
+
+def summarise(runs: list[dict]) -> dict:
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {"errors": len(runs)}
+    est = [r["iteration_time_s"] for r in ok]
+    st = [r["search_time_s"] for r in ok]
+    return {"best_s": min(est), "worst_s": max(est), "spread": max(est) / min(est) - 1,
+            "search_time_s": {"median": statistics.median(st), "max": max(st)},
+            "runs": len(ok), "errors": len(runs) - len(ok), "method": ok[0]["method"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", default="0-7", help="seeds: 0-7 or 0,3,5 (default 0-7)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds over every setting and seed")
+    p.add_argument("--sweep", action="store_true", help="also every case of the plan sweep")
+    p.add_argument("--only", help="only settings whose name contains this")
+    p.add_argument("--out", help="write the JSON record here")
+    p.add_argument("--note", default="", help="what else ran on the machine")
+    args = p.parse_args(argv)
+    seeds = parse_seeds(args.seeds)
+    from realign.bench.machine import cpu_model
+
+    rec: dict = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "seeds": seeds,
+                 "rounds": args.rounds, "note": args.note,
+                 "machine": {"platform": platform.platform(), "cpu": cpu_model(),
+                             "cpus": os.cpu_count(), "python": platform.python_version(),
+                             "loadavg_start": os.getloadavg()}}
+    with tempfile.TemporaryDirectory() as tmp:
+        planners = {e: experiment_planner(e, Path(tmp)) for e in EXPERIMENTS}
+        if args.sweep:
+            planners.update(sweep_planners())
+        if args.only:
+            planners = {k: v for k, v in planners.items() if args.only in k}
+        runs: dict[str, list[dict]] = {k: [] for k in planners}
+        for r in range(args.rounds):
+            for name, plan in planners.items():
+                for seed in seeds:
+                    try:
+                        res = {"round": r, "seed": seed, **plan(seed)}
+                    except Exception as e:      # noqa: BLE001 -- recorded, the study goes on
+                        res = {"round": r, "seed": seed, "error": f"{type(e).__name__}: {e}"}
+                    runs[name].append(res)
+                s = summarise(runs[name][-len(seeds):])
+                print(f"round {r + 1} {name}: " + (
+                    f"best {s['best_s']:.3f} s, worst {s['worst_s']:.3f} s, spread "
+                    f"{100 * s['spread']:.2f} %, search max {s['search_time_s']['max']:.2f} s"
+                    if "best_s" in s else f"{s['errors']} errors"), flush=True)
+    rec["machine"]["loadavg_end"] = os.getloadavg()
+    rec["runs"] = runs
+    rec["summary"] = {k: summarise(v) for k, v in runs.items()}
+    ok = [s for s in rec["summary"].values() if "spread" in s]
+    rec["overall"] = {"settings": len(rec["summary"]),
+                      "max_spread": max((s["spread"] for s in ok), default=None),
+                      "within_1pct": sum(s["spread"] <= 0.01 for s in ok)}
+    print(json.dumps(rec["overall"]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rec, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""A deterministic local search that finishes the annealer's best plan.
+
+Annealing walks end in plans that no single move improves but that differ from seed to
+seed: the common trap is a pair of calls that would each be faster on their own half of
+a mesh, where moving one alone only makes it slower (the two trainings of a PPO on the
+two halves of a node against both on the whole node). :func:`polish` climbs from a plan
+with two kinds of move, best improvement first, until neither improves it:
+
+* **one call, another layout**: every candidate of one MFC on the mesh it runs on (or,
+  where an MFC has at most :data:`FULL_SCAN_CANDIDATES` candidates, every candidate);
+* **two calls, their meshes together**: for each pair of MFCs, both on one mesh or on
+  the two halves of it (either way round), for the meshes the pair runs on and the
+  meshes just above them, each call taking one of its :data:`PAIR_OPTIONS` fastest and
+  leanest candidates there.
+
+It reads only the simulator, so the C++ core and its Python twin polish alike.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+from planner.search.deadline import Deadline
+from planner.search.problem import Problem
+from planner.search.simulator import SimResult, energy
+
+Sim = Callable[[list[int]], SimResult]
+#: an MFC with at most this many candidates has all of them tried in a one-call move
+FULL_SCAN_CANDIDATES = 1000
+#: per call and mesh, the fastest and the leanest this many candidates join pair moves
+PAIR_OPTIONS = 3
+
+Mesh = tuple[int, int]          # (first GPU, GPU count)
+
+
+def _score(prob: Problem, sim: Sim, assign: list[int]) -> float:
+    res = sim(assign)
+    return energy(prob, res) if res.feasible else float("inf")
+
+
+def _options(prob: Problem, i: int, mesh: Mesh, n: int = PAIR_OPTIONS) -> list[int]:
+    """The ``n`` fastest and the ``n`` leanest candidates of MFC ``i`` on ``mesh``."""
+    js = prob.on_mesh[i].get(mesh, [])
+    cs = prob.cands[i]
+    fast = sorted(js, key=lambda j: (cs[j].time_s, j))[:n]
+    lean = sorted(js, key=lambda j: (cs[j].resident_bytes + cs[j].activation_bytes, j)
+                  )[:n]
+    return list(dict.fromkeys(fast + lean))
+
+
+def _around(mesh: Mesh) -> list[Mesh]:
+    """``mesh`` and the mesh of twice its size that holds it: (8, 4) -> [(8, 4), (8, 8)]."""
+    first, n = mesh
+    return [mesh, (first - first % (2 * n), 2 * n)]
+
+
+def _pair_placements(prob: Problem, i: int, k: int, a: list[int]) -> list[tuple[Mesh, Mesh]]:
+    """Where a pair move may put MFCs ``i`` and ``k``: both on one mesh, or on its two
+    halves, for the meshes they run on and those just above."""
+    ci, ck = prob.cands[i][a[i]], prob.cands[k][a[k]]
+    meshes = dict.fromkeys(_around((ci.first_gpu, ci.n_gpus)) + _around((ck.first_gpu, ck.n_gpus)))
+    out: list[tuple[Mesh, Mesh]] = []
+    for first, n in meshes:
+        out.append(((first, n), (first, n)))
+        if n % 2 == 0:
+            lo, hi = (first, n // 2), (first + n // 2, n // 2)
+            out += [(lo, hi), (hi, lo)]
+    return out
+
+
+def _best_single(prob: Problem, sim: Sim, a: list[int], e: float
+                 ) -> tuple[list[int], float]:
+    best, best_e = a, e
+    for i in range(len(a)):
+        js = (range(len(prob.cands[i])) if len(prob.cands[i]) <= FULL_SCAN_CANDIDATES
+              else prob.same_mesh[i][a[i]])
+        for j in js:
+            if j == a[i]:
+                continue
+            b = list(a)
+            b[i] = j
+            eb = _score(prob, sim, b)
+            if eb < best_e:
+                best, best_e = b, eb
+    return best, best_e
+
+
+def _best_pair(prob: Problem, sim: Sim, a: list[int], e: float) -> tuple[list[int], float]:
+    best, best_e = a, e
+    for i, k in itertools.combinations(range(len(a)), 2):
+        for mi, mk in _pair_placements(prob, i, k, a):
+            for ji, jk in itertools.product(_options(prob, i, mi), _options(prob, k, mk)):
+                if (ji, jk) == (a[i], a[k]):
+                    continue
+                b = list(a)
+                b[i], b[k] = ji, jk
+                eb = _score(prob, sim, b)
+                if eb < best_e:
+                    best, best_e = b, eb
+    return best, best_e
+
+
+def _mesh(prob: Problem, i: int, j: int) -> Mesh:
+    c = prob.cands[i][j]
+    return c.first_gpu, c.n_gpus
+
+
+def _best_exchange(prob: Problem, sim: Sim, a: list[int], e: float
+                   ) -> tuple[list[int], float]:
+    """Two pairs of MFCs trade their meshes (either way round within each pair), each
+    call taking its fastest or its leanest candidate on its new mesh."""
+    best, best_e = a, e
+    pairs = list(itertools.combinations(range(len(a)), 2))
+    for (i, k), (p, q) in itertools.combinations(pairs, 2):
+        if len({i, k, p, q}) < 4:
+            continue
+        here, there = (_mesh(prob, i, a[i]), _mesh(prob, k, a[k])), \
+            (_mesh(prob, p, a[p]), _mesh(prob, q, a[q]))
+        if sorted(here) == sorted(there):
+            continue
+        for (mi, mk), (mp, mq) in itertools.product((there, there[::-1]), (here, here[::-1])):
+            opts = [_options(prob, x, m, 1) for x, m in ((i, mi), (k, mk), (p, mp), (q, mq))]
+            for js in itertools.product(*opts):
+                b = list(a)
+                b[i], b[k], b[p], b[q] = js
+                eb = _score(prob, sim, b)
+                if eb < best_e:
+                    best, best_e = b, eb
+    return best, best_e
+
+
+def polish(prob: Problem, sim: Sim, assign: list[int], deadline: Deadline | None = None
+           ) -> tuple[list[int], float]:
+    """The plan reached from ``assign`` by best-improvement moves (see the module), and
+    its energy (inf where it does not fit). Deterministic; stops early at the deadline."""
+    a, e = list(assign), _score(prob, sim, assign)
+    while deadline is None or not deadline.passed():
+        b, eb = _best_single(prob, sim, a, e)
+        if eb >= e and (deadline is None or not deadline.passed()):
+            b, eb = _best_pair(prob, sim, a, e)
+        if eb >= e and (deadline is None or not deadline.passed()):
+            b, eb = _best_exchange(prob, sim, a, e)
+        if eb >= e:
+            break
+        a, e = b, eb
+    return a, e
