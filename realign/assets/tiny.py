@@ -60,6 +60,13 @@ TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 SMALL_LLAMA = dict(TINY_LLAMA, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=4)
 
+#: The tiny Qwen3-MoE: 3 layers (the middle one dense), 8 experts of 32, top 2,
+#: head_dim 32 (vLLM's CPU kernels need at least 32)
+TINY_QWEN3_MOE = dict(TINY_LLAMA, num_hidden_layers=3, intermediate_size=96, head_dim=32,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1,
+                      router_aux_loss_coef=0.001)
+
 #: LLaMA 3.1's rope scaling with the pretraining window shrunk to 8 positions
 TINY_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
@@ -114,6 +121,11 @@ def _model_config(kind: str, vocab_size: int, head: str, arch: dict | None = Non
                       tie_word_embeddings=True)
         cfg = tf.Qwen3Config(**fields, rope_parameters={
             "rope_type": "default", "rope_theta": 1e6})
+    elif kind == "qwen3_moe":       # a mixture of experts (default TINY_QWEN3_MOE)
+        fields = dict(arch or TINY_QWEN3_MOE, vocab_size=vocab_size, pad_token_id=PAD_ID,
+                      bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+        cfg = tf.Qwen3MoeConfig(**fields, rope_parameters={
+            "rope_type": "default", "rope_theta": 1e6})
     elif kind == "llama31":         # LLaMA 3.1's rope scaling; the task's 12 tokens run
         cfg = tf.LlamaConfig(**fields, rope_parameters=dict(   # past its window of 8
             TINY_LLAMA31_ROPE, rope_theta=500000.0))
@@ -126,10 +138,10 @@ def _model_config(kind: str, vocab_size: int, head: str, arch: dict | None = Non
 
 def make_model(folder: str | Path, kind: str = "llama", head: str = "lm", seed: int = 0,
                tokenizer=None, arch: dict | None = None) -> Path:
-    """Save a tiny random ``kind`` (llama | llama31 | qwen2 | qwen3) model with an LM head
-    (``lm``) or a one-label sequence-classification head (``value``), and the tiny
-    tokenizer, into ``folder``; returns the folder. ``arch``: architecture numbers
-    (default :data:`TINY_LLAMA`)."""
+    """Save a tiny random ``kind`` (llama | llama31 | qwen2 | qwen3 | qwen3_moe) model with
+    an LM head (``lm``) or a one-label sequence-classification head (``value``), and the
+    tiny tokenizer, into ``folder``; returns the folder. ``arch``: architecture numbers
+    (default :data:`TINY_LLAMA`; :data:`TINY_QWEN3_MOE` for qwen3_moe)."""
     import torch
     import transformers as tf
 
@@ -137,6 +149,7 @@ def make_model(folder: str | Path, kind: str = "llama", head: str = "lm", seed: 
     cfg = _model_config(kind, len(tokenizer), head, arch)
     cls = {("llama", "lm"): tf.LlamaForCausalLM, ("llama31", "lm"): tf.LlamaForCausalLM,
            ("qwen2", "lm"): tf.Qwen2ForCausalLM, ("qwen3", "lm"): tf.Qwen3ForCausalLM,
+           ("qwen3_moe", "lm"): tf.Qwen3MoeForCausalLM,
            ("llama", "value"): tf.LlamaForSequenceClassification,
            ("qwen2", "value"): tf.Qwen2ForSequenceClassification}[(kind, head)]
     # fork_rng: the caller's global RNG state is left as it was

@@ -18,7 +18,10 @@ the family's table, :mod:`planner.specs.families`):
   ``pre_mlp_layernorm``; ``model.norm`` -> ``decoder.final_layernorm``;
 * ``model.embed_tokens`` / ``lm_head`` -> embedding / ``output_layer`` (vocabulary
   rows padded with zeros to the padded size); ``score`` (a sequence-classification
-  reward model) -> the value head.
+  reward model) -> the value head;
+* a mixture of experts' sparse layer (Qwen3-MoE): ``mlp.gate`` -> ``mlp.router`` (whole
+  on every rank); ``mlp.experts.<e>.gate_proj`` / ``up_proj`` -> that expert's
+  ``linear_fc1``, ``down_proj`` -> its ``linear_fc2`` (split as the dense MLP's).
 """
 from __future__ import annotations
 
@@ -65,9 +68,17 @@ def hf_names(t: LogicalTensor, spec: ModelSpec) -> list[str]:
     """HF tensor names a logical tensor is made of (in concatenation order): the
     family's table (:mod:`planner.specs.families`), read and written alike."""
     if t.layer is not None:
-        kind = t.content.rsplit(".", 1)[1]
-        return [f"model.layers.{t.layer}.{n}" for n in FAMILIES[spec.family].layer_names(kind)]
+        parts = t.content.split(".")
+        kind = parts[-1]
+        expert = int(parts[-2]) if kind.startswith("expert_") else None
+        return [f"model.layers.{t.layer}.{n}"
+                for n in FAMILIES[spec.family].layer_names(kind, expert)]
     return list(MODEL_NAMES[t.content])
+
+
+def _fc1(t: LogicalTensor) -> bool:
+    """``t`` is a SwiGLU fc1 (the dense MLP's or an expert's): HF's gate and up."""
+    return t.content.endswith(".fc1") or t.content.endswith(".expert_fc1")
 
 
 def hf_shapes(t: LogicalTensor, spec: ModelSpec) -> list[tuple[int, ...]]:
@@ -76,8 +87,8 @@ def hf_shapes(t: LogicalTensor, spec: ModelSpec) -> list[tuple[int, ...]]:
     if t.content.endswith(".qkv") or t.content.endswith(".qkv_bias"):
         rows = [spec.n_heads * d, spec.n_kv_heads * d, spec.n_kv_heads * d]
         return [(r, h) if t.content.endswith(".qkv") else (r,) for r in rows]
-    if t.content.endswith(".fc1"):
-        return [(spec.ffn_hidden, h)] * 2
+    if _fc1(t):
+        return [(t.shape[0] // 2, h)] * 2
     if t.content in ("embedding", "output"):
         return [(v, h)]
     return [t.shape]
@@ -168,7 +179,7 @@ def read_shard(reader: HFReader, spec: ModelSpec, t: LogicalTensor, tp_rank: int
                  v.reshape(g1 - g0, d, *rest)]
         return torch.cat(parts, dim=1).reshape(-1, *rest)
     ranges = t.shard_ranges(tp_rank, tp)
-    if t.content.endswith(".fc1"):
+    if _fc1(t):
         part = t.shape[0] // 2
         return torch.cat([reader.rows(n, a - p * part, b - p * part)
                           for p, (n, (a, b)) in enumerate(zip(names, ranges))])
@@ -210,7 +221,7 @@ def to_hf(t: LogicalTensor, full: torch.Tensor, spec: ModelSpec) -> dict[str, to
         g = full.reshape(groups, (q_per + 2) * d, *rest)
         q, k, v = g.split([q_per * d, d, d], dim=1)
         return {n: x.reshape(-1, *rest).contiguous() for n, x in zip(names, (q, k, v))}
-    if t.content.endswith(".fc1"):
+    if _fc1(t):
         gate, up = full.chunk(2)
         return {names[0]: gate.contiguous(), names[1]: up.contiguous()}
     if t.content in ("embedding", "output"):
@@ -274,7 +285,7 @@ def save_hf_checkpoint(shard, path: str | Path, hf_config: dict) -> None:
         (out / INDEX).write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         cfg = dict(hf_config)
-        cfg.update(_config_numbers(spec))
+        cfg.update(_config_numbers(spec, hf_config))
         # the tensors' own dtype (bf16 after a bf16 run), under both names transformers
         # has used for it
         dtype = str(next(iter(hf.values())).dtype).removeprefix("torch.") if hf else None
@@ -284,8 +295,19 @@ def save_hf_checkpoint(shard, path: str | Path, hf_config: dict) -> None:
     dist.barrier(group=g.model_group)
 
 
-def _config_numbers(spec: ModelSpec) -> dict:
-    return {"num_hidden_layers": spec.n_layers, "hidden_size": spec.hidden,
-            "num_attention_heads": spec.n_heads, "num_key_value_heads": spec.n_kv_heads,
-            "intermediate_size": spec.ffn_hidden, "vocab_size": spec.vocab_size,
-            "tie_word_embeddings": spec.tied_embeddings}
+def _config_numbers(spec: ModelSpec, hf_config: dict | None = None) -> dict:
+    out = {"num_hidden_layers": spec.n_layers, "hidden_size": spec.hidden,
+           "num_attention_heads": spec.n_heads, "num_key_value_heads": spec.n_kv_heads,
+           "intermediate_size": spec.ffn_hidden, "vocab_size": spec.vocab_size,
+           "tie_word_embeddings": spec.tied_embeddings}
+    if spec.moe is not None:
+        # the experts' count under the key the source config used (transformers 5 writes
+        # num_local_experts, the published configs num_experts)
+        key = ("num_local_experts" if hf_config and "num_local_experts" in hf_config
+               else "num_experts")
+        out.update({key: spec.moe.n_experts, "num_experts_per_tok": spec.moe.top_k,
+                    "moe_intermediate_size": spec.moe.expert_ffn_hidden,
+                    "norm_topk_prob": spec.moe.norm_topk_prob,
+                    "mlp_only_layers": list(spec.moe.dense_layers), "decoder_sparse_step": 1,
+                    "router_aux_loss_coef": spec.moe.router_aux_loss_coef})
+    return out

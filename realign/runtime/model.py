@@ -4,7 +4,9 @@ adapter from local megatron parameters to the planner's logical tensors.
 
 megatron's local (non-TE) layer spec holds the parameters unless
 ``train.transformer_engine`` opts in to TE's spec (CUDA only). The vocabulary is padded to
-:attr:`planner.specs.model_spec.ModelSpec.padded_vocab` (the same for every TP).
+:attr:`planner.specs.model_spec.ModelSpec.padded_vocab` (the same for every TP). A
+mixture of experts' sparse layers (Qwen3-MoE) hold realign's
+:class:`~realign.runtime.moe.MoeMLP` in place of megatron's MLP.
 """
 from __future__ import annotations
 
@@ -124,6 +126,28 @@ def check_te(device: DeviceInfo) -> None:
                         field="train.transformer_engine") from None
 
 
+def stage_layer_spec(spec: ModelSpec, use_te: bool, pp: int, pp_rank: int):
+    """The layer spec of one pipeline stage: :func:`layer_spec` for every layer of a
+    dense model; for a mixture of experts one spec per layer, its sparse layers with no
+    megatron MLP (:func:`build_model` puts a :class:`~realign.runtime.moe.MoeMLP` there)."""
+    from dataclasses import replace
+
+    base = layer_spec(use_te, spec.qk_norm)
+    if spec.moe is None:
+        return base
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+    )
+
+    sparse = replace(base, submodules=replace(base.submodules, mlp=IdentityOp))
+    return TransformerBlockSubmodules(
+        layer_specs=[sparse if spec.is_sparse(i) else base
+                     for i in stage_layers(spec.n_layers, pp, pp_rank)],
+        layer_norm=LayerNormImpl)
+
+
 def ensure_process_state(seed: int, tp_rank: int) -> None:
     """Per-process megatron state the layers read: the attention's global memory
     buffer and the RNG tracker. Shared by every replica of the process (dropout is
@@ -159,13 +183,17 @@ def build_model(spec: ModelSpec, head: Head, groups: ReplicaGroups, device: Devi
     tied = spec.tied_embeddings and head == "lm"
     torch.manual_seed(seed)
     model = GPTModel(
-        config, layer_spec(use_te, spec.qk_norm), vocab_size=spec.padded_vocab,
+        config, stage_layer_spec(spec, use_te, groups.layout.pp, groups.pp_rank),
+        vocab_size=spec.padded_vocab,
         max_sequence_length=spec.max_seq_len,
         pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
         share_embeddings_and_output_weights=tied, position_embedding_type="rope",
         rotary_base=int(spec.rope_theta), pg_collection=groups.pgs)
     if head == "value" and groups.is_last_stage:
         model.output_layer = ValueHead(spec.hidden, device.dtype, device.device)
+    if spec.moe is not None:
+        _add_experts(model, spec, groups, device, seed if init_weights else None,
+                     config.init_method_std)
     rope = scaled_rope(spec, device.device)
     if rope is not None:        # the checkpoint's scaled frequencies (realign.runtime.rope)
         model.rotary_pos_emb.inv_freq = rope[0]
@@ -180,6 +208,21 @@ def build_model(spec: ModelSpec, head: Head, groups: ReplicaGroups, device: Devi
     shard = ModelShard(spec=spec, head=head, groups=groups, device=device, module=model)
     _mark_tp_params(shard)
     return shard
+
+
+def _add_experts(model: torch.nn.Module, spec: ModelSpec, groups: ReplicaGroups,
+                 device: DeviceInfo, seed: int | None, std: float) -> None:
+    """Each sparse layer of the stage gets its router and experts (random from ``seed``,
+    or zeros to load into)."""
+    from realign.runtime.moe import MoeMLP
+
+    g = groups
+    tp_group = g.pgs.tp if g.layout.tp > 1 else None
+    for layer, global_layer in zip(model.decoder.layers,
+                                   stage_layers(spec.n_layers, g.layout.pp, g.pp_rank)):
+        if spec.is_sparse(global_layer):
+            layer.mlp = MoeMLP(spec, global_layer, g.layout.tp, g.tp_rank, tp_group,
+                               device.dtype, device.device, seed, std)
 
 
 def _mark_tp_params(shard: ModelShard) -> None:

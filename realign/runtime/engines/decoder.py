@@ -36,6 +36,7 @@ from planner.cost.cost_config import KV_CACHE_BLOCK_TOKENS
 from realign.data.packing import Pack
 from realign.runtime.engines.packed_attention import packed_attention
 from realign.runtime.model import TE_NAMES, ModelShard
+from realign.runtime.moe import MoeMLP
 
 if TYPE_CHECKING:
     from realign.runtime.engines.captured_step import CapturedSteps
@@ -57,10 +58,12 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None
     proj: torch.Tensor
     ln2: torch.Tensor
-    fc1: torch.Tensor
-    fc2: torch.Tensor
+    fc1: torch.Tensor | None                #: the dense MLP (None on a sparse layer)
+    fc2: torch.Tensor | None
     q_norm: torch.Tensor | None = None      #: per-head query RMSNorm (Qwen3)
     k_norm: torch.Tensor | None = None
+    #: a sparse layer's router and experts (:mod:`realign.runtime.moe`), in place of fc1/fc2
+    moe: MoeMLP | None = None
     #: the layer's megatron modules that carry LoRA adapters, by target
     #: (:mod:`realign.runtime.lora`); empty without LoRA
     lora: dict[str, torch.nn.Module] = field(default_factory=dict)
@@ -71,13 +74,15 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights:
     from realign.runtime.lora import adapted, is_lora_name
 
     p = {TE_NAMES.get(n, n): t for n, t in layer.named_parameters() if not is_lora_name(n)}
+    moe = layer.mlp if isinstance(layer.mlp, MoeMLP) else None
     return LayerWeights(
         ln1=p["input_layernorm.weight"], qkv=p["self_attention.linear_qkv.weight"],
         qkv_bias=p.get("self_attention.linear_qkv.bias"),
         proj=p["self_attention.linear_proj.weight"], ln2=p["pre_mlp_layernorm.weight"],
-        fc1=p["mlp.linear_fc1.weight"], fc2=p["mlp.linear_fc2.weight"],
+        fc1=p.get("mlp.linear_fc1.weight"), fc2=p.get("mlp.linear_fc2.weight"),
         q_norm=p.get("self_attention.q_layernorm.weight"),
-        k_norm=p.get("self_attention.k_layernorm.weight"), lora=adapted(layer))
+        k_norm=p.get("self_attention.k_layernorm.weight"),
+        lora=adapted(layer) if moe is None else {}, moe=moe)     # no LoRA on experts' layers
 
 
 @dataclass
@@ -281,6 +286,8 @@ class StageDecoder:
         o = o.transpose(1, 2).reshape(b, s, ng * r * d)
         x = x + self._adapt(w, "linear_proj", o, self._reduce(F.linear(o, w.proj)))
         y = F.rms_norm(x, (h,), w.ln2, eps)
+        if w.moe is not None:           # routed experts (their TP sum inside)
+            return x + w.moe.mlp(y, self._copy, self._reduce)
         gate, up = self._adapt(w, "linear_fc1", y, F.linear(self._copy(y), w.fc1)).chunk(2, dim=-1)
         act = F.silu(gate) * up
         return x + self._adapt(w, "linear_fc2", act, self._reduce(F.linear(act, w.fc2)))
