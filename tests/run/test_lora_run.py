@@ -143,6 +143,30 @@ def test_an_adapter_made_for_another_base_exits_2(tiny_assets, tmp_path):
     assert "lora.actor.init_from" in r.stderr and "another base" in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("peft_fields,lora_fields,needle", [
+    ({"use_dora": True}, {}, "use_dora=True"),
+    ({"use_rslora": True}, {}, "use_rslora=True"),
+    ({}, {"lora__actor__shared_a": True}, "have different lora_A"),
+    ({"target_modules": ["q_proj", "v_proj"]}, {}, "the adapter adapts ['q_proj', 'v_proj']"),
+])
+def test_a_peft_adapter_realign_cannot_run_as_set_exits_2(tiny_assets, tmp_path, peft_fields,
+                                                          lora_fields, needle):
+    """PEFT adapters of the actor's own base that these settings cannot start from: DoRA,
+    rsLoRA's scale, fused parts with their own A under shared_a, other projections."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_assets / "tiny" / "actor")
+    fields = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", **peft_fields}
+    get_peft_model(base, LoraConfig(**fields)).save_pretrained(str(tmp_path / "adapter"))
+    r = run(lora_exp(tiny_assets, tmp_path, lora__actor__init_from=str(tmp_path / "adapter"),
+                     **lora_fields), tmp_path / "run")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "lora.actor.init_from" in r.stderr and needle in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_lora_reward_model_loads_with_peft_as_a_sequence_classifier(tiny_assets, tmp_path):
     """Reward modelling with LoRA: the final folder (adapters and the trained score head as
     PEFT's modules_to_save) loads with peft on the base classifier and scores like the
