@@ -57,6 +57,8 @@ def parse() -> argparse.Namespace:
     a.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
     a.add_argument("--check", type=int, default=8, help="greedy steps compared")
     a.add_argument("--preset", default="h100-80g", help="the planner's device preset")
+    a.add_argument("--fp32", action="store_true",
+                   help="fp32 weights and cache (greedy parity without bf16 near-ties)")
     a.add_argument("--out", default=os.environ.get("OUT", "out"))
     return a.parse_args()
 
@@ -64,7 +66,7 @@ def parse() -> argparse.Namespace:
 def model(args) -> tuple[ModelSpec, object]:
     """The shard of a one-rank world, random weights (normal, std 0.02; norms 1)."""
     kind = "cpu" if args.tiny else "cuda"
-    dev = init_device(kind, dtype="fp32" if args.tiny else "bf16")
+    dev = init_device(kind, dtype="fp32" if args.tiny or args.fp32 else "bf16")
     dist.init_process_group("gloo" if args.tiny else "cpu:gloo,cuda:nccl",
                             init_method="tcp://127.0.0.1:29571", rank=0, world_size=1)
     base = TINY if args.tiny else resolve_model("llama3-8b")
@@ -98,17 +100,19 @@ class Run:
     def __init__(self, dec: StageDecoder, start: int, x0: torch.Tensor, vocab: int):
         self.dec, self.start, self.x0, self.vocab = dec, start, x0, vocab
 
-    def greedy(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy tokens [n, rows] and their log-probs from the start."""
+    def greedy(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Greedy tokens [n, rows], their log-probs, and the first step's logits."""
         x, pos = self.x0.clone(), torch.full_like(self.x0[:, 0], self.start)
-        toks, lps = [], []
+        toks, lps, first = [], [], None
         for s in range(n):
             logits = self.dec.step(x, pos + s, self.start + s + 1).float()[:, :self.vocab]
+            first = logits.clone() if first is None else first
             lp = logits.log_softmax(-1)
             x = lp.argmax(-1, keepdim=True)
             toks.append(x[:, 0])
             lps.append(lp.gather(1, x)[:, 0])
-        return torch.stack(toks), torch.stack(lps)
+        return torch.stack(toks), torch.stack(lps), first
+
 
     def timed(self, warmup: int, n: int, cuda: bool) -> dict:
         """Seconds per step (device time between events on CUDA, wall time on CPU) and
@@ -138,6 +142,25 @@ class Run:
                 "steps": dev_s}
 
 
+def agreement(tok_e, tok_c, lp_e, lp_c, first_e, first_c) -> dict:
+    """How far the captured steps agree with the eager ones: the first step's logits
+    (relative L2 error, and the share of rows whose top-2 margin is below that step's
+    largest logit difference, where bf16 rounding can flip a greedy choice), and per row
+    the steps equal before the first different token, with the log-probs up to there."""
+    diff = (first_e - first_c).abs()
+    top2 = first_e.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    same = (tok_e == tok_c).int().cumprod(0)          # 1 until a row's first difference
+    upto = same.bool()
+    return {"first_logits_rel_err": float(diff.norm() / first_e.norm()),
+            "first_logits_max_abs_diff": float(diff.max()),
+            "rows_near_tie": int((margin < diff.max()).sum()),
+            "steps_equal_before_divergence_mean": float(same.sum(0).float().mean()),
+            "rows_never_diverging": int(same[-1].sum()),
+            "logprob_max_diff_before_divergence":
+                float((lp_e - lp_c).abs()[upto].max()) if upto.any() else 0.0}
+
+
 def planned(spec: ModelSpec, preset: str, rows: int, ctx: float, capture: str) -> float:
     """The planner's price of one decode step of ``rows`` rows over ``ctx`` keys on one
     device of ``preset`` (TP = PP = 1): the pass and its fixed costs."""
@@ -165,13 +188,13 @@ def main() -> int:
         with torch.inference_mode():
             dec = decoder(shard, rows, args.context)
             eager = Run(dec, start, x0, spec.vocab_size)
-            tok_e, lp_e = eager.greedy(args.check)
+            tok_e, lp_e, first_e = eager.greedy(args.check)
             t_eager = eager.timed(args.warmup, args.steps, cuda)
             t0 = time.perf_counter()
             capture_steps(dec, mode)
             captured = Run(dec, start, x0, spec.vocab_size)
             try:
-                tok_c, lp_c = captured.greedy(args.check)
+                tok_c, lp_c, first_c = captured.greedy(args.check)
                 first_s = time.perf_counter() - t0
                 t_capt = captured.timed(args.warmup, args.steps, cuda)
             except Exception as e:      # the eager numbers still come back
@@ -185,6 +208,7 @@ def main() -> int:
                "greedy_equal": int((tok_e == tok_c).sum()), "greedy_total": tok_e.numel(),
                "greedy_rows_equal": int((tok_e == tok_c).all(0).sum()),
                "logprob_max_diff": float((lp_e - lp_c).abs().max()),
+               **agreement(tok_e, tok_c, lp_e, lp_c, first_e, first_c),
                "planned_eager_s": planned(spec, args.preset, rows, ctx, "off"),
                "planned_captured_s": planned(spec, args.preset, rows, ctx, "on")}
         rows_out.append(row)
@@ -204,7 +228,7 @@ def main() -> int:
     (out / "decode_capture.json").write_text(json.dumps(record, indent=1))
     L = spec.n_layers
     print(f"\n{record['device']}, torch {torch.__version__}, {L} layers, width {spec.hidden}, "
-          f"{'fp32' if args.tiny else 'bf16'}, capture {mode}, planner preset {args.preset}")
+          f"{'fp32' if args.tiny or args.fp32 else 'bf16'}, capture {mode}, planner preset {args.preset}")
     print(f"{'rows':>5} {'eager ms':>9} {'capt ms':>8} {'x':>5} {'eager/L':>8} {'capt/L':>7} "
           f"{'host e/c ms':>12} {'plan e/c ms':>13} {'greedy eq':>10} {'lp diff':>8}")
     for r in rows_out:
@@ -216,6 +240,14 @@ def main() -> int:
               f"{r['eager']['host_issue_s'] * 1e3:>5.2f}/{r['captured']['host_issue_s'] * 1e3:<6.2f} "
               f"{r['planned_eager_s'] * 1e3:>6.2f}/{r['planned_captured_s'] * 1e3:<6.2f} "
               f"{r['greedy_equal']:>4}/{r['greedy_total']:<5} {r['logprob_max_diff']:>8.1e}")
+    for r in rows_out:
+        if "captured_error" not in r:
+            print(f"rows {r['rows']}: first step's logits rel. error {r['first_logits_rel_err']:.1e} "
+                  f"(max abs {r['first_logits_max_abs_diff']:.2e}; {r['rows_near_tie']} rows with a "
+                  f"top-2 margin below it); steps equal before a row's first different token "
+                  f"{r['steps_equal_before_divergence_mean']:.1f} of {args.check} on average, "
+                  f"{r['rows_never_diverging']} rows never; log-prob diff before divergence "
+                  f"{r['logprob_max_diff_before_divergence']:.1e}")
     print(f"wrote {out / 'decode_capture.json'}")
     dist.destroy_process_group()
     return 0
