@@ -36,7 +36,7 @@ def experts_hit(n_experts: int, top_k: int, tokens: float) -> float:
     ``n_experts`` (uniform routing). ``experts_hit(128, 8, 1) == 8``."""
     if tokens <= 0:
         return 0.0
-    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
+    return n_experts * (1.0 - float((1.0 - top_k / n_experts) ** tokens))
 
 
 def mlp_gemms(spec: ModelSpec, tp: int) -> list[tuple[float, float]]:

@@ -40,6 +40,9 @@ def resolve_models(cfg: ExperimentConfig, base: Path) -> dict[str, RoleModel]:
             except PlanError as e:
                 raise UserError(str(e).removeprefix("model: "), field=f"models.{role}") from None
         lora = cfg.lora.get(role)
+        if lora is not None and spec.moe is not None:
+            raise UserError(f"LoRA on a mixture of experts ({spec.family}) is not supported: "
+                            f"train the full model, or remove lora.{role}", field=f"lora.{role}")
         out[role] = RoleModel(role, spec, head_of(role), lora.spec() if lora else None)
     check_lora(cfg)
     return out

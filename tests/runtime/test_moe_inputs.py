@@ -26,10 +26,10 @@ def assets(tmp_path_factory) -> Path:
 
 
 def run_cli(assets: Path, tmp: Path, capsys, actor: Path, command: str = "run",
-            extra: tuple[str, ...] = ()) -> tuple[int, str]:
+            extra: tuple[str, ...] = (), name: str = "tiny-grpo-cpu") -> tuple[int, str]:
     from realign.cli.main import main
 
-    cfg = yaml.safe_load((REPO / "experiments" / "tiny-grpo-cpu.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "experiments" / f"{name}.yaml").read_text())
     cfg["models"]["actor"] = str(actor)
     cfg["data"]["train"]["path"] = str(assets / "math_train.jsonl")
     cfg["reward"]["fn"] = str(REPO / "experiments" / "tiny_reward.py") + ":shaped"
@@ -101,3 +101,10 @@ def test_the_tiny_moe_is_planned_with_all_its_experts_in_memory(assets, tmp_path
     assert '"n_experts": 8' in text and '"top_k": 2' in text
     # two sparse layers, each with 6 of its 8 experts (3 x 32 x 64) idle per token
     assert spec.total_params() - spec.active_params() == 2 * 6 * 3 * 32 * 64
+
+
+def test_lora_on_a_mixture_of_experts_is_refused(assets, tmp_path, capsys):
+    code, err = run_cli(assets, tmp_path, capsys, assets / "moe", "plan",
+                        name="tiny-grpo-lora-cpu")
+    assert code == 2 and "Traceback" not in err
+    assert "lora.actor" in err and "LoRA on a mixture of experts (qwen3_moe)" in err
