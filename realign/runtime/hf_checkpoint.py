@@ -53,8 +53,8 @@ def read_hf_config(path: str | Path) -> dict:
 def spec_from_hf(path: str | Path, name: str | None = None) -> ModelSpec:
     """The :class:`ModelSpec` of a HF checkpoint folder: its family's config mapping
     (:mod:`planner.specs.families`), which refuses what realign does not run (another
-    ``model_type``, a mixture of experts, an unknown rope scaling, sliding windows on
-    some layers only) and caps ``max_seq_len`` at a sliding window."""
+    ``model_type``, experts in a dense family, an unknown rope scaling, sliding windows
+    on some layers only) and caps ``max_seq_len`` at a sliding window."""
     read_hf_config(path)                  # a folder without config.json says so
     try:
         return model_spec_from_hf_config(path, name)
