@@ -180,7 +180,7 @@ def stage_pass(r: Rates, spec: ModelSpec, head: str, kind: str, rows: float, ctx
     att = layers * (r.gemm_s(heads * rows, d, ctx, train) + r.gemm_s(heads * rows, ctx, d, train))
     if kind == "decode":            # the new token reads the whole cache
         kv = rows * ctx * 2 * (spec.n_kv_heads / tp) * d * dt
-        att = max(att, layers * r.mem_s(kv))
+        att = max(att, layers * r.kv_read_s(kv))
     lm = head == "lm"
     vocab = spec.padded_vocab if lm else 1
     if last:

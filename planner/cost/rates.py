@@ -22,6 +22,11 @@ Analytic terms (no profile):
   device's NIC carries 1/k of the data). With 8 H100 per node and 8 NICs of 400 Gb/s
   this gives a bus bandwidth of ~390 GB/s for 2 nodes, against the ~320-380 GB/s
   measured (docs/gpu-facts.md §4); one flat ring at the NIC rate would give ~45.
+* a decode step's attention: its GEMMs, but never faster than reading the KV cache
+  (every row's keys and values over the context) at ``kv_read_bytes_per_s``: the
+  preset's bandwidth at ``kv_read_bw_efficiency``, which one streaming kernel per layer
+  reaches where the weight GEMMs' smaller reads reach ``mem_bw_efficiency``
+  (measured on one H100: benchmarks/gpu/README.md, docs/gpu-facts.md §3e).
 * engine fixed costs: per layer and micro-batch from the device preset, the work
   besides GEMMs as ``elementwise_passes`` memory passes per token and hidden unit, the
   optimizer as ``optimizer_step_bytes_per_param`` of memory traffic per parameter.
@@ -63,6 +68,11 @@ class Rates:
         self.mem_bytes_per_s = mem or dev.mem_bw_bytes_per_s * (
             config.mem_bw_efficiency or dev.mem_bw_efficiency)
         self.sources["memory bandwidth"] = "profile" if mem else preset
+        #: bytes/s of a decode step's attention reading the KV cache: a profile's
+        #: measured streaming rate, else the preset's bandwidth at kv_read_bw_efficiency
+        self.kv_read_bytes_per_s = mem or (
+            dev.mem_bw_bytes_per_s * dev.kv_read_bw_efficiency
+            if dev.kv_read_bw_efficiency is not None else self.mem_bytes_per_s)
         self.sources["gemm"] = "profile" if profile and profile.gemm else preset
         link = profile.host_link_bytes_per_s if profile else None
         #: host <-> device bytes/s (optimizer and training-state offload)
@@ -114,6 +124,13 @@ class Rates:
 
     def mem_s(self, nbytes: float) -> float:
         return nbytes / self.mem_bytes_per_s
+
+    def kv_read_s(self, nbytes: float) -> float:
+        """Seconds of a decode step's attention reading ``nbytes`` of KV cache.
+
+        Example: 1e9 bytes on a device of 3.35e12 B/s at kv_read_bw_efficiency 0.8:
+        1e9 / 2.68e12 = 0.373 ms."""
+        return nbytes / self.kv_read_bytes_per_s
 
     # ---- collectives ---------------------------------------------------------------
     def collective_s(self, op: str, nbytes: float, n: int, nodes: int = 1) -> float:

@@ -54,6 +54,11 @@ class DeviceSpec(BaseModel):
         0.5, gt=0, le=1, description="Fraction of peak FLOP/s that large GEMMs reach.")
     mem_bw_efficiency: float = Field(
         0.8, gt=0, le=1, description="Fraction of the memory bandwidth that streaming reaches.")
+    kv_read_bw_efficiency: float | None = Field(
+        None, gt=0, le=1, description="Fraction of the memory bandwidth a decode step's "
+        "attention reaches reading the KV cache (one kernel per layer streaming every row's "
+        "keys and values, against the weight GEMMs' many smaller reads); None: "
+        "mem_bw_efficiency.")
     intra_link_efficiency: float = Field(
         0.8, gt=0, le=1, description="Fraction of the intra-node link rate collectives reach.")
     inter_link_efficiency: float = Field(

@@ -175,6 +175,19 @@ def test_pipeline_pace_includes_fixed_costs():
     assert pipelined([(light, 1)], 1, COSTS).total(COSTS) == 3.0
 
 
+def test_decode_reads_its_kv_cache_at_the_kv_read_rate_and_its_weights_at_the_streaming_one():
+    slow = DEV.model_copy(update={"mem_bw_bytes_per_s": 1e10, "kv_read_bw_efficiency": 0.5})
+    w = stage_pass(rates(slow), TOY, "lm", "decode", 4, 100, 4, 1, 2, False, False)
+    # the weights as above (EXACT streams at the full 1e10); the cache at half of it
+    assert w.seconds["gemm"] == approx(2 * (36864 + 4 * 832) * 2 / 1e10)
+    assert w.seconds["attention"] == approx(2 * 4 * 100 * 2 * 2 * 16 * 2 / 0.5e10)
+    # a scoring pass does not read a cache: the rate does not change it
+    plain = stage_pass(rates(DEV.model_copy(update={"mem_bw_bytes_per_s": 1e10})), TOY, "lm",
+                       "inference", 4, 100, 4, 1, 2, False, False)
+    assert stage_pass(rates(slow), TOY, "lm", "inference", 4, 100, 4, 1, 2, False,
+                      False).seconds == plain.seconds
+
+
 def test_decode_step_is_one_crossing_or_g_passes_of_the_slowest():
     a = Work(seconds={"gemm": 1.0})
     b = Work(seconds={"gemm": 2.0})

@@ -62,6 +62,36 @@ def test_rates_are_device_rates_times_the_presets_efficiencies():
     assert r.dtype_bytes == 2
 
 
+def test_kv_read_rate_is_the_devices_own_efficiency_else_the_streaming_one():
+    assert rates().kv_read_bytes_per_s == approx(B_MEM)          # None: mem_bw_efficiency
+    r = rates(device=DEV.model_copy(update={"kv_read_bw_efficiency": 0.5}))
+    assert r.kv_read_bytes_per_s == approx(0.5 * B_MEM)
+    assert r.mem_bytes_per_s == approx(B_MEM)                    # weights: unchanged
+    assert r.kv_read_s(1e9) == approx(1e9 / (0.5 * B_MEM))
+
+
+def test_h100_captured_decode_step_priced_within_5_percent_of_its_measurement():
+    """benchmarks/gpu/README.md (2026-11-28, one H100, two machines): realign's captured
+    decode step of an 8B-shaped model over ~1000 keys took 10.97-11.04 ms at 64 rows
+    and 21.37-21.56 ms at 256 rows; the preset prices it from the weights streamed at
+    mem_bw_efficiency and the KV cache read at kv_read_bw_efficiency."""
+    from planner.cost.cost_model import CostModel
+    from planner.cost.engine_terms import Work
+    from planner.cost.passes import decode_iteration
+    from planner.specs.layout import Layout
+    from planner.specs.model_spec import resolve_model
+
+    spec = resolve_model("llama3-8b")
+    cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=1, device=resolve_device("h100-80g")),
+                   CostModelConfig(decode_capture="on"))
+    costs = cm.rates.engine("decode")
+    for rows, measured_ms in ((64, (10.97, 11.04)), (256, (21.37, 21.56))):
+        stages = cm.stage_works(spec, "lm", "decode", rows, 1003, rows, Layout(), 1, Work())
+        priced_ms = 1e3 * decode_iteration(stages, 1, costs).total(costs)
+        for m in measured_ms:
+            assert 0.95 < priced_ms / m < 1.05, (rows, priced_ms, m)
+
+
 def test_config_efficiencies_override_the_presets():
     cfg = CostModelConfig(matmul_efficiency=0.25, mem_bw_efficiency=0.5, link_efficiency=0.5,
                           param_dtype_bytes=4)
