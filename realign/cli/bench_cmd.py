@@ -19,6 +19,8 @@ STUDIES: dict[str, tuple[str, str]] = {
     "plans": ("realign.bench.plans", "several plans of one experiment run: estimated vs "
               "measured per MFC and iteration, Kendall tau"),
     "step": ("realign.bench.step", "one RL step: per-MFC measured vs estimated, tokens/s vs TRL GRPO"),
+    "public": ("realign.bench.public", "published RLHF runs planned with the device presets: "
+               "estimate / measured per run and phase, median and worst"),
 }
 
 

@@ -1,7 +1,10 @@
 """``realign plan EXPERIMENT.yaml``: search an execution plan and report it.
 
 Prints a table (one row per MFC, the estimated iteration time, the heuristics and
-the speed-up over each, the search time), or with ``--json`` one JSON object.
+the speed-up over each, the search time), or with ``--json`` one JSON object. A plan
+priced with a GPU device preset (no profile) also gets the error band of those presets
+on published runs (``benchmarks/public_runs/summary.json``, written by ``realign bench
+public --summary``; read here, never recomputed).
 ``--out`` writes the full plan (what ``realign run`` executes), ``--timeline`` an
 SVG picture. Never imports torch.
 """
@@ -41,6 +44,7 @@ def _write(path: str, text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from planner.report import summary, table
     from planner.timeline_svg import render
+    from realign.bench.public import error_band_line
     from realign.config.loading import load_experiment
     from realign.config.planning import plan_experiment, with_profile
 
@@ -57,10 +61,13 @@ def run(args: argparse.Namespace) -> int:
         _write(args.out, plan.to_json())
     if args.timeline:
         _write(args.timeline, render(plan))
+    band = None if plan.profile is not None else error_band_line(plan.cluster.device.name)
     if args.json:
-        print(json.dumps(summary(plan), indent=1))
+        print(json.dumps({**summary(plan), "calibration": band}, indent=1))
     else:
         print(table(plan))
+        if band:
+            print(band)
         if args.out:
             print(f"plan written to {args.out}")
         if args.timeline:
