@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from planner.cost.cost_config import CostModelConfig
 from planner.cost.cost_model import CostModel
+from planner.cost.engine_terms import Work
+from planner.cost.passes import decode_iteration
 from planner.graph.dataflow import MFC
 from planner.specs.cluster import ClusterSpec, resolve_device
 from planner.specs.layout import Layout
@@ -22,14 +25,17 @@ REPO = Path(__file__).resolve().parents[2]
 P = model_presets()
 
 
-def cm(device: str, nodes: int = 1, gpn: int = 8, host_free: bool = False) -> CostModel:
+def cm(device: str, nodes: int = 1, gpn: int = 8, host_free: bool = False,
+       capture: str = "auto") -> CostModel:
     """The preset's cost model; ``host_free``: with the host's fixed costs of realign's
-    engines at 0 (what an engine whose host keeps ahead of the device reaches)."""
+    engines at 0 (what an engine whose host keeps ahead of the device reaches);
+    ``capture``: the own engine's decode step captured (auto, on) or eager (off)."""
     dev = resolve_device(device)
     if host_free:
         dev = dev.model_copy(update={"decode_layer_overhead_s": 0.0, "layer_overhead_s": 0.0,
                                      "microbatch_overhead_s": 0.0, "call_overhead_s": 0.0})
-    return CostModel(ClusterSpec(n_nodes=nodes, gpus_per_node=gpn, device=dev))
+    return CostModel(ClusterSpec(n_nodes=nodes, gpus_per_node=gpn, device=dev),
+                     CostModelConfig(decode_capture=capture))  # type: ignore[arg-type]
 
 
 def decode_ms_per_token(device: str, model: str, tp: int, batch: int = 1,
@@ -39,11 +45,19 @@ def decode_ms_per_token(device: str, model: str, tp: int, batch: int = 1,
             gen_len=new, input_keys=("p",), output_keys=("s",))
     out = []
     for free in (False, True):
-        c = cm(device, host_free=free).mfc_cost(m, P[model], "lm",
+        c = cm(device, host_free=free, capture="off").mfc_cost(m, P[model], "lm",
                                                 DeviceMesh(first_gpu=0, n_gpus=tp), Layout(tp=tp), 1)
         out.append(1e3 * sum(v for k, v in c.terms_s.items() if k.startswith("decode_"))
                    / (new - 1))
     return out[0], out[1]
+
+
+def captured_step_ms(device: str, model: str, rows: int, ctx: float) -> float:
+    """ms of one captured decode step of ``rows`` rows over ``ctx`` keys on one device."""
+    c = cm(device, gpn=1, capture="on")
+    stages = c.stage_works(P[model], "lm", "decode", rows, ctx, rows, Layout(), 1, Work())
+    costs = c.rates.engine("decode")
+    return 1e3 * decode_iteration(stages, 1, costs).total(costs)
 
 
 def prefill_ms(device: str, model: str, tp: int, tokens: int) -> float:
@@ -81,7 +95,7 @@ def main() -> None:
     print("| term | setting | public measurement (docs/gpu-facts.md) | realign's estimate | note |")
     print("|---|---|---|---|---|")
     t, mem = decode_ms_per_token("a100-80g", "llama2-7b", 1)
-    print(row("decode step (eager host loop)", "LLaMA-2 7B, 1 A100, batch 1",
+    print(row("decode step (eager host loop, rollout.capture: off)", "LLaMA-2 7B, 1 A100, batch 1",
               "39 ms/token, a naive eager PyTorch loop (§3a)", f"{t:.1f} ms/token",
               "realign's decode loop is eager, as that one; the host's per-layer cost is its "
               "term (decode_layer_overhead_s)"))
@@ -92,6 +106,13 @@ def main() -> None:
     print(row("decode step (weights streamed, TP)", "LLaMA-2 70B, TP4 A100, batch 1",
               "29.5 ms/token, lmdeploy (57 %) (§3a)", f"{mem:.1f} ms/token (with host: {t:.1f})",
               "TP all-reduces per layer included"))
+    for rows, measured in ((64, "10.97 / 11.04"), (256, "21.56 / 21.37")):
+        t = captured_step_ms("h100-80g", "llama3-8b", rows, 1003)
+        print(row("decode step (captured, weights and KV cache streamed)",
+                  f"LLaMA-3 8B shape, 1 H100, {rows} rows over ~1000 keys",
+                  f"{measured} ms, realign's own captured step on two machines "
+                  "(benchmarks/gpu/README.md, §3e)", f"{t:.2f} ms",
+                  "weights at mem_bw_efficiency, the KV cache at kv_read_bw_efficiency"))
     pf = prefill_ms("a100-80g", "llama2-70b", 4, 2048)
     print(row("prefill", "LLaMA 70B, TP4 A100, 2048 tokens", "377 ms TTFT, TRT-LLM (§3d)",
               f"{pf:.0f} ms", ""))
