@@ -35,7 +35,7 @@ def cm(device: str, nodes: int = 1, gpn: int = 8, host_free: bool = False,
         dev = dev.model_copy(update={"decode_layer_overhead_s": 0.0, "layer_overhead_s": 0.0,
                                      "microbatch_overhead_s": 0.0, "call_overhead_s": 0.0})
     return CostModel(ClusterSpec(n_nodes=nodes, gpus_per_node=gpn, device=dev),
-                     CostModelConfig(decode_capture=capture))  # type: ignore[arg-type]
+                     CostModelConfig(decode_capture=capture))
 
 
 def decode_ms_per_token(device: str, model: str, tp: int, batch: int = 1,
