@@ -317,9 +317,9 @@ def plan_problems(plan: ExecutionPlan) -> list[str]:
         if a.train_state_offload and a.kind != "train":
             out.append(f"{where}: train_state_offload is for train calls, this is a "
                        f"{a.kind} call")
-        if a.engine == "vllm" and (a.kind != "generate" or a.layout.tp != 1
-                                   or a.layout.pp != 1 or a.micro_batches != 1):
-            out.append(f"{where}: engine vllm runs generate calls at tp 1, pp 1 and one "
+        if a.engine == "vllm" and (a.kind != "generate" or a.layout.pp != 1
+                                   or a.micro_batches != 1):
+            out.append(f"{where}: engine vllm runs generate calls at pp 1 (any tp) and one "
                        f"micro-batch; this is a {a.kind} call at {a.layout} x{a.micro_batches}")
         if a.activation_recompute and a.kind != "train":
             out.append(f"{where}: activation_recompute is for train calls, this is a "

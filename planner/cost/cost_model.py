@@ -216,12 +216,12 @@ class CostModel:
     def engine_options(self, mfc: MFC, layout: Layout, micro_batches: int) -> tuple[str, ...]:
         """The generation engines to price for ``mfc`` under ``layout``
         (``generate_engine``): realign's own for every call; vLLM for a generate call
-        at TP 1, PP 1 and one micro-batch (one engine per GPU, continuous batching:
-        no waves) that its KV cache can hold one sequence of."""
+        at PP 1 and one micro-batch, at any TP (one engine per data-parallel rank,
+        continuous batching: no waves) that its KV cache can hold one sequence of."""
         mode = self.config.generate_engine
         if mfc.kind != "generate" or mode == "own":
             return ("own",)
-        fits = (layout.tp == 1 and layout.pp == 1 and micro_batches == 1)
+        fits = (layout.pp == 1 and micro_batches == 1)
         vllm = ("vllm",) if fits else ()
         return vllm if mode == "vllm" else ("own",) + vllm
 

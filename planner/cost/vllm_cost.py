@@ -1,8 +1,9 @@
 """A generate call on vLLM, priced: continuous batching, not waves.
 
-vLLM runs one engine per GPU of the call's mesh (TP 1, PP 1: the runtime hosts a
-single-process engine in each worker); each engine generates its data-parallel share
-of ``n = n_seqs / dp`` sequences. Its scheduler admits up to ``S`` sequences at once
+vLLM runs one engine per data-parallel rank of the call's layout, at its TP (PP 1:
+the replica's TP rank 0 hosts it, one vLLM worker per GPU of its TP group); each
+engine generates its data-parallel share of ``n = n_seqs / dp`` sequences. Its
+scheduler admits up to ``S`` sequences at once
 (:func:`concurrency`: ``vllm_max_num_seqs``, and no more than its KV cache holds at
 full length) and refills a slot as soon as a sequence ends, so no sequence waits for
 the longest of a wave (:mod:`planner.graph.lengths`'s straggler tail is the waves'
@@ -21,11 +22,16 @@ price, not vLLM's). Per engine:
   device preset's) and ``S' = min(S, n)``: a step's weight reads are paid once, its
   rows add the rest;
 * ``weight_load``: the weights copied into vLLM's own storage before the call
-  (``realign``'s parameters after each training step, :mod:`realign.runtime.engines.
-  vllm_engine`): a profile's measured ``vllm_load`` (fixed seconds and bytes per
-  second), else :data:`LOAD_PASSES` passes over the weights at the memory bandwidth
-  (written out, read back, copied into place); when the call's layout differs from the
-  training call's, the plan's reallocation into it comes first, priced as any other;
+  (``realign``'s parameters after each training step, in memory, in buckets of whole
+  layers: :mod:`realign.runtime.engines.vllm_weights`), :func:`weight_load_s`: the
+  whole tensors gathered over the TP group (TP > 1), then :data:`LOAD_PASSES` passes
+  over them at the memory bandwidth: packed into the bucket (host shared memory on a
+  device that runs kernels synchronously, the cpu device; a GPU buffer shared by CUDA
+  IPC on the GPU presets), loaded from it by each vLLM worker (all in parallel, each
+  keeping its slice). A profile's measured ``vllm_load`` (fixed seconds and bytes per
+  second of the shared-memory update, ``realign profile``) replaces the passes; when
+  the call's layout differs from the training call's, the plan's reallocation into it
+  comes first, priced as any other;
 * the outputs gathered over the data-parallel ranks, as realign's own engine does.
 
 Memory per GPU: the model's weights (realign's copy), plus vLLM's copy of them, its KV
@@ -48,36 +54,45 @@ if TYPE_CHECKING:
 
 #: vLLM's fixed costs in a profile table's ``engines``
 VLLM_PREFILL, VLLM_DECODE = "vllm_prefill", "vllm_decode"
-#: passes over the weights of a load into vLLM without a profile: written to shared
-#: memory, read back, copied into the engine's parameters
-LOAD_PASSES = 3
+#: passes over the whole weights of an in-memory update without a profile: packed into
+#: the bucket, loaded from it (each vLLM worker reads the bucket, in parallel)
+LOAD_PASSES = 2
 
 
-def weight_load_s(cm: "CostModel", weights_bytes: float) -> float:
-    """Seconds to replace one engine's weights (``weights_bytes`` per GPU).
+def weight_load_s(cm: "CostModel", full_bytes: float, tp: int = 1, tp_nodes: int = 1) -> float:
+    """Seconds to replace one engine's weights, ``full_bytes`` of whole tensors, from a
+    replica at TP ``tp`` (its TP group on ``tp_nodes`` nodes): the all-gather of the
+    whole tensors over the TP group, then a profile's measured ``vllm_load`` where
+    there is one, else :data:`LOAD_PASSES` passes at the memory bandwidth.
 
-    Example: 1e8 bytes at 1e10 B/s of memory, no profile: 3 x 0.01 = 0.03 s."""
+    Example: 1e8 bytes at 1e10 B/s of memory, TP 1, no profile: 2 x 0.01 = 0.02 s."""
+    gather = cm.rates.collective_s("all_gather", full_bytes, tp, tp_nodes) if tp > 1 else 0.0
     measured = cm.profile.vllm_load if cm.profile is not None else None
     if measured is not None:
-        return measured.fixed_s + weights_bytes / measured.bytes_per_s
-    return LOAD_PASSES * weights_bytes / cm.rates.mem_bytes_per_s
+        return gather + measured.fixed_s + full_bytes / measured.bytes_per_s
+    return gather + LOAD_PASSES * full_bytes / cm.rates.mem_bytes_per_s
 
 
-def kv_bytes_per_seq(spec: ModelSpec, mfc: MFC, dtype_bytes: int, block_tokens: int) -> float:
+def kv_bytes_per_seq(spec: ModelSpec, mfc: MFC, dtype_bytes: int, block_tokens: int,
+                     tp: int = 1) -> float:
     """KV-cache bytes of one sequence at full length (``prompt_len + gen_len`` rounded
-    up to whole blocks) on one GPU at TP 1: keys and values of every layer.
+    up to whole blocks) on one GPU at TP ``tp``: keys and values of every layer, of the
+    GPU's share of the KV heads (vLLM replicates a KV head over the ranks it cannot
+    split among: at least one head each).
 
     Example: 4 layers, 4 KV heads of 32, fp32, 8 + 4 tokens (one 16-token block):
-    4 x 2 x 4 x 32 x 4 x 16 = 65536 bytes."""
+    4 x 2 x 4 x 32 x 4 x 16 = 65536 bytes at TP 1, 32768 at TP 2."""
     positions = -(-(mfc.prompt_len + mfc.gen_len) // block_tokens) * block_tokens
-    return spec.n_layers * 2 * spec.n_kv_heads * spec.kv_channels * dtype_bytes * positions
+    heads = max(1, spec.n_kv_heads // tp)
+    return spec.n_layers * 2 * heads * spec.kv_channels * dtype_bytes * positions
 
 
-def concurrency(cm: "CostModel", spec: ModelSpec, mfc: MFC) -> int:
-    """How many sequences one engine decodes at once: ``vllm_max_num_seqs``, and no
-    more than its KV cache holds at full length (0: not even one)."""
+def concurrency(cm: "CostModel", spec: ModelSpec, mfc: MFC, tp: int = 1) -> int:
+    """How many sequences one engine at TP ``tp`` decodes at once: ``vllm_max_num_seqs``,
+    and no more than its KV cache (``vllm_kv_cache_bytes`` on each GPU) holds at full
+    length (0: not even one)."""
     cfg = cm.config
-    per = kv_bytes_per_seq(spec, mfc, cfg.param_dtype_bytes, cfg.kv_cache_block_tokens)
+    per = kv_bytes_per_seq(spec, mfc, cfg.param_dtype_bytes, cfg.kv_cache_block_tokens, tp)
     return min(cfg.vllm_max_num_seqs, int(cfg.vllm_kv_cache_bytes // per))
 
 
@@ -106,14 +121,14 @@ def vllm_generate_cost(cm: "CostModel", mfc: MFC, spec: ModelSpec, head: str,
     """Time and memory of ``mfc`` on vLLM (the module's docstring says what is priced)."""
     from planner.cost.cost_model import MFCCost
 
-    if mfc.kind != "generate" or layout.tp != 1 or layout.pp != 1:
-        raise ValueError("vLLM runs generate calls at TP 1 and PP 1 only")
+    if mfc.kind != "generate" or layout.pp != 1:
+        raise ValueError("vLLM runs generate calls at PP 1 only")
     r, cfg = cm.rates, cm.config
     dt = cfg.param_dtype_bytes
     dp = layout.dp
-    _tpn, dpn, _ppn = cm._nodes(mesh, layout)
+    tpn, dpn, _ppn = cm._nodes(mesh, layout)
     n = mfc.n_seqs / dp
-    slots = concurrency(cm, spec, mfc)
+    slots = concurrency(cm, spec, mfc, layout.tp)
     if slots < 1:
         raise ValueError(f"vLLM's KV cache of {cfg.vllm_kv_cache_bytes:.3g} bytes holds no "
                          f"sequence of {mfc.seq_len} tokens")
@@ -132,10 +147,11 @@ def vllm_generate_cost(cm: "CostModel", mfc: MFC, spec: ModelSpec, head: str,
     per_row = Work().add(wide).add(one, -1.0)
     decode = Work().add(one, steps).add(per_row, (seq_steps - steps) / max(1.0, full - 1.0))
     weights = dt * cm.stage_params(spec, head, layout)
+    whole = dt * cm.stage_params(spec, head, Layout(tp=1, pp=1, dp=1))
     n_out = mfc.gen_len
     call = Work(seconds={"dp_comm": r.collective_s("all_gather", mfc.n_seqs * (2 * n_out + 1) * 8,
                                                    dp, dpn),
-                         "weight_load": weight_load_s(cm, weights)},
+                         "weight_load": weight_load_s(cm, whole, layout.tp, tpn)},
                 counts={"call_s": 1.0, "collective_s": float(dp > 1)})
     terms = {f"prefill_{k}": v for k, v in lagged(pre, layout.world).terms(pre_c).items()}
     for k, v in lagged(decode, layout.world).terms(dec_c).items():

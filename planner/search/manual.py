@@ -46,8 +46,9 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
         engines = cost.engine_options(m, a.layout, a.micro_batches)
         if not engines:
             raise PlanError(f"runs on vLLM (rollout.engine {cost_config.generate_engine}), "
-                            "which runs one engine per GPU: give it tp 1, pp 1 and "
-                            f"micro_batches 1 (got {a.layout}, {a.micro_batches})",
+                            "which runs one engine per data-parallel rank at the "
+                            "call's tp: give it pp 1 and micro_batches 1 (got "
+                            f"{a.layout}, {a.micro_batches})",
                             field=f"{field}.{m.name}")
         # several engines (rollout.engine auto): the faster one on this allocation
         if rm.lora is not None:

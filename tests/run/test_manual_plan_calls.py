@@ -17,7 +17,7 @@ pytestmark = pytest.mark.pure
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: one engine per GPU for vLLM: tp 1, pp 1, one micro-batch
+#: one engine per GPU for vLLM: tp 1, pp 1, one micro-batch (any tp is allowed)
 GEN = {"mesh": {"first_gpu": 0, "n_gpus": 8}, "layout": {"tp": 1, "pp": 1, "dp": 8},
        "micro_batches": 1}
 TRAIN = {"mesh": {"first_gpu": 0, "n_gpus": 8}, "layout": {"tp": 4, "pp": 1, "dp": 2}}
@@ -55,10 +55,15 @@ def test_a_synchronous_run_that_scores_its_rollout_takes_the_proximal_call_by_ha
 
 
 def test_the_manual_plan_is_still_checked_against_vllm():
-    """The validation of the allocations runs on that graph: vLLM needs tp 1."""
+    """The validation of the allocations runs on that graph: vLLM runs at any tp, but
+    at pp 1 only."""
+    staged = {"mesh": {"first_gpu": 0, "n_gpus": 8}, "layout": {"tp": 4, "pp": 2, "dp": 1}}
     with pytest.raises(PlanError) as e:
-        _resolve({m: TRAIN for m in SYNC_CALLS}, "vllm")
-    assert e.value.field == "plan.manual.actor.generate" and "tp 1" in e.value.message
+        _resolve({m: staged if m == "actor.generate" else TRAIN for m in SYNC_CALLS}, "vllm")
+    assert e.value.field == "plan.manual.actor.generate" and "pp 1" in e.value.message
+    plan = _resolve({m: TRAIN for m in SYNC_CALLS}, "vllm")       # tp 4 on vLLM
+    assert plan.allocation("actor.generate").engine == "vllm"
+    assert plan.allocation("actor.generate").layout.tp == 4
 
 
 @pytest.mark.parametrize("engine,params,because", [
