@@ -1,0 +1,68 @@
+"""realign's methods on vLLM's worker processes (``worker_extension_cls``): a weight
+update from a POSIX shared-memory bucket
+(:class:`~realign.runtime.engines.vllm_weights.SharedMemoryTransport`).
+
+vLLM mixes this class into its worker; each method runs on every worker of the engine
+(one per TP rank) through ``LLM.collective_rpc``. The update follows vLLM's own weight
+transfer engines: layerwise reload begins, each bucket's tensors go to the model's
+``load_weights`` (checkpoint names, whole tensors: each TP rank keeps its slice), the
+layers are finalised. The bucket is mapped, not copied: the loader reads views of it,
+and every bucket holds whole layers, so vLLM has processed them (and dropped its
+references) before the next bucket overwrites the segment.
+"""
+from __future__ import annotations
+
+
+class RealignWorkerExtension:
+    """Mixed into vLLM's worker (``self`` is the worker)."""
+
+    def realign_begin_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):            # type: ignore[attr-defined]
+            initialize_layerwise_reload(self.model_runner.get_model())  # type: ignore[attr-defined]
+
+    def realign_load_shm(self, name: str, entries: list[list]) -> int:
+        """Load one bucket from the shared-memory segment ``name``; its bytes."""
+        from multiprocessing import resource_tracker, shared_memory
+
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        from realign.runtime.engines.vllm_weights import iter_wire, unpack
+
+        shm = shared_memory.SharedMemory(name=name)
+        # mapped, not owned: the realign worker unlinks it (Python 3.11 registers every
+        # attach with the resource tracker, which would unlink it when this process ends)
+        resource_tracker.unregister(shm._name, "shared_memory")     # type: ignore[attr-defined]
+        try:
+            buffer = torch.frombuffer(shm.buf, dtype=torch.uint8)
+            packed = list(iter_wire(entries))
+            weights = unpack(buffer, packed)
+            with set_current_vllm_config(self.vllm_config), \
+                    disable_mtp_completeness_check():               # type: ignore[attr-defined]
+                self.model_runner.get_model().load_weights(weights)  # type: ignore[attr-defined]
+            del weights, buffer
+            return sum(e.nbytes for e in packed)
+        finally:
+            shm.close()
+
+    def realign_end_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        model = self.model_runner.get_model()                       # type: ignore[attr-defined]
+        with set_current_vllm_config(self.vllm_config):              # type: ignore[attr-defined]
+            finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
+
+    def realign_device_uuid(self) -> str:
+        """This worker's GPU (its UUID), or ``cpu``: which transport reaches it."""
+        import torch
+
+        if torch.cuda.is_available():
+            return str(torch.cuda.get_device_properties(self.device.index).uuid)  # type: ignore[attr-defined]
+        return "cpu"
