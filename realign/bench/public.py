@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -79,8 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", type=Path, default=DEFAULT_INDEX,
                    help="the calibration set (default benchmarks/public_runs/runs.yaml)")
     p.add_argument("--only", default=None, help="comma-separated run ids (default: all)")
-    p.add_argument("--time-limit", type=float, default=10.0, dest="time_limit_s",
-                   help="search time limit per run, seconds (default 10)")
+    p.add_argument("--time-limit", type=float, default=30.0, dest="time_limit_s",
+                   help="search time limit per run, seconds (default 30)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON record here")
     p.add_argument("--summary", nargs="?", const=DEFAULT_SUMMARY, default=None, type=Path,
                    help="write the summary realign plan shows (default path: "
@@ -198,7 +199,7 @@ def plan_run(run: PublicRun, index_dir: Path, time_limit_s: float) -> dict:
             "ratios": compare(run.measured, plan.iteration_time_s, phases)}
 
 
-def run_public(index: Path, only: str | None = None, time_limit_s: float = 10.0,
+def run_public(index: Path, only: str | None = None, time_limit_s: float = 30.0,
                progress=None) -> dict:
     idx = load_index(index)
     rows = []
@@ -214,10 +215,27 @@ def run_public(index: Path, only: str | None = None, time_limit_s: float = 10.0,
         "settings": {"time_limit_s": time_limit_s, "profile": None, "only": only},
         "environment": {"python": sys.version.split()[0], "platform": platform.platform(),
                         "cpu_count": os.cpu_count(),
-                        "realign": __import__("realign").__version__},
+                        "realign": __import__("realign").__version__,
+                        "commit": _commit()},
         "runs": rows,
         "summary": summarize(rows),
     }
+
+
+def _commit() -> str | None:
+    """The git commit of the code that planned (None outside a git checkout); a checkout
+    with uncommitted changes is marked ``+dirty``."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                              capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "planner", "realign"],
+                               cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 # ---- what realign plan shows ----------------------------------------------------------
