@@ -66,7 +66,8 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
                      const std::vector<double>& key_send_intra_s,
                      const std::vector<double>& key_send_inter_s,
                      double step_overhead_s, const FloatLists& cand_time_sd_s,
-                     const std::vector<bool>& model_lora) {
+                     const std::vector<bool>& model_lora,
+                     const std::vector<bool>& mfc_base) {
     check_shape(cand_n_gpus, cand_first_gpu, "cand_n_gpus");
     check_shape(cand_tp, cand_first_gpu, "cand_tp");
     check_shape(cand_pp, cand_first_gpu, "cand_pp");
@@ -97,6 +98,10 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
     if (p.model_lora.empty()) p.model_lora.assign(model_train_mfc.size(), false);
     if (p.model_lora.size() != model_train_mfc.size())
         throw std::invalid_argument("model_lora: needs one entry per model, like model_train_mfc");
+    p.mfc_base = mfc_base;
+    if (p.mfc_base.empty()) p.mfc_base.assign(mfc_model.size(), false);
+    if (p.mfc_base.size() != mfc_model.size())
+        throw std::invalid_argument("mfc_base: needs one entry per MFC, like mfc_model");
     for (const auto& t : realloc_models) p.realloc_models.push_back(realloc_model_of(t));
     p.cands.resize(cand_first_gpu.size());
     for (size_t i = 0; i < cand_first_gpu.size(); ++i) {
@@ -199,7 +204,8 @@ PYBIND11_MODULE(_core, m) {
              py::arg("copy_bytes_per_s"), py::arg("inputs"), py::arg("outputs"),
              py::arg("mfc_every"), py::arg("ahead"), py::arg("key_send_intra_s"), py::arg("key_send_inter_s"),
              py::arg("step_overhead_s"), py::arg("cand_time_sd_s"),
-             py::arg("model_lora") = std::vector<bool>{})
+             py::arg("model_lora") = std::vector<bool>{},
+             py::arg("mfc_base") = std::vector<bool>{})
         .def_property_readonly("n_gpus", [](const Problem& p) { return p.n_gpus; })
         .def_property_readonly("n_mfcs", &Problem::n_mfcs)
         .def_property_readonly("n_cands", [](const Problem& p) {

@@ -142,6 +142,12 @@ ReallocCost ReallocCache::get(i64 model, i64 train_mfc, i64 src, i64 mfc, i64 ds
 
 // planner.search.simulator.needs_realloc
 bool needs_realloc(const Problem& prob, const std::vector<i64>& assign, i64 i) {
+    if (prob.mfc_base[i]) return false;  // the base with its adapters off: nothing trained moves
+    return off_training_placement(prob, assign, i);
+}
+
+// planner.search.simulator.off_training_placement
+bool off_training_placement(const Problem& prob, const std::vector<i64>& assign, i64 i) {
     const i64 model = prob.mfc_model[i];
     const i64 t = prob.model_train_mfc[model];
     if (t < 0 || t == i) return false;
@@ -167,6 +173,15 @@ double memory(const Problem& prob, const std::vector<i64>& assign,
         if (prob.mfc_is_train[i]) {
             add_res = c.resident_bytes;
         } else if (!trained) {
+            const std::array<i64, 5> key{model, c.place.first_gpu, c.place.n_gpus, c.place.tp,
+                                         c.place.pp};
+            if (std::find(seen.begin(), seen.end(), key) == seen.end()) {
+                seen.push_back(key);
+                add_res = c.resident_bytes;
+            }
+        }
+        if (prob.mfc_base[i] && off_training_placement(prob, assign, i)) {
+            // the base with its adapters off, away from training: the base stays here
             const std::array<i64, 5> key{model, c.place.first_gpu, c.place.n_gpus, c.place.tp,
                                          c.place.pp};
             if (std::find(seen.begin(), seen.end(), key) == seen.end()) {

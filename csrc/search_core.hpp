@@ -81,6 +81,7 @@ struct Problem {
     std::vector<std::vector<i64>> deps;              // per MFC: MFCs it reads from
     std::vector<i64> model_train_mfc;                // per model: train MFC or -1
     std::vector<bool> model_lora;                    // per model: LoRA (frozen base stays put)
+    std::vector<bool> mfc_base;                      // per MFC: its model's base, adapters off
     std::vector<ReallocModel> realloc_models;        // per model
     std::vector<std::vector<Candidate>> cands;       // per MFC: its candidates
     std::vector<std::vector<std::vector<i64>>> same_mesh;  // per MFC, per cand
@@ -143,6 +144,8 @@ struct SimResult {
 
 // planner.search.simulator.needs_realloc
 bool needs_realloc(const Problem& prob, const std::vector<i64>& assign, i64 i);
+// planner.search.simulator.off_training_placement
+bool off_training_placement(const Problem& prob, const std::vector<i64>& assign, i64 i);
 
 // planner.search.simulator.memory: fills peak_bytes and returns the worst overflow.
 double memory(const Problem& prob, const std::vector<i64>& assign,

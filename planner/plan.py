@@ -38,7 +38,9 @@ from planner.specs.model_spec import ModelSpec
 #: 11: DAPO's sampling rounds (the graph's MFC.sampling_rounds: expected passes per step).
 #: 12: the token budget of packed training calls too (bins of whole row groups; each
 #:     micro-batch's loss weighted by its share of the mini-batch's normaliser).
-PLAN_SCHEMA_VERSION = 12
+#: 13: calls that run a LoRA model's base with its adapters off (the graph's
+#:     MFC.adapters_off: the reference scored as the actor's base, one base in the plan).
+PLAN_SCHEMA_VERSION = 13
 
 
 class _Frozen(BaseModel):
@@ -252,11 +254,14 @@ class ExecutionPlan(_Frozen):
 
 def expected_reallocations(plan: ExecutionPlan) -> list[tuple[str, str]]:
     """(role, MFC) of every call that needs its model's parameters reallocated: a call of
-    a trained model whose shard placement differs from its training call's (the rule
-    of :func:`planner.search.simulator.needs_realloc`)."""
+    a trained model whose shard placement differs from its training call's, unless it
+    runs the base with its adapters off (the rule of
+    :func:`planner.search.simulator.needs_realloc`)."""
     train = {a.role: a for a in plan.allocations if a.kind == "train"}
+    base = {m.name for m in plan.graph.mfcs if m.adapters_off}
     return [(a.role, a.mfc) for a in plan.allocations
-            if a.role in train and a.kind != "train" and a.shards != train[a.role].shards]
+            if a.role in train and a.kind != "train" and a.mfc not in base
+            and a.shards != train[a.role].shards]
 
 
 def budget_problems(a: MFCAllocation, m: MFC, where: str) -> list[str]:
@@ -292,6 +297,11 @@ def plan_problems(plan: ExecutionPlan) -> list[str]:
     if set(specs) != set(plan.graph.roles()):
         return [f"its models are {sorted(specs)}, its graph calls {sorted(plan.graph.roles())}"]
     gpn = plan.cluster.gpus_per_node
+    loras = {pm.role for pm in plan.models if pm.lora is not None}
+    for m in plan.graph.mfcs:
+        if m.adapters_off and m.role not in loras:
+            out.append(f"{m.name} runs the {m.role}'s base with its adapters off, but the "
+                       f"plan's {m.role} has no LoRA")
     for a in plan.allocations:
         m = mfcs[a.mfc]
         where = f"allocation {a.mfc}"

@@ -32,7 +32,8 @@ def summary(plan: ExecutionPlan) -> dict:
              "optimizer_offload": a.optimizer_offload,
              "train_state_offload": a.train_state_offload, "host_bytes": a.host_bytes,
              "activation_recompute": a.activation_recompute,
-             "engine": a.engine if a.kind == "generate" else None}
+             "engine": a.engine if a.kind == "generate" else None,
+             "role": a.role, "adapters_off": plan.graph.mfc(a.mfc).adapters_off}
             for a in plan.allocations],
         "profile": plan.profile.model_dump() if plan.profile else None,
         "cost_sources": plan.cost_sources,
@@ -97,6 +98,14 @@ def lora_lines(plan: ExecutionPlan) -> list[str]:
                    f"{n / 1e6:.1f}M adapter parameters "
                    f"({100 * n / total:.2f} % of {total / 1e9:.2f}B) carry the gradients and "
                    "optimizer state; reallocations move only them")
+        base = [a.mfc for a in plan.allocations
+                if a.role == m.role and plan.graph.mfc(a.mfc).adapters_off]
+        if base:
+            out.append(f"{m.role}: one frozen base; {', '.join(base)} runs it with the "
+                       f"adapters off (lora.{m.role}.share_base), on "
+                       + ", ".join(f"{a.mesh_name} {a.layout}" for a in plan.allocations
+                                   if a.mfc in base)
+                       + ": no second copy, no reallocation")
     return out
 
 
@@ -243,7 +252,8 @@ def table(plan: ExecutionPlan) -> str:
     rows = [("MFC", "mesh", "GPUs", "TP", "PP", "DP", "micro", "engine", "time s",
              "mem GiB/GPU")]
     for a in plan.allocations:
-        rows.append((a.mfc + (" +off" if a.optimizer_offload else "")
+        rows.append((a.mfc + (f" ({a.role} base)" if plan.graph.mfc(a.mfc).adapters_off else "")
+                     + (" +off" if a.optimizer_offload else "")
                      + (" +state" if a.train_state_offload else "")
                      + (" +rc" if a.activation_recompute else ""), a.mesh_name,
                      str(a.mesh.n_gpus), str(a.layout.tp), str(a.layout.pp),

@@ -84,6 +84,11 @@ class MFC(BaseModel):
         "its rollout: the expected passes per step (DAPO's dynamic sampling generates and "
         "scores again until the batch is full: planner.graph.sampling_rounds), each of "
         "n_seqs sequences; priced at that many passes, memory at one.")
+    adapters_off: bool = Field(
+        False, description="inference: a call of its role's frozen base with the role's LoRA "
+        "adapters off (the reference scored by the LoRA actor that shares its base: "
+        "planner.graph.shared_base); it reads no trained tensor, so no reallocation "
+        "precedes it and it runs wherever the base is loaded.")
 
     @property
     def seq_len(self) -> int:
@@ -113,6 +118,9 @@ class MFC(BaseModel):
             raise PlanError("a train call runs once a step", field=f"mfc {self.name}")
         if self.greedy and self.kind != "generate":
             raise PlanError("only a generate call can be greedy", field=f"mfc {self.name}")
+        if self.adapters_off and self.kind != "inference":
+            raise PlanError("only an inference call runs a base with its adapters off",
+                            field=f"mfc {self.name}")
         return self
 
 

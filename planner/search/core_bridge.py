@@ -58,6 +58,7 @@ def to_core(prob: Problem) -> Any:
         deps=[list(d) for d in prob.deps],
         model_train_mfc=list(prob.model_train_mfc),
         model_lora=[bool(x) for x in (prob.model_lora or [False] * len(prob.model_train_mfc))],
+        mfc_base=[bool(x) for x in (prob.mfc_base or [False] * len(prob.mfc_model))],
         realloc_models=[(m.n_layers, m.layer_sharded_bytes, m.layer_replicated_bytes,
                          m.embedding_bytes, m.final_norm_bytes, m.head_kind, m.head_bytes)
                         for m in prob.realloc_models],

@@ -42,8 +42,9 @@ def held_bytes(c: MFCCost, rm: RoleModel, mfc: MFC) -> tuple[float, float]:
     """(resident, weights) bytes of a priced call as the simulator reads them. A LoRA
     model's call other than its training keeps the frozen base where it runs (resident,
     placed once) and receives only the adapters from training (the reallocated copy);
-    every other call: the cost model's numbers."""
-    if rm.lora is None or mfc.kind == "train":
+    every other call (a call with its adapters off too: priced without them, it holds the
+    base alone): the cost model's numbers."""
+    if rm.lora is None or mfc.kind == "train" or mfc.adapters_off:
         return c.resident_bytes, c.weights_bytes
     return c.weights_bytes - c.adapter_bytes, c.adapter_bytes
 
@@ -142,6 +143,10 @@ class Problem:
     #: the base there (a candidate's ``resident_bytes``) and receive only the adapters
     #: (its ``weights_bytes``); empty: no model has LoRA
     model_lora: list[bool] = field(default_factory=list)
+    #: per MFC: it runs its model's frozen base with the adapters off (MFC.adapters_off):
+    #: no reallocation precedes it, and away from the training placement it keeps the
+    #: base there like the model's other calls; empty: no such call
+    mfc_base: list[bool] = field(default_factory=list)
 
     @property
     def n_gpus(self) -> int:
@@ -231,6 +236,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                    (lambda m: m.first_gpu + m.n_gpus <= split) if graph.is_ahead(mfc) else
                    (lambda m: m.first_gpu >= split))
         rm = models[mfc.role]
+        lora = None if mfc.adapters_off else rm.lora     # the base alone: no adapter GEMMs
         trained = train_mfc[ridx[mfc.role]] >= 0
         per_step = mfc.n_seqs // (mfc.n_minibatches if mfc.kind == "train" else 1)
         host = host_s(graph, mfc, cost.config)
@@ -253,7 +259,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                         if eng == "vllm" and rm.lora is not None:
                             continue        # LoRA runs on realign's own engine
                         c = cost.mfc_cost(mfc, rm.spec, rm.head, proto, lay, mb, off, state_off,
-                                          rc, eng, rm.lora, budget)
+                                          rc, eng, lora, budget)
                         resident, weights = held_bytes(c, rm, mfc)
                         own = c.activation_bytes + (
                             resident if (mfc.kind == "train" or not trained
@@ -263,7 +269,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                         if own > limit or c.host_bytes > host_limit:
                             continue
                         sd = call_time_sd(cost, graph, mfc, rm.spec, rm.head, proto, lay, mb,
-                                          off, state_off, rc, eng, rm.lora, budget)
+                                          off, state_off, rc, eng, lora, budget)
                         group.append(Candidate(0, size, lay.tp, lay.pp, lay.dp, mb,
                                                (c.time_s + host) / mfc.every, resident,
                                                c.activation_bytes, weights, off,
@@ -349,6 +355,7 @@ def assemble(graph: DataflowGraph, models: dict[str, RoleModel], cost: CostModel
                                         cost.config.param_dtype_bytes, models[r].lora)
                         for r in roles],
         model_lora=[models[r].lora is not None for r in roles],
+        mfc_base=[m.adapters_off for m in graph.mfcs],
         cands=cands, n_iters=n_iters, step_overhead_s=step_overhead_s(graph, cost),
         profile=cost.profile,
         cost_sources=dict(cost.rates.sources))

@@ -33,7 +33,10 @@ program runs: :mod:`realign.run.program`):
 
 Memory per GPU = resident state (trained models' weights, grads and optimizer state
 on their training mesh; frozen models' weights on each placement they use; a LoRA
-model's frozen base on each placement it is reallocated to, where it stays) + the
+model's frozen base on each placement it is reallocated to, where it stays, and on each
+placement of a call with its adapters off (the reference scored as the actor's base:
+:mod:`planner.graph.shared_base`), once per placement whichever calls use it, nothing
+extra on the training placement, whose resident state holds it) + the
 largest transient need of any call on that GPU (activations, KV cache, and the
 temporary weight copy of a reallocated call). Calls sharing a GPU never run at the
 same time, so their transients never add up.
@@ -105,7 +108,18 @@ class ReallocCache:
 def needs_realloc(prob: Problem, assign: list[int], i: int, upto: int | None = None) -> bool:
     """Whether MFC i holds its model's parameters in another shard placement than the
     model's training call (:func:`planner.specs.layout.shard_placement`; False while the
-    training MFC is not yet assigned, i.e. at or beyond ``upto``)."""
+    training MFC is not yet assigned, i.e. at or beyond ``upto``), and reads its trained
+    tensors (a call with its adapters off reads the frozen base only: False)."""
+    if prob.mfc_base and prob.mfc_base[i]:
+        return False
+    return off_training_placement(prob, assign, i, upto)
+
+
+def off_training_placement(prob: Problem, assign: list[int], i: int,
+                           upto: int | None = None) -> bool:
+    """Whether MFC i runs on another shard placement than its model's training call
+    (False for an untrained model, the training call itself, or while the training
+    call is not yet assigned, i.e. at or beyond ``upto``)."""
     model = prob.mfc_model[i]
     t = prob.model_train_mfc[model]
     if t < 0 or t == i or (upto is not None and t >= upto):
@@ -130,6 +144,12 @@ def memory(prob: Problem, assign: list[int], upto: int | None = None) -> tuple[l
         if prob.mfc_is_train[i]:
             add_res = c.resident_bytes
         elif not trained:
+            key = (model, c.first_gpu, c.n_gpus, c.tp, c.pp)
+            if key not in seen:
+                seen.add(key)
+                add_res = c.resident_bytes
+        if prob.mfc_base and prob.mfc_base[i] and off_training_placement(prob, assign, i, upto):
+            # the base with its adapters off, away from training: the base stays here
             key = (model, c.first_gpu, c.n_gpus, c.tp, c.pp)
             if key not in seen:
                 seen.add(key)

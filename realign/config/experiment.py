@@ -51,6 +51,12 @@ class LoraConfig(LoraSpec):
         "(relative to the YAML file). Unset: A random (Kaiming-uniform, as PEFT), B zero.")
     merged: bool = Field(False, description="Also write the final model with the adapters "
                          "merged into the base weights (a full Hugging Face checkpoint).")
+    share_base: bool = Field(
+        True, description="Score a frozen role that is this role's base with this model's "
+        "adapters off instead of loading it a second time: models.ref when it is the "
+        "actor's checkpoint (lora.actor), models.reward when it is the critic's (lora.critic; "
+        "the reward's head is kept beside the critic's trained one). false: load it "
+        "separately (docs/lora.md).")
 
     def spec(self) -> LoraSpec:
         """The planner's part."""

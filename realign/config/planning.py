@@ -20,6 +20,7 @@ from realign.algorithms.params import ClippedPGParams, make_params, max_sampling
 from realign.config.experiment import ExperimentConfig
 from realign.config.host_work import resolve_host_work
 from realign.config.lengths import data_prompt_lengths, recorded_lengths, recorded_turns
+from realign.config.shared_base import with_shared_bases
 from realign.errors import UserError
 
 
@@ -159,7 +160,9 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
     training prompts' lengths (``data.train``) and its staleness bound;
     ``asynchronous``: generation one step ahead of training; scoring and training
     packed with ``train.packing``; generation refilling its slots with
-    ``rollout.refill``; DAPO's sampling rounds priced (``max_sampling_rounds``); ``lengths``:
+    ``rollout.refill``; DAPO's sampling rounds priced (``max_sampling_rounds``); a frozen
+    role that is a LoRA model's base scored by that model, adapters off
+    (:mod:`realign.config.shared_base`); ``lengths``:
     :func:`graph_lengths`, read already (None: read here)."""
     responses, prompts = lengths if lengths is not None else graph_lengths(cfg, base)
     graph = build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models),
@@ -171,6 +174,7 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
                        max_sampling_rounds=max_sampling_rounds(make_params(
                            cfg.algorithm.name, cfg.algorithm.params, cfg.algorithm.shape())))
     graph = refill_graph(graph) if cfg.rollout.refill else graph
+    graph = with_shared_bases(graph, cfg, base)     # a reference that is the actor's base
     return packed_graph(graph) if cfg.train.packing else graph
 
 

@@ -271,6 +271,9 @@ def compile_program(plan: ExecutionPlan, round_group_size: int | None = None) ->
     train = {a.role: a for a in plan.allocations if a.kind == "train"}
     realloc_to = {r.to_mfc: r for r in plan.reallocations}
     replicas: dict[str, Replica] = {}
+    # a copy is filled by reallocations if any call on it has one (a call that runs the
+    # base with its adapters off has none, and may use a copy another call fills)
+    filled = {_key(a) for a in plan.allocations if a.mfc in realloc_to}
     for a in plan.allocations:
         key = _key(a)
         if key not in replicas:
@@ -278,7 +281,7 @@ def compile_program(plan: ExecutionPlan, round_group_size: int | None = None) ->
                 key, a.role, heads[a.role], a.mesh.first_gpu, a.mesh.n_gpus, a.layout.tp,
                 a.layout.pp, a.layout.dp,
                 trained=a.role in train and a.shards == train[a.role].shards,
-                reallocated=a.mfc in realloc_to)
+                reallocated=key in filled)
     everyone = tuple(range(plan.cluster.n_gpus))
     holders: dict[str, tuple[int, ...]] = {k: everyone for k in datasets}
     ahead = [m for m in graph.mfcs if graph.is_ahead(m)]

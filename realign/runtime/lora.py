@@ -43,11 +43,20 @@ numbers in the same order, a resumed run draws what the uninterrupted one did, a
 recomputation (torch's and megatron's checkpoints restore the generator) draws the
 forward's masks again. A row-parallel layer draws the mask of its whole input and keeps
 its own columns, so the masks are those of TP 1 at any TP.
+
+Adapters off (:func:`adapters_disabled`): a call that scores the frozen base (the
+reference as the actor's base, the reward model as the critic's:
+:mod:`planner.graph.shared_base`) skips every adapter's update, so the base's forward runs
+as if no adapter were attached (not ``+ 0``: the same operations as a model without LoRA,
+bit for bit); a value model also scores with the head its checkpoint held
+(:attr:`base_head`, a frozen copy kept beside the head it trains).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -120,7 +129,11 @@ def attach_lora(shard, lora: LoraSpec, seed: int) -> None:
     for p in shard.module.parameters():
         p.requires_grad_(False)
     if shard.head == "value" and g.is_last_stage:
-        shard.module.output_layer.weight.requires_grad_(True)   # a new head: trained
+        head = shard.module.output_layer.weight
+        # the checkpoint's head, kept for scoring with the adapters off (the reward model
+        # as the critic's base): [1, hidden], the head it trains starts equal to it
+        shard.base_head = head.detach().clone()
+        head.requires_grad_(True)       # a new head: trained
     layers = stage_layers(spec.n_layers, g.layout.pp, g.pp_rank)
     for local, layer in enumerate(shard.module.decoder.layers):
         glob = layers[local]
@@ -143,6 +156,7 @@ def attach_lora(shard, lora: LoraSpec, seed: int) -> None:
             else:
                 set_tensor_model_parallel_attributes(mod.lora_A, True, 1, 1)
             mod.lora_column = target in COLUMN
+            mod.lora_off = False
             mod.lora_scale, mod.lora_rank = lora.scale, lora.rank
             mod.lora_dropout = lora.dropout
             mod.lora_tp_group = g.pgs.tp if tp > 1 else None
@@ -245,7 +259,34 @@ def _megatron_hook(mod, args, output):
     """Forward hook on megatron's ``ColumnParallelLinear`` / ``RowParallelLinear``:
     ``(out, bias) -> (out + delta, bias)``."""
     out, bias = output
+    if mod.lora_off:
+        return output
     return out + lora_delta(mod, args[0]), bias
+
+
+@contextlib.contextmanager
+def adapters_disabled(shard) -> Iterator[None]:
+    """Within: ``shard`` computes its frozen base, every adapter's update skipped and a
+    value model's head the checkpoint's (:attr:`base_head`); the trained tensors are
+    untouched and back in use afterwards. Collective-free; a no-op without LoRA."""
+    if getattr(shard, "lora", None) is None:
+        yield
+        return
+    mods = [m for layer in shard.module.decoder.layers for m in adapted(layer).values()]
+    base_head = getattr(shard, "base_head", None)
+    head = shard.module.output_layer.weight if base_head is not None else None
+    trained = head.data if head is not None else None
+    try:
+        for m in mods:
+            m.lora_off = True
+        if head is not None:
+            head.data = base_head
+        yield
+    finally:
+        for m in mods:
+            m.lora_off = False
+        if head is not None:
+            head.data = trained
 
 
 def adapted(layer: torch.nn.Module) -> dict[str, torch.nn.Module]:

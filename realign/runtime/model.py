@@ -47,6 +47,9 @@ class ModelShard:
     decoder_weights: object = field(default=None, repr=False, compare=False)
     #: LoRA adapters on its frozen base (:func:`realign.runtime.lora.attach_lora`)
     lora: LoraSpec | None = None
+    #: a LoRA value model's checkpoint head (last stage), frozen beside the head it trains:
+    #: what it scores with its adapters off (:func:`realign.runtime.lora.adapters_disabled`)
+    base_head: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def config(self):

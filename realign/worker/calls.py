@@ -19,6 +19,7 @@ train engine).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -33,7 +34,7 @@ from realign.runtime.engines.captured_step import CaptureSetting
 from realign.runtime.engines.generate import GenerateEngine
 from realign.runtime.engines.inference import InferenceEngine
 from realign.runtime.engines.train import TrainEngine
-from realign.runtime.lora import seed_dropout
+from realign.runtime.lora import adapters_disabled, seed_dropout
 from realign.runtime.settings import Sampling, SamplingParams, TrainConfig
 from realign.worker.episodes import generate_episodes, response_lengths, stop_ids
 from realign.worker.records import Record, merge, sequences_from_generation
@@ -167,16 +168,19 @@ class Calls:
     def inference(self, op: Call, h: Hosted, store, step):
         rec = store[op.inputs[0]]
         batch = {"tokens": rec["tokens"], "lengths": rec["lengths"]}
-        res = InferenceEngine(h.shard, micro_batches=op.micro_batches,
-                              packing=self.train_cfg.packing,
-                              token_budget=op.token_budget).inference(batch)
+        # a frozen role scored as a LoRA model's base: that model with its adapters off
+        with adapters_disabled(h.shard) if op.mfc.adapters_off else contextlib.nullcontext():
+            res = InferenceEngine(h.shard, micro_batches=op.micro_batches,
+                                  packing=self.train_cfg.packing,
+                                  token_budget=op.token_budget).inference(batch)
         key = op.outputs[0]
         pad = {f"padded_tokens.{op.name}": float(call_padding(
             batch["lengths"], batch["tokens"].shape[1], h.shard.groups.layout.dp,
             op.micro_batches, "inference", self.train_cfg.packing, op.token_budget))}
         if h.replica.head == "lm":
             return {key: {key: res["logprobs"]}}, pad
-        if op.role == "reward":                 # a reward model scores whole sequences
+        # a reward model (or the critic's base standing for it) scores whole sequences
+        if op.name.split(".", 1)[0] == "reward":
             scores = res["scores"].float()
             bad = ~torch.isfinite(scores)
             if bool(bad.any()):

@@ -37,8 +37,8 @@ from realign.run.program import Call, Evaluate, Program, Realloc, Release, RuleR
 from realign.runtime.realloc_glue import reallocate_replica, release_copy
 from realign.worker.records import Record, recv_record, send_record
 from realign.worker.replicas import Hosted
-from realign.worker.watchdog import STALL_ENV, Position
 from realign.worker.sampling_loop import SamplingLoop, merge_round_metrics
+from realign.worker.watchdog import STALL_ENV, Position
 
 
 class StepRunner:
@@ -177,4 +177,6 @@ def describe(op) -> tuple[str, str]:
         return f"send {op.key}", "send"
     if isinstance(op, RuleReward):
         return f"reward {op.out_key}", "reward"
+    if isinstance(op, Release):
+        return f"release {op.replica}", "release"
     return f"evaluate {op.name}", "eval"

@@ -288,8 +288,8 @@ def test_70b_ppo_on_16_a100s_plans_with_lora_and_no_offload():
     plan = plan_experiment(cfg, path.parent)
     trains = [a for a in plan.allocations if a.kind == "train"]
     assert trains and not any(a.optimizer_offload or a.train_state_offload for a in trains)
-    assert {m.role: m.lora is not None for m in plan.models} == {
-        "actor": True, "critic": True, "ref": False, "reward": False}
+    # the reference and the reward model are the LoRA models' bases (lora.<role>.share_base)
+    assert {m.role: m.lora is not None for m in plan.models} == {"actor": True, "critic": True}
     assert max(a.mem_bytes for a in plan.allocations) <= 72 * 2 ** 30
     from planner.plan import ExecutionPlan
     assert ExecutionPlan.from_json(plan.to_json()) == plan        # lossless, lora included

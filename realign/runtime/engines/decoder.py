@@ -297,7 +297,7 @@ class StageDecoder:
         """A layer's output plus its LoRA update when it carries one (``x``: its input on
         this rank; ``out``: its base output, summed over TP for a row-parallel layer)."""
         mod = w.lora.get(target)
-        if mod is None:
+        if mod is None or mod.lora_off:     # no adapter, or off (the base scored alone)
             return out
         from realign.runtime.lora import lora_delta
         return out + lora_delta(mod, x)
