@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from planner.errors import from_validation
 from realign.config.experiment import ExperimentConfig
+from realign.config.streaming import check_streaming
 from realign.errors import UserError
 
 
@@ -55,6 +56,8 @@ def load_experiment(path: str | Path) -> tuple[ExperimentConfig, Path]:
         raise UserError(f"{p} must hold a mapping with the sections name, models, algorithm, "
                         "cluster, plan", field="experiment")
     try:
-        return ExperimentConfig.model_validate(raw), p.resolve().parent
+        cfg = ExperimentConfig.model_validate(raw)
     except ValidationError as e:
         raise from_validation(e, ExperimentConfig, context=f"{p}: invalid experiment: ") from None
+    check_streaming(cfg)
+    return cfg, p.resolve().parent

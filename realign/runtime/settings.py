@@ -130,6 +130,17 @@ class Rollout(MultiTurn):
         "runs eager everywhere. Outputs equal the eager steps'; the planner prices a "
         "captured GPU step without a per-layer host cost.")
     vllm: VLLMSettings = Field(default_factory=VLLMSettings)
+    mode: Literal["step", "streaming"] = Field(
+        "step", description="How generation meets training: 'step' (each step generates "
+        "its rollout, or the next step's one step ahead with algorithm.max_staleness >= 1) "
+        "or 'streaming' (a generator decoding continuously on its own GPUs into a rollout "
+        "buffer, samples up to algorithm.max_staleness versions old; docs/async.md: its "
+        "schedule is defined and simulated, realign plan and run refuse it, exit 2).")
+    on_update: Literal["continue", "finish"] = Field(
+        "continue", description="rollout.mode streaming: when new weights reach the "
+        "generator, the sequences in flight 'continue' under them (each token keeps the "
+        "version and behaviour log-prob it was generated with) or 'finish' under the "
+        "weights they began with before the update applies.")
     logprob_diff_threshold: float = Field(
         0.01, gt=0, description="The train call logs the share of response tokens whose "
         "rollout log-prob differs from the training forward's by more than this (nats): "

@@ -1,0 +1,67 @@
+"""Checks of ``rollout.mode: streaming`` (a generator that streams into a rollout
+buffer, :mod:`planner.graph.streaming`), before anything is planned or started.
+
+Every combination the streaming schedule does not cover is named with its field, and
+the mode itself is refused last, naming ``rollout.mode``: its buffer, staleness bound
+and update schedule are defined and simulated (``planner/graph/streaming.py``), but
+neither the planner's search nor the runtime executes them (docs/async.md says what
+exists). A refused mode exits 2 before any worker starts.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from planner.graph.algorithms import algorithm_spec
+from realign.errors import UserError
+
+if TYPE_CHECKING:
+    from realign.config.experiment import ExperimentConfig
+
+#: the calls whose GPUs a streaming plan keeps apart
+GENERATE_MFC, TRAIN_MFC = "actor.generate", "actor.train"
+
+
+def check_streaming(cfg: ExperimentConfig) -> None:
+    """Refuse ``rollout.mode: streaming`` (and ``rollout.on_update`` without it), naming
+    the field at fault: the first unsupported combination, else the mode itself."""
+    r, a = cfg.rollout, cfg.algorithm
+    if r.mode != "streaming":
+        if r.on_update != "continue":
+            raise UserError(f"rollout.on_update is {r.on_update!r}, but it is read only "
+                            "with rollout.mode: streaming (rollout.mode is "
+                            f"{r.mode!r}); remove it", field="rollout.on_update")
+        return
+    if not algorithm_spec(a.name).generates:
+        raise UserError(f"rollout.mode: streaming streams generated samples, and {a.name} "
+                        "generates none; use rollout.mode: step", field="rollout.mode")
+    if a.max_staleness < 1:
+        raise UserError(f"rollout.mode: streaming trains on samples made by older weights; "
+                        f"algorithm.max_staleness is {a.max_staleness}, allowed: 1 or more",
+                        field="algorithm.max_staleness")
+    if a.name == "dapo":
+        raise UserError("rollout.mode: streaming with dapo: its dynamic sampling's rounds "
+                        "wait for a step's rewards; use rollout.mode: step",
+                        field="rollout.mode")
+    if r.multi_turn:
+        raise UserError("rollout.mode: streaming with multi-turn episodes (rollout.env / "
+                        "rollout.tools) is not supported; use rollout.mode: step",
+                        field="rollout.mode")
+    if r.engine != "own":
+        raise UserError(f"rollout.engine is {r.engine!r}; rollout.mode: streaming pauses "
+                        "realign's own engine between decode iterations for the weights, "
+                        "allowed: own", field="rollout.engine")
+    manual = cfg.plan.manual or {}
+    if GENERATE_MFC in manual and TRAIN_MFC in manual:
+        g, t = manual[GENERATE_MFC].mesh, manual[TRAIN_MFC].mesh
+        if set(g.gpus) & set(t.gpus):
+            raise UserError(
+                f"plan.manual places {GENERATE_MFC} on GPUs {g.first_gpu}..{g.first_gpu + g.n_gpus - 1} "
+                f"and {TRAIN_MFC} on {t.first_gpu}..{t.first_gpu + t.n_gpus - 1}: a generator that "
+                "streams needs GPUs of its own, disjoint from training's",
+                field=f"plan.manual.{GENERATE_MFC}.mesh")
+    raise UserError(
+        "rollout.mode: streaming is not executed yet: its rollout buffer, staleness bound "
+        "and update schedule are defined and simulated (planner/graph/streaming.py), but "
+        "the planner does not search it and no runtime runs it (docs/async.md); use "
+        "rollout.mode: step, which generates one step ahead with algorithm.max_staleness "
+        ">= 1", field="rollout.mode")
