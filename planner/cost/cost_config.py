@@ -83,6 +83,19 @@ class CostModelConfig(BaseModel):
         "the step is priced as measured, eager ('auto' keeps the CPU eager; 'on' compiles "
         "it, measured within a few per cent of eager: benchmarks/generate/README.md). "
         "Set from the experiment's rollout.capture.")
+    vllm_enforce_eager: bool = Field(
+        False, description="vLLM decodes eagerly (its enforce_eager: no CUDA graphs), so "
+        "each decode step pays the device's decode_layer_overhead_s per layer, as an "
+        "eager loop does. realign runs vLLM with CUDA graphs on GPUs (False); True prices "
+        "a run of another system that did not (verl's rollout.enforce_eager defaults to "
+        "True in its ppo_trainer.yaml: docs/gpu-facts.md §3e).")
+    vllm_scheduler: Literal["async", "sync"] = Field(
+        "async", description="vLLM's host work between decode steps (scheduling, the next "
+        "step's inputs, the sampled tokens' copy to the host and their output "
+        "processing): 'async' overlaps it with the device (vLLM V1, the engine realign "
+        "runs); 'sync' makes the device wait for it on every decode step, "
+        "VLLM_SYNC_STEP_S seconds (vLLM v0 without multi-step scheduling: "
+        "docs/gpu-facts.md §3e); for pricing runs of other systems on v0.")
     vllm_max_num_seqs: int = Field(
         256, gt=0, description="vLLM: the most sequences one engine decodes at once "
         "(its max_num_seqs; rollout.vllm.max_num_seqs).")

@@ -88,6 +88,10 @@ class Rates:
                 "profile" if profile and kind in profile.engines else preset)
         if self.captured_decode:
             self.sources["engine decode"] += ", captured (no per-layer host cost)"
+        if vllm and config.vllm_enforce_eager:
+            self.sources["engine vllm_decode"] += ", eager (a per-layer host cost)"
+        if vllm and config.vllm_scheduler == "sync":
+            self.sources["engine vllm_decode"] += ", synchronous scheduler (a host gap per step)"
         for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p"):
             for inter in (False, True):
                 where = "across nodes" if inter else "within a node"
@@ -168,8 +172,9 @@ class Rates:
         or of vLLM's ``vllm_prefill`` | ``vllm_decode`` steps. Without a profile, vLLM's
         decode step on a device that runs kernels asynchronously (GPUs) has no per-layer
         host cost: vLLM replays each decode step as a CUDA graph (its default,
-        ``enforce_eager=False``), so launches do not grow with the layers; elsewhere
-        it is priced like realign's own decode step. realign's own decode step, captured
+        ``enforce_eager=False``), so launches do not grow with the layers; eager
+        (``vllm_enforce_eager``, or a device that runs kernels synchronously) it pays
+        the device's per-layer decode cost, as realign's own eager decode step. realign's own decode step, captured
         (:attr:`captured_decode`), has no per-layer host cost either, the profile's
         included (a profile's decode engine times the eager step)."""
         dev, cfg = self.cluster.device, self.config
@@ -181,7 +186,7 @@ class Rates:
         train = kind == "train"
         mem = self.mem_bytes_per_s
         decode_layer = dev.decode_layer_overhead_s
-        if kind == "vllm_decode" and dev.async_kernels:
+        if kind == "vllm_decode" and dev.async_kernels and not cfg.vllm_enforce_eager:
             decode_layer = 0.0
         if kind == "decode" and self.captured_decode:
             decode_layer = 0.0

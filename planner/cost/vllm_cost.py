@@ -32,6 +32,9 @@ price, not vLLM's). Per engine:
   second of the shared-memory update, ``realign profile``) replaces the passes; when
   the call's layout differs from the training call's, the plan's reallocation into it
   comes first, priced as any other;
+* ``decode_host_sync`` (``vllm_scheduler: sync``, vLLM v0): :data:`VLLM_SYNC_STEP_S`
+  per decode step, the host's scheduling, input preparation and output processing
+  between two steps, during which the device waits (V1 overlaps it with the step);
 * the outputs gathered over the data-parallel ranks, as realign's own engine does.
 
 Memory per GPU: the model's weights (realign's copy), plus vLLM's copy of them, its KV
@@ -57,6 +60,11 @@ VLLM_PREFILL, VLLM_DECODE = "vllm_prefill", "vllm_decode"
 #: passes over the whole weights of an in-memory update without a profile: packed into
 #: the bucket, loaded from it (each vLLM worker reads the bucket, in parallel)
 LOAD_PASSES = 2
+#: seconds the device waits between two decode steps of vLLM v0's synchronous engine
+#: (scheduler, next step's input metadata, the sampled tokens' copy to the host and
+#: their output processing): "about 4ms of GPU bubble" on every decode step in the
+#: trace of vllm-project/vllm issue #6854 (docs/gpu-facts.md §3e)
+VLLM_SYNC_STEP_S = 0.004
 
 
 def weight_load_s(cm: "CostModel", full_bytes: float, tp: int = 1, tp_nodes: int = 1) -> float:
@@ -156,6 +164,8 @@ def vllm_generate_cost(cm: "CostModel", mfc: MFC, spec: ModelSpec, head: str,
     terms = {f"prefill_{k}": v for k, v in lagged(pre, layout.world).terms(pre_c).items()}
     for k, v in lagged(decode, layout.world).terms(dec_c).items():
         terms[f"decode_{k}"] = v
+    if cfg.vllm_scheduler == "sync":
+        terms["decode_host_sync"] = steps * VLLM_SYNC_STEP_S
     for k, v in call.terms(pre_c).items():
         terms[k] = terms.get(k, 0.0) + v
     logit_cols = spec.padded_vocab if head == "lm" else 1.0
