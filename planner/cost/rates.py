@@ -174,9 +174,10 @@ class Rates:
         host cost: vLLM replays each decode step as a CUDA graph (its default,
         ``enforce_eager=False``), so launches do not grow with the layers; eager
         (``vllm_enforce_eager``, or a device that runs kernels synchronously) it pays
-        the device's per-layer decode cost, as realign's own eager decode step. realign's own decode step, captured
-        (:attr:`captured_decode`), has no per-layer host cost either, the profile's
-        included (a profile's decode engine times the eager step)."""
+        the device's per-layer decode cost, as realign's own eager decode step.
+        realign's own decode step, captured (:attr:`captured_decode`), has no per-layer
+        host cost either, the profile's included (a profile's decode engine times the
+        eager step)."""
         dev, cfg = self.cluster.device, self.config
         if self.profile is not None and kind in self.profile.engines:
             costs = self.profile.engines[kind]
