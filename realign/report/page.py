@@ -2,7 +2,8 @@
 ``plan.json``, ``metrics.jsonl`` and ``timeline.jsonl``). Every picture is inline SVG;
 nothing is fetched, so the page opens offline.
 
-Sections: the learning curves (reward, held-out evaluation, KL, losses); each MFC's
+Sections: the learning curves (reward, held-out evaluation, KL, losses, a mixture of
+experts' router loss and expert load); each MFC's
 measured time per call against the plan's estimate; a measured timeline of one step
 (from the workers' recorded start and end times) beside the planned timeline; and the
 bytes and throughput of each reallocation.
@@ -70,6 +71,11 @@ def learning_curves(rows: list[dict]) -> list[str]:
         ("turn-rewards", "Per-turn rewards", [k for k in keys if k.startswith("rollout.turn")
                                               and k.endswith("_reward")]),
         ("kl", "KL to the reference", [k for k in keys if k == "kl" or k.endswith(".kl")]),
+        # a mixture of experts' router (docs/models.md)
+        ("router", "Router load-balancing loss", [k for k in keys
+                                                  if k.endswith("router_aux_loss")]),
+        ("expert-load", "Expert load: busiest expert / mean, per layer", [
+            k for k in keys if "expert_load_max_over_mean" in k]),
         ("loss", "Losses", [k for k in keys if k.endswith(".loss") and not k.startswith("eval.")]
          or [k for k in keys if k == "loss"]),
     ]

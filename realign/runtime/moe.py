@@ -16,10 +16,17 @@ outputs (row-parallel fc2) are summed over TP once, after the weighted sum (line
 For the backward, the routing weights enter the TP-split computation through the same
 copy as a column-parallel layer's input, so the router's gradient is summed over TP and
 equal on every rank.
+
+Training adds the router's load-balancing loss (Switch Transformer's, as transformers'
+``load_balancing_loss_func`` computes it for Qwen3-MoE) and reads each layer's expert
+load: a :class:`RouterRecord` set on the layers (:func:`recording`) keeps what one
+forward routed, and :func:`load_balancing_loss` and :func:`expert_load` turn it into
+the loss and the metrics.
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +79,8 @@ class MoeMLP(torch.nn.Module):
         assert spec.moe is not None and spec.is_sparse(layer)
         self.top_k, self.norm_topk_prob = spec.moe.top_k, spec.moe.norm_topk_prob
         self.tp_group = tp_group
+        #: where a training forward records its routing (:func:`recording`); None: nowhere
+        self.record: RouterRecord | None = None
         tensors = expert_tensors(spec, layer)
         router, fc = tensors[0], tensors[1:]
         self.router = _Weight(router.shape, dtype, device)
@@ -101,7 +110,7 @@ class MoeMLP(torch.nn.Module):
         """The layer's MLP output for its normed input ``y`` [..., h] (``copy``,
         ``reduce``: the TP mappings of a column- and a row-parallel layer)."""
         return moe_forward(y, self.router.weight, self.fc1s(), self.fc2s(), self.top_k,
-                           self.norm_topk_prob, copy, reduce)
+                           self.norm_topk_prob, copy, reduce, self.record)
 
     def forward(self, hidden: torch.Tensor, padding_mask=None):
         """Megatron's MLP call: ``[s, b, h] -> ([s, b, h], None)``."""
@@ -109,25 +118,74 @@ class MoeMLP(torch.nn.Module):
         return self.mlp(hidden, copy, reduce), None
 
 
+class RouterRecord:
+    """What the sparse layers of one forward routed, in layer order: per layer the
+    router's probabilities (fp32, differentiable) [*lead, experts] and the experts
+    chosen [*lead, top_k], ``lead`` being the layer input's leading dimensions ([b, s]
+    in realign's decoder, [s, b] in megatron's layers)."""
+
+    def __init__(self) -> None:
+        self.probs: list[torch.Tensor] = []
+        self.experts: list[torch.Tensor] = []
+
+    def add(self, probs: torch.Tensor, experts: torch.Tensor) -> None:
+        self.probs.append(probs)
+        self.experts.append(experts)
+
+
+@contextlib.contextmanager
+def recording(module: torch.nn.Module) -> Iterator[RouterRecord]:
+    """A fresh :class:`RouterRecord` on every :class:`MoeMLP` of ``module`` while the
+    block runs (a forward inside it records; the backward's recomputation, after it,
+    does not)."""
+    record = RouterRecord()
+    layers = [m for m in module.modules() if isinstance(m, MoeMLP)]
+    for m in layers:
+        m.record = record
+    try:
+        yield record
+    finally:
+        for m in layers:
+            m.record = None
+
+
+def router_probs(y: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    """The router's softmax over all experts, in fp32, of tokens ``y`` [T, h]."""
+    return torch.softmax(F.linear(y, router), dim=-1, dtype=torch.float32)
+
+
+def top_k_of(probs: torch.Tensor, top_k: int, norm_topk_prob: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, experts [T, k]): the ``top_k`` largest probabilities,
+    renormalised to sum to 1 when ``norm_topk_prob``."""
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
 def route(y: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in ``y``'s dtype, experts [T, k]) of tokens ``y`` [T, h]: softmax
     over all experts in fp32, the top-k, renormalised when ``norm_topk_prob``."""
-    probs = torch.softmax(F.linear(y, router), dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights, experts = top_k_of(router_probs(y, router), top_k, norm_topk_prob)
     return weights.to(y.dtype), experts
 
 
 def moe_forward(y: torch.Tensor, router: torch.Tensor, fc1s: list[torch.Tensor],
                 fc2s: list[torch.Tensor], top_k: int, norm_topk_prob: bool,
-                copy: Mapping = _same, reduce: Mapping = _same) -> torch.Tensor:
-    """Routed experts' output for ``y`` [..., h] (the module docstring)."""
+                copy: Mapping = _same, reduce: Mapping = _same,
+                record: RouterRecord | None = None) -> torch.Tensor:
+    """Routed experts' output for ``y`` [..., h] (the module docstring); ``record``
+    keeps the router's probabilities and choices."""
     shape = y.shape
     flat = y.reshape(-1, shape[-1])
-    weights, experts = route(flat, router, top_k, norm_topk_prob)
-    weights = copy(weights)          # used by TP-split experts: gradient summed over TP
+    probs = router_probs(flat, router)
+    weights, experts = top_k_of(probs, top_k, norm_topk_prob)
+    if record is not None:
+        record.add(probs.reshape(*shape[:-1], -1), experts.reshape(*shape[:-1], top_k))
+    # used by TP-split experts: gradient summed over TP
+    weights = copy(weights.to(y.dtype))
     x = copy(flat)
     out = torch.zeros(flat.shape[0], fc2s[0].shape[0] if fc2s else shape[-1], dtype=y.dtype,
                       device=y.device)
@@ -137,6 +195,66 @@ def moe_forward(y: torch.Tensor, router: torch.Tensor, fc1s: list[torch.Tensor],
         h = F.linear(F.silu(gate) * up, fc2s[e])
         out = out.index_add(0, token, h * weights[token, slot, None])
     return reduce(out).reshape(shape)
+
+
+def load_balancing_loss(record: RouterRecord, mask: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """The router's load-balancing loss of one forward, as transformers'
+    ``load_balancing_loss_func`` computes it for Qwen3-MoE (Switch Transformer's form):
+    over every recorded layer's valid tokens (``mask``: the layers' leading shape, true
+    where a token is real; None: all), ``f_e`` the share of the token-expert choices that
+    went to expert ``e`` and ``P_e`` the mean router probability of ``e``, both pooled over
+    the layers; the loss is ``E x sum_e f_e P_e`` (differentiable through ``P_e``).
+
+    Example: 2 experts, top 1, two tokens choosing experts 0 and 0 with probabilities
+    (0.75, 0.25) and (0.5, 0.5): f = (1, 0), P = (0.625, 0.375), loss 2 x 0.625 = 1.25.
+    Uniform routing gives ``top_k`` (f_e = k/E, P_e = 1/E)."""
+    assert record.probs, "no sparse layer recorded"
+    n_experts, top_k = record.probs[0].shape[-1], record.experts[0].shape[-1]
+    choices = torch.zeros(n_experts, device=record.probs[0].device)
+    prob_sum = torch.zeros(n_experts, device=record.probs[0].device)
+    rows = 0.0
+    for probs, experts in zip(record.probs, record.experts):
+        p, e = probs.reshape(-1, n_experts), experts.reshape(-1, top_k)
+        m = (torch.ones(p.shape[0], device=p.device) if mask is None
+             else mask.reshape(-1).to(device=p.device, dtype=torch.float32))
+        choices = choices.scatter_add(0, e.reshape(-1), m.repeat_interleave(top_k))
+        prob_sum = prob_sum + (p * m[:, None]).sum(dim=0)
+        rows = rows + m.sum()
+    return n_experts * torch.sum((choices / rows) * (prob_sum / rows))
+
+
+def expert_load(record: RouterRecord, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Token-expert choices per layer and expert [layers, experts] over the valid
+    tokens (``mask`` as in :func:`load_balancing_loss`)."""
+    n_experts = record.probs[0].shape[-1]
+    out = []
+    for experts in record.experts:
+        e = experts.reshape(-1, experts.shape[-1])
+        keep = (torch.ones(e.shape[0], dtype=torch.bool, device=e.device) if mask is None
+                else mask.reshape(-1).to(device=e.device, dtype=torch.bool))
+        out.append(torch.bincount(e[keep].reshape(-1), minlength=n_experts))
+    return torch.stack(out)
+
+
+def load_summary(load: torch.Tensor) -> dict[str, float]:
+    """Each layer's busiest expert against the mean over its experts (1: perfectly
+    balanced; ``E / k`` at worst: every token on the same ``k`` experts), summarised:
+    ``expert_load_max_over_mean`` (the mean over layers) and ``..._worst`` (the worst
+    layer). Example: one layer's counts (6, 2, 0, 0): mean 2, max/mean 3."""
+    per_layer = load.float().amax(dim=1) / load.float().mean(dim=1).clamp_min(1e-12)
+    return {"expert_load_max_over_mean": float(per_layer.mean()),
+            "expert_load_max_over_mean_worst": float(per_layer.max())}
+
+
+def router_terms(record: RouterRecord, mask: torch.Tensor | None, coef: float
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+    """What a training forward's routing adds: ``coef`` x the load-balancing loss (to add
+    to the micro-batch's loss) and the metrics ``router_aux_loss`` and the expert load
+    (:func:`load_summary`)."""
+    aux = load_balancing_loss(record, mask)
+    return coef * aux, {"router_aux_loss": aux.detach(),
+                        **load_summary(expert_load(record, mask))}
 
 
 def tp_mappings(tp_group) -> tuple[Mapping, Mapping]:

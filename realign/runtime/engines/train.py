@@ -47,6 +47,7 @@ from realign.runtime.engines.inference import head_outputs, packed_head_outputs
 from realign.runtime.engines.packed_attention import kernel_for
 from realign.runtime.engines.train_state import StateParking
 from realign.runtime.model import ModelShard
+from realign.runtime.moe import recording, router_terms
 from realign.runtime.optimizer_state import torch_optimizers
 from realign.runtime.settings import TrainConfig
 
@@ -93,6 +94,8 @@ class TrainEngine:
             # megatron's layers: full recomputation of every layer in the backward
             config.recompute_granularity, config.recompute_method = "full", "uniform"
             config.recompute_num_layers = 1
+        #: a mixture of experts: its router's loss coefficient (load metrics with it)
+        self.router_coef = _router_coef(shard, cfg, recompute)
         self.zero1 = zero1 = cfg.uses_distributed_optimizer(dev.kind)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -178,17 +181,23 @@ class TrainEngine:
 
         def forward_step(data_iterator, model):
             mb, pack, (scale, share) = next(data_iterator)
-            if forward is None:
-                out = model(mb["tokens"], position_ids(mb["tokens"]), None)
-            elif pack is None:
-                out = forward(mb["tokens"])
-            else:
-                out = forward(pack.tokens, pack)
+            with (recording(shard.module) if self.router_coef is not None
+                  else contextlib.nullcontext()) as record:
+                if forward is None:
+                    out = model(mb["tokens"], position_ids(mb["tokens"]), None)
+                elif pack is None:
+                    out = forward(mb["tokens"])
+                else:
+                    out = forward(pack.tokens, pack)
 
             def loss_func(output):
                 outputs = (head_outputs(shard, output, mb) if pack is None
                            else packed_head_outputs(shard, output, pack, cols))
                 loss, metrics = loss_fn(outputs, mb)
+                if record is not None and self.router_coef is not None:
+                    aux, routed = router_terms(record, token_mask(mb, pack, forward is None),
+                                               self.router_coef)
+                    loss, metrics = loss + aux, {**metrics, **routed}
                 loss = loss * scale     # its share of the mini-batch's mean
                 return loss, {"loss": loss.detach().clone(),
                               **{k: torch.as_tensor(v).detach() * share
@@ -258,6 +267,42 @@ class TrainEngine:
             dist.all_reduce(vals, group=g.pgs.dp)
             vals /= g.layout.dp
         return {k: float(v) for k, v in zip(keys, vals)}
+
+
+def _router_coef(shard: ModelShard, cfg: TrainConfig, recompute: bool) -> float | None:
+    """The router's load-balancing loss coefficient of a mixture of experts (None: a
+    dense model). Its loss pools every sparse layer's routing, so they must sit on one
+    pipeline stage; megatron's recomputed layers run their first forward without
+    gradients, which the loss needs."""
+    moe = shard.spec.moe
+    if moe is None:
+        return None
+    pp = shard.groups.layout.pp
+    if moe.router_aux_loss_coef > 0 and pp > 1:
+        raise UserError(
+            f"the router's load-balancing loss (router_aux_loss_coef "
+            f"{moe.router_aux_loss_coef}) pools every sparse layer's routing, which this "
+            f"train call splits over {pp} pipeline stages; plan it with pp 1 "
+            "(plan.manual) or set router_aux_loss_coef to 0 in the model's config.json",
+            field="plan")
+    if moe.router_aux_loss_coef > 0 and recompute and cfg.forward == "megatron":
+        raise UserError(
+            "megatron's recomputed layers run their forward without gradients, so the "
+            "router's load-balancing loss would not train the router; use train.forward "
+            "plain (it recomputes with gradients) or plan.cost.recompute never",
+            field="train.forward")
+    return moe.router_aux_loss_coef if pp == 1 else None
+
+
+def token_mask(mb: Batch, pack: Pack | None, megatron: bool) -> torch.Tensor:
+    """Where the training forward's token grid holds a real token: a pack's [bins,
+    width] positions of a row; else [b, s] positions before each row's length ([s, b]
+    in megatron's sequence-first layers)."""
+    if pack is not None:
+        return pack.doc >= 0
+    s = mb["tokens"].shape[1]
+    mask = torch.arange(s, device=mb["tokens"].device) < mb["lengths"][:, None]
+    return mask.t() if megatron else mask
 
 
 def loss_scales(weights: torch.Tensor, mine: slice, parts: list[torch.Tensor], dp: int
