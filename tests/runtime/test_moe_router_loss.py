@@ -32,9 +32,10 @@ def _train_engine(ctx, path, tp, forward, packing, micro=1, lr=1e-3):
 
 
 def step_matches_transformers(ctx, path, tp, forward, packing):
-    """One train step of the token-mean NLL (its metrics are the forward before the update): (realign's router_aux_loss, loss)
-    against transformers' aux_loss and loss (labels past each length ignored), which
-    adds router_aux_loss_coef x aux_loss."""
+    """One train step of the token-mean NLL (its metrics are the forward's, before the
+    update): (realign's router_aux_loss, loss) against transformers' aux_loss and loss
+    (labels past each length ignored), which adds router_aux_loss_coef x aux_loss; and
+    the expert load's two summaries."""
     from cases_model import sample_batch
     from cases_train import sft_loss
     from tiny_hf import hf_model
