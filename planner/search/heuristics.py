@@ -2,8 +2,9 @@
 candidate space so they are priced by the same simulator and seed the search.
 
 * ``megatron``: symmetric. Every MFC runs on all GPUs, one layout per model chosen
-  as a Megatron user would (the smallest model-parallel size that fits, TP up to a
-  node before PP), so nothing is ever reallocated.
+  as a Megatron user would (TP up to its largest before PP; the heaviest model raised
+  until the plan fits, then :data:`TUNING_STEPS` more, keeping the fastest), so
+  nothing is ever reallocated.
 * ``deepspeed-chat``: all MFCs on all GPUs; training is data-parallel (ZeRO-style,
   smallest TP that fits), actor generation switches to intra-node TP (the "hybrid
   engine"), paying a reallocation each iteration.
@@ -11,6 +12,8 @@ candidate space so they are priced by the same simulator and seed the search.
   reward each get their own GPUs (or, in the colocated variant, reference with the
   actor and reward with the critic); the best power-of-two split is chosen, each MFC
   with its fastest layout on its GPUs.
+
+Their rules, step by step: docs/heuristics.md.
 
 Each builder returns an assignment (candidate index per MFC) or None when the
 heuristic has no plan that fits in memory. ``sim`` prices an assignment (the search
@@ -43,10 +46,17 @@ def _on_mesh(prob: Problem, i: int, first: int, n: int) -> list[int]:
 
 
 def _mp_order(prob: Problem, i: int, js: list[int]) -> list[tuple[int, int]]:
-    """Distinct (tp, pp) of candidates, in a Megatron user's order of preference."""
-    tps = sorted({(prob.cands[i][j].tp, prob.cands[i][j].pp) for j in js},
-                 key=lambda t: (t[0] * t[1], t[1]))
-    return tps
+    """Distinct (tp, pp) of candidates."""
+    return sorted({(prob.cands[i][j].tp, prob.cands[i][j].pp) for j in js})
+
+
+def user_order(layouts: set[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(tp, pp) in a Megatron user's order of preference: tensor parallel up to its
+    largest before pipeline stages, which then come at the largest TP each has:
+    {(1,1), (2,1), (4,1), (1,2), (2,2), (4,2), (4,4)} -> [(1,1), (2,1), (4,1), (4,2), (4,4)]."""
+    top = {pp: max(t for t, p in layouts if p == pp) for _, pp in layouts}
+    return sorted(((t, p) for t, p in layouts if p == 1 or t == top[p]),
+                  key=lambda tp: (tp[1], tp[0]))
 
 
 def _fit_micro_batches(prob: Problem, choice: list[list[int]], deadline: Deadline | None,
@@ -91,6 +101,10 @@ def _fit_micro_batches(prob: Problem, choice: list[list[int]], deadline: Deadlin
     return best
 
 
+#: model-parallel steps a user tries past the first that fits, keeping the fastest
+TUNING_STEPS = 3
+
+
 def megatron(prob: Problem, deadline: Deadline | None = None, sim: Sim | None = None
              ) -> Assignment | None:
     sim = sim or python_sim(prob)
@@ -107,7 +121,7 @@ def megatron(prob: Problem, deadline: Deadline | None = None, sim: Sim | None = 
         for i in mfcs_of[m]:
             s = set(_mp_order(prob, i, full[i]))
             common = s if common is None else common & s
-        opts = sorted(common or [], key=lambda t: (t[0] * t[1], t[1]))
+        opts = user_order(common or set())
         if not opts:
             return None
         options.append(opts)
@@ -115,7 +129,7 @@ def megatron(prob: Problem, deadline: Deadline | None = None, sim: Sim | None = 
     # the heaviest model's until the plan fits, then a few steps more, keep the best.
     level = [0] * n_models
     best, best_e, extra = None, float("inf"), 0
-    while extra <= 3:
+    while extra <= TUNING_STEPS:
         choice = []
         for i in range(len(prob.cands)):
             tp, pp = options[prob.mfc_model[i]][level[prob.mfc_model[i]]]

@@ -8,7 +8,16 @@ import pytest
 
 from planner.cost.cost_model import CostModel
 from planner.graph.algorithms import BatchShape, build_graph
-from planner.search.heuristics import HEURISTICS, deepspeed_chat, megatron, not_applicable, openrlhf
+from planner.search.heuristics import (
+    HEURISTICS,
+    _fit_micro_batches,
+    deepspeed_chat,
+    megatron,
+    not_applicable,
+    openrlhf,
+    python_sim,
+    user_order,
+)
 from planner.search.problem import Problem, RoleModel, build_problem, head_of
 from planner.search.simulator import needs_realloc, simulate
 from planner.specs.cluster import ClusterSpec, resolve_device
@@ -145,3 +154,58 @@ def test_megatron_shards_a_model_that_needs_it():
     train = next(i for i, m in enumerate(prob.graph.mfcs) if m.name == "actor.train")
     assert cs[train].tp * cs[train].pp > 1
     assert simulate(prob, assign).feasible
+
+
+def test_a_megatron_user_raises_tp_to_its_largest_before_pipeline_stages():
+    assert user_order({(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (4, 4)}) == [
+        (1, 1), (2, 1), (4, 1), (4, 2), (4, 4)]
+    # a pipeline depth whose largest TP is below the others' keeps that TP
+    assert user_order({(1, 1), (8, 1), (4, 2), (2, 2)}) == [(1, 1), (8, 1), (4, 2)]
+
+
+def test_megatron_layouts_follow_the_users_order(prob):
+    """Each model's layout is in its user order (no pipeline stages below the largest
+    TP), and no layout earlier in that order than the first that fits is kept."""
+    assign = megatron(prob)
+    cs = chosen(prob, assign)
+    for model in range(len(prob.models)):
+        mfcs = [i for i in range(len(cs)) if prob.mfc_model[i] == model]
+        common = set.intersection(*({(c.tp, c.pp) for c in prob.cands[i]
+                                     if (c.first_gpu, c.n_gpus) == (0, prob.n_gpus)}
+                                    for i in mfcs))
+        assert (cs[mfcs[0]].tp, cs[mfcs[0]].pp) in user_order(common)
+
+
+@pytest.mark.parametrize("case,layouts", [
+    # 4 KV heads: TP up to 4; the tiny model fits at TP1, and of TP1, 2, 4 (the first
+    # that fits and the tuning steps after it) TP4 generates fastest
+    ((GRPO, "tiny-llama-8l", 1, 4), {"actor": (4, 1), "ref": (1, 1)}),
+    # four 7B models on 8 A100-80G: the actor at TP8 (a user's last TP before PP), the
+    # critic at TP4, reference and reward, which hold weights only, at TP1
+    ((PPO, "llama2-7b", 1, 8), {"actor": (8, 1), "critic": (4, 1), "ref": (1, 1),
+                                "reward": (1, 1)}),
+])
+def test_megatron_by_hand(case, layouts):
+    prob = problem(*case)
+    cs = chosen(prob, megatron(prob))
+    got = {prob.models[prob.mfc_model[i]].role: (c.tp, c.pp) for i, c in enumerate(cs)}
+    assert got == layouts
+    assert all((c.first_gpu, c.n_gpus) == (0, prob.n_gpus) for c in cs)
+
+
+def test_deepspeed_chat_trains_at_the_smallest_tp_that_fits():
+    """PPO with four 7B models on 8 A100-80G: at every smaller training TP nothing fits
+    (the micro-batch fit finds no plan), at the chosen one it does."""
+    prob = problem(PPO, "llama2-7b", 1, 8)
+    cs = chosen(prob, deepspeed_chat(prob))
+    train_tp = next(c.tp for m, c in zip(prob.graph.mfcs, cs) if m.name == "actor.train")
+    assert all(c.tp == train_tp for m, c in zip(prob.graph.mfcs, cs) if m.kind != "generate")
+    for tp in (t for t in (1, 2, 4, 8) if t < train_tp):
+        choice = []
+        for i, m in enumerate(prob.graph.mfcs):
+            js = [j for j in range(len(prob.cands[i]))
+                  if (prob.cands[i][j].first_gpu, prob.cands[i][j].n_gpus,
+                      prob.cands[i][j].pp) == (0, 8, 1)]
+            gen_tp = cs[i].tp if m.kind == "generate" else tp
+            choice.append([j for j in js if prob.cands[i][j].tp == gen_tp] or js)
+        assert _fit_micro_batches(prob, choice, None, python_sim(prob)) is None, tp
