@@ -27,8 +27,8 @@ price, not vLLM's). Per engine:
   whole tensors gathered over the TP group (TP > 1), then :data:`LOAD_PASSES` passes
   over them at the memory bandwidth: packed into the bucket (host shared memory on a
   device that runs kernels synchronously, the cpu device; a GPU buffer shared by CUDA
-  IPC on the GPU presets), loaded from it by each vLLM worker (all in parallel, each
-  keeping its slice). A profile's measured ``vllm_load`` (fixed seconds and bytes per
+  IPC on the GPU presets), copied out of it and loaded by each vLLM worker (all in
+  parallel, each keeping its slice). A profile's measured ``vllm_load`` (fixed seconds and bytes per
   second of the shared-memory update, ``realign profile``) replaces the passes; when
   the call's layout differs from the training call's, the plan's reallocation into it
   comes first, priced as any other;
@@ -58,8 +58,9 @@ if TYPE_CHECKING:
 #: vLLM's fixed costs in a profile table's ``engines``
 VLLM_PREFILL, VLLM_DECODE = "vllm_prefill", "vllm_decode"
 #: passes over the whole weights of an in-memory update without a profile: packed into
-#: the bucket, loaded from it (each vLLM worker reads the bucket, in parallel)
-LOAD_PASSES = 2
+#: the bucket, copied out of it by each vLLM worker (in parallel; vLLM keeps a layer's
+#: tensors until it processes the layer), loaded into its parameters
+LOAD_PASSES = 3
 #: seconds the device waits between two decode steps of vLLM v0's synchronous engine
 #: (scheduler, next step's input metadata, the sampled tokens' copy to the host and
 #: their output processing): "about 4ms of GPU bubble" on every decode step in the
@@ -73,7 +74,7 @@ def weight_load_s(cm: "CostModel", full_bytes: float, tp: int = 1, tp_nodes: int
     whole tensors over the TP group, then a profile's measured ``vllm_load`` where
     there is one, else :data:`LOAD_PASSES` passes at the memory bandwidth.
 
-    Example: 1e8 bytes at 1e10 B/s of memory, TP 1, no profile: 2 x 0.01 = 0.02 s."""
+    Example: 1e8 bytes at 1e10 B/s of memory, TP 1, no profile: 3 x 0.01 = 0.03 s."""
     gather = cm.rates.collective_s("all_gather", full_bytes, tp, tp_nodes) if tp > 1 else 0.0
     measured = cm.profile.vllm_load if cm.profile is not None else None
     if measured is not None:
