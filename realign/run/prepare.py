@@ -232,7 +232,8 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
         from realign.config.planning import DTYPE_BYTES
         from realign.run.vllm_check import check_vllm
         check_vllm(cfg, models["actor"].spec, on_vllm, DTYPE_BYTES[cfg.run_dtype()],
-                   plan.cost_config.kv_cache_block_tokens)
+                   plan.cost_config.kv_cache_block_tokens,
+                   {a.mfc: a.layout.tp for a in plan.allocations if a.engine == "vllm"})
     spec = RunSpec(config=cfg, plan=plan, paths=paths, base_dir=base,
                    run_dir=_run_folder(cfg, run_dir), params=params,
                    tokenizer_role=cfg.tokenizer_role(), reward_fn=reward_fn,

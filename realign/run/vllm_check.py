@@ -10,7 +10,9 @@ with ``rollout.engine: vllm``, where the search chose it under ``auto``). Then:
   (vLLM's CPU attention kernels refuse smaller heads);
 * ``rollout.vllm.kv_cache_gib`` holds at least one sequence of ``prompt_len +
   gen_len`` tokens (:func:`planner.cost.vllm_cost.kv_bytes_per_seq`, what the plan
-  prices).
+  prices);
+* on the cpu device, a call at TP ``t`` has ``t`` cores (one per vLLM worker). vLLM's
+  TP is the plan's (any TP, PP 1: :mod:`planner.plan` refuses the rest).
 
 Each failure is a :class:`~realign.errors.UserError` naming the setting to change.
 """
@@ -61,11 +63,32 @@ def vllm_problem(cfg: "ExperimentConfig", spec: ModelSpec, mfc: MFC,
     return None
 
 
+def cpu_tp_problem(cfg: "ExperimentConfig", mfc: str, tp: int,
+                   cores: int) -> UserError | None:
+    """Why vLLM at TP ``tp`` cannot run the call ``mfc`` on this machine's ``cores``
+    usable cores (None: it can): on the cpu device each of its TP workers is bound to
+    cores of its own, so it needs at least ``tp``."""
+    if cfg.device != "cpu" or tp <= cores:
+        return None
+    return UserError(f"{mfc} runs on vLLM at tp {tp}, whose CPU workers need a core each; "
+                     f"this machine lets realign use {cores}: give it tp {cores} or less in "
+                     "plan.manual, or set rollout.engine to own",
+                     field=f"plan.manual.{mfc}")
+
+
 def check_vllm(cfg: "ExperimentConfig", spec: ModelSpec, calls: list[MFC],
-               dtype_bytes: int, block_tokens: int) -> None:
+               dtype_bytes: int, block_tokens: int,
+               tps: dict[str, int] | None = None) -> None:
     """Raise the first :func:`vllm_problem` of ``calls`` (the generate calls that run on
-    vLLM)."""
+    vLLM), then the first :func:`cpu_tp_problem` of their TP (``tps``, by call)."""
+    import os
+
     for m in calls:
         problem = vllm_problem(cfg, spec, m, dtype_bytes, block_tokens)
+        if problem is not None:
+            raise problem
+    cores = len(os.sched_getaffinity(0))
+    for name, tp in (tps or {}).items():
+        problem = cpu_tp_problem(cfg, name, tp, cores)
         if problem is not None:
             raise problem

@@ -136,19 +136,22 @@ class Session:
 
     def _start_vllm(self, rank: int) -> None:
         """A vLLM engine for each replica that generates on vLLM on this rank (the
-        plan's ``engine: vllm``), started from the role's checkpoint folder; its weights
-        are replaced before each call."""
-        from realign.runtime.engines.vllm_engine import VLLMEngine
+        plan's ``engine: vllm``) at the call's TP, hosted by the replica's TP rank 0
+        (the other TP ranks hold a handle without an engine), started from the role's
+        checkpoint folder; its weights are replaced before each call."""
+        from realign.runtime.engines.vllm_engine import VLLMEngine, tp_devices
 
         a = self.cfg.algorithm
         for op in self.program.ops:
             if (getattr(op, "engine", "own") == "vllm" and rank in op.ranks
                     and op.replica not in self.calls.vllm_engines):
+                g = self.hosted[op.replica].shard.groups
+                local = int(os.environ.get("LOCAL_RANK", rank))
                 self.calls.vllm_engines[op.replica] = VLLMEngine(
                     self.paths[op.role], self.cfg.rollout.vllm, self.dev.dtype,
                     a.prompt_len + a.gen_len, device_kind=self.dev.kind,
-                    device_index=int(os.environ.get("LOCAL_RANK", rank)),
-                    seed=self.cfg.run.seed)
+                    device_index=local, seed=self.cfg.run.seed, tp=g.layout.tp,
+                    host=g.tp_rank == 0, devices=tp_devices(g, local))
 
     # ---- data of a step --------------------------------------------------------------
     def dataset_record(self, step: int) -> dict:

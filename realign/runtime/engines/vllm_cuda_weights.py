@@ -7,8 +7,11 @@
   are gathered over the replica's TP group (not the default group: vLLM's own IPC
   trainer engine gathers over the whole ``torch.distributed`` world, which in realign
   holds every worker of the run) and the hosting rank ships them, keyed by GPU UUID,
-  through vLLM's ``update_weights``; each vLLM worker maps the buffer on its own GPU
-  (vLLM's ``IPCWeightTransferEngine``, ``packed``). Device-to-device only. Extra memory
+  pickled into one string (vLLM's RPC carries strings without its insecure-pickle
+  switch, which hung its RPCs on CPU here), to realign's worker extension; each vLLM
+  worker maps the buffer on its own GPU with vLLM's packed IPC consumer
+  (``packed_ipc_consumer``, as its ``IPCWeightTransferEngine`` does) inside vLLM's
+  layerwise reload. Device-to-device only. Extra memory
   per GPU: the buffer (the bucket's capacity), one bucket's gathered tensors, and vLLM's
   clone of the bucket while it loads it: about three buckets.
 * :class:`NcclTransport`, when vLLM's workers are on other GPUs than the replica's
@@ -30,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from realign.runtime.engines.vllm_weights import (
+    EXT_BEGIN,
+    EXT_END,
     WeightTransport,
     bucket_capacity,
     group_bytes,
@@ -39,6 +44,9 @@ from realign.runtime.engines.vllm_weights import (
 
 if TYPE_CHECKING:
     from realign.runtime.model import ModelShard
+
+#: the worker extension's method that loads a bucket from the CUDA IPC buffer
+EXT_LOAD_IPC = "realign_load_ipc"
 
 
 class CudaIpcTransport:
@@ -52,8 +60,6 @@ class CudaIpcTransport:
         self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, device="cuda")
         self.uuid = str(torch.cuda.get_device_properties(self.buffer.device.index).uuid)
         _, self._args = reduce_tensor(self.buffer)     # exported once, reused per bucket
-        if self.llm is not None:
-            self.llm.collective_rpc("init_weight_transfer_engine", args=({"packed": True},))
 
     def _handles(self) -> dict[str, tuple]:
         """Every TP rank's buffer handle, keyed by its GPU's UUID."""
@@ -68,19 +74,17 @@ class CudaIpcTransport:
 
     def begin(self) -> None:
         if self.llm is not None:
-            self.llm.collective_rpc("start_weight_update")
+            self.llm.collective_rpc(EXT_BEGIN)
 
     def send(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         entries = pack_into(self.buffer, tensors)
         torch.cuda.current_stream().synchronize()       # the bucket is written
         handles = self._handles()
         if self.llm is not None:
-            info = {"names": [e.name for e in entries],
-                    "dtype_names": [e.dtype for e in entries],
-                    "shapes": [list(e.shape) for e in entries],
-                    "tensor_sizes": [e.nbytes for e in entries],
-                    "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode()}
-            self.llm.collective_rpc("update_weights", args=(info,))
+            self.llm.collective_rpc(EXT_LOAD_IPC, args=(
+                base64.b64encode(pickle.dumps(handles)).decode(), [e.name for e in entries],
+                [e.dtype for e in entries], [list(e.shape) for e in entries],
+                [e.nbytes for e in entries]))
         if self.tp > 1:                 # no rank overwrites its buffer before vLLM read it
             import torch.distributed as dist
 
@@ -88,7 +92,7 @@ class CudaIpcTransport:
 
     def end(self) -> None:
         if self.llm is not None:
-            self.llm.collective_rpc("finish_weight_update")
+            self.llm.collective_rpc(EXT_END)
         torch.cuda.ipc_collect()
 
     def close(self) -> None:

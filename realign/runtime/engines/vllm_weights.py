@@ -211,9 +211,10 @@ EXT_BEGIN, EXT_LOAD, EXT_END = "realign_begin_update", "realign_load_shm", "real
 class SharedMemoryTransport:
     """CPU: one named shared-memory segment of ``capacity_bytes`` on the replica's TP
     rank 0, which hosts the engine; the engine's worker processes (one per TP rank)
-    map it and load views of it (:mod:`realign.runtime.engines.vllm_worker_ext`): the
-    bucket is copied once into the segment and once from it into vLLM's parameters.
-    Extra memory: the segment, plus one bucket's gathered tensors at TP > 1.
+    map it (:mod:`realign.runtime.engines.vllm_worker_ext`): the bucket is copied into
+    the segment, out of it in each worker, and into vLLM's parameters. Extra memory:
+    the segment and each worker's copy of one bucket, plus one bucket's gathered
+    tensors at TP > 1.
 
     ``rpc`` is the engine's ``collective_rpc`` (every vLLM worker runs the method), None
     on a rank that does not host the engine (it only joins the gathers)."""

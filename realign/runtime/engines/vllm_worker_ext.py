@@ -1,14 +1,17 @@
 """realign's methods on vLLM's worker processes (``worker_extension_cls``): a weight
 update from a POSIX shared-memory bucket
-(:class:`~realign.runtime.engines.vllm_weights.SharedMemoryTransport`).
+(:class:`~realign.runtime.engines.vllm_weights.SharedMemoryTransport`) or from a
+packed GPU buffer shared by CUDA IPC
+(:class:`~realign.runtime.engines.vllm_cuda_weights.CudaIpcTransport`).
 
 vLLM mixes this class into its worker; each method runs on every worker of the engine
 (one per TP rank) through ``LLM.collective_rpc``. The update follows vLLM's own weight
 transfer engines: layerwise reload begins, each bucket's tensors go to the model's
 ``load_weights`` (checkpoint names, whole tensors: each TP rank keeps its slice), the
-layers are finalised. The bucket is mapped, not copied: the loader reads views of it,
-and every bucket holds whole layers, so vLLM has processed them (and dropped its
-references) before the next bucket overwrites the segment.
+layers are finalised. The bucket is mapped and its tensors copied out of it before
+they go to the loader: vLLM keeps references to what it is handed until it processes a
+layer (some layers only when the update is finalised), and the next bucket overwrites
+the segment (vLLM's own packed IPC consumer copies for the same reason).
 """
 from __future__ import annotations
 
@@ -42,7 +45,9 @@ class RealignWorkerExtension:
         try:
             buffer = torch.frombuffer(shm.buf, dtype=torch.uint8)
             packed = list(iter_wire(entries))
-            weights = unpack(buffer, packed)
+            # copied out: vLLM keeps what it is handed until it processes a layer, some
+            # only when the update ends, and the next bucket overwrites the segment
+            weights = [(n, t.clone()) for n, t in unpack(buffer, packed)]
             with set_current_vllm_config(self.vllm_config), \
                     disable_mtp_completeness_check():               # type: ignore[attr-defined]
                 self.model_runner.get_model().load_weights(weights)  # type: ignore[attr-defined]
@@ -51,6 +56,36 @@ class RealignWorkerExtension:
         finally:
             shm.close()
 
+    def realign_load_ipc(self, handles_b64: str, names: list[str], dtype_names: list[str],
+                         shapes: list[list[int]], sizes: list[int]) -> int:
+        """CUDA: load one bucket from the replica's packed GPU buffer (its CUDA IPC
+        handles by GPU UUID, pickled and base64-encoded, so vLLM's RPC carries a string);
+        vLLM's own packed IPC consumer maps it on this worker's GPU and clones the
+        bucket's tensors; its bytes."""
+        import base64
+        import pickle
+
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.weight_transfer.packed_tensor import (
+            PackedBufferImporter,
+            packed_ipc_consumer,
+        )
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        if not hasattr(self, "_realign_importer"):
+            self._realign_importer = PackedBufferImporter()
+        weights = packed_ipc_consumer(
+            ipc_handle=pickle.loads(base64.b64decode(handles_b64)), names=names,
+            shapes=shapes, dtype_names=dtype_names, tensor_sizes=sizes,
+            device_index=self.device.index,                         # type: ignore[attr-defined]
+            importer=self._realign_importer)
+        with set_current_vllm_config(self.vllm_config), \
+                disable_mtp_completeness_check():                   # type: ignore[attr-defined]
+            self.model_runner.get_model().load_weights(weights)      # type: ignore[attr-defined]
+        return sum(sizes)
+
     def realign_end_update(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -58,6 +93,9 @@ class RealignWorkerExtension:
         model = self.model_runner.get_model()                       # type: ignore[attr-defined]
         with set_current_vllm_config(self.vllm_config):              # type: ignore[attr-defined]
             finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
+        importer = getattr(self, "_realign_importer", None)
+        if importer is not None:        # the replica may reclaim its IPC buffer
+            importer.close()
 
     def realign_device_uuid(self) -> str:
         """This worker's GPU (its UUID), or ``cpu``: which transport reaches it."""
