@@ -205,7 +205,13 @@ def test_dry_run_prints_the_batch_script(slurm_cluster, tiny_assets, tmp_path):
                  f"--output={run_dir}/logs/controller-%j.log"):
         assert f"#SBATCH {want}" in sb, (want, sb)
     assert "export FOO='a b'" in lines
-    assert lines[-1].endswith(f"-m realign.controller.main {run_dir} --launcher slurm-step")
+    # the controller runs in the background so the batch shell can pass it Slurm's
+    # warning signal; the script then exits with the controller's code
+    assert any(ln.endswith(f"-m realign.controller.main {run_dir} --launcher slurm-step &")
+               for ln in lines), lines
+    assert any(ln.startswith("#SBATCH --signal=B:USR1@") for ln in sb), sb
+    assert lines[-1] == 'exit "$rc"'
+
     assert (run_dir / "job.sbatch").read_text() == r.stdout
     assert slurm_cluster.squeue() == before, "a dry run submitted a job"
     assert "submitted job" not in r.stdout
