@@ -22,6 +22,13 @@ from planner.specs.layout import Layout, coords_of_rank, model_layout_problems, 
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
 from realign.errors import UserError
+from realign.runtime.ep_groups import (
+    ep_coords,
+    ep_problems,
+    ep_rank_groups,
+    expert_dp_groups,
+    tp_ep_groups,
+)
 
 
 @dataclass
@@ -37,6 +44,9 @@ class ReplicaGroups:
     pp_rank: int = -1
     pgs: object = None               #: megatron ``ProcessGroupCollection`` (members only)
     model_group: object = None       #: all tp*pp*dp ranks of the replica
+    ep: int = 1                      #: expert-parallel degree (:mod:`realign.runtime.ep_groups`)
+    ep_rank: int = 0                 #: this rank's place in its EP group
+    ep_group: object = None          #: the EP group exchanging tokens (None at ep 1)
 
     @property
     def is_first_stage(self) -> bool:
@@ -52,7 +62,7 @@ class ReplicaGroups:
 
 
 def check_replica(spec: ModelSpec, mesh: DeviceMesh, layout: Layout, world_size: int,
-                  field: str = "allocation") -> None:
+                  field: str = "allocation", ep: int = 1) -> None:
     """Raise :class:`UserError` if ``spec`` cannot run with ``layout`` on ``mesh`` in a
     world of ``world_size`` ranks. Pure: call it before any collective."""
     probs = []
@@ -64,6 +74,7 @@ def check_replica(spec: ModelSpec, mesh: DeviceMesh, layout: Layout, world_size:
         probs.append(f"layout {layout} needs tp*pp*dp = {layout.world} ranks but the mesh "
                      f"has {mesh.n_gpus}")
     probs += model_layout_problems(layout, spec)
+    probs += ep_problems(spec, layout, ep)
     if probs:
         raise UserError("; ".join(probs), field=field)
 
@@ -102,16 +113,23 @@ def _group_by(coords, key) -> list[list[int]]:
 
 
 def build_replica_groups(spec: ModelSpec, mesh: DeviceMesh, layout: Layout,
-                         rank_offset: int | None = None) -> ReplicaGroups:
+                         rank_offset: int | None = None, ep: int = 1) -> ReplicaGroups:
     """Create the replica's process groups. Collective over the whole world: every rank
-    calls it with the same arguments. ``rank_offset`` defaults to ``mesh.first_gpu``."""
+    calls it with the same arguments. ``rank_offset`` defaults to ``mesh.first_gpu``.
+    ``ep`` > 1: expert parallelism inside the data-parallel ranks (the EP, expert-DP and
+    TP x EP groups of :mod:`realign.runtime.ep_groups` become megatron's ``ep``,
+    ``expt_dp`` and ``tp_ep``)."""
     world, me = dist.get_world_size(), dist.get_rank()
     offset = mesh.first_gpu if rank_offset is None else rank_offset
     shifted = DeviceMesh(first_gpu=offset, n_gpus=mesh.n_gpus)
-    check_replica(spec, shifted, layout, world)
+    check_replica(spec, shifted, layout, world, ep=ep)
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     enum = grid_rank_enum(layout, offset)
+    if ep > 1:
+        enum.update({kind: [[offset + r for r in g] for g in fn(layout, ep)] for kind, fn in
+                     (("ep", ep_rank_groups), ("expt_dp", expert_dp_groups),
+                      ("tp_ep", tp_ep_groups))})
     mine = {kind: _new_groups(groups) for kind, groups in enum.items()}
     member = offset <= me < offset + mesh.n_gpus
     out = ReplicaGroups(mesh=mesh, layout=layout, rank_offset=offset, member=member)
@@ -120,11 +138,16 @@ def build_replica_groups(spec: ModelSpec, mesh: DeviceMesh, layout: Layout,
     out.tp_rank, out.dp_rank, out.pp_rank = coords_of_rank(me - offset, layout)
     tp, cp, mp, dp = mine["tp"], mine["cp"], mine["mp"], mine["dp"]
     out.model_group = mine["model"]
+    ep_pg, expt_dp, tp_ep = cp, dp, tp
+    if ep > 1:
+        out.ep, out.ep_group = ep, mine["ep"]
+        out.ep_rank = ep_coords(out.dp_rank, ep)[0]
+        ep_pg, expt_dp, tp_ep = mine["ep"], mine["expt_dp"], mine["tp_ep"]
     out.pgs = ProcessGroupCollection(
         tp=tp, pp=mine["pp"], mp=mp, embd=mine["embd"], pos_embd=mine["pos_embd"],
-        cp=cp, tp_cp=tp, ep=cp, expt_tp=tp, tp_ep=tp, tp_ep_pp=mp, tp_dp_cp=mine["model"],
-        dp=dp, dp_cp=dp, expt_dp=dp, intra_dp_cp=dp, intra_expt_dp=dp,
-        intra_dist_opt=mine["model"], inter_dist_opt=None)
+        cp=cp, tp_cp=tp, ep=ep_pg, expt_tp=tp, tp_ep=tp_ep, tp_ep_pp=mp,
+        tp_dp_cp=mine["model"], dp=dp, dp_cp=dp, expt_dp=expt_dp, intra_dp_cp=dp,
+        intra_expt_dp=expt_dp, intra_dist_opt=mine["model"], inter_dist_opt=None)
     return out
 
 

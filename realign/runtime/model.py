@@ -21,6 +21,7 @@ from planner.specs.lora import LoraSpec, moved_stage_tensors
 from planner.specs.model_spec import ModelSpec
 from planner.specs.param_layout import stage_tensors
 from realign.runtime.device import DeviceInfo
+from realign.runtime.ep_groups import holds_tensor
 from realign.runtime.groups import ReplicaGroups
 
 Head = Literal["lm", "value"]
@@ -225,7 +226,8 @@ def _add_experts(model: torch.nn.Module, spec: ModelSpec, groups: ReplicaGroups,
                                    stage_layers(spec.n_layers, g.layout.pp, g.pp_rank)):
         if spec.is_sparse(global_layer):
             layer.mlp = MoeMLP(spec, global_layer, g.layout.tp, g.tp_rank, tp_group,
-                               device.dtype, device.device, seed, std)
+                               device.dtype, device.device, seed, std,
+                               g.ep, g.ep_rank, g.ep_group)
 
 
 def _mark_tp_params(shard: ModelShard) -> None:
@@ -274,6 +276,9 @@ def logical_shards(model: torch.nn.Module, layout, pp_rank: int,
     model's parameters do not match the planner's tensors and shard shapes, so the
     reallocation executor and the planner cannot silently disagree.
 
+    With expert parallelism, a shard holds only its EP rank's experts
+    (:func:`realign.runtime.ep_groups.holds_tensor`).
+
     By default the base weights (LoRA adapters left out); ``moved``: what a reallocation
     moves (:func:`planner.specs.lora.moved_stage_tensors`: a LoRA model's adapters and
     value head only).
@@ -304,6 +309,10 @@ def logical_shards(model: torch.nn.Module, layout, pp_rank: int,
                              f"planner expects {want} at tp={layout.tp}")
         out[logical] = param.data
     missing = sorted(set(expected) - set(out))
+    if isinstance(model, ModelShard) and model.groups.ep > 1:   # other EP ranks' experts
+        assert spec.moe is not None
+        g = model.groups
+        missing = [n for n in missing if holds_tensor(n, spec.moe.n_experts, g.ep, g.ep_rank)]
     if missing:
         raise ValueError(f"stage {pp_rank} lacks the planner's tensors {missing}")
     return out

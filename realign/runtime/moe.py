@@ -26,13 +26,15 @@ the loss and the metrics.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Callable, Iterator, cast
 
 import torch
 import torch.nn.functional as F
 
 from planner.specs.model_spec import ModelSpec
 from planner.specs.param_layout import expert_tensors
+from realign.runtime.ep_groups import local_experts
+from realign.runtime.moe_dispatch import dispatch_experts
 
 #: ``t -> t`` with a TP collective in forward or backward (identity at TP 1)
 Mapping = Callable[[torch.Tensor], torch.Tensor]
@@ -59,39 +61,51 @@ class _Expert(torch.nn.Module):
 
 
 class _Experts(torch.nn.Module):
-    def __init__(self, experts: list[_Expert]):
+    """The experts this rank holds, keyed by their global index (all of them without
+    expert parallelism), so parameter names are the planner's logical names."""
+
+    def __init__(self, experts: dict[int, _Expert]):
         super().__init__()
-        self.local_experts = torch.nn.ModuleList(experts)
+        self.local_experts = torch.nn.ModuleDict({str(e): ex for e, ex in experts.items()})
 
 
 class MoeMLP(torch.nn.Module):
-    """Sparse layer ``layer``'s router and experts, this TP rank's shards.
+    """Sparse layer ``layer``'s router and experts, this rank's shards.
 
     ``init_seed``: random weights (normal, ``std``), each full tensor drawn from its own
-    generator seeded by (seed, layer, tensor) and then sliced, so every TP layout of a
-    seed holds the same model; None: zeros (weights come from a checkpoint).
-    ``tp_group``: the replica's TP group (None at TP 1)."""
+    generator seeded by (seed, layer, tensor) and then sliced, so every TP and EP layout
+    of a seed holds the same model; None: zeros (weights come from a checkpoint).
+    ``tp_group``: the replica's TP group (None at TP 1). ``ep_group``: this rank's EP
+    group (:mod:`realign.runtime.ep_groups`; None without expert parallelism), of which
+    it is rank ``ep_rank`` holding experts ``local_experts(E, ep, ep_rank)``; tokens reach
+    the other ranks' experts through :func:`realign.runtime.moe_dispatch.dispatch_experts`."""
 
     def __init__(self, spec: ModelSpec, layer: int, tp: int, tp_rank: int, tp_group,
                  dtype: torch.dtype, device: torch.device, init_seed: int | None = None,
-                 std: float = 0.02):
+                 std: float = 0.02, ep: int = 1, ep_rank: int = 0, ep_group=None):
         super().__init__()
         assert spec.moe is not None and spec.is_sparse(layer)
+        assert (ep == 1) == (ep_group is None), "an EP group exactly when ep > 1"
         self.top_k, self.norm_topk_prob = spec.moe.top_k, spec.moe.norm_topk_prob
-        self.tp_group = tp_group
+        self.n_experts = spec.moe.n_experts
+        self.tp_group, self.ep_group = tp_group, ep_group
         #: where a training forward records its routing (:func:`recording`); None: nowhere
         self.record: RouterRecord | None = None
         tensors = expert_tensors(spec, layer)
         router, fc = tensors[0], tensors[1:]
+        mine = local_experts(self.n_experts, ep, ep_rank)
         self.router = _Weight(router.shape, dtype, device)
-        self.experts = _Experts([_Expert(fc[2 * e].shard_shape(tp), fc[2 * e + 1].shard_shape(tp),
-                                         dtype, device) for e in range(spec.moe.n_experts)])
+        self.experts = _Experts({e: _Expert(fc[2 * e].shard_shape(tp),
+                                            fc[2 * e + 1].shard_shape(tp), dtype, device)
+                                 for e in mine})
         if init_seed is None:
             return
-        params = [self.router.weight] + [p for ex in self.experts.local_experts
-                                         for p in (ex.linear_fc1.weight, ex.linear_fc2.weight)]
+        params: dict[int, torch.Tensor] = {0: self.router.weight}
+        for e, ex in self.held().items():
+            params.update({1 + 2 * e: ex.linear_fc1.weight, 2 + 2 * e: ex.linear_fc2.weight})
         with torch.no_grad():
-            for i, (t, p) in enumerate(zip(tensors, params)):
+            for i, p in params.items():
+                t = tensors[i]
                 g = torch.Generator().manual_seed(init_seed * 1_000_003 + layer * 10_007 + i)
                 full = torch.randn(t.shape, generator=g) * std
                 if t.shard_dim is not None:
@@ -99,18 +113,25 @@ class MoeMLP(torch.nn.Module):
                                       for a, b in t.shard_ranges(tp_rank, tp)], t.shard_dim)
                 p.copy_(full.to(dtype))
 
-    def fc1s(self) -> list[torch.Tensor]:
-        return [ex.linear_fc1.weight for ex in self.experts.local_experts]
+    def held(self) -> dict[int, _Expert]:
+        """This rank's experts by global expert index."""
+        return {int(e): cast(_Expert, ex) for e, ex in self.experts.local_experts.items()}
 
-    def fc2s(self) -> list[torch.Tensor]:
-        return [ex.linear_fc2.weight for ex in self.experts.local_experts]
+    def fc1s(self) -> dict[int, torch.Tensor]:
+        """This rank's experts' fc1 weights by global expert index."""
+        return {e: ex.linear_fc1.weight for e, ex in self.held().items()}
+
+    def fc2s(self) -> dict[int, torch.Tensor]:
+        """This rank's experts' fc2 weights by global expert index."""
+        return {e: ex.linear_fc2.weight for e, ex in self.held().items()}
 
     def mlp(self, y: torch.Tensor, copy: Mapping = _same, reduce: Mapping = _same
             ) -> torch.Tensor:
         """The layer's MLP output for its normed input ``y`` [..., h] (``copy``,
         ``reduce``: the TP mappings of a column- and a row-parallel layer)."""
         return moe_forward(y, self.router.weight, self.fc1s(), self.fc2s(), self.top_k,
-                           self.norm_topk_prob, copy, reduce, self.record)
+                           self.norm_topk_prob, copy, reduce, self.record, self.ep_group,
+                           self.n_experts)
 
     def forward(self, hidden: torch.Tensor, padding_mask=None):
         """Megatron's MLP call: ``[s, b, h] -> ([s, b, h], None)``."""
@@ -172,12 +193,15 @@ def route(y: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: boo
     return weights.to(y.dtype), experts
 
 
-def moe_forward(y: torch.Tensor, router: torch.Tensor, fc1s: list[torch.Tensor],
-                fc2s: list[torch.Tensor], top_k: int, norm_topk_prob: bool,
+def moe_forward(y: torch.Tensor, router: torch.Tensor, fc1s: dict[int, torch.Tensor],
+                fc2s: dict[int, torch.Tensor], top_k: int, norm_topk_prob: bool,
                 copy: Mapping = _same, reduce: Mapping = _same,
-                record: RouterRecord | None = None) -> torch.Tensor:
+                record: RouterRecord | None = None, ep_group=None,
+                n_experts: int = 0) -> torch.Tensor:
     """Routed experts' output for ``y`` [..., h] (the module docstring); ``record``
-    keeps the router's probabilities and choices."""
+    keeps the router's probabilities and choices. ``fc1s``, ``fc2s``: the experts this
+    rank holds by global index (all of them when ``ep_group`` is None; else their
+    share of ``n_experts`` over the EP group, the rest reached by the token exchange)."""
     shape = y.shape
     flat = y.reshape(-1, shape[-1])
     probs = router_probs(flat, router)
@@ -187,8 +211,11 @@ def moe_forward(y: torch.Tensor, router: torch.Tensor, fc1s: list[torch.Tensor],
     # used by TP-split experts: gradient summed over TP
     weights = copy(weights.to(y.dtype))
     x = copy(flat)
-    out = torch.zeros(flat.shape[0], fc2s[0].shape[0] if fc2s else shape[-1], dtype=y.dtype,
-                      device=y.device)
+    out_dim = next(iter(fc2s.values())).shape[0] if fc2s else shape[-1]
+    if ep_group is not None:
+        out = dispatch_experts(x, weights, experts, fc1s, fc2s, n_experts, ep_group, out_dim)
+        return reduce(out).reshape(shape)
+    out = torch.zeros(flat.shape[0], out_dim, dtype=y.dtype, device=y.device)
     for e in torch.unique(experts).tolist():
         token, slot = torch.where(experts == e)
         gate, up = F.linear(x[token], fc1s[e]).chunk(2, dim=-1)
