@@ -266,6 +266,10 @@ def save_hf_checkpoint(shard, path: str | Path, hf_config: dict) -> None:
             continue                         # tied: the first stage writes the embedding
         full = gather_full(t, local, g.pgs.tp, g.layout.tp)
         hf.update({k: v.cpu() for k, v in to_hf(t, full, spec).items()})
+    if g.ep > 1:            # each EP rank holds its experts: the writer gathers them all
+        parts: list = [None] * g.ep
+        dist.all_gather_object(parts, hf, group=g.ep_group)
+        hf = {k: v for part in parts for k, v in part.items()}
     fname = f"model-{g.pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     if g.dp_rank == 0 and g.tp_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
