@@ -93,7 +93,7 @@ def main() -> None:
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
-    record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
+    record: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
               "experiments": ["experiments/demo-moe-sft.yaml", "experiments/demo-moe-grpo.yaml"],
               "machine": {"cpu": cpu_model(), "cores": os.cpu_count() or 0,
                           "python": platform.python_version(), "platform": platform.platform(),
