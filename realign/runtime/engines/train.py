@@ -333,7 +333,10 @@ def _local_means(reduced: list[dict]) -> dict[str, float]:
     if not reduced:
         return {}
     keys = sorted(reduced[0])
-    vals = torch.stack([torch.stack([r[k].float() for r in reduced]) for k in keys])
+    # a metric may live on the host (the MoE router's expert load) while the loss is on
+    # the accelerator: gather all on the host, one copy per micro-batch
+    vals = torch.stack([torch.stack([r[k].detach().float().cpu() for r in reduced])
+                        for k in keys])
     return dict(zip(keys, vals.mean(dim=1).tolist()))
 
 
