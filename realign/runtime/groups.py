@@ -151,12 +151,43 @@ def build_replica_groups(spec: ModelSpec, mesh: DeviceMesh, layout: Layout,
     return out
 
 
+class _GroupRegistry:
+    """The process groups made so far in this process's world, by their exact rank list
+    (this rank's group, or None where it is not a member).
+
+    Why a registry: torch's ``new_group`` makes a new communicator on every call, even
+    for a rank list that has one already, and each gloo group keeps its own threads (an
+    NCCL one its own GPU buffers). Replicas on the same GPUs with the same layout (an
+    actor and its reference, a model rebuilt at a layout it had before, a profile's
+    repeated builds) share their groups instead. Every rank calls ``get`` with the same
+    lists in the same order, so every rank decides alike whether to create (a
+    collective) or to reuse. The registry is process-global state because c10d's groups
+    are: it follows the default group and starts afresh when the world is re-made."""
+
+    def __init__(self) -> None:
+        self.world: object | None = None
+        self.groups: dict[tuple[int, ...], object | None] = {}
+
+    def get(self, ranks: list[int]):
+        world = dist.distributed_c10d._get_default_group()
+        if world is not self.world:         # a new world: the old groups are gone
+            self.world, self.groups = world, {}
+        key = tuple(ranks)
+        if key not in self.groups:
+            pg = dist.new_group(ranks=ranks)
+            self.groups[key] = pg if dist.get_rank() in key else None
+        return self.groups[key]
+
+
+_REGISTRY = _GroupRegistry()
+
+
 def _new_groups(groups: list[list[int]]):
-    """Create ``groups`` (every world rank calls this); return the one holding this
-    rank, or None."""
+    """The process groups for ``groups`` (every world rank calls this; a rank list made
+    before is reused); return the one holding this rank, or None."""
     me, found = dist.get_rank(), None
     for ranks in groups:
-        pg = dist.new_group(ranks=ranks)
+        pg = _REGISTRY.get(ranks)
         if me in ranks:
             found = pg
     return found

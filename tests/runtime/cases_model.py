@@ -187,3 +187,17 @@ def several_replicas(ctx, paths):
     if c is not None:
         outs.append(InferenceEngine(c).inference(batch)["logprobs"])
     return len(outs), max(float((o - outs[0]).abs().max()) for o in outs)
+
+
+def groups_reused(ctx, path):
+    """Build the groups of one layout twice: the second build makes no process group
+    (the same objects come back)."""
+    import torch.distributed as dist
+
+    spec = spec_from_hf(path)
+    made = lambda: len(dist.distributed_c10d._world.pg_map)  # noqa: E731
+    mesh = DeviceMesh(first_gpu=0, n_gpus=2)
+    first = build_replica_groups(spec, mesh, Layout(tp=2, pp=1, dp=1))
+    before = made()
+    again = build_replica_groups(spec, mesh, Layout(tp=2, pp=1, dp=1))
+    return again.pgs.tp is first.pgs.tp and again.pgs.pp is first.pgs.pp, made() - before

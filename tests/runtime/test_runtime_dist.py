@@ -391,3 +391,10 @@ def test_training_state_offload_frees_the_state_between_calls_and_changes_nothin
         assert [m for m, _ in metrics] == [m for _, m in metrics]
         assert diff == 0.0 and freed and same
         assert n_parked > 0
+
+
+def test_a_layout_built_again_reuses_its_process_groups(world2, tiny_models):
+    """Each gloo group keeps threads of its own: replicas at a layout built before (the
+    reference beside its actor, a model rebuilt) take the groups made for it."""
+    for same, grown in world2.run("cases_model:groups_reused", tiny_models["llama"]):
+        assert same and grown == 0
