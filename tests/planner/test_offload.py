@@ -172,7 +172,7 @@ def test_state_offload_options_and_manual_plans():
 
 
 def test_70b_ppo_on_16_a100s_plans_with_the_training_state_on_the_host():
-    """The public setting that needed it (README: settings public systems run): both
+    """The public setting that needed it (docs/cost-model.md: settings public systems run): both
     trained 70B models park their state between calls; it fits GPUs and host."""
     from pathlib import Path
 
