@@ -10,8 +10,10 @@ the dense MLP's fc1) and ``linear_fc2.weight`` (this rank's columns).
 
 The forward is transformers' ``Qwen3MoeSparseMoeBlock``: router logits, softmax over the
 experts in fp32, the top-k, renormalised to sum to 1 when ``norm_topk_prob``; each
-expert hit runs its SwiGLU on its tokens and adds its output, scaled by the routing
-weight. Every TP rank routes alike (same input, same router); the experts' partial
+chosen expert's SwiGLU output is added, scaled by the routing weight
+(:mod:`realign.runtime.moe_experts`: at decode shapes every expert on every token in one
+batched matmul, without reading the routing on the host; at larger shapes each expert on
+its sorted rows). Every TP rank routes alike (same input, same router); the experts' partial
 outputs (row-parallel fc2) are summed over TP once, after the weighted sum (linear).
 For the backward, the routing weights enter the TP-split computation through the same
 copy as a column-parallel layer's input, so the router's gradient is summed over TP and
@@ -35,6 +37,7 @@ from planner.specs.model_spec import ModelSpec
 from planner.specs.param_layout import expert_tensors
 from realign.runtime.ep_groups import local_experts
 from realign.runtime.moe_dispatch import dispatch_experts
+from realign.runtime.moe_experts import dense_experts, experts_dense, experts_sorted
 
 #: ``t -> t`` with a TP collective in forward or backward (identity at TP 1)
 Mapping = Callable[[torch.Tensor], torch.Tensor]
@@ -197,11 +200,16 @@ def moe_forward(y: torch.Tensor, router: torch.Tensor, fc1s: dict[int, torch.Ten
                 fc2s: dict[int, torch.Tensor], top_k: int, norm_topk_prob: bool,
                 copy: Mapping = _same, reduce: Mapping = _same,
                 record: RouterRecord | None = None, ep_group=None,
-                n_experts: int = 0) -> torch.Tensor:
+                n_experts: int = 0, dense: bool | None = None) -> torch.Tensor:
     """Routed experts' output for ``y`` [..., h] (the module docstring); ``record``
     keeps the router's probabilities and choices. ``fc1s``, ``fc2s``: the experts this
     rank holds by global index (all of them when ``ep_group`` is None; else their
-    share of ``n_experts`` over the EP group, the rest reached by the token exchange)."""
+    share of ``n_experts`` over the EP group, the rest reached by the token exchange).
+    ``dense``: the experts' form (:mod:`realign.runtime.moe_experts`): True
+    :func:`experts_dense`, False :func:`experts_sorted`, None chosen by the tokens'
+    count (:func:`dense_experts`); without EP, a call of at most
+    :data:`~realign.runtime.moe_experts.DENSE_MAX_TOKENS` tokens reads nothing on the
+    host (a decode step, capturable)."""
     shape = y.shape
     flat = y.reshape(-1, shape[-1])
     probs = router_probs(flat, router)
@@ -215,12 +223,10 @@ def moe_forward(y: torch.Tensor, router: torch.Tensor, fc1s: dict[int, torch.Ten
     if ep_group is not None:
         out = dispatch_experts(x, weights, experts, fc1s, fc2s, n_experts, ep_group, out_dim)
         return reduce(out).reshape(shape)
-    out = torch.zeros(flat.shape[0], out_dim, dtype=y.dtype, device=y.device)
-    for e in torch.unique(experts).tolist():
-        token, slot = torch.where(experts == e)
-        gate, up = F.linear(x[token], fc1s[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, fc2s[e])
-        out = out.index_add(0, token, h * weights[token, slot, None])
+    if dense if dense is not None else dense_experts(flat.shape[0]):
+        out = experts_dense(x, weights, experts, fc1s, fc2s)
+    else:
+        out = experts_sorted(x, weights, experts, fc1s, fc2s, n_experts or len(fc1s))
     return reduce(out).reshape(shape)
 
 

@@ -5,15 +5,20 @@ of an EP group (:mod:`realign.runtime.ep_groups`), each token-expert choice sent
 Per layer and forward, on every rank of the EP group (each with its own tokens, as the
 group's ranks are data-parallel ranks): route locally (the router is whole on every
 rank), sort the ``T x top_k`` choices by the EP rank owning their expert, exchange the
-counts, then the tokens' hidden states and expert ids (``all_to_all_single`` with
-uneven splits: gloo's list form takes equal sizes only), run each local expert on
-what it received, send the outputs back the same way and sum them into the tokens,
-weighted by the routing weights. The exchange is differentiable (:class:`_AllToAll`:
-its backward is the reverse exchange), so a training step's gradients flow to the
-experts on other ranks and back to the tokens and the router. With TP inside each EP
-rank, the ranks of one TP position exchange among themselves (all hold the same tokens
-per TP group) and the experts' partial outputs are summed over TP once, after the
-weighted sum, as without EP.
+counts, then the tokens' hidden states and expert ids (``all_to_all_single`` with uneven
+splits: gloo's list form takes equal sizes only), run each local expert on what it
+received (:func:`~realign.runtime.moe_experts.experts_sorted`), send the outputs back
+the same way and sum them into the tokens, weighted by the routing weights. The exchange
+is differentiable (:class:`_AllToAll`: its backward is the reverse exchange), so a
+training step's gradients flow to the experts on other ranks and back to the tokens and
+the router. With TP inside each EP rank, the ranks of one TP position exchange among
+themselves (all hold the same tokens per TP group) and the experts' partial outputs are
+summed over TP once, after the weighted sum, as without EP.
+
+The exchange's split sizes are read on the host (``all_to_all_single`` takes them as
+lists), so a step with EP synchronises with the host per sparse layer and is not
+captured in a CUDA graph; the dense form of :mod:`realign.runtime.moe_experts` is for
+layers whose experts are all on the rank.
 
 Every rank of an EP group must run the same number of sparse-layer forwards (the
 exchange is a collective), also when it has no token for another rank.
@@ -24,7 +29,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from realign.runtime.moe_experts import experts_sorted
 
 Mapping = Callable[[torch.Tensor], torch.Tensor]
 
@@ -74,11 +80,7 @@ def dispatch_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
     send, recv = send_counts.tolist(), recv_counts.tolist()
     got_x = _AllToAll.apply(x[token[order]], send, recv, ep_group)
     got_e = _exchange(flat[order].contiguous(), send, recv, ep_group)
-    done = torch.zeros(got_x.shape[0], out_dim, dtype=x.dtype, device=x.device)
-    for e in torch.unique(got_e).tolist():
-        rows = torch.where(got_e == e)[0]
-        gate, up = F.linear(got_x[rows], fc1s[e]).chunk(2, dim=-1)
-        done = done.index_add(0, rows, F.linear(F.silu(gate) * up, fc2s[e]))
+    done = experts_sorted(got_x, None, got_e[:, None], fc1s, fc2s, n_experts)
     back = _AllToAll.apply(done, recv, send, ep_group)
     scaled = back * weights.reshape(-1)[order, None]
     return torch.zeros(x.shape[0], out_dim, dtype=x.dtype, device=x.device).index_add(
