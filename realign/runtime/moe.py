@@ -246,7 +246,7 @@ def load_balancing_loss(record: RouterRecord, mask: torch.Tensor | None = None
     n_experts, top_k = record.probs[0].shape[-1], record.experts[0].shape[-1]
     choices = torch.zeros(n_experts, device=record.probs[0].device)
     prob_sum = torch.zeros(n_experts, device=record.probs[0].device)
-    rows = 0.0
+    rows: torch.Tensor | float = 0.0
     for probs, experts in zip(record.probs, record.experts):
         p, e = probs.reshape(-1, n_experts), experts.reshape(-1, top_k)
         m = (torch.ones(p.shape[0], device=p.device) if mask is None
