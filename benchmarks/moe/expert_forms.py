@@ -1,9 +1,8 @@
 """A sparse layer's experts at decode shapes on the CPU, in three forms: the per-expert
 loop that reads the routing on the host for every expert hit (transformers'
-``Qwen3MoeSparseMoeBlock``; realign's layer before realign.runtime.moe_experts), the
-sorted form (one host read per layer) and the dense form (no host read; every expert on
-every token). Each round times every form once, interleaved, on the same inputs; the
-record keeps every round.
+``Qwen3MoeSparseMoeBlock``'s loop), the sorted form (one host read per layer) and the
+dense form (no host read; every expert on every token). Each round times every form
+once, interleaved, on the same inputs; the record keeps every round.
 
     python benchmarks/moe/expert_forms.py --out benchmarks/moe/expert_forms_<date>.json
 
