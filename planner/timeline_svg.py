@@ -13,6 +13,7 @@ from html import escape
 
 from planner.plan import ExecutionPlan
 from planner.report import sources_line, turns_lines
+from planner.svg import head, seconds
 
 COLORS = {"generate": "#4e79a7", "inference": "#59a14f", "train": "#e15759",
           "realloc": "#f2a93b", "send": "#9d9d9d", "reward": "#b07aa1", "eval": "#76b7b2"}
@@ -39,11 +40,6 @@ def gpu_groups(n_gpus: int, meshes: list[tuple[int, int]]) -> list[tuple[int, in
         cuts.update((first, first + n))
     pts = sorted(cuts)
     return [(pts[k], pts[k + 1] - 1) for k in range(len(pts) - 1)]
-
-
-def seconds(t: float, span: float) -> str:
-    """A time label at the scale of ``span``: ``12ms`` or ``1.5s``."""
-    return f"{t * 1e3:.0f}ms" if span < 2.0 else f"{t:.1f}s"
 
 
 def draw_lanes(out: list[str], groups: list[tuple[int, int]], bars: list[Bar], end: float,
@@ -103,9 +99,7 @@ def render(plan: ExecutionPlan) -> str:
     top = 84
     notes = turns_lines(plan)          # multi-turn generate calls, under the lanes
     height = top + len(groups) * (lane_h + gap) + 70 + 16 * len(notes)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + mem_w + 40}" '
-           f'height="{height}" font-family="sans-serif" font-size="11">',
-           '<rect width="100%" height="100%" fill="white"/>',
+    out = [*head(left + width + mem_w + 40, height),
            f'<text x="10" y="20" font-size="15" font-weight="bold">{escape(plan.name)}: '
            f'{seconds(plan.iteration_time_s, plan.iteration_time_s)} per iteration on '
            f'{escape(plan.cluster.describe())}</text>',

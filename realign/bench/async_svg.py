@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from html import escape
 
-from realign.bench.plans_svg import _num
+from planner.svg import PALETTE, finite, head
 
-COLORS = {"synchronous": "#4e79a7", "asynchronous": "#e15759"}
+COLORS = {"synchronous": PALETTE[0], "asynchronous": PALETTE[1]}
 W, H, LEFT, RIGHT, TOP, BOTTOM = 760, 440, 60, 20, 86, 50
 
 
@@ -20,7 +20,7 @@ def _mean_curve(curves: list[list]) -> list[float | None]:
     n = max((len(c) for c in curves), default=0)
     out = []
     for i in range(n):
-        vals = [_num(c[i]) for c in curves if i < len(c) and _num(c[i]) is not None]
+        vals = [finite(c[i]) for c in curves if i < len(c) and finite(c[i]) is not None]
         out.append(sum(vals) / len(vals) if vals else None)
     return out
 
@@ -31,7 +31,7 @@ def _path(points: list[tuple[float, float]]) -> str:
 
 def render(rec: dict) -> str:
     curves = {m: [c for c in rec.get("curves", {}).get(m, []) if c] for m in COLORS}
-    values = [_num(v) for cs in curves.values() for c in cs for v in c]
+    values = [finite(v) for cs in curves.values() for c in cs for v in c]
     values = [v for v in values if v is not None]
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
     if hi - lo < 1e-9:
@@ -43,14 +43,12 @@ def render(rec: dict) -> str:
         return LEFT + pw * i / max(1, n - 1), TOP + ph * (1 - (v - lo) / (hi - lo))
 
     s = rec.get("summary") or {}
-    pred, meas = _num(s.get("predicted_speedup")), _num(s.get("measured_speedup"))
+    pred, meas = finite(s.get("predicted_speedup")), finite(s.get("measured_speedup"))
     modes = rec.get("modes") or {}
     finals = {m: (modes.get(m) or {}).get("final_reward") or {} for m in COLORS}
     bound = rec.get("config", {}).get("experiment", {}).get("algorithm", {}).get(
         "max_staleness", "?")
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
-           f'font-family="sans-serif" font-size="12">',
-           f'<rect width="{W}" height="{H}" fill="white"/>',
+    out = [*head(W, H, font_size=12),
            f'<text x="{LEFT}" y="20" font-size="14" font-weight="bold">'
            f'{escape(str(rec.get("experiment", "?")).rsplit("/", 1)[-1])}: synchronous vs asynchronous '
            f'(max_staleness {escape(str(bound))})</text>',
@@ -76,7 +74,7 @@ def render(rec: dict) -> str:
                f'text-anchor="middle">reward mean</text>')
     for ly, (m, color) in enumerate(COLORS.items()):
         for c in curves[m]:
-            pts = [xy(i, _num(v)) for i, v in enumerate(c) if _num(v) is not None]
+            pts = [xy(i, finite(v)) for i, v in enumerate(c) if finite(v) is not None]
             out.append(f'<path d="{_path(pts)}" fill="none" stroke="{color}" '
                        f'stroke-opacity="0.35" stroke-width="1"/>')
         mean = _mean_curve(curves[m])
@@ -90,5 +88,5 @@ def render(rec: dict) -> str:
 
 
 def _fmt(v) -> str:
-    v = _num(v)
+    v = finite(v)
     return "n/a" if v is None else f"{v:.3f}"

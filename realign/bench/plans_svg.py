@@ -14,47 +14,27 @@ from __future__ import annotations
 import math
 from html import escape
 
-PALETTE = ("#4e79a7", "#e15759", "#59a14f", "#f28e2b", "#b07aa1", "#76b7b2", "#edc948",
-           "#9c755f", "#ff9da7", "#bab0ac")
+from planner.svg import PALETTE, finite, head, legend, seconds
+
 BANDS = ((0.25, "#f3f3f3"), (0.10, "#e4e4e4"))     #: relative error, fill (widest first)
 SEARCHED, OTHER, EST = "#c0392b", "#9db4cf", "#222"
 
 
-def _num(v) -> float | None:
-    """``v`` as a finite float, else None (missing, None, NaN, inf, non-numeric)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v) if math.isfinite(v) else None
-
-
-def _pos(v) -> float | None:
+def _pos(v: object) -> float | None:
     """``v`` as a finite positive float (what a log axis can show), else None."""
-    v = _num(v)
-    return v if v is not None and v > 0 else None
-
-
-def seconds(t: float | None) -> str:
-    """A time label, three digits: ``n/a``, ``0``, ``350us``, ``12.5ms``, ``1.5s``."""
-    if t is None:
-        return "n/a"
-    if t == 0:
-        return "0"
-    if abs(t) < 1e-3:
-        return f"{t * 1e6:.3g}us"
-    if abs(t) < 1.0:
-        return f"{t * 1e3:.3g}ms"
-    return f"{t:.3g}s" if abs(t) < 1000 else f"{t:.0f}s"
+    f = finite(v)
+    return f if f is not None and f > 0 else None
 
 
 def _pct(v) -> str:
-    v = _num(v)
+    v = finite(v)
     return "n/a" if v is None else f"{v:.1%}"
 
 
 def _title(rec: dict) -> str:
     s = rec.get("summary") or {}
     e = s.get("mfc_relative_error") or {}
-    tau = _num(s.get("kendall_tau_iteration"))
+    tau = finite(s.get("kendall_tau_iteration"))
     return (f"bench plans: {rec.get('experiment', '?')} | per-MFC |est - meas| / meas: median "
             f"{_pct(e.get('median'))}, worst {_pct(e.get('worst'))} over {e.get('n', 0)} MFCs"
             f" | Kendall tau (iteration) {'n/a' if tau is None else f'{tau:.3f}'}")
@@ -82,21 +62,6 @@ def _log_ticks(lo: float, hi: float) -> list[float]:
     ticks = [t for t in ticks if lo <= t <= hi]
     decades = [t for t in ticks if math.isclose(10 ** round(math.log10(t)), t)]
     return decades if len(decades) >= 3 else ticks
-
-
-def _legend(out: list[str], names: list[str], colors: dict[str, str], x: float, y: float,
-            width: float) -> float:
-    """Colour keys for ``names``, wrapped at ``width``; returns the y below them."""
-    lx, ly = x, y
-    for name in names:
-        w = 30 + 6.5 * len(name)
-        if lx > x and lx + w > x + width:
-            lx, ly = x, ly + 16
-        out.append(f'<rect x="{lx:.1f}" y="{ly - 9:.1f}" width="10" height="10" '
-                   f'fill="{colors[name]}"/>')
-        out.append(f'<text x="{lx + 14:.1f}" y="{ly:.1f}">{escape(name)}</text>')
-        lx += w
-    return ly + 16
 
 
 def _scatter(out: list[str], rec: dict, left: float, top: float, size: float) -> float:
@@ -160,7 +125,7 @@ def _scatter(out: list[str], rec: dict, left: float, top: float, size: float) ->
                    f'<title>{escape(q["plan"])} / {escape(q["mfc"])}: est {seconds(q["est"])}, '
                    f'measured {seconds(q["med"])} (rounds {seconds(q["lo"])}-'
                    f'{seconds(q["hi"])}), error {_pct(q["err"])}</title></circle>')
-    return _legend(out, names, colors, left, top + size + 52, size)
+    return legend(out, [(n, colors[n]) for n in names], left, top + size + 52, left + size)
 
 
 def _bars(out: list[str], rec: dict, left: float, top: float, width: float) -> float:
@@ -176,9 +141,9 @@ def _bars(out: list[str], rec: dict, left: float, top: float, width: float) -> f
     for p in plans:
         s = p.get("summary") or {}
         sr = s.get("step_spread_of_rounds") or {}
-        rows.append((_num((s.get("measured_step") or {}).get("median")),
-                     _num(sr.get("min")), _num(sr.get("max")),
-                     _num(s.get("estimated_iteration_s"))))
+        rows.append((finite((s.get("measured_step") or {}).get("median")),
+                     finite(sr.get("min")), finite(sr.get("max")),
+                     finite(s.get("estimated_iteration_s"))))
     scaled = [r for r in rows if r[0] is not None] or rows      # plans that ran set the scale
     vmax = max([v for r in scaled for v in r if v is not None and v > 0] or [1.0]) * 1.05
     # 1-2-5 ticks at least ~55 px apart (a narrow panel beside long labels gets fewer)
@@ -239,11 +204,9 @@ def render(record: dict) -> str:
     y1 = _scatter(body, record, left, 80, size)
     y2 = _bars(body, record, left + size + gap, 80, bars_w)
     width, height = left + size + gap + bars_w + 20, max(y1, y2) + 10
-    head = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" '
-            f'height="{height:.0f}" font-family="sans-serif" font-size="11">',
-            '<rect width="100%" height="100%" fill="white"/>',
-            f'<text x="10" y="22" font-size="14" font-weight="bold">{escape(_title(record))}'
-            '</text>',
-            '<text x="10" y="40" fill="#555">dashed: estimated = measured; shaded: within '
-            '&#177;10 % and &#177;25 % of the measured time</text>']
-    return "\n".join(head + body + ["</svg>"])
+    top = [*head(width, height),
+           f'<text x="10" y="22" font-size="14" font-weight="bold">{escape(_title(record))}'
+           '</text>',
+           '<text x="10" y="40" fill="#555">dashed: estimated = measured; shaded: within '
+           '&#177;10 % and &#177;25 % of the measured time</text>']
+    return "\n".join(top + body + ["</svg>"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-PALETTE = ("#4e79a7", "#e15759", "#59a14f", "#f28e2b", "#b07aa1", "#76b7b2", "#edc948")
+from planner.svg import PALETTE, head, legend, legend_rows
 
 
 def _nice(v: float) -> str:
@@ -17,29 +17,9 @@ def _nice(v: float) -> str:
     return f"{v:.3g}"
 
 
-def _legend(out: list[str], names: list[str], x: int, y: int, width: int,
-            label=lambda name: name) -> None:
-    """Colour keys and names, wrapped onto further rows when a row is full."""
-    lx, ly = x, y
-    for k, name in enumerate(names):
-        text = label(name)
-        w = 14 + 7 * len(text) + 16
-        if lx > x and lx + w > width:
-            lx, ly = x, ly + 16
-        out.append(f'<rect x="{lx}" y="{ly - 9}" width="10" height="10" '
-                   f'fill="{PALETTE[k % len(PALETTE)]}"/>')
-        out.append(f'<text x="{lx + 14}" y="{ly}">{escape(text)}</text>')
-        lx += w
-
-
-def _legend_rows(names: list[str], width: int, x: int) -> int:
-    rows, lx = 1, x
-    for name in names:
-        w = 14 + 7 * len(name) + 16
-        if lx > x and lx + w > width:
-            rows, lx = rows + 1, x
-        lx += w
-    return rows
+def _keys(texts: list[str]) -> list[tuple[str, str]]:
+    """Each text with the palette's colour of its series."""
+    return [(t, PALETTE[k % len(PALETTE)]) for k, t in enumerate(texts)]
 
 
 def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label: str = "step",
@@ -47,12 +27,10 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label
     """Lines of (x, y) points, one per named series, on shared axes with a legend."""
     pts = [p for s in series.values() for p in s if math.isfinite(p[1])]
     left, right, top = 58, 16, 34
-    bottom = 36 + 16 * _legend_rows(list(series), width, left)
+    bottom = 36 + 16 * legend_rows(list(series), left, width)
     height += bottom - 52
     w, h = width - left - right, height - top - bottom
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'font-family="sans-serif" font-size="11">',
-           '<rect width="100%" height="100%" fill="white"/>',
+    out = [*head(width, height),
            f'<text x="{left}" y="20" font-size="13" font-weight="bold">{escape(title)}</text>']
     if not pts:
         out += [f'<text x="{left}" y="{top + h / 2}" fill="#777">no values recorded</text>',
@@ -94,7 +72,7 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], x_label
                        'stroke-width="2"/>')
         for x, y in good if len(good) <= 40 else good[-1:]:
             out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}"/>')
-    _legend(out, list(series), left, top + h + 46, width)
+    legend(out, _keys(list(series)), left, top + h + 46, width)
     out.append("</svg>")
     return "\n".join(out)
 
@@ -108,9 +86,7 @@ def bar_chart(title: str, groups: list[str], series: dict[str, list[float]], uni
     height = height or top + row_h * max(len(groups), 1) + 40
     w = width - left - 70
     vmax = max([v for vs in series.values() for v in vs if math.isfinite(v)] or [1.0]) or 1.0
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'font-family="sans-serif" font-size="11">',
-           '<rect width="100%" height="100%" fill="white"/>',
+    out = [*head(width, height),
            f'<text x="10" y="20" font-size="13" font-weight="bold">{escape(title)}</text>']
     for i, g in enumerate(groups):
         y = top + i * row_h
@@ -125,6 +101,6 @@ def bar_chart(title: str, groups: list[str], series: dict[str, list[float]], uni
                        f'{_nice(v)} {escape(unit)}</title></rect>')
             out.append(f'<text x="{left + bw + 4:.1f}" y="{by + 9}" fill="#333">'
                        f'{_nice(v)}</text>')
-    _legend(out, list(series), left, height - 14, width, lambda n: f"{n} ({unit})")
+    legend(out, _keys([f"{n} ({unit})" for n in series]), left, height - 14, width)
     out.append("</svg>")
     return "\n".join(out)

@@ -16,7 +16,8 @@ from html import escape
 from pathlib import Path
 
 from planner.plan import ExecutionPlan
-from planner.timeline_svg import Bar, draw_lanes, gpu_groups, render, seconds
+from planner.svg import head, seconds
+from planner.timeline_svg import Bar, draw_lanes, gpu_groups, render
 from realign.errors import UserError
 from realign.report.charts import bar_chart, line_chart
 
@@ -134,9 +135,7 @@ def measured_timeline(plan: ExecutionPlan, steps: list[dict]) -> str | None:
     groups = gpu_groups(plan.cluster.n_gpus,
                         [(a.mesh.first_gpu, a.mesh.n_gpus) for a in plan.allocations])
     left, top, width = 150, 50, 900
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 40}" '
-           f'height="{top + len(groups) * 42 + 60}" font-family="sans-serif" font-size="11">',
-           '<rect width="100%" height="100%" fill="white"/>',
+    out = [*head(left + width + 40, top + len(groups) * 42 + 60),
            f'<text x="10" y="20" font-size="15" font-weight="bold">Measured: step '
            f'{step["step"]}, {seconds(end, end)}</text>',
            '<text x="10" y="38" fill="#555">each op from the start to the end its first '
