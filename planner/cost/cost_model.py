@@ -40,7 +40,7 @@ reallocation of the model moves once its frozen base is in place (docs/lora.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.engine_terms import Work, lagged, overlapped, stage_pass
@@ -52,6 +52,7 @@ from planner.cost.memory import (
     stage_params,
     trainable_params,
 )
+from planner.cost.mfc_cost import MFCCost
 from planner.cost.passes import (
     messages,
     micro_batch_tokens,
@@ -60,6 +61,8 @@ from planner.cost.passes import (
 )
 from planner.cost.profile import ProfileTable
 from planner.cost.rates import Rates
+from planner.cost.turns import multi_turn_cost
+from planner.cost.vllm_cost import vllm_generate_cost
 from planner.errors import PlanError
 from planner.graph.dataflow import MFC
 from planner.graph.packing import budget_shape
@@ -69,22 +72,6 @@ from planner.specs.layout import Layout
 from planner.specs.lora import LoraSpec
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
-
-
-@dataclass(frozen=True)
-class MFCCost:
-    """Time and memory of one MFC under one allocation."""
-
-    time_s: float
-    terms_s: dict[str, float]          #: time by term (gemm, tp_comm, fixed, bubble, ...)
-    weights_bytes: float               #: this layout's weights on the heaviest GPU
-    #: state kept between calls (train: weights+grads+optimizer; with state offload: weights)
-    resident_bytes: float
-    activation_bytes: float            #: transient working memory during the call
-    host_bytes: float = 0.0            #: host memory per GPU held for it (offloaded state)
-    #: the LoRA adapters among ``weights_bytes`` (what a reallocation moves once the
-    #: frozen base is in place; 0 without LoRA)
-    adapter_bytes: float = 0.0
 
 
 def group_nodes(group: list[int], mesh: DeviceMesh, gpus_per_node: int) -> int:
@@ -120,8 +107,8 @@ class CostModel:
         return kv_cache_bytes(self.config, spec, mfc, layout, waves)
 
     # ---- helpers -----------------------------------------------------------------
-    def _nodes(self, mesh: DeviceMesh, layout: Layout) -> tuple[int, int, int]:
-        """Nodes spanned by one TP, DP and PP group."""
+    def nodes_spanned(self, mesh: DeviceMesh, layout: Layout) -> tuple[int, int, int]:
+        """Nodes spanned by one TP, DP and PP group of ``layout`` on ``mesh``."""
         gpn = self.cluster.gpus_per_node
         # the first group of each kind (meshes are aligned, so every group of a kind
         # spans as many nodes): TP ranks 0.., DP ranks 0, tp, 2 tp.., PP 0, tp dp, ...
@@ -249,14 +236,12 @@ class CostModel:
             return replace(one, time_s=one.time_s * mfc.sampling_rounds,
                            terms_s={k: v * mfc.sampling_rounds for k, v in one.terms_s.items()})
         if mfc.turns is not None:          # multi-turn episodes: priced turn by turn
-            from planner.cost.turns import multi_turn_cost
             return multi_turn_cost(mfc, lambda sub: self.mfc_cost(
                 sub, spec, head, mesh, layout, micro_batches, engine=engine, lora=lora))
         if engine == "vllm":
             if lora is not None:
                 raise PlanError("vLLM generation of a LoRA model is not priced: realign "
                                 "runs LoRA models on its own engine", field="rollout.engine")
-            from planner.cost.vllm_cost import vllm_generate_cost
             return vllm_generate_cost(self, mfc, spec, head, mesh, layout)
         if mfc.kind == "generate":
             terms = self._generate_terms(mfc, spec, head, mesh, layout, micro_batches, lora)
@@ -314,7 +299,7 @@ class CostModel:
                          token_budget: int | None = None) -> dict[str, float]:
         r, dt = self.rates, self.config.param_dtype_bytes
         pp, dp = layout.pp, layout.dp
-        tpn, dpn, ppn = self._nodes(mesh, layout)
+        tpn, dpn, ppn = self.nodes_spanned(mesh, layout)
         n_local = mfc.n_seqs / dp
         s = padded_len(mfc)     # the batch padded to its longest
         if token_budget is None:
@@ -339,7 +324,7 @@ class CostModel:
                      token_budget: int | None = None) -> dict[str, float]:
         r, cfg, dt = self.rates, self.config, self.config.param_dtype_bytes
         tp, pp, dp = layout.tp, layout.pp, layout.dp
-        tpn, dpn, ppn = self._nodes(mesh, layout)
+        tpn, dpn, ppn = self.nodes_spanned(mesh, layout)
         steps = mfc.n_minibatches * mfc.n_epochs
         rows = mfc.n_seqs / mfc.n_minibatches / dp      # one optimizer step's, per rank
         if token_budget is None:

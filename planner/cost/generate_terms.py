@@ -85,7 +85,7 @@ def _passes(cm: "CostModel", spec: "ModelSpec", head: str, mesh: "DeviceMesh",
     decode step of ``dec_rows`` rows over ``ctx`` keys: each with its hidden states to
     the next stage, the step with the chosen tokens back."""
     r, dt, h = cm.rates, cm.config.param_dtype_bytes, spec.hidden
-    tpn, _, ppn = cm._nodes(mesh, layout)
+    tpn, _, ppn = cm.nodes_spanned(mesh, layout)
     pre = cm.stage_works(spec, head, "prefill", pre_rows * P, P / 2, pre_rows, layout, tpn,
                          messages(r.collective_s("p2p", pre_rows * P * h * dt, 2, ppn)),
                          lora=lora)
@@ -110,7 +110,7 @@ def _terms(cm: "CostModel", mfc: "MFC", mesh: "DeviceMesh", layout: "Layout",
     iterations of ``g`` waves or groups, then the output gathered over DP."""
     r = cm.rates
     dp = layout.dp
-    _, dpn, _ = cm._nodes(mesh, layout)
+    _, dpn, _ = cm.nodes_spanned(mesh, layout)
     pre_c, dec_c = r.engine("prefill"), r.engine("decode")
     n = mfc.gen_len
     call = Work(seconds={"dp_comm": r.collective_s("all_gather", mfc.n_seqs * (2 * n + 1) * 8,

@@ -4,20 +4,16 @@ turn waits for its environment beyond what the other groups' decoding hides."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+from planner.cost.mfc_cost import MFCCost
 from planner.graph.dataflow import MFC
 
-if TYPE_CHECKING:
-    from planner.cost.cost_model import MFCCost
 
-
-def multi_turn_cost(mfc: MFC, price: Callable[[MFC], "MFCCost"]) -> "MFCCost":
+def multi_turn_cost(mfc: MFC, price: Callable[[MFC], MFCCost]) -> MFCCost:
     """``price``: the cost of a single-turn generate call (same mesh, layout, engine).
     Terms are summed over turns and groups (weighted by each turn's share), with
     ``env_wait`` added; memory is the largest turn's (the longest context)."""
-    from planner.cost.cost_model import MFCCost
-
     t = mfc.turns
     assert t is not None and mfc.kind == "generate"
     rows = math.ceil(mfc.n_seqs / t.groups)

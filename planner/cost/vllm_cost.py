@@ -45,6 +45,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from planner.cost.engine_terms import Work, lagged
+from planner.cost.mfc_cost import MFCCost
 from planner.graph.dataflow import MFC
 from planner.graph.lengths import longest_moments
 from planner.graph.padding import longest_prompt
@@ -53,7 +54,7 @@ from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
 
 if TYPE_CHECKING:
-    from planner.cost.cost_model import CostModel, MFCCost
+    from planner.cost.cost_model import CostModel
 
 #: vLLM's fixed costs in a profile table's ``engines``
 VLLM_PREFILL, VLLM_DECODE = "vllm_prefill", "vllm_decode"
@@ -126,16 +127,14 @@ def decode_schedule(mfc: MFC, n: float, slots: int) -> tuple[float, float]:
 
 
 def vllm_generate_cost(cm: "CostModel", mfc: MFC, spec: ModelSpec, head: str,
-                       mesh: DeviceMesh, layout: Layout) -> "MFCCost":
+                       mesh: DeviceMesh, layout: Layout) -> MFCCost:
     """Time and memory of ``mfc`` on vLLM (the module's docstring says what is priced)."""
-    from planner.cost.cost_model import MFCCost
-
     if mfc.kind != "generate" or layout.pp != 1:
         raise ValueError("vLLM runs generate calls at PP 1 only")
     r, cfg = cm.rates, cm.config
     dt = cfg.param_dtype_bytes
     dp = layout.dp
-    tpn, dpn, _ppn = cm._nodes(mesh, layout)
+    tpn, dpn, _ppn = cm.nodes_spanned(mesh, layout)
     n = mfc.n_seqs / dp
     slots = concurrency(cm, spec, mfc, layout.tp)
     if slots < 1:

@@ -10,7 +10,8 @@ from itertools import product
 from typing import Callable
 
 from planner.cost.cost_config import CostModelConfig
-from planner.cost.cost_model import CostModel, MFCCost
+from planner.cost.cost_model import CostModel
+from planner.cost.mfc_cost import MFCCost
 from planner.cost.profile import ProfileTable
 from planner.cost.realloc_cost import Links, ReallocModel
 from planner.cost.step_spread import call_time_sd

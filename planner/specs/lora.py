@@ -35,7 +35,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from planner.specs.model_spec import ModelSpec
-from planner.specs.param_layout import LogicalTensor
+from planner.specs.param_layout import LogicalTensor, stage_tensors
 
 Target = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 TARGETS: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -235,8 +235,6 @@ def trained_stage_tensors(spec: ModelSpec, head: str, lora: LoraSpec, pp: int, s
     """What a LoRA model trains on a stage (the tensors that change, so the only ones a
     reallocation must move once the frozen base is in place): its adapters, and on the
     last stage a value head (a new head has no pretrained values to keep frozen)."""
-    from planner.specs.param_layout import stage_tensors
-
     out = adapter_stage_tensors(spec, lora, pp, stage)
     if head == "value" and stage == pp - 1:
         out += [t for t in stage_tensors(spec, head, pp, stage) if t.content == "value_head"]
@@ -249,8 +247,6 @@ def moved_stage_tensors(spec: ModelSpec, head: str, lora: LoraSpec | None, pp: i
     (:func:`planner.specs.param_layout.stage_tensors`), or with LoRA only what training
     changes (:func:`trained_stage_tensors`): the frozen base already sits at the
     destination."""
-    from planner.specs.param_layout import stage_tensors
-
     if lora is None:
         return stage_tensors(spec, head, pp, stage)
     return trained_stage_tensors(spec, head, lora, pp, stage)

@@ -19,6 +19,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from planner.errors import PlanError, from_validation
+from planner.specs.families import FAMILIES
+from planner.specs.families.base import spec_fields
 
 #: Megatron pads the vocabulary; realign pads to a multiple of this for every layout,
 #: so the padded size does not depend on TP (any TP that divides 128 works).
@@ -129,8 +131,6 @@ class ModelSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
-        from planner.specs.families import FAMILIES
-
         if self.family not in FAMILIES:
             raise PlanError(f"model family {self.family!r} is not supported (allowed: "
                             f"{', '.join(FAMILIES)})", field="model")
@@ -312,9 +312,6 @@ def model_spec_from_hf_config(path: str | Path, name: str | None = None) -> Mode
     if missing:
         raise PlanError(f"{p} lacks the key {missing[0]!r} that a decoder's config.json "
                         "has", field="model")
-    from planner.specs.families import FAMILIES
-    from planner.specs.families.base import spec_fields
-
     kind = cfg.get("model_type")
     if not isinstance(kind, str) or kind not in FAMILIES:
         raise PlanError(f"{p}: model_type {kind!r} is not supported (allowed: "
