@@ -169,7 +169,7 @@ class _GroupRegistry:
         self.groups: dict[tuple[int, ...], object | None] = {}
 
     def get(self, ranks: list[int]):
-        world = dist.distributed_c10d._get_default_group()
+        world = dist.group.WORLD
         if world is not self.world:         # a new world: the old groups are gone
             self.world, self.groups = world, {}
         key = tuple(ranks)
