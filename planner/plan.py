@@ -40,7 +40,8 @@ from planner.specs.model_spec import ModelSpec
 #:     micro-batch's loss weighted by its share of the mini-batch's normaliser).
 #: 13: calls that run a LoRA model's base with its adapters off (the graph's
 #:     MFC.adapters_off: the reference scored as the actor's base, one base in the plan).
-PLAN_SCHEMA_VERSION = 13
+#: 14: expert parallelism in each layout (Layout.ep, carved out of the data-parallel ranks).
+PLAN_SCHEMA_VERSION = 14
 
 
 class _Frozen(BaseModel):

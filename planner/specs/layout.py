@@ -1,5 +1,6 @@
-"""Layout: tensor x pipeline x data parallelism of one model on one mesh, and the
-rank arithmetic that places each (tp, dp, pp) coordinate on a GPU.
+"""Layout: tensor x pipeline x data parallelism of one model on one mesh (and expert
+parallelism inside the data-parallel ranks), and the rank arithmetic that places each
+(tp, dp, pp) coordinate on a GPU.
 
 Ranks inside a mesh follow Megatron's default order (tp fastest, then dp, then pp):
 ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``. Example, tp-dp-pp 2-2-2 on 8 GPUs:
@@ -25,13 +26,17 @@ class Layout(BaseModel):
     tp: int = Field(1, gt=0, description="Tensor-parallel degree (inside one node).")
     pp: int = Field(1, gt=0, description="Pipeline-parallel degree (divides the layers).")
     dp: int = Field(1, gt=0, description="Data-parallel degree (divides the batch).")
+    ep: int = Field(1, gt=0, description="Expert-parallel degree, carved out of the "
+                    "data-parallel ranks as megatron defines it (divides dp and the "
+                    "experts; 1 for a model without experts).")
 
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp
 
     def __str__(self) -> str:
-        return f"TP{self.tp}·PP{self.pp}·DP{self.dp}"
+        ep = f"·EP{self.ep}" if self.ep > 1 else ""
+        return f"TP{self.tp}·PP{self.pp}·DP{self.dp}{ep}"
 
 
 class Allocation(BaseModel):
@@ -120,6 +125,34 @@ def model_layout_problems(layout: Layout, model: ModelSpec) -> list[str]:
         out.append(f"tp={layout.tp} must divide the padded vocabulary {model.padded_vocab}")
     if model.n_layers % layout.pp:
         out.append(f"pp={layout.pp} must divide the {model.n_layers} layers")
+    out += ep_problems(model, layout.dp, layout.ep)
+    return out
+
+
+def ep_problems(model: ModelSpec, dp: int, ep: int) -> list[str]:
+    """Why ``model`` cannot run expert-parallel at ``ep`` with ``dp`` data-parallel ranks
+    (empty: it can): a model without experts, experts not divisible by ``ep``, ``ep`` not
+    dividing dp. The one rule, for the planner and the runtime's pre-flight check.
+
+    >>> from planner.specs.model_spec import model_presets
+    >>> ep_problems(model_presets()["qwen3-30b-a3b"], 8, 4)
+    []
+    >>> ep_problems(model_presets()["qwen3-30b-a3b"], 6, 4)
+    ['ep=4 must divide dp=6 (expert parallelism is carved out of the data-parallel ranks)']
+    """
+    if ep < 1:
+        return [f"ep={ep} must be at least 1"]
+    if ep == 1:
+        return []
+    if model.moe is None:
+        return [f"ep={ep} needs a model with experts, but {model.name!r} has none "
+                f"(allowed: ep 1)"]
+    out = []
+    if model.moe.n_experts % ep:
+        out.append(f"ep={ep} must divide the {model.moe.n_experts} experts")
+    if dp % ep:
+        out.append(f"ep={ep} must divide dp={dp} (expert parallelism is carved out "
+                   f"of the data-parallel ranks)")
     return out
 
 
