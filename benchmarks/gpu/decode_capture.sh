@@ -10,4 +10,4 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" >> "$OUT/gpu.txt"
-timeout 480 python3 benchmarks/gpu/decode_capture.py --out "$OUT" "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/decode_capture.log"
+timeout 480 python3 -m realign.bench.studies.gpu_decode_capture --out "$OUT" "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/decode_capture.log"

@@ -8,8 +8,9 @@
 # The model: Qwen3-30B-A3B's proportions at width 1024 (16 layers, 16 query heads of 64,
 # 2 KV heads, 64 experts of moe_intermediate_size 384, top 8, norm_topk_prob, router
 # aux loss 0.001), random weights saved and run in bf16; the tiny tokenizer (69 tokens). The
-# experiment is gpu-grpo-moe.yaml (h100-80g preset, no profile); summarize_runs.py also
-# prices the plan's allocations with profile_h100_2026-11-24.json. Writes under $OUT:
+# experiment is gpu-grpo-moe.yaml (h100-80g preset, no profile);
+# realign.bench.studies.gpu_summarize_runs also prices the plan's allocations with
+# profile_h100_2026-11-24.json. Writes under $OUT:
 # moe_grpo_estimates.json (the table's numbers, the run's rows, versions), plan.json,
 # metrics.jsonl, experiment.json, model_config.json, run.log.
 cd "$(dirname "$0")/../.."     # the repository root
@@ -76,6 +77,6 @@ timeout 360 realign run "$EXP" --run-dir "$RUN" > "$OUT/run.log" 2>&1
 echo "=== realign run exited $? after $(( $(date +%s) - T1 )) s"
 grep -v "^step [0-9]" "$OUT/run.log" | grep -v -i warn | tail -12
 cp "$RUN/metrics.jsonl" "$RUN/plan.json" "$RUN/experiment.json" "$OUT/" 2>/dev/null
-$PY benchmarks/gpu/summarize_runs.py "$RUN" --warmup $WARMUP "${PROFILE[@]}" \
+$PY -m realign.bench.studies.gpu_summarize_runs "$RUN" --warmup $WARMUP "${PROFILE[@]}" \
     --out "$OUT/moe_grpo_estimates.json"
 echo "=== the script took $(( $(date +%s) - T0 )) s"

@@ -1,7 +1,7 @@
 """The tiny MoE demo (experiments/demo-moe-sft.yaml, then demo-moe-grpo.yaml): make-tiny
 writes its Qwen3-MoE actor, both stages plan, and each stage's first step runs with the
 router's loss and the expert load in its metrics. The learning curve over seeds is
-benchmarks/moe/README.md's (benchmarks/moe/seeds.py); a whole run is too long for the
+benchmarks/moe/README.md's (realign/bench/studies/moe_seeds.py); a whole run is too long for the
 suite's two shared cores."""
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ per fused layer (``shared_a: true``) on a tiny model in one process, interleaved
 round times one step of each variant on the same batch (their own replicas, the same
 base). Writes every round's times, the load average before and after each round, and
 the environment. Usage, from the repository root:
-    python benchmarks/lora/step_time.py OUT.json [ROUNDS] [MODEL] [RANK]
+    python -m realign.bench.studies.lora_step_time OUT.json [ROUNDS] [MODEL] [RANK]
 MODEL: actor (width 64, 2 layers) or small_actor (width 256, 4 layers), made here with
 realign's tiny assets."""
 from __future__ import annotations
@@ -75,7 +75,8 @@ def main() -> None:
     assets = make_tiny_assets(Path(tempfile.mkdtemp(prefix="lora-bench-")), seed=0,
                               qwen2=False)
     with LocalWorld(1, timeout_s=1800) as w:
-        res = w.run("step_time:bench", str(assets[model]), rounds, rank, rows, width)[0]
+        res = w.run("realign.bench.studies.lora_step_time:bench", str(assets[model]), rounds,
+                    rank, rows, width)[0]
     res["settings"] = {"rounds": rounds, "model": model, "rank": rank, "alpha": 2 * rank,
                        "target_modules": "all-linear", "rows": rows, "width": width,
                        "micro_batches": 1}
@@ -89,5 +90,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -7,7 +7,7 @@ and times one call of each mode on it (the same sequences: tested); then the pla
 price of both calls (the cpu device preset, no profile), given the lengths the rounds
 generated. Prints and writes medians and ranges. Usage, from the repository root after
 `realign make-tiny experiments/tiny`:
-    python benchmarks/packing/generate_bench.py OUT.json [ROUNDS] [ROWS] [WAVES] [SAMPLES]"""
+    python -m realign.bench.studies.packing_generate_bench OUT.json [ROUNDS] [ROWS] [WAVES] [SAMPLES]"""
 from __future__ import annotations
 
 import json
@@ -104,7 +104,7 @@ def main() -> None:
     rounds, rows, waves, samples = (int(x) for x in (
         sys.argv[2:6] + ["7", "32", "4", "4"][len(sys.argv[2:6]):]))
     with LocalWorld(1, timeout_s=1800) as w:
-        res = w.run("generate_bench:bench", rounds, rows, waves, samples)[0]
+        res = w.run("realign.bench.studies.packing_generate_bench:bench", rounds, rows, waves, samples)[0]
     est = estimate(rows, waves, res["lengths"])
     speedups = [a / b for a, b in zip(res["time_waves"], res["time_refill"])]
     summary = {
@@ -124,5 +124,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     main()

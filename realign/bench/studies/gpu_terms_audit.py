@@ -1,6 +1,6 @@
 """The GPU terms of the cost model against the public measurements they rest on.
 
-    python benchmarks/gpu_terms/audit.py > benchmarks/gpu_terms/audit_<date>.md
+    python -m realign.bench.studies.gpu_terms_audit > benchmarks/gpu_terms/audit_<date>.md
 
 For each term that dominates a large plan, the cost model (device presets, no profile)
 prices the setting of a public measurement of docs/gpu-facts.md, and the two are put
@@ -8,8 +8,6 @@ side by side; then the terms of the 4 x 70B PPO on 128 H100 (experiments/
 ppo-llama2-70b-128gpu.yaml) are listed. Pure planning: it runs anywhere, in seconds.
 """
 from __future__ import annotations
-
-from pathlib import Path
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.cost_model import CostModel
@@ -20,8 +18,8 @@ from planner.specs.cluster import ClusterSpec, resolve_device
 from planner.specs.layout import Layout
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import model_presets
+from realign.bench.studies.checkout import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 P = model_presets()
 
 

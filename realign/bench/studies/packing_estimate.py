@@ -1,7 +1,7 @@
 """The planner's estimate of one actor train call and one scoring call of the tiny
 actor, padded and packed, on the device preset `cpu` (no profile): the numbers
-engine_bench.py's measurements are compared with. Usage, from the repository root:
-    python benchmarks/packing/estimate.py [ROWS] [MICRO] [MEAN]"""
+packing_engine_bench's measurements are compared with. Usage, from the repository root:
+    python -m realign.bench.studies.packing_estimate [ROWS] [MICRO] [MEAN]"""
 from __future__ import annotations
 
 import sys

@@ -11,7 +11,7 @@ metrics and step time, the plan's estimate and the machine's load, and reports:
   start-up and the plan search are not in it);
 - the rounds a step took (mean, max) and the groups generated per group trained.
 
-    python benchmarks/algorithms/sampling_rounds.py --repeats 3 --rounds 4 \
+    python -m realign.bench.studies.algorithms_sampling_rounds --repeats 3 --rounds 4 \
         --out benchmarks/algorithms/sampling_rounds_2026-11-28.json
 
 Every run uses fresh tiny assets in a temporary folder (offline), one run at a time.
@@ -28,7 +28,8 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from realign.bench.studies.checkout import REPO
+
 KEYS = ("step_time_s", "reward_mean", "time.actor.generate", "actor.sampling_rounds",
         "actor.batch_full", "actor.kept_groups", "actor.dropped_groups",
         "actor.dropped_group_frac", "actor.shortfall_frac", "actor.generated_per_trained")

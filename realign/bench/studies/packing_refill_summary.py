@@ -3,7 +3,7 @@
 steps, and the plan's estimates; then per mode the median and range over rounds, the
 measured and planned speed-ups, and whether both modes sampled the same rollouts
 (reward and response length equal at every step). Usage:
-    python benchmarks/packing/refill_summary.py OUT [RECORD.json]"""
+    python -m realign.bench.studies.packing_refill_summary OUT [RECORD.json]"""
 from __future__ import annotations
 
 import json

@@ -2,7 +2,7 @@
 result) with a perturbation standing in for another CPU's rounding (an SFT learning
 rate, a seed), and print the quantities tests/run/test_eval_and_demo.py asserts on.
 
-    python benchmarks/demo/margins.py --out benchmarks/demo/margins_<date>.json \
+    python -m realign.bench.studies.demo_margins --out benchmarks/demo/margins_<date>.json \
         --variant base --variant sft_lr=0.0025 --variant sft_lr=0.0035 --variant seed=1
 
 Each variant runs in its own temporary folder (tiny assets made afresh, offline).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from realign.bench.studies.checkout import REPO
 
 
 def mean(xs: list[float]) -> float:

@@ -218,7 +218,7 @@ def main() -> int:
         if cuda:
             torch.cuda.empty_cache()
     record = {
-        "what": "realign's decode step, eager vs captured; benchmarks/gpu/decode_capture.py",
+        "what": "realign's decode step, eager vs captured; python -m realign.bench.studies.gpu_decode_capture",
         "args": vars(args), "spec": spec.model_dump(), "capture_mode": mode,
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "torch": torch.__version__, "python": sys.version.split()[0],

@@ -6,7 +6,7 @@ measured median s, their ratio) and writes the numbers, the raw rows and the ver
 it ran under to ``--out``. Used for the PPO runs on one H100 (benchmarks/gpu/README.md)
 and the Qwen3-MoE GRPO of moe_grpo.sh:
 
-    python benchmarks/gpu/summarize_runs.py runs/gpu-ppo-medium runs/gpu-ppo-large \
+    python -m realign.bench.studies.gpu_summarize_runs runs/gpu-ppo-medium runs/gpu-ppo-large \
         --out benchmarks/gpu/estimates_ppo_medium_large_h100_2026-11-24.json
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ that benchmarks/algorithms/README.md can quote:
   surplus, and the generation it cost (sequences and tokens generated, the generate
   call's time) against GRPO's and against the plan's estimates.
 
-    python benchmarks/algorithms/compare.py --seeds 0 1 2 \
+    python -m realign.bench.studies.algorithms_compare --seeds 0 1 2 \
         --profile benchmarks/profile/cpu_2026-11-26_passes_for-plans.json \
         --out benchmarks/algorithms/tiny_2026-11-27.json
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from realign.bench.studies.checkout import REPO
 
 #: name -> (experiment, changes to it as {"section.key": value})
 RUNS: dict[str, tuple[str, dict]] = {

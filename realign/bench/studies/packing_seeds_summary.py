@@ -1,5 +1,5 @@
 """Final reward (mean reward_mean over the last 5 steps) and padded tokens per step of
-seeds.sh's runs, per mode and seed. Usage: python benchmarks/packing/seeds_summary.py
+seeds.sh's runs, per mode and seed. Usage: python -m realign.bench.studies.packing_seeds_summary
 OUT [RECORD.json]"""
 from __future__ import annotations
 

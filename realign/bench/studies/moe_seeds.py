@@ -5,7 +5,7 @@ stage's held-out accuracy at every evaluation, its first evaluation and the mean
 last five, the router's load-balancing loss and expert load, each call's layout and
 the stages' wall-clock times.
 
-    python benchmarks/moe/seeds.py --seed 0 --seed 1 --seed 2 \
+    python -m realign.bench.studies.moe_seeds --seed 0 --seed 1 --seed 2 \
         --out benchmarks/moe/seeds_<date>.json
 
 Each seed runs in its own temporary folder (tiny assets made afresh, offline). Wall-clock
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from realign.bench.studies.checkout import REPO
+
 KEYS = ("eval.greedy_accuracy", "eval.sample_accuracy")
 
 

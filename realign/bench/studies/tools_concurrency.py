@@ -2,7 +2,7 @@
 turns per episode, a scripted generator (no model: the study is of the environment's
 time). Prints, per round and group count, the seconds the loop waited for tools per
 turn, against 16 x 50 ms = 0.8 s in series. Command:
-``.venv/bin/python benchmarks/tools/concurrency.py [rounds]``."""
+``.venv/bin/python -m realign.bench.studies.tools_concurrency [rounds]``."""
 from __future__ import annotations
 
 import json

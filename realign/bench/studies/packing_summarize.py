@@ -1,7 +1,7 @@
 """Summarise benchmarks/packing/interleaved.sh's runs: per mode and round, the median
 (over steps after the first) of the step time, the train call's time and its padded
 tokens, and the plan's estimates of each; then per mode the median and range over
-rounds. Usage: python benchmarks/packing/summarize.py OUT [RECORD.json]"""
+rounds. Usage: python -m realign.bench.studies.packing_summarize OUT [RECORD.json]"""
 from __future__ import annotations
 
 import json

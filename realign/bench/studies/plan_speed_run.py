@@ -9,7 +9,7 @@ heuristic's (None: it does not fit), the annealing steps and whether every walk
 converged. Prints the median and the spread (min-max) of every round, and writes one
 JSON record with the machine it ran on.
 
-    python benchmarks/plan_speed/run.py --rounds 5 --out benchmarks/plan_speed/plan_speed_DATE.json
+    python -m realign.bench.studies.plan_speed_run --rounds 5 --out benchmarks/plan_speed/plan_speed_DATE.json
 
 Measure with nothing else running: on a 2-vCPU machine another process moves the
 wall time several-fold.
@@ -27,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from realign.bench.studies.checkout import REPO
+
 EXPERIMENTS = ["experiments/public/ppo-llama2-70b-16gpu.yaml",
                "experiments/ppo-llama2-70b-128gpu.yaml",
                "experiments/ppo-llama2-70b-1024gpu.yaml"]

@@ -3,7 +3,7 @@
 64, 4 KV heads, FFN 1536, vocabulary 73), fp32: B rows (env B, default 64), each at
 position 8 of a 128-position cache, 40 keys attended; the compilation's seconds, then 3
 rounds of 30 steps each side, interleaved (median and min per round). Env T: threads
-(default 1). Run: ``.venv/bin/python benchmarks/generate/decode_capture_cpu.py``.
+(default 1). Run: ``.venv/bin/python -m realign.bench.studies.generate_decode_capture_cpu``.
 Results: benchmarks/generate/README.md."""
 from __future__ import annotations
 

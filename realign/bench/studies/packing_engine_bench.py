@@ -4,7 +4,7 @@ censored geometric of mean MEAN, cap 240), interleaved: each round times one pad
 one packed call of each kind on the same batch and weights. Prints and writes
 medians and ranges. Usage, from the repository root after `realign make-tiny
 experiments/tiny`:
-    python benchmarks/packing/engine_bench.py OUT.json [ROUNDS] [ROWS] [MICRO] [MEAN]"""
+    python -m realign.bench.studies.packing_engine_bench OUT.json [ROUNDS] [ROWS] [MICRO] [MEAN]"""
 from __future__ import annotations
 
 import json
@@ -76,7 +76,7 @@ def main() -> None:
     rounds, rows, micro = (int(x) for x in (sys.argv[2:5] + ["7", "16", "2"][len(sys.argv[2:5]):]))
     mean = float(sys.argv[5]) if len(sys.argv) > 5 else 103.0
     with LocalWorld(1, timeout_s=900) as w:
-        res = w.run("engine_bench:bench", rounds, rows, micro, mean)[0]
+        res = w.run("realign.bench.studies.packing_engine_bench:bench", rounds, rows, micro, mean)[0]
     res["settings"] = {"rounds": rounds, "rows": rows, "micro_batches": micro, "mean": mean}
     for k, v in res["rounds"].items():
         print(f"{k:14s} median {statistics.median(v):.4f} s  range {min(v):.4f} .. {max(v):.4f}")
@@ -85,5 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

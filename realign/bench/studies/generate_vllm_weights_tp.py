@@ -2,7 +2,7 @@
 memory (shared-memory buckets), and vLLM at TP 2 against TP 1 (tokens/s, greedy
 parity). Run in the vLLM environment:
 
-    .venv-vllm/bin/python benchmarks/generate/vllm_weights_tp.py --out FILE.json
+    .venv-vllm/bin/python -m realign.bench.studies.generate_vllm_weights_tp --out FILE.json
 
 The model is ``realign bench generate``'s (``BENCH_ARCH``: a random LLaMA of 25.3 M
 parameters, fp32). Weight update: ``--rounds`` interleaved rounds, the two routes in

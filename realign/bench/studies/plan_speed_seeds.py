@@ -9,7 +9,7 @@ plan reports (pricing the candidates, the heuristics, the search), not Python's 
 and the process's CPU seconds per plan (the search runs on one thread, so on a busy
 machine these stand for a quiet machine's wall time better than the wall clock does).
 
-    python benchmarks/plan_speed/seeds.py --seeds 0-7 --sweep --out benchmarks/plan_speed/seeds_DATE.json
+    python -m realign.bench.studies.plan_speed_seeds --seeds 0-7 --sweep --out benchmarks/plan_speed/seeds_DATE.json
 
 Settings: every ``experiments/*.yaml`` that plans for GPUs as written (but
 ``ppo-llama3-8b-16gpu.yaml``, which needs its checkpoints on disk), the 8B GRPO
@@ -34,7 +34,8 @@ from typing import Callable
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from realign.bench.studies.checkout import REPO
+
 EXPERIMENTS = [
     "experiments/grpo-llama3.1-8b-16gpu-longtail.yaml",
     "experiments/grpo-llama3.1-8b-16gpu-longtail.yaml+padded-waves",

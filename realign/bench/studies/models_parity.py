@@ -1,7 +1,7 @@
 """How close realign's forwards are to transformers for each model family, in fp32 on CPU
 gloo ranks, and whether the tiny GRPO learns with each family's actor.
 
-    python benchmarks/models/parity.py --out benchmarks/models/parity_<date>.json
+    python -m realign.bench.studies.models_parity --out benchmarks/models/parity_<date>.json
 
 Tiny random checkpoints of each family (tests/runtime/tiny_hf.py: LLaMA, LLaMA 3.1's
 rope scaling with an original window of 8 positions, yarn, linear, Qwen2, Qwen3 with
@@ -24,8 +24,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "runtime"))      # tiny_hf, cases_model
+from realign.bench.studies.checkout import REPO
 
 FAMILIES = {   # name -> make_tiny arguments
     "llama": dict(kind="llama"),
@@ -45,6 +44,9 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2)]
 
 
 def parity(root: Path) -> dict:
+    # the tests' tiny checkpoints and model cases (tests/runtime/tiny_hf.py, cases_model.py);
+    # the world's ranks inherit this path
+    sys.path.insert(0, str(REPO / "tests" / "runtime"))
     from tiny_hf import make_tiny
 
     from realign.runtime.local_world import LocalWorld

@@ -4,7 +4,7 @@ loop that reads the routing on the host for every expert hit (transformers'
 dense form (no host read; every expert on every token). Each round times every form
 once, interleaved, on the same inputs; the record keeps every round.
 
-    python benchmarks/moe/expert_forms.py --out benchmarks/moe/expert_forms_<date>.json
+    python -m realign.bench.studies.moe_expert_forms --out benchmarks/moe/expert_forms_<date>.json
 
 Shapes: the tiny MoE (make-tiny's moe_actor: width 64, 8 experts of 32, top 2) and one
 layer of the GPU run's Qwen3-MoE (benchmarks/gpu/moe_grpo.sh: width 1024, 64 experts of
