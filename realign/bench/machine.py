@@ -72,6 +72,12 @@ def environment() -> dict:
                                              "transformers")}}
 
 
+def describe() -> dict:
+    """The machine a record was taken on, as every study writes it: :func:`environment`
+    (platform, CPU counts, Python and package versions) and the CPU's model name."""
+    return {**environment(), "cpu": cpu_model()}
+
+
 def clean_rounds(rounds: list[dict], limit: float = STEAL_LIMIT) -> list[int]:
     """Indices of the rounds whose every part had at most ``limit`` of its CPU time
     stolen (a part whose steal is unknown, without ``/proc/stat``, counts as clean)."""

@@ -172,7 +172,7 @@ def compact(record: dict) -> dict:
 
 def main() -> None:
     from realign.assets.tiny import make_tiny_assets
-    from realign.bench.machine import cpu_model, environment, load_snapshot, steal_fraction
+    from realign.bench.machine import describe, load_snapshot, steal_fraction
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -183,7 +183,7 @@ def main() -> None:
     args = ap.parse_args()
     before = load_snapshot()
     record: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                    "machine": {**environment(), "cpu": cpu_model()}, "load_before": before,
+                    "machine": describe(), "load_before": before,
                     "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

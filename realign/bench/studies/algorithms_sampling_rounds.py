@@ -74,7 +74,7 @@ def run_one(root: Path, rounds: int, label: str) -> dict:
 
 def main() -> None:
     from realign.assets.tiny import make_tiny_assets
-    from realign.bench.machine import cpu_model, environment, load_snapshot
+    from realign.bench.machine import describe, load_snapshot
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     record: dict = {"experiment": "experiments/tiny-dapo-cpu.yaml",
-                    "machine": {**environment(), "cpu": cpu_model()},
+                    "machine": describe(),
                     "load_before": load_snapshot(), "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -77,7 +76,7 @@ def run_variant(variant: str) -> dict:
 
 
 def main() -> None:
-    from realign.bench.machine import cpu_model
+    from realign.bench.machine import describe
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", action="append", default=[],
@@ -85,8 +84,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine": {"cpu": cpu_model(), "cores": _cores(), "python": platform.python_version(),
-                          "platform": platform.platform()},
+              "machine": describe(),
               "variants": {}}
     for v in args.variant or ["base"]:
         record["variants"][v] = res = run_variant(v)
@@ -95,11 +93,6 @@ def main() -> None:
               f"sample {res['grpo_last5_sample']:.2f} | untrained {res['untrained_greedy']:.2f} "
               f"| {res['sft_s']:.0f} s + {res['grpo_s']:.0f} s", flush=True)
         args.out.write_text(json.dumps(record, indent=1))
-
-
-def _cores() -> int:
-    import os
-    return os.cpu_count() or 0
 
 
 if __name__ == "__main__":

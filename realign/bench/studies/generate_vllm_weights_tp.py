@@ -21,12 +21,12 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import socket
-import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from realign.bench.plans import spread
 
 
 def _world(rank: int, world: int, port: int) -> None:
@@ -143,7 +143,7 @@ def _spawn(fn, world: int, *args) -> None:
 
 
 def _summary(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
+    return {**spread(xs), "all": xs}
 
 
 def main() -> None:
@@ -156,15 +156,13 @@ def main() -> None:
     ap.add_argument("--parts", default="weights,tp")
     args = ap.parse_args()
     os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    import torch
     import vllm
 
     from realign.assets.tiny import make_model
     from realign.bench.generate import BENCH_ARCH
+    from realign.bench.machine import describe
 
-    rec: dict = {"machine": {"cpu": platform.processor() or platform.machine(),
-                             "cores": os.cpu_count(), "python": platform.python_version(),
-                             "torch": torch.__version__, "vllm": vllm.__version__},
+    rec: dict = {"machine": {**describe(), "vllm": vllm.__version__},
                  "arch": BENCH_ARCH, "args": vars(args), "load1_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory(prefix="realign-vllm-bench-") as tmp:
         model = str(make_model(Path(tmp) / "bench", "llama", "lm", seed=11, arch=BENCH_ARCH))

@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from planner.specs.cluster import ClusterSpec, resolve_device
 from planner.specs.layout import Layout
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec, resolve_model
+from realign.bench.machine import describe
 from realign.runtime.device import init_device
 from realign.runtime.engines.captured_step import capture_mode, capture_steps
 from realign.runtime.engines.decoder import StageDecoder
@@ -218,10 +218,11 @@ def main() -> int:
         if cuda:
             torch.cuda.empty_cache()
     record = {
-        "what": "realign's decode step, eager vs captured; python -m realign.bench.studies.gpu_decode_capture",
+        "what": "realign's decode step, eager vs captured; "
+                "python -m realign.bench.studies.gpu_decode_capture",
         "args": vars(args), "spec": spec.model_dump(), "capture_mode": mode,
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-        "torch": torch.__version__, "python": sys.version.split()[0],
+        "machine": describe(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": rows_out}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

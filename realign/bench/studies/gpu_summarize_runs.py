@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from planner.cost.cost_model import CostModel
 from planner.cost.profile import ProfileTable
 from planner.plan import ExecutionPlan
 from planner.search.problem import host_s
+from realign.bench.machine import describe
 from realign.bench.plans import summarize_plan
 
 
@@ -44,8 +44,7 @@ def versions() -> dict:
     """What the numbers were measured under: Python, torch, CUDA and the device."""
     import torch
 
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "host": platform.node(), "cpus": os.cpu_count()}
+    env = {**describe(), "host": platform.node()}
     if torch.cuda.is_available():
         env.update(cuda=torch.version.cuda, device=torch.cuda.get_device_name(0))
     return env

@@ -64,7 +64,7 @@ def bench(ctx, path: str, rounds: int, rank: int, rows: int, width: int) -> dict
 
 def main() -> None:
     from realign.assets.tiny import make_tiny_assets
-    from realign.bench.machine import cpu_model, environment
+    from realign.bench.machine import describe
     from realign.runtime.local_world import LocalWorld
 
     out = Path(sys.argv[1])
@@ -80,7 +80,7 @@ def main() -> None:
     res["settings"] = {"rounds": rounds, "model": model, "rank": rank, "alpha": 2 * rank,
                        "target_modules": "all-linear", "rows": rows, "width": width,
                        "micro_batches": 1}
-    res["environment"] = {**environment(), "cpu": cpu_model()}
+    res["environment"] = describe()
     for k, v in res["rounds"].items():
         print(f"{k:9s} median {statistics.median(v):.4f} s  range {min(v):.4f} .. {max(v):.4f}")
     ratio = [a / b for a, b in zip(res["rounds"]["peft"], res["rounds"]["shared_a"])]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -94,14 +93,14 @@ def learning(tmp: Path) -> dict:
 
 
 def main() -> None:
-    from realign.bench.machine import cpu_model
+    from realign.bench.machine import describe
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                  "machine": {"cpu": cpu_model(), "platform": platform.platform()},
+                  "machine": describe(),
                   "parity": parity(Path(tmp)), "grpo": learning(Path(tmp))}
     args.out.write_text(json.dumps(record, indent=1))
 

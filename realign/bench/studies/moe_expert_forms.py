@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -147,8 +146,9 @@ def main() -> None:
     step = decoder_steps(args.rounds)
     print("tiny decoder step, 16 rows  " + "  ".join(
         f"{k} {1e3 * v:8.3f} ms" for k, v in step["median_s"].items()), flush=True)
-    record = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-              "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    from realign.bench.machine import describe
+
+    record = {"machine": describe(), "threads": torch.get_num_threads(),
               "load_avg_1_5_15_before": load_before, "load_avg_1_5_15_after": os.getloadavg(),
               "layer_cases": cases, "tiny_decoder_step": step}
     args.out.write_text(json.dumps(record, indent=1))

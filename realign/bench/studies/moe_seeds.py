@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -86,7 +85,7 @@ def run_seed(seed: int) -> dict:
 def main() -> None:
     import torch
 
-    from realign.bench.machine import cpu_model
+    from realign.bench.machine import describe
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, action="append", default=[], help="repeatable")
@@ -96,9 +95,7 @@ def main() -> None:
                             text=True).stdout.strip()
     record: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
               "experiments": ["experiments/demo-moe-sft.yaml", "experiments/demo-moe-grpo.yaml"],
-              "machine": {"cpu": cpu_model(), "cores": os.cpu_count() or 0,
-                          "python": platform.python_version(), "platform": platform.platform(),
-                          "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+              "machine": {**describe(), "torch_threads": torch.get_num_threads(),
                           "load_avg_at_start": os.getloadavg()},
               "seeds": {}}
     for seed in args.seed or [0]:

@@ -92,12 +92,9 @@ def estimate(rows: int, waves: int, lengths: list[list[int]]) -> dict:
     return res
 
 
-def stats(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
 def main() -> None:
-    from realign.bench.machine import cpu_model
+    from realign.bench.machine import describe
+    from realign.bench.plans import spread
     from realign.runtime.local_world import LocalWorld
 
     out = Path(sys.argv[1])
@@ -108,16 +105,16 @@ def main() -> None:
     est = estimate(rows, waves, res["lengths"])
     speedups = [a / b for a, b in zip(res["time_waves"], res["time_refill"])]
     summary = {
-        "time_waves": stats(res["time_waves"]), "time_refill": stats(res["time_refill"]),
-        "speedup_measured": stats(speedups),
-        "steps_waves": stats(res["steps_waves"]), "steps_refill": stats(res["steps_refill"]),
+        "time_waves": spread(res["time_waves"]), "time_refill": spread(res["time_refill"]),
+        "speedup_measured": spread(speedups),
+        "steps_waves": spread(res["steps_waves"]), "steps_refill": spread(res["steps_refill"]),
         "estimate": est, "speedup_planned": est["waves"] / est["refill"],
         "mean_length": statistics.mean(n for r in res["lengths"] for n in r),
         "at_cap": sum(n == CAP for r in res["lengths"] for n in r) / sum(len(r) for r in res["lengths"]),
     }
     record = {"settings": {"rounds": rounds, "rows": rows, "waves": waves, "samples": samples,
                            "cap": CAP},
-              "machine": cpu_model(), "date": time.strftime("%Y-%m-%d"), "summary": summary,
+              "machine": describe(), "date": time.strftime("%Y-%m-%d"), "summary": summary,
               "rounds": res}
     out.write_text(json.dumps(record, indent=1))
     print(json.dumps(summary, indent=1))

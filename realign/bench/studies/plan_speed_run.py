@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from realign.bench.plans import spread
 from realign.bench.studies.checkout import REPO
 
 EXPERIMENTS = ["experiments/public/ppo-llama2-70b-16gpu.yaml",
@@ -52,10 +51,6 @@ def plan_once(exp: str, workdir: Path) -> dict:
             "heuristics": {h["name"]: h["iteration_time_s"] for h in plan["heuristics"]}}
 
 
-def spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
 def summarise(runs: list[dict]) -> dict:
     ok = [r for r in runs if "error" not in r]
     if not ok:
@@ -77,10 +72,9 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def machine() -> dict:
-    from realign.bench.machine import cpu_model
+    from realign.bench.machine import describe
 
-    return {"platform": platform.platform(), "cpu": cpu_model(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "loadavg_start": os.getloadavg()}
+    return {**describe(), "loadavg_start": os.getloadavg()}
 
 
 def main(argv: list[str] | None = None) -> int:

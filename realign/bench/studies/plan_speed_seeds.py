@@ -9,7 +9,8 @@ plan reports (pricing the candidates, the heuristics, the search), not Python's 
 and the process's CPU seconds per plan (the search runs on one thread, so on a busy
 machine these stand for a quiet machine's wall time better than the wall clock does).
 
-    python -m realign.bench.studies.plan_speed_seeds --seeds 0-7 --sweep --out benchmarks/plan_speed/seeds_DATE.json
+    python -m realign.bench.studies.plan_speed_seeds --seeds 0-7 --sweep \
+        --out benchmarks/plan_speed/seeds_DATE.json
 
 Settings: every ``experiments/*.yaml`` that plans for GPUs as written (but
 ``ppo-llama3-8b-16gpu.yaml``, which needs its checkpoints on disk), the 8B GRPO
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -69,20 +69,17 @@ def experiment_planner(spec: str, tmp: Path, time_limit_s: float | None = None
     from realign.config.planning import plan_experiment
 
     path, _, variant = spec.partition("+")
-    src = REPO / path
+    cfg = load_experiment(REPO / path)          # its paths absolute: a variant keeps them
     if variant:
-        doc = yaml.safe_load(src.read_text())
+        doc = cfg.model_dump()
         for section, values in VARIANTS[variant].items():
-            doc.setdefault(section, {}).update(values)
-        src = tmp / f"{src.stem}-{variant}.yaml"
-        src.write_text(yaml.safe_dump(doc))
-    cfg, base = load_experiment(str(src))
-    base = REPO / Path(path).parent if variant else base
+            doc[section] = {**(doc.get(section) or {}), **values}
+        cfg = type(cfg).model_validate(doc)
 
     def plan(seed: int) -> dict:
         t0 = time.process_time()
-        p = plan_experiment(cfg, base, {"method": None, "time_limit_s": time_limit_s,
-                                        "seed": seed})
+        p = plan_experiment(cfg, {"method": None, "time_limit_s": time_limit_s,
+                                  "seed": seed})
         return {**numbers(p), "cpu_s": time.process_time() - t0}
     return plan
 
@@ -171,13 +168,11 @@ def main(argv: list[str] | None = None) -> int:
                    "walks then stop on their steps, not on the clock)")
     args = p.parse_args(argv)
     seeds = parse_seeds(args.seeds)
-    from realign.bench.machine import cpu_model
+    from realign.bench.machine import describe
 
     rec: dict = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "seeds": seeds,
                  "rounds": args.rounds, "note": args.note, "time_limit_s": args.time_limit_s,
-                 "machine": {"platform": platform.platform(), "cpu": cpu_model(),
-                             "cpus": os.cpu_count(), "python": platform.python_version(),
-                             "loadavg_start": os.getloadavg()}}
+                 "machine": {**describe(), "loadavg_start": os.getloadavg()}}
     with tempfile.TemporaryDirectory() as tmp:
         planners = {e: experiment_planner(e, Path(tmp), args.time_limit_s) for e in EXPERIMENTS}
         if args.sweep:
