@@ -100,13 +100,21 @@ def test_every_failure_is_an_observation_counted_by_kind(call, shown, kind):
 def test_a_turn_without_a_call_ends_the_episode_and_calls_run_concurrently():
     env = _env(timeout_s=5)
     assert env.step("579").done
-    slow = {"sleepy": as_tool(_sleepy, "m:sleepy")}
-    env = ToolEnvironment(slow, 5.0)
-    t0 = time.monotonic()
-    step = env.step("".join(format_call("sleepy", {"s": 0.2}) for _ in range(5)))
-    took = time.monotonic() - t0
-    assert step.observation.count("<tool_response>slept</tool_response>") == 5
-    assert took < 5 * 0.2 * 0.75, took        # five 0.2 s calls, not one after another
+    # five calls that each wait for all five to be running: one after another, the first
+    # would wait alone until its barrier gave up and come back as an error
+    meet = threading.Barrier(5, timeout=4.0)
+    env = ToolEnvironment({"meet": as_tool(_meeting(meet), "m:meet")}, 5.0)
+    step = env.step("".join(format_call("meet", {}) for _ in range(5)))
+    assert step.observation.count("<tool_response>met</tool_response>") == 5, step.observation
+    assert step.info["tool_calls"] == 5 and step.info["tool_errors"] == 0
+
+
+def _meeting(barrier: threading.Barrier):
+    def meet() -> str:
+        """Wait until every call of the turn is running."""
+        barrier.wait()
+        return "met"
+    return meet
 
 
 def _sleepy(s: float) -> str:

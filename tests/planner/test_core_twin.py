@@ -197,8 +197,8 @@ def _ppo_70b_128gpu() -> Problem:
 
 @pytest.mark.slow
 def test_anneal_128_gpus_200k_steps(record_property):
-    """The search-sized problem: 200k C++ steps in reasonable time, and the result
-    is what the Python simulator says of it."""
+    """The search-sized problem: 200k C++ steps, and the result is what the Python
+    simulator says of it."""
     prob = _ppo_70b_128gpu()
     assert prob.n_gpus == 128
     cp = to_core(prob)
@@ -211,8 +211,8 @@ def test_anneal_128_gpus_200k_steps(record_property):
     record_property("steps_per_s", round(steps_per_s))
     print(f"\n128-GPU PPO llama2-70b: {res.steps} steps in {elapsed:.2f} s "
           f"({steps_per_s:,.0f} steps/s), {res.accepted} accepted, energy {res.energy:.3f} s")
+    # (how fast is benchmarks/plan_speed's measurement, not an assertion here)
     assert res.steps == 200_000 and res.feasible
-    assert elapsed < 60.0, f"{steps_per_s:.0f} steps/s is far below the expected ~30k"
     assert energy(prob, simulate(prob, res.assign)) == res.energy
     assert res.energy < energy(prob, simulate(prob, start))
     # The twin agrees on this problem too (a short walk: Python is slow here).

