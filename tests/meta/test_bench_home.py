@@ -2,7 +2,8 @@
 import-linter contracts); ``benchmarks/<study>/`` holds what a study produces and
 explains: records, READMEs and shell wrappers that run ``python -m realign.bench...``.
 A Python file under ``benchmarks/`` fails here, and so does a reference to a study
-module that does not exist or a study module that cannot be run with ``python -m``."""
+module that does not exist, a study module that cannot be run with ``python -m``, or a
+module of realign outside ``realign/bench/studies`` that imports one (studies are leaves)."""
 from __future__ import annotations
 
 import ast
@@ -71,6 +72,28 @@ def test_every_named_study_module_exists() -> None:
     missing = {name: where for name, where in refs.items()
                if not (STUDIES / f"{name}.py").is_file()}
     assert missing == {}
+
+
+def imported_modules(source: str) -> set[str]:
+    """The modules a source file imports, at the top or inside a function."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def test_nothing_outside_the_studies_imports_them() -> None:
+    importers = [str(p.relative_to(REPO)) for p in sorted((REPO / "realign").rglob("*.py"))
+                 if STUDIES not in p.parents
+                 and any(m.startswith("realign.bench.studies")
+                         for m in imported_modules(p.read_text()))]
+    assert importers == []
+    assert imported_modules("def f():\n    from realign.bench import studies\n") >= {
+        "realign.bench.studies"}
 
 
 def test_study_modules_run_with_python_m() -> None:
