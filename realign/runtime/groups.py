@@ -105,6 +105,14 @@ def grid_rank_enum(layout: Layout, rank_offset: int) -> dict[str, list[list[int]
     }
 
 
+def tp_ep_pp_groups(layout: Layout, ep: int) -> list[list[int]]:
+    """TP x EP x PP groups in mesh ranks (megatron's ``tp_ep_pp``: the ranks that hold
+    every expert of the model once, whose gradient norms add up). tp-dp-pp 2-4-1, ep 2
+    -> [[0,1,2,3],[4,5,6,7]]; tp-dp-pp 1-2-2, ep 2 -> [[0,1,2,3]]."""
+    coords = [coords_of_rank(r, layout) for r in range(layout.world)]
+    return _group_by(coords, lambda c: (c[1] // ep,))
+
+
 def _group_by(coords, key) -> list[list[int]]:
     groups: dict = {}
     for rank, c in enumerate(coords):
@@ -116,9 +124,10 @@ def build_replica_groups(spec: ModelSpec, mesh: DeviceMesh, layout: Layout,
                          rank_offset: int | None = None, ep: int = 1) -> ReplicaGroups:
     """Create the replica's process groups. Collective over the whole world: every rank
     calls it with the same arguments. ``rank_offset`` defaults to ``mesh.first_gpu``.
-    ``ep`` > 1: expert parallelism inside the data-parallel ranks (the EP, expert-DP and
-    TP x EP groups of :mod:`realign.runtime.ep_groups` become megatron's ``ep``,
-    ``expt_dp`` and ``tp_ep``)."""
+    ``ep`` > 1: expert parallelism inside the data-parallel ranks (the EP, expert-DP,
+    TP x EP and TP x EP x PP groups become megatron's ``ep``, ``expt_dp``, ``tp_ep`` and
+    ``tp_ep_pp``: DDP sums the experts' gradients over ``expt_dp``, the expert
+    optimizer's gradient norm over ``tp_ep_pp``, where every expert is held once)."""
     world, me = dist.get_world_size(), dist.get_rank()
     offset = mesh.first_gpu if rank_offset is None else rank_offset
     shifted = DeviceMesh(first_gpu=offset, n_gpus=mesh.n_gpus)
@@ -129,7 +138,7 @@ def build_replica_groups(spec: ModelSpec, mesh: DeviceMesh, layout: Layout,
     if ep > 1:
         enum.update({kind: [[offset + r for r in g] for g in fn(layout, ep)] for kind, fn in
                      (("ep", ep_rank_groups), ("expt_dp", expert_dp_groups),
-                      ("tp_ep", tp_ep_groups))})
+                      ("tp_ep", tp_ep_groups), ("tp_ep_pp", tp_ep_pp_groups))})
     mine = {kind: _new_groups(groups) for kind, groups in enum.items()}
     member = offset <= me < offset + mesh.n_gpus
     out = ReplicaGroups(mesh=mesh, layout=layout, rank_offset=offset, member=member)
@@ -138,14 +147,15 @@ def build_replica_groups(spec: ModelSpec, mesh: DeviceMesh, layout: Layout,
     out.tp_rank, out.dp_rank, out.pp_rank = coords_of_rank(me - offset, layout)
     tp, cp, mp, dp = mine["tp"], mine["cp"], mine["mp"], mine["dp"]
     out.model_group = mine["model"]
-    ep_pg, expt_dp, tp_ep = cp, dp, tp
+    ep_pg, expt_dp, tp_ep, tp_ep_pp = cp, dp, tp, mp
     if ep > 1:
         out.ep, out.ep_group = ep, mine["ep"]
         out.ep_rank = ep_coords(out.dp_rank, ep)[0]
         ep_pg, expt_dp, tp_ep = mine["ep"], mine["expt_dp"], mine["tp_ep"]
+        tp_ep_pp = mine["tp_ep_pp"]
     out.pgs = ProcessGroupCollection(
         tp=tp, pp=mine["pp"], mp=mp, embd=mine["embd"], pos_embd=mine["pos_embd"],
-        cp=cp, tp_cp=tp, ep=ep_pg, expt_tp=tp, tp_ep=tp_ep, tp_ep_pp=mp,
+        cp=cp, tp_cp=tp, ep=ep_pg, expt_tp=tp, tp_ep=tp_ep, tp_ep_pp=tp_ep_pp,
         tp_dp_cp=mine["model"], dp=dp, dp_cp=dp, expt_dp=expt_dp, intra_dp_cp=dp,
         intra_expt_dp=expt_dp, intra_dist_opt=mine["model"], inter_dist_opt=None)
     return out

@@ -101,6 +101,13 @@ class MoeMLP(torch.nn.Module):
         self.experts = _Experts({e: _Expert(fc[2 * e].shard_shape(tp),
                                             fc[2 * e + 1].shard_shape(tp), dtype, device)
                                  for e in mine})
+        if ep > 1:
+            # megatron's mark of an expert-parallel parameter: its DDP sums the gradient
+            # over the expert-data-parallel group (the ranks holding the same experts),
+            # not the whole DP group, and its optimizer steps it apart, with the
+            # gradient norm over TP x EP x PP (:func:`realign.runtime.groups.build_replica_groups`)
+            for p in self.experts.parameters():
+                p.allreduce = False  # type: ignore[attr-defined]
         if init_seed is None:
             return
         params: dict[int, torch.Tensor] = {0: self.router.weight}

@@ -78,6 +78,15 @@ class TrainEngine:
                 f"bins: it needs train.packing true and the plain forward (this run: packing "
                 f"{cfg.packing}, forward {cfg.forward}); plan again with these settings",
                 field="train.packing")
+        if token_budget is not None and shard.groups.ep > 1:
+            # the bins' count differs between data-parallel ranks, but every rank of an EP
+            # group must run each micro-batch's token exchange
+            raise UserError(
+                f"a train call's token budget ({token_budget} tokens) gives each "
+                f"data-parallel rank its own number of micro-batches, which expert "
+                f"parallelism (ep {shard.groups.ep}) cannot run: its ranks exchange tokens "
+                "in every micro-batch; plan the call with ep 1 or without a token budget",
+                field="plan.token_budget")
         self.shard, self.cfg, self.micro_batches = shard, cfg, micro_batches
         self.token_budget, self.group_size = token_budget, group_size
         self.optimizer_offload, self.recompute = optimizer_offload, recompute
