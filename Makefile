@@ -53,7 +53,7 @@ PYTEST_RUN = $(BIN)/python -m pytest $(PYTEST_ARGS)
 NO_TESTS_OK = || [ $$? -eq 5 ]
 test: lint services vllm-env
 	$(PYTEST_RUN) -m "pure or torch" -n 2 $(NO_TESTS_OK)
-	$(PYTEST_RUN) -m "cpu_dist or ray" -n 2 --dist loadfile $(NO_TESTS_OK)
+	$(PYTEST_RUN) -m "cpu_dist or ray" -n 2 --dist loadfile --no-loadscope-reorder $(NO_TESTS_OK)
 	$(PYTEST_RUN) -m slurm $(NO_TESTS_OK)
 	$(MAKE) test-vllm
 

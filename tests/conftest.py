@@ -19,6 +19,19 @@ def tier_problems(items) -> list[str]:
     return out
 
 
+def slow_files_first(items) -> list:
+    """The tests of files holding a ``slow`` test first, each file's tests together and
+    in their order; the rest after, in collection order. ``make test`` hands files to
+    its two workers in this order (``--dist loadfile --no-loadscope-reorder``), so a long
+    file starts early and no worker waits alone at the end on one.
+
+    Example: a.py::x, b.py::y (slow), a.py::z -> b.py::y, a.py::x, a.py::z."""
+    def file_of(item) -> str:
+        return item.nodeid.split("::", 1)[0]
+    slow = {file_of(i) for i in items if i.get_closest_marker("slow") is not None}
+    return sorted(items, key=lambda i: file_of(i) not in slow)
+
+
 def pytest_collection_modifyitems(config, items):
     bad = tier_problems(items)
     if bad:
@@ -26,3 +39,4 @@ def pytest_collection_modifyitems(config, items):
             f"{len(bad)} test(s) need exactly one tier marker of {', '.join(TIERS)} "
             "(pytestmark = pytest.mark.<tier> in the file, or a decorator):\n  "
             + "\n  ".join(bad))
+    items[:] = slow_files_first(items)

@@ -1,4 +1,5 @@
-"""The tier check of tests/conftest.py: a test with no tier, or two, stops collection."""
+"""The tier check of tests/conftest.py: a test with no tier, or two, stops collection; and
+the order it hands tests on in: files with a slow test first."""
 from __future__ import annotations
 
 import shutil
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TIERS, tier_problems
+from tests.conftest import TIERS, slow_files_first, tier_problems
 
 pytestmark = pytest.mark.pure
 
@@ -28,6 +29,23 @@ def test_each_test_needs_exactly_one_tier():
              FakeItem("d", "gpu", "slow")]
     assert tier_problems(items) == ["b: no tier", "c: tiers torch, cpu_dist"]
     assert TIERS == ("pure", "torch", "cpu_dist", "slurm", "ray", "vllm", "gpu")
+
+
+def test_files_with_a_slow_test_come_first_whole_and_in_order():
+    items = [FakeItem("a.py::x", "pure"), FakeItem("b.py::y", "cpu_dist", "slow"),
+             FakeItem("b.py::y2", "pure"), FakeItem("a.py::z", "pure"),
+             FakeItem("c.py::w", "cpu_dist"), FakeItem("d.py::v[1]", "pure"),
+             FakeItem("d.py::v[2]", "cpu_dist", "slow")]
+    assert [i.nodeid for i in slow_files_first(items)] == [
+        "b.py::y", "b.py::y2", "d.py::v[1]", "d.py::v[2]", "a.py::x", "a.py::z", "c.py::w"]
+
+
+def test_make_test_hands_files_out_in_the_hooks_order():
+    """The multi-process tiers go to their workers file by file in the collection's order
+    (the slow files first), not reordered by xdist by their number of tests."""
+    text = (REPO / "Makefile").read_text()
+    line = next(ln for ln in text.splitlines() if '-m "cpu_dist or ray"' in ln)
+    assert "--dist loadfile" in line and "--no-loadscope-reorder" in line
 
 
 def test_an_unmarked_test_file_stops_collection(tmp_path):
