@@ -29,6 +29,7 @@ def async_experiment(assets, tmp, **changes):
     return experiment(assets, "tiny-grpo-async-cpu", tmp, plan__manual=ASYNC_MANUAL, **changes)
 
 
+@pytest.mark.slow
 def test_async_run_trains_on_stale_samples_and_resumes_bit_identically(tiny_assets, tmp_path):
     exp = async_experiment(tiny_assets, tmp_path, run__steps=12, run__checkpoint_interval=2)
     whole = tmp_path / "whole"

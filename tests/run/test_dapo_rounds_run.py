@@ -21,6 +21,7 @@ def dapo(assets, tmp_path, rounds: int):
                       run__checkpoint_interval=2)
 
 
+@pytest.mark.slow
 def test_sampling_rounds_fill_the_batch_and_resume_bit_identically(tiny_assets, tmp_path):
     exp = dapo(tiny_assets, tmp_path / "r", 4)
     whole = tmp_path / "whole"

@@ -38,6 +38,7 @@ def rewards(run_dir: Path) -> list[float]:
             for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_bit_identical_and_checkpoints_hold_adapters(
         tiny_assets, tmp_path):
     # with adapter dropout: its masks are drawn again alike after the resume

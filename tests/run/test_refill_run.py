@@ -26,6 +26,7 @@ def reason(assets, tmp_path, refill: bool, steps: int):
             "actor.train": {"mesh": MESH, "layout": DP2, "micro_batches": 1}})
 
 
+@pytest.mark.slow
 def test_a_refilling_run_samples_what_waves_sample_and_resumes_bit_identically(
         tiny_assets, tmp_path):
     steps = 6

@@ -78,6 +78,7 @@ def test_grpo_with_a_reference_model_scores_and_logs_the_kl(tiny_assets, tmp_pat
     assert " kl " in r.stderr + r.stdout
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_bit_identical(tiny_assets, tmp_path):
     # 20 steps, killed after 3: room to spare (a kill after the last step would find a
     # finished run)
@@ -116,6 +117,7 @@ def test_partial_checkpoint_is_ignored(tiny_assets, tmp_path):
     assert (rd / "checkpoints" / "step_000004" / "manifest.json").is_file()
 
 
+@pytest.mark.slow
 def test_resuming_with_a_differently_sharded_optimizer_is_refused(tiny_assets, tmp_path):
     rd = tmp_path / "run"
 
