@@ -143,6 +143,20 @@ class MoeMLP(torch.nn.Module):
                            self.norm_topk_prob, copy, reduce, self.record, self.ep_group,
                            self.n_experts)
 
+    def join_exchange(self) -> None:
+        """This layer's token exchange with none of this rank's own tokens: the tokens
+        the other ranks of the EP group send are run on this rank's experts and sent
+        back. What a rank that has finished its generation call runs while another
+        rank of its group still runs a forward (:mod:`realign.runtime.engines.ep_lockstep`)."""
+        assert self.ep_group is not None, "only with expert parallelism"
+        w = self.router.weight
+        x = torch.zeros(0, w.shape[1], dtype=w.dtype, device=w.device)
+        fc2s = self.fc2s()
+        dispatch_experts(x, torch.zeros(0, self.top_k, dtype=w.dtype, device=w.device),
+                         torch.zeros(0, self.top_k, dtype=torch.long, device=w.device),
+                         self.fc1s(), fc2s, self.n_experts, self.ep_group,
+                         next(iter(fc2s.values())).shape[0])
+
     def forward(self, hidden: torch.Tensor, padding_mask=None):
         """Megatron's MLP call: ``[s, b, h] -> ([s, b, h], None)``."""
         copy, reduce = tp_mappings(self.tp_group)

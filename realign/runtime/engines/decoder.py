@@ -34,6 +34,7 @@ import torch.utils.checkpoint
 
 from planner.cost.cost_config import KV_CACHE_BLOCK_TOKENS
 from realign.data.packing import Pack
+from realign.runtime.engines.ep_lockstep import announce_forward
 from realign.runtime.engines.packed_attention import packed_attention
 from realign.runtime.model import TE_NAMES, ModelShard
 from realign.runtime.moe import MoeMLP
@@ -190,6 +191,7 @@ class StageDecoder:
         [b, heads, s, keys] scores of an explicit mask. ``rows``: the cache rows the
         prompts go to (a refilled slot, :mod:`~realign.runtime.engines.refill`); None:
         rows ``0..b-1``."""
+        announce_forward(self.shard)
         b, s = x.shape[:2]
         span = key_span(s)
         pos = torch.arange(s, device=x.device)
@@ -209,7 +211,10 @@ class StageDecoder:
         """``kv_len``: an upper bound of ``pos + 1`` (the cache prefix attended).
         ``rows``: the cache rows ``x`` and ``pos`` are for (None: every row). With
         :attr:`replay` set, the step is replayed from its capture
-        (:mod:`~realign.runtime.engines.captured_step`), else run eagerly."""
+        (:mod:`~realign.runtime.engines.captured_step`), else run eagerly. With expert
+        parallelism both entry points first tell the EP group a forward comes
+        (:mod:`~realign.runtime.engines.ep_lockstep`)."""
+        announce_forward(self.shard)
         if self.replay is not None:
             return self.replay.step(x, pos, kv_len, rows)
         return self.eager_step(x, pos, kv_len, rows)

@@ -1,6 +1,8 @@
 """Generation engine of one replica: KV-cache decoding of a batch of variable-length
 prompts, at any TP and PP, in the plan's waves (:mod:`realign.runtime.engines.waves`)
-or in slots that refill (:mod:`realign.runtime.engines.refill`).
+or in slots that refill (:mod:`realign.runtime.engines.refill`). With expert
+parallelism the data-parallel ranks of an EP group keep in step
+(:mod:`realign.runtime.engines.ep_lockstep`), its decode steps eager.
 
 The forward is :class:`~realign.runtime.engines.decoder.StageDecoder` (why not
 megatron's inference engines: see there). A wave's prompts are right-padded and
@@ -20,6 +22,7 @@ import torch
 from realign.errors import UserError
 from realign.runtime.engines.base import gather_dp
 from realign.runtime.engines.captured_step import CaptureSetting, capture_mode
+from realign.runtime.engines.ep_lockstep import drain
 from realign.runtime.engines.refill import decode_refill
 from realign.runtime.engines.waves import decode_waves
 from realign.runtime.model import ModelShard
@@ -79,10 +82,13 @@ class GenerateEngine:
         # hundreds of small tensors (~15 % of a small model's generation on CPU; see
         # benchmarks/step/README.md). What
         # leaves it is concatenated below, outside, into an ordinary tensor.
+        # expert parallelism reads the exchange's split sizes on the host: eager steps
+        mode = capture_mode(capture, self.shard.device.kind) if g.ep == 1 else None
         with torch.inference_mode():
             decode = decode_refill if refill else decode_waves
-            res = decode(self.shard, mine, sampling, first, waves, self.pad_id,
-                         capture_mode(capture, self.shard.device.kind))
+            res = decode(self.shard, mine, sampling, first, waves, self.pad_id, mode)
+            # EP > 1: serve the EP group's other ranks until they finish too
+            drain(self.shard)
         out = gather_dp(self.shard, torch.cat([res.tokens.double(), res.logprobs.double(),
                                                res.lengths.double().unsqueeze(1)], dim=1))
         n = sampling.max_new_tokens
