@@ -92,7 +92,7 @@ def a_from_hf(lora: LoraSpec, parts: list[torch.Tensor]) -> torch.Tensor:
 
 # ---- out ----------------------------------------------------------------------------
 
-def _full_adapters(shard) -> dict[str, torch.Tensor]:
+def full_adapters(shard) -> dict[str, torch.Tensor]:
     """This stage's adapters (and value head) gathered over TP, in PEFT's keys and
     layout (every rank of the stage gets them)."""
     from planner.specs.lora import trained_stage_tensors
@@ -138,7 +138,7 @@ def save_peft_adapter(shard, folder: str | Path, base_path: str) -> None:
     from safetensors.torch import save_file
 
     g = shard.groups
-    full = _full_adapters(shard)          # collective over TP: every rank gathers
+    full = full_adapters(shard)          # collective over TP: every rank gathers
     mine = full if g.tp_rank == 0 and g.dp_rank == 0 else {}
     gathered: list = [None] * dist.get_world_size(g.model_group)
     dist.all_gather_object(gathered, mine, group=g.model_group)

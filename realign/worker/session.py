@@ -138,7 +138,8 @@ class Session:
         """A vLLM engine for each replica that generates on vLLM on this rank (the
         plan's ``engine: vllm``) at the call's TP, hosted by the replica's TP rank 0
         (the other TP ranks hold a handle without an engine), started from the role's
-        checkpoint folder; its weights are replaced before each call."""
+        checkpoint folder; its weights are replaced before each call (a LoRA actor's
+        adapters only: its base is that checkpoint)."""
         from realign.runtime.engines.vllm_engine import VLLMEngine, tp_devices
 
         a = self.cfg.algorithm
@@ -151,7 +152,8 @@ class Session:
                     self.paths[op.role], self.cfg.rollout.vllm, self.dev.dtype,
                     a.prompt_len + a.gen_len, device_kind=self.dev.kind,
                     device_index=local, seed=self.cfg.run.seed, tp=g.layout.tp,
-                    host=g.tp_rank == 0, devices=tp_devices(g, local))
+                    host=g.tp_rank == 0, devices=tp_devices(g, local),
+                    lora=self.hosted[op.replica].shard.lora)
 
     # ---- data of a step --------------------------------------------------------------
     def dataset_record(self, step: int) -> dict:

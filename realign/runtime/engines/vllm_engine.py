@@ -24,6 +24,10 @@ join). The worker is the engine's only client; nothing else manages it.
   GPUs) on CUDA (:mod:`realign.runtime.engines.vllm_cuda_weights`); then the prefix
   cache is reset. :meth:`VLLMEngine.load_files` keeps the safetensors-folder route for
   comparison (``benchmarks/generate``).
+* **LoRA** (``lora``, the actor's adapters): vLLM's own LoRA; the frozen base is the
+  checkpoint the engine starts from, never sent again, and each load hands vLLM only
+  the adapters, in memory, under a new id that the call's requests name
+  (:mod:`realign.runtime.engines.vllm_lora`).
 * **Sampling** (:meth:`VLLMEngine.generate`): realign's settings map one to one
   (temperature, top-k, top-p; greedy is temperature 0); the stop tokens are realign's
   (the tokenizer's end token; vLLM's own end-of-sequence rule is off, so both engines
@@ -54,6 +58,7 @@ import torch
 
 from realign.runtime.engines.base import gather_dp
 from realign.runtime.engines.generate import Generation
+from realign.runtime.engines.vllm_lora import VLLMAdapters, lora_engine_args
 from realign.runtime.engines.vllm_weights import (
     BUCKET_BYTES,
     SharedMemoryTransport,
@@ -64,6 +69,7 @@ from realign.runtime.engines.vllm_weights import (
     push_weights,
     weight_groups,
 )
+from realign.runtime.lora_peft import peft_config
 from realign.runtime.model import ModelShard
 from realign.runtime.settings import SamplingParams, VLLMSettings
 
@@ -172,13 +178,14 @@ class VLLMEngine:
     """One vLLM engine of a replica's data-parallel rank, hosted on its TP rank 0 (see
     the module docstring). ``tp``: the call's TP; ``host``: this rank hosts the engine
     (the other TP ranks hold ``llm = None``); ``devices``: the local device index of
-    each TP rank (CUDA)."""
+    each TP rank (CUDA); ``lora``: the replica's :class:`~planner.specs.lora.LoraSpec`
+    (None: no LoRA)."""
 
     def __init__(self, model_dir: str | Path, settings: VLLMSettings, dtype: torch.dtype,
                  max_model_len: int, device_kind: str = "cpu", device_index: int = 0,
                  seed: int = 0, tp: int = 1, host: bool = True,
                  devices: list[int] | None = None,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, lora=None):
         self.kv_cache_bytes = int(settings.kv_cache_gib * GIB)
         self.device_kind, self.tp, self.bucket_bytes = device_kind, tp, bucket_bytes
         self.devices = devices if devices is not None else [device_index + i for i in range(tp)]
@@ -186,7 +193,11 @@ class VLLMEngine:
         self.backend = "shm" if device_kind == "cpu" else "ipc"
         self.transport: WeightTransport | None = None
         self._folder: Path | None = None
+        self.adapters: VLLMAdapters | None = None
+        config = peft_config(lora, "lm", str(model_dir)) if lora is not None else {}
         if not host:
+            if lora is not None:
+                self.adapters = VLLMAdapters(None, config)
             return
         from vllm import LLM
 
@@ -213,8 +224,10 @@ class VLLMEngine:
                            enforce_eager=device_kind == "cpu", skip_tokenizer_init=True,
                            max_model_len=max_model_len, max_num_seqs=settings.max_num_seqs,
                            kv_cache_memory_bytes=self.kv_cache_bytes,
-                           enable_prefix_caching=False, **extra)
+                           enable_prefix_caching=False, **lora_engine_args(lora), **extra)
         torch.set_num_threads(threads)          # vLLM lowers the caller's threads
+        if lora is not None:
+            self.adapters = VLLMAdapters(self.llm.collective_rpc, config)
 
     # ---- weights -----------------------------------------------------------------------
     def _transport(self, shard: ModelShard | None) -> WeightTransport:
@@ -238,11 +251,13 @@ class VLLMEngine:
 
     def load(self, shard: ModelShard) -> int:
         """Replace the engine's weights by ``shard``'s (the call's layout, PP 1), in
-        memory; the bytes delivered (whole tensors). Every TP rank of the replica calls
-        it."""
+        memory; the bytes delivered (whole tensors). With LoRA only the adapters, under
+        a new id. Every TP rank of the replica calls it."""
         g = shard.groups
         assert g.layout.pp == 1 and g.layout.tp == self.tp, \
             f"vLLM runs at the call's TP {self.tp}, PP 1; the replica is at {g.layout}"
+        if self.adapters is not None:       # LoRA: the adapters only, the base stays
+            return self.adapters.push(shard)
         nbytes = push_weights(shard, self._transport(shard), self.bucket_bytes)
         if self.llm is not None:
             self.llm.reset_prefix_cache()
@@ -302,8 +317,10 @@ class VLLMEngine:
                   pad_id: int) -> torch.Tensor:
         """The engine's records of ``mine``: tokens, log-probs, length per row."""
         assert self.llm is not None
+        lora = self.adapters.request() if self.adapters is not None else None
         outs = self.llm.generate([{"prompt_token_ids": q} for q in mine],
-                                 vllm_sampling(p, len(mine), first), use_tqdm=False)
+                                 vllm_sampling(p, len(mine), first), use_tqdm=False,
+                                 lora_request=lora)
         n = p.max_new_tokens
         tokens = torch.full((len(mine), n), pad_id, dtype=torch.float64)
         logprobs = torch.zeros(len(mine), n, dtype=torch.float64)
@@ -323,6 +340,8 @@ class VLLMEngine:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+        if self.adapters is not None:
+            self.adapters.close()
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown(timeout=CLOSE_TIMEOUT_S)
         if self._folder is not None:

@@ -97,6 +97,51 @@ class RealignWorkerExtension:
         if importer is not None:        # the replica may reclaim its IPC buffer
             importer.close()
 
+    def realign_add_lora(self, name: str, entries: list[list], lora_id: int,
+                         config: dict) -> int:
+        """Register the adapter in the shared-memory segment ``name`` (PEFT's tensors,
+        whole: vLLM slices them for this worker's TP rank) under ``lora_id`` in vLLM's
+        LoRA manager, in place of every adapter it held, and activate it; its bytes.
+        :mod:`realign.runtime.engines.vllm_lora` says why this is not ``add_lora``."""
+        from multiprocessing import resource_tracker, shared_memory
+
+        import torch
+        from vllm.lora.peft_helper import PEFTHelper
+        from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+
+        from realign.runtime.engines.vllm_weights import iter_wire, unpack
+
+        shm = shared_memory.SharedMemory(name=name)
+        resource_tracker.unregister(shm._name, "shared_memory")     # type: ignore[attr-defined]
+        try:
+            buffer = torch.frombuffer(shm.buf, dtype=torch.uint8)
+            packed = list(iter_wire(entries))
+            tensors = {n: t.clone() for n, t in unpack(buffer, packed)}
+            del buffer
+        finally:
+            shm.close()
+        manager = self.model_runner.lora_manager                   # type: ignore[attr-defined]
+        peft = PEFTHelper.from_dict(dict(config))
+        peft.validate_legal(manager.lora_config)
+        models = manager._adapter_manager        # vLLM's LoRAModelManager of this worker
+        model = models.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        lora = manager._lora_model_cls.from_lora_tensors(
+            lora_model_id=lora_id, tensors=tensors, peft_helper=peft, device="cpu",
+            dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+        with gpu_sync_allowed():        # as vLLM's own add_adapter
+            for old in manager.list_adapters():
+                manager.remove_adapter(old)
+            models.add_adapter(lora)
+            models.activate_adapter(lora_id)
+        return sum(e.nbytes for e in packed)
+
+    def realign_lora_ids(self) -> list[int]:
+        """The adapter ids this worker's LoRA manager holds."""
+        return sorted(self.model_runner.lora_manager.list_adapters())  # type: ignore[attr-defined]
+
     def realign_device_uuid(self) -> str:
         """This worker's GPU (its UUID), or ``cpu``: which transport reaches it."""
         import torch
