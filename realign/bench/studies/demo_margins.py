@@ -83,7 +83,7 @@ def main() -> None:
                     help="base, sft_lr=X, grpo_lr=X or seed=N (repeatable)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    record: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": describe(),
               "variants": {}}
     for v in args.variant or ["base"]:

@@ -176,7 +176,7 @@ def main() -> None:
                                     "file_over_memory": [f / m for f, m in
                                                          zip(w["file_s"], w["memory_s"])]}
         if "tp" in parts:
-            runs = {}
+            runs: dict[int, list[dict]] = {}
             for tp in (1, 2, 1, 2):                # interleaved: TP 1, TP 2, twice
                 _spawn(timed_generate, tp, model, tmp, args.prompts, args.gen_len,
                        args.gen_rounds)

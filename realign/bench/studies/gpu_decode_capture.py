@@ -24,6 +24,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from realign.runtime.device import init_device
 from realign.runtime.engines.captured_step import capture_mode, capture_steps
 from realign.runtime.engines.decoder import StageDecoder
 from realign.runtime.groups import build_replica_groups
-from realign.runtime.model import build_model
+from realign.runtime.model import ModelShard, build_model
 
 TINY = ModelSpec(name="tiny-decode", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2,
                  ffn_hidden=128, vocab_size=256, max_seq_len=512)
@@ -63,9 +64,9 @@ def parse() -> argparse.Namespace:
     return a.parse_args()
 
 
-def model(args) -> tuple[ModelSpec, object]:
+def model(args: argparse.Namespace) -> tuple[ModelSpec, ModelShard]:
     """The shard of a one-rank world, random weights (normal, std 0.02; norms 1)."""
-    kind = "cpu" if args.tiny else "cuda"
+    kind: Literal["cpu", "cuda"] = "cpu" if args.tiny else "cuda"
     dev = init_device(kind, dtype="fp32" if args.tiny or args.fp32 else "bf16")
     dist.init_process_group("gloo" if args.tiny else "cpu:gloo,cuda:nccl",
                             init_method="tcp://127.0.0.1:29571", rank=0, world_size=1)
@@ -111,6 +112,7 @@ class Run:
             x = lp.argmax(-1, keepdim=True)
             toks.append(x[:, 0])
             lps.append(lp.gather(1, x)[:, 0])
+        assert first is not None, "greedy() takes at least one step"
         return torch.stack(toks), torch.stack(lps), first
 
 
@@ -181,7 +183,7 @@ def main() -> int:
     spec, shard = model(args)
     cuda = shard.device.kind == "cuda"
     mode = capture_mode("on", shard.device.kind)
-    rows_out = []
+    rows_out: list[dict] = []
     for rows in [int(b) for b in args.batches.split(",")]:
         start = args.context - args.warmup - max(args.steps, args.check) - 1
         x0 = torch.randint(0, spec.vocab_size, (rows, 1), device=shard.device.device)
@@ -236,8 +238,9 @@ def main() -> int:
         if "captured_error" in r:
             print(f"{r['rows']:>5} {r['eager']['step_s'] * 1e3:>9.3f}  captured failed")
             continue
-        e, c = r["eager"]["step_s"] * 1e3, r["captured"]["step_s"] * 1e3
-        print(f"{r['rows']:>5} {e:>9.3f} {c:>8.3f} {e / c:>5.2f} {e / L:>8.3f} {c / L:>7.3f} "
+        eager_ms, capt_ms = r["eager"]["step_s"] * 1e3, r["captured"]["step_s"] * 1e3
+        print(f"{r['rows']:>5} {eager_ms:>9.3f} {capt_ms:>8.3f} {eager_ms / capt_ms:>5.2f} "
+              f"{eager_ms / L:>8.3f} {capt_ms / L:>7.3f} "
               f"{r['eager']['host_issue_s'] * 1e3:>5.2f}/{r['captured']['host_issue_s'] * 1e3:<6.2f} "
               f"{r['planned_eager_s'] * 1e3:>6.2f}/{r['planned_captured_s'] * 1e3:<6.2f} "
               f"{r['greedy_equal']:>4}/{r['greedy_total']:<5} {r['logprob_max_diff']:>8.1e}")

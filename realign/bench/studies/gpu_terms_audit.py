@@ -154,9 +154,9 @@ def plan_terms() -> None:
     from realign.config.loading import load_experiment
     from realign.config.planning import plan_experiment, resolve_models
 
-    cfg, base = load_experiment(REPO / "experiments" / "ppo-llama2-70b-128gpu.yaml")
-    plan = plan_experiment(cfg, base)
-    models = resolve_models(cfg, base)
+    cfg = load_experiment(REPO / "experiments" / "ppo-llama2-70b-128gpu.yaml")
+    plan = plan_experiment(cfg)
+    models = resolve_models(cfg)
     cost = CostModel(plan.cluster, plan.cost_config)
     print()
     print(f"The searched plan of experiments/ppo-llama2-70b-128gpu.yaml: "

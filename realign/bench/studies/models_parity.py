@@ -20,12 +20,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from realign.bench.studies.checkout import REPO
 
-FAMILIES = {   # name -> make_tiny arguments
+FAMILIES: dict[str, dict[str, Any]] = {   # name -> make_tiny arguments
     "llama": dict(kind="llama"),
     "llama31": dict(kind="llama", seed=5, rope_parameters={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -52,7 +53,8 @@ def parity(root: Path) -> dict:
 
     out: dict = {}
     with LocalWorld(2, timeout_s=300) as w:
-        for name, kw in FAMILIES.items():
+        for name, family in FAMILIES.items():
+            kw = dict(family)
             kind = kw.pop("kind")
             path = str(make_tiny(root / name, kind, **kw))
             row = out[name] = {}

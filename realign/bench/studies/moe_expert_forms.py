@@ -106,12 +106,12 @@ def decoder_steps(rounds: int, rows: int = 16, reps: int = 20) -> dict:
         try:
             for r in range(rounds + 1):
                 for k, (dense, sorted_fn) in patches.items():
-                    moe.dense_experts, moe.experts_sorted = dense, sorted_fn   # type: ignore
+                    moe.dense_experts, moe.experts_sorted = dense, sorted_fn
                     t = time_s(dec.eager_step, (x, lengths, 16, None), reps)
                     if r:                                   # round 0: warm-up
                         times[k].append(t)
         finally:
-            moe.dense_experts, moe.experts_sorted = choose, sorted_form   # type: ignore
+            moe.dense_experts, moe.experts_sorted = choose, sorted_form
     dist.destroy_process_group()
     return {"rows": rows, "reps_per_round": reps, "rounds_s": times,
             "median_s": {k: statistics.median(v) for k, v in times.items()}}
