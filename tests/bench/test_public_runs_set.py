@@ -1,0 +1,37 @@
+"""The shipped calibration set of ``realign bench public`` (benchmarks/public_runs): every
+run is sourced and quoted, and its experiment YAML loads and plans on the device preset
+its hardware names."""
+from __future__ import annotations
+
+import pytest
+
+from realign.bench.public import DEFAULT_INDEX, load_index
+
+pytestmark = pytest.mark.pure
+
+PRESET_OF = {"A100": "a100-80g", "H100": "h100-80g", "H200": "h200"}
+
+
+def test_every_run_is_sourced_and_its_setting_loads():
+    """Each run quotes its figure and names its source; its experiment file exists, loads,
+    carries the run's id as its name and is priced with the preset its hardware names (an
+    entry on 'H100' plans with h100-80g); published phases fit in the step; the set holds
+    at least two H100 runs and runs from at least five systems."""
+    from realign.config.loading import load_experiment
+
+    idx = load_index(DEFAULT_INDEX)
+    on_device: dict[str, int] = {}
+    for r in idx.runs:
+        assert r.source.strip() and r.quote.strip(), r.id
+        path = DEFAULT_INDEX.parent / r.experiment
+        assert path.is_file(), f"{r.id}: no experiment file {path}"
+        cfg, _ = load_experiment(path)
+        assert cfg.name == r.id, f"{r.id}: the experiment is named {cfg.name}"
+        device = cfg.cluster.spec().device.name
+        named = [preset for gpu, preset in PRESET_OF.items() if gpu in r.hardware]
+        assert named == [device], f"{r.id}: hardware {r.hardware!r} planned on {device}"
+        on_device[device] = on_device.get(device, 0) + 1
+        phases = [v for k, v in r.measured.model_dump().items() if k != "step_s" and v]
+        assert sum(phases) <= r.measured.step_s * 1.01, f"{r.id}: phases exceed the step"
+    assert on_device.get("h100-80g", 0) >= 2
+    assert len({r.system for r in idx.runs}) >= 5
