@@ -38,7 +38,7 @@ services:
 # Style, layering and types: ruff's rules, the import contracts and mypy on the planner
 # and the run wing (pyproject.toml).
 lint:
-	$(BIN)/ruff check --no-cache realign planner tests benchmarks setup.py
+	$(BIN)/ruff check --no-cache realign planner tests setup.py
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
