@@ -38,26 +38,39 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_grpo_learns_and_saves_a_hf_actor(tiny_assets, tmp_path):
-    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=24)
-    r = run(exp, tmp_path / "run")
+LEARN_STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def learned(tiny_assets, tmp_path_factory) -> tuple[Path, Path]:
+    """One whole tiny GRPO run of the file (its experiment, its run folder), checkpointed
+    every 2 steps: the run that learns, and the uninterrupted twin of the resumed one."""
+    tmp = tmp_path_factory.mktemp("learned")
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp, run__steps=LEARN_STEPS,
+                     run__checkpoint_interval=2)
+    r = run(exp, tmp / "run")
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = metrics(tmp_path / "run")
-    assert [row["step"] for row in rows] == list(range(24))
+    return exp, tmp / "run"
+
+
+def test_grpo_learns_and_saves_a_hf_actor(tiny_assets, learned):
+    run_dir = learned[1]
+    rows = metrics(run_dir)
+    assert [row["step"] for row in rows] == list(range(LEARN_STEPS))
     first = sum(row["reward_mean"] for row in rows[:5]) / 5
     last = sum(row["reward_mean"] for row in rows[-5:]) / 5
     assert last > first + 0.08, (first, last)
     for key in ("actor.loss", "actor.grad_norm", "tokens_per_s", "time.actor.generate"):
         assert key in rows[-1], key
     assert "time.ref.inference" not in rows[-1]             # kl_coef 0 and no ref model
-    assert list((tmp_path / "run" / "tensorboard").iterdir())
+    assert list((run_dir / "tensorboard").iterdir())
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final" / "actor")
-    tok = AutoTokenizer.from_pretrained(tmp_path / "run" / "final" / "actor")
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final" / "actor")
+    tok = AutoTokenizer.from_pretrained(run_dir / "final" / "actor")
     ids = tok("3+4=", return_tensors="pt")["input_ids"]
     assert model(ids).logits.shape[-1] >= len(tok)
     start = load_file(next((tiny_assets / "tiny" / "actor").glob("*.safetensors")))
-    trained = final_weights(tmp_path / "run")
+    trained = final_weights(run_dir)
     assert any(not torch.equal(start[k], trained[k]) for k in start), "weights did not change"
 
 
@@ -79,13 +92,10 @@ def test_grpo_with_a_reference_model_scores_and_logs_the_kl(tiny_assets, tmp_pat
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_is_bit_identical(tiny_assets, tmp_path):
-    # 20 steps, killed after 3: room to spare (a kill after the last step would find a
-    # finished run)
-    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=20,
-                     run__checkpoint_interval=2)
-    whole = tmp_path / "whole"
-    assert run(exp, whole).returncode == 0
+def test_resume_after_sigkill_is_bit_identical(learned, tmp_path):
+    # the learning run's 24 steps, killed after 3: room to spare (a kill after the last
+    # step would find a finished run)
+    exp, whole = learned
     cut = tmp_path / "cut"
     kill_after(exp, cut, 3)
     found = committed(cut)
@@ -94,7 +104,7 @@ def test_resume_after_sigkill_is_bit_identical(tiny_assets, tmp_path):
     r = run(exp, cut)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from" in r.stdout and found[-1][1].name in r.stdout, r.stdout
-    assert [row["step"] for row in metrics(cut)] == list(range(20))
+    assert [row["step"] for row in metrics(cut)] == list(range(LEARN_STEPS))
     a, b = final_weights(whole), final_weights(cut)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
