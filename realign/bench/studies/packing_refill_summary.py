@@ -11,6 +11,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from realign.bench.studies.packing_summarize import runs_by_mode, spread_by_mode
+
 KEYS = ("step_time_s", "generate_s", "decode_steps", "response_len", "est_iteration_s",
         "est_generate_s")
 
@@ -36,19 +38,8 @@ def run_summary(folder: Path) -> dict:
 
 
 def main(out: Path, record: Path | None) -> None:
-    runs: dict[str, list[dict]] = {"refill": [], "waves": []}
-    for d in sorted(out.iterdir()):
-        mode, _, rnd = d.name.partition("-")
-        if d.is_dir() and mode in runs and rnd.isdigit():
-            runs[mode].append(run_summary(d))
-    summary: dict = {}
-    for mode, rs in runs.items():
-        summary[mode] = {k: {"median": statistics.median(r[k] for r in rs),
-                             "min": min(r[k] for r in rs), "max": max(r[k] for r in rs)}
-                         for k in KEYS}
-        for k, v in summary[mode].items():
-            print(f"{mode:6s} {k:16s} median {v['median']:.4f}  range "
-                  f"{v['min']:.4f} .. {v['max']:.4f}  ({len(rs)} rounds)")
+    runs = runs_by_mode(out, ("refill", "waves"), run_summary)
+    summary = spread_by_mode(runs, KEYS)
     for k, est in (("generate_s", "est_generate_s"), ("step_time_s", "est_iteration_s")):
         meas = summary["waves"][k]["median"] / summary["refill"][k]["median"]
         planned = summary["waves"][est]["median"] / summary["refill"][est]["median"]

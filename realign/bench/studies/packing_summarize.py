@@ -8,6 +8,9 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Callable
+
+from realign.bench.plans import spread
 
 
 def run_summary(folder: Path) -> dict:
@@ -28,21 +31,33 @@ def run_summary(folder: Path) -> dict:
                          for r in rows]}
 
 
-def main(out: Path, record: Path | None) -> None:
-    runs: dict[str, list[dict]] = {"packed": [], "padded": []}
+def runs_by_mode(out: Path, modes: tuple[str, ...],
+                 summarise: Callable[[Path], dict]) -> dict[str, list[dict]]:
+    """mode -> the summaries of its rounds' folders ``OUT/<mode>-<round>/``, in name order
+    (the layout benchmarks/packing/rounds.sh writes)."""
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
     for d in sorted(out.iterdir()):
         mode, _, rnd = d.name.partition("-")
         if d.is_dir() and mode in runs and rnd.isdigit():
-            runs[mode].append(run_summary(d))
-    summary = {}
+            runs[mode].append(summarise(d))
+    return runs
+
+
+def spread_by_mode(runs: dict[str, list[dict]], keys: tuple[str, ...]) -> dict:
+    """mode -> key -> the median, min and max over the mode's rounds; printed as a table."""
+    summary: dict = {}
     for mode, rs in runs.items():
-        summary[mode] = {k: {"median": statistics.median(r[k] for r in rs),
-                             "min": min(r[k] for r in rs), "max": max(r[k] for r in rs)}
-                         for k in ("step_time_s", "train_s", "generate_s", "padded_tokens",
-                                   "response_len", "est_iteration_s", "est_train_s")}
+        summary[mode] = {k: spread([r[k] for r in rs]) for k in keys}
         for k, v in summary[mode].items():
             print(f"{mode:7s} {k:16s} median {v['median']:.4f}  range "
                   f"{v['min']:.4f} .. {v['max']:.4f}  ({len(rs)} rounds)")
+    return summary
+
+
+def main(out: Path, record: Path | None) -> None:
+    runs = runs_by_mode(out, ("packed", "padded"), run_summary)
+    summary = spread_by_mode(runs, ("step_time_s", "train_s", "generate_s", "padded_tokens",
+                                    "response_len", "est_iteration_s", "est_train_s"))
     for k, est in (("train_s", "est_train_s"), ("step_time_s", "est_iteration_s")):
         meas = summary["padded"][k]["median"] / summary["packed"][k]["median"]
         planned = summary["padded"][est]["median"] / summary["packed"][est]["median"]
