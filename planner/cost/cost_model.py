@@ -239,10 +239,7 @@ class CostModel:
             return multi_turn_cost(mfc, lambda sub: self.mfc_cost(
                 sub, spec, head, mesh, layout, micro_batches, engine=engine, lora=lora))
         if engine == "vllm":
-            if lora is not None:
-                raise PlanError("vLLM generation of a LoRA model is not priced: realign "
-                                "runs LoRA models on its own engine", field="rollout.engine")
-            return vllm_generate_cost(self, mfc, spec, head, mesh, layout)
+            return vllm_generate_cost(self, mfc, spec, head, mesh, layout, lora)
         if mfc.kind == "generate":
             terms = self._generate_terms(mfc, spec, head, mesh, layout, micro_batches, lora)
         elif mfc.kind == "train":

@@ -31,14 +31,17 @@ price, not vLLM's). Per engine:
   parallel, each keeping its slice). A profile's measured ``vllm_load`` (fixed seconds and bytes per
   second of the shared-memory update, ``realign profile``) replaces the passes; when
   the call's layout differs from the training call's, the plan's reallocation into it
-  comes first, priced as any other;
+  comes first, priced as any other. A LoRA model (vLLM's own LoRA) loads its frozen
+  base once, when the engine starts, and each call moves only its adapters:
+  :func:`adapter_load_s`;
 * ``decode_host_sync`` (``vllm_scheduler: sync``, vLLM v0): :data:`VLLM_SYNC_STEP_S`
   per decode step, the host's scheduling, input preparation and output processing
   between two steps, during which the device waits (V1 overlaps it with the step);
 * the outputs gathered over the data-parallel ranks, as realign's own engine does.
 
 Memory per GPU: the model's weights (realign's copy), plus vLLM's copy of them, its KV
-cache (``vllm_kv_cache_bytes``, allocated whole) and the logits of ``S`` rows.
+cache (``vllm_kv_cache_bytes``, allocated whole) and the logits of ``S`` rows; with
+LoRA also vLLM's copy of the adapters (PEFT's layout, one adapter at a time).
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ from planner.graph.dataflow import MFC
 from planner.graph.lengths import longest_moments
 from planner.graph.padding import longest_prompt
 from planner.specs.layout import Layout
+from planner.specs.lora import LoraSpec
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
 
@@ -67,6 +71,34 @@ LOAD_PASSES = 3
 #: their output processing): "about 4ms of GPU bubble" on every decode step in the
 #: trace of vllm-project/vllm issue #6854 (docs/gpu-facts.md §3e)
 VLLM_SYNC_STEP_S = 0.004
+#: the largest LoRA rank vLLM 0.32 takes (``max_lora_rank``: 1, 8, ... 320, 512)
+VLLM_MAX_LORA_RANK = 512
+
+
+def peft_adapter_params(spec: ModelSpec, lora: LoraSpec) -> int:
+    """Parameters of the adapter vLLM receives: PEFT's layout, every adapted projection
+    its own ``A`` and ``B`` (``shared_a``'s one ``A`` goes to every part).
+
+    Example: 4 layers of hidden 256 (4 KV heads of 32), ffn 768, rank 8 on all seven
+    projections: 4 x (8 x (6 x 256 + 768) + 8 x 2560) = 155,648."""
+    return lora.model_copy(update={"shared_a": False}).total_params(spec)
+
+
+def adapter_load_s(cm: "CostModel", adapter_bytes: float, tp: int = 1,
+                   tp_nodes: int = 1) -> float:
+    """Seconds to hand one engine a LoRA model's adapters, ``adapter_bytes`` in PEFT's
+    layout (:mod:`realign.runtime.engines.vllm_lora`): the all-gather of the sharded
+    factors over the TP group, then :data:`LOAD_PASSES` passes at the memory bandwidth
+    (packed into a host shared-memory segment, copied out by each vLLM worker, loaded
+    into vLLM's LoRA slots) and, on a device that runs kernels asynchronously (GPUs),
+    the copies device to host and back over the host link (vLLM's LoRA manager loads an
+    adapter on the host). The base is not sent: vLLM loads it once, at start.
+
+    Example: 1e6 bytes at 1e10 B/s of memory, TP 1, cpu: 3 x 1e-4 = 3e-4 s."""
+    gather = cm.rates.collective_s("all_gather", adapter_bytes, tp, tp_nodes) if tp > 1 else 0.0
+    host = 2 * adapter_bytes / cm.rates.host_link_bytes_per_s \
+        if cm.cluster.device.async_kernels else 0.0
+    return gather + LOAD_PASSES * adapter_bytes / cm.rates.mem_bytes_per_s + host
 
 
 def weight_load_s(cm: "CostModel", full_bytes: float, tp: int = 1, tp_nodes: int = 1) -> float:
@@ -127,10 +159,14 @@ def decode_schedule(mfc: MFC, n: float, slots: int) -> tuple[float, float]:
 
 
 def vllm_generate_cost(cm: "CostModel", mfc: MFC, spec: ModelSpec, head: str,
-                       mesh: DeviceMesh, layout: Layout) -> MFCCost:
-    """Time and memory of ``mfc`` on vLLM (the module's docstring says what is priced)."""
+                       mesh: DeviceMesh, layout: Layout,
+                       lora: LoraSpec | None = None) -> MFCCost:
+    """Time and memory of ``mfc`` on vLLM (the module's docstring says what is priced);
+    ``lora``: the model's adapters (vLLM's LoRA)."""
     if mfc.kind != "generate" or layout.pp != 1:
         raise ValueError("vLLM runs generate calls at PP 1 only")
+    if lora is not None and lora.rank > VLLM_MAX_LORA_RANK:
+        raise ValueError(f"vLLM takes LoRA ranks up to {VLLM_MAX_LORA_RANK}, not {lora.rank}")
     r, cfg = cm.rates, cm.config
     dt = cfg.param_dtype_bytes
     dp = layout.dp
@@ -154,12 +190,15 @@ def vllm_generate_cost(cm: "CostModel", mfc: MFC, spec: ModelSpec, head: str,
                                 costs_kind=VLLM_DECODE)
     per_row = Work().add(wide).add(one, -1.0)
     decode = Work().add(one, steps).add(per_row, (seq_steps - steps) / max(1.0, full - 1.0))
-    weights = dt * cm.stage_params(spec, head, layout)
+    mine = dt * cm.lora_params(spec, head, layout, lora)   # realign's copy's adapters
+    weights = dt * cm.stage_params(spec, head, layout) + mine
     whole = dt * cm.stage_params(spec, head, Layout(tp=1, pp=1, dp=1))
     n_out = mfc.gen_len
+    adapters = dt * peft_adapter_params(spec, lora) if lora is not None else 0.0
+    load = ({"adapter_load": adapter_load_s(cm, adapters, layout.tp, tpn)} if lora is not None
+            else {"weight_load": weight_load_s(cm, whole, layout.tp, tpn)})
     call = Work(seconds={"dp_comm": r.collective_s("all_gather", mfc.n_seqs * (2 * n_out + 1) * 8,
-                                                   dp, dpn),
-                         "weight_load": weight_load_s(cm, whole, layout.tp, tpn)},
+                                                   dp, dpn), **load},
                 counts={"call_s": 1.0, "collective_s": float(dp > 1)})
     terms = {f"prefill_{k}": v for k, v in lagged(pre, layout.world).terms(pre_c).items()}
     for k, v in lagged(decode, layout.world).terms(dec_c).items():
@@ -169,6 +208,8 @@ def vllm_generate_cost(cm: "CostModel", mfc: MFC, spec: ModelSpec, head: str,
     for k, v in call.terms(pre_c).items():
         terms[k] = terms.get(k, 0.0) + v
     logit_cols = spec.padded_vocab if head == "lm" else 1.0
-    act = weights + cfg.vllm_kv_cache_bytes + 4.0 * full * logit_cols * 2
+    vllm_copy = weights - mine + adapters       # vLLM's base and its copy of the adapters
+    act = vllm_copy + cfg.vllm_kv_cache_bytes + 4.0 * full * logit_cols * 2
     return MFCCost(time_s=sum(terms.values()), terms_s=terms, weights_bytes=weights,
-                   resident_bytes=weights, activation_bytes=act)
+                   resident_bytes=weights, activation_bytes=act,
+                   adapter_bytes=mine)

@@ -6,6 +6,7 @@ from planner.cost.cost_config import CostModelConfig
 from planner.cost.cost_model import CostModel
 from planner.cost.profile import ProfileTable
 from planner.cost.step_spread import call_time_sd
+from planner.cost.vllm_cost import VLLM_MAX_LORA_RANK
 from planner.errors import PlanError
 from planner.graph.dataflow import DataflowGraph
 from planner.plan import ExecutionPlan, SearchInfo
@@ -51,7 +52,7 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
                             f"{a.layout}, {a.micro_batches})",
                             field=f"{field}.{m.name}")
         # several engines (rollout.engine auto): the faster one on this allocation
-        if rm.lora is not None:
+        if rm.lora is not None and rm.lora.rank > VLLM_MAX_LORA_RANK:
             engines = tuple(e for e in engines if e != "vllm") or ("own",)
         eng, c = min(((e, cost.mfc_cost(m, rm.spec, rm.head, a.mesh, a.layout,
                                         a.micro_batches, off, state_off, rc, e, rm.lora))

@@ -15,7 +15,7 @@ from planner.cost.mfc_cost import MFCCost
 from planner.cost.profile import ProfileTable
 from planner.cost.realloc_cost import Links, ReallocModel
 from planner.cost.step_spread import call_time_sd
-from planner.cost.vllm_cost import concurrency
+from planner.cost.vllm_cost import VLLM_MAX_LORA_RANK, concurrency
 from planner.errors import PlanError
 from planner.graph.dataflow import MFC, DataflowGraph
 from planner.graph.packing import budget_options, budget_shape
@@ -257,8 +257,9 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                             cost.recompute_options(mfc), cost.engine_options(mfc, lay, mb)):
                         if eng == "vllm" and concurrency(cost, rm.spec, mfc) < 1:
                             continue        # its KV cache holds no whole sequence
-                        if eng == "vllm" and rm.lora is not None:
-                            continue        # LoRA runs on realign's own engine
+                        if (eng == "vllm" and rm.lora is not None
+                                and rm.lora.rank > VLLM_MAX_LORA_RANK):
+                            continue        # beyond vLLM's LoRA ranks
                         c = cost.mfc_cost(mfc, rm.spec, rm.head, proto, lay, mb, off, state_off,
                                           rc, eng, lora, budget)
                         resident, weights = held_bytes(c, rm, mfc)

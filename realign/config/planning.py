@@ -5,6 +5,7 @@ from pathlib import Path
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.profile import ProfileTable
+from planner.cost.vllm_cost import VLLM_MAX_LORA_RANK
 from planner.errors import InfeasibleError, PlanError
 from planner.graph.algorithms import PROXIMAL_MFC, EvalShape, algorithm_spec, build_graph
 from planner.graph.dataflow import DataflowGraph
@@ -72,9 +73,11 @@ def check_lora(cfg: ExperimentConfig) -> None:
             raise UserError(f"the run writes only the {final} at the end (final/{final}); "
                             f"the {role}'s adapters stay in its checkpoints: leave merged "
                             "off", field=f"lora.{role}.merged")
-    if "actor" in cfg.lora and cfg.rollout.engine == "vllm":
-        raise UserError("a LoRA actor generates on realign's own engine (its LoRA-aware "
-                        "forward); set rollout.engine to own or auto", field="rollout.engine")
+    actor = cfg.lora.get("actor")
+    if actor is not None and cfg.rollout.engine == "vllm" and actor.rank > VLLM_MAX_LORA_RANK:
+        raise UserError(f"vLLM's LoRA takes ranks up to {VLLM_MAX_LORA_RANK}, not "
+                        f"{actor.rank}: lower it, or set rollout.engine to own or auto",
+                        field="lora.actor.rank")
     if cfg.train.transformer_engine:
         raise UserError("LoRA runs on megatron's local layers (Transformer-Engine fuses the "
                         "norm into the adapted linear layers); leave train.transformer_engine "

@@ -120,7 +120,7 @@ def test_reallocation_moves_only_the_adapters(tiny_assets, tmp_path):
     ({"lora__ref": {"rank": 4}}, "lora.ref", "Input should be"),
     ({"lora__actor__init_from": "tiny/small_actor"}, "lora.actor.init_from",
      "not a PEFT adapter folder"),
-    ({"rollout__engine": "vllm"}, "rollout.engine", "realign's own engine"),
+    ({"rollout__engine": "vllm", "lora__actor__rank": 1024}, "lora.actor.rank", "up to 512"),
     ({"lora__actor__alpha": 0}, "lora.actor.alpha", "greater than 0"),
 ])
 def test_bad_lora_input_exits_2_naming_the_field(tiny_assets, tmp_path, changes, field, needle):
