@@ -59,15 +59,17 @@ ModelRef = Annotated[str, AfterValidator(_model_ref)]
 CodeRef = Annotated[str, AfterValidator(_code_ref)]
 
 
-def _path_kind(annotation: Any) -> Any:
-    """The path type of :mod:`realign.paths` an annotation holds (through ``| None``,
-    ``list[...]`` and ``dict[..., ...]``), else None."""
-    if annotation in _KINDS:
-        return annotation
-    for arg in get_args(annotation):
-        kind = _path_kind(arg)
-        if kind is not None:
+def _path_kind(annotation: Any, metadata: list[Any] = []) -> Any:  # noqa: B006 (read only)
+    """The path type of :mod:`realign.paths` a field's annotation holds (through
+    ``| None``, ``list[...]`` and ``dict[..., ...]``; pydantic moves a bare
+    ``Annotated``'s validator into the field's ``metadata``), else None."""
+    for kind in _KINDS:
+        if annotation == kind or kind.__metadata__[0] in metadata:
             return kind
+    for arg in get_args(annotation):
+        found = _path_kind(arg)
+        if found is not None:
+            return found
     return None
 
 
@@ -82,7 +84,7 @@ def named_paths(model: BaseModel, prefix: str = "") -> dict[str, Path]:
     out: dict[str, Path] = {}
     for name, info in type(model).model_fields.items():
         value, at = getattr(model, name), f"{prefix}{name}"
-        kind = _path_kind(info.annotation)
+        kind = _path_kind(info.annotation, info.metadata)
         items = (value.items() if isinstance(value, dict)
                  else ((f"[{i}]", v) for i, v in enumerate(value)) if isinstance(value, list)
                  else (("", value),))

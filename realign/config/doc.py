@@ -19,7 +19,7 @@ import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types as at
 from pydantic import BaseModel
@@ -116,6 +116,8 @@ def type_text(t: Any, links: dict[type[BaseModel], str]) -> str:
     if isinstance(t, type):
         return t.__name__
     origin, args = get_origin(t), get_args(t)
+    if origin is Annotated:           # a path type (realign.paths): its YAML type
+        return type_text(args[0], links)
     if _is_union(t):
         return " or ".join(type_text(a, links) for a in args)
     if origin is Literal:
