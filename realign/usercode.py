@@ -1,8 +1,9 @@
 """User code named in the YAML: reward functions (``reward.fn``, ``eval.verifier``),
 environments (``rollout.env``) and tools (``rollout.tools``) are all written
 ``"package.module:attr"`` (imported from ``sys.path``: the current folder or
-``PYTHONPATH``) or ``"path/to/file.py:attr"`` (a file, relative to ``base_dir`` when
-given); ``attr`` may be dotted (``"mod:Scorer.score"``).
+``PYTHONPATH``) or ``"path/to/file.py:attr"`` (a file: the experiment loader has made
+its path absolute, :data:`realign.paths.CodeRef`; a relative one is opened from the
+current folder); ``attr`` may be dotted (``"mod:Scorer.score"``).
 
 Whatever goes wrong while loading is a :class:`~realign.errors.UserError` naming the
 field (exit 2 before any worker starts): a malformed name, a missing module, file or
@@ -25,7 +26,7 @@ from typing import Any
 from realign.errors import UserError
 
 
-def import_object(spec: str, field: str, base_dir: str | Path | None = None) -> Any:
+def import_object(spec: str, field: str) -> Any:
     """The object named ``"module:attr"`` or ``"path/to/file.py:attr"`` (``attr`` may be
     dotted). :class:`UserError` at ``field`` for a malformed name, a module or file that
     is missing or raises while importing (``SystemExit`` included), or a missing
@@ -35,7 +36,7 @@ def import_object(spec: str, field: str, base_dir: str | Path | None = None) -> 
         raise UserError(f"malformed name {spec!r}: expected 'module:attr' or "
                         f"'file.py:attr' with one ':' and both parts non-empty", field=field)
     try:
-        module = (_import_file(module_name, base_dir, field) if module_name.endswith(".py")
+        module = (_import_file(module_name, field) if module_name.endswith(".py")
                   else _import_module(module_name, field))
     except BaseException as e:
         if isinstance(e, (Exception, KeyboardInterrupt)):   # a UserError already; Ctrl-C
@@ -65,10 +66,8 @@ def _import_module(name: str, field: str) -> ModuleType:
         raise UserError(f"importing {name!r} raised {type(e).__name__}: {e}", field=field) from e
 
 
-def _import_file(path: str, base_dir: str | Path | None, field: str) -> ModuleType:
+def _import_file(path: str, field: str) -> ModuleType:
     p = Path(path).expanduser()
-    if not p.is_absolute() and base_dir is not None:
-        p = Path(base_dir) / p
     if not p.is_file():
         raise UserError(f"no such file {str(p)!r}", field=field)
     name = "realign_usercode_" + hashlib.sha1(str(p.resolve()).encode()).hexdigest()[:12]

@@ -5,6 +5,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from realign.paths import CodeRef
+
 
 class MultiTurn(BaseModel):
     """Environments and tools: with ``env`` or ``tools`` set, every generate call of the
@@ -12,13 +14,13 @@ class MultiTurn(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    env: str | None = Field(
+    env: CodeRef | None = Field(
         None, description="An environment class, 'module:Class' or 'file.py:Class' (relative "
         "to the YAML's folder): one instance per episode, reset(episode) -> first observation, "
         "step(turn text) -> (observation, reward, done). Not with tools.")
     env_args: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the environment class.")
-    tools: list[str] = Field(
+    tools: list[CodeRef] = Field(
         default_factory=list, description="Tools, each 'module:function' or 'file.py:function' "
         "(or a realign.agents.Tool): the built-in tool environment runs the model's "
         "<tool_call>{\"name\", \"arguments\"}</tool_call> and answers "

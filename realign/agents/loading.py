@@ -6,7 +6,6 @@ name are each a :class:`~realign.errors.UserError` (exit 2) naming the field."""
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 from typing import Callable
 
 from realign.agents.config import MultiTurn
@@ -17,12 +16,11 @@ from realign.errors import UserError
 from realign.usercode import import_object
 
 
-def load_env_class(spec: str, env_args: dict, base_dir: str | Path | None,
-                   field: str = "rollout.env") -> type:
+def load_env_class(spec: str, env_args: dict, field: str = "rollout.env") -> type:
     """The environment class named ``spec``, its methods' signatures checked and one
     instance made with ``env_args`` (so a constructor that raises fails here), in a
     thread as the run makes them."""
-    cls = import_object(spec, field, base_dir)
+    cls = import_object(spec, field)
     if not inspect.isclass(cls):
         raise UserError(f"{spec} is a {type(cls).__name__}; an environment is a class with "
                         "reset(episode) and step(turn) methods", field=field)
@@ -50,13 +48,13 @@ def load_env_class(spec: str, env_args: dict, base_dir: str | Path | None,
     return cls
 
 
-def load_tools(specs: list[str], base_dir: str | Path | None) -> dict[str, Tool]:
+def load_tools(specs: list[str]) -> dict[str, Tool]:
     """Tool name -> tool, from ``rollout.tools``."""
     out: dict[str, Tool] = {}
     for i, spec in enumerate(specs):
         field = f"rollout.tools[{i}]"
         try:
-            tool = as_tool(import_object(spec, field, base_dir), spec)
+            tool = as_tool(import_object(spec, field), spec)
         except ValueError as e:
             raise UserError(str(e), field=field) from None
         if tool.name in out:
@@ -66,7 +64,7 @@ def load_tools(specs: list[str], base_dir: str | Path | None) -> dict[str, Tool]
     return out
 
 
-def env_factory(cfg: MultiTurn, base_dir: str | Path | None) -> Callable[[], Environment]:
+def env_factory(cfg: MultiTurn) -> Callable[[], Environment]:
     """What makes one episode's environment: the user's class, or the built-in tool
     environment over ``rollout.tools``."""
     from realign.agents.tool_env import ToolEnvironment
@@ -75,11 +73,11 @@ def env_factory(cfg: MultiTurn, base_dir: str | Path | None) -> Callable[[], Env
         raise UserError("give rollout.env or rollout.tools, not both (an environment "
                         "that wants tools calls them itself)", field="rollout.tools")
     if cfg.env is not None:
-        cls = load_env_class(cfg.env, cfg.env_args, base_dir)
+        cls = load_env_class(cfg.env, cfg.env_args)
         args = dict(cfg.env_args)
         return lambda: cls(**args)
     if cfg.env_args:
         raise UserError("rollout.env_args are for rollout.env", field="rollout.env_args")
-    tools = load_tools(cfg.tools, base_dir)
+    tools = load_tools(cfg.tools)
     chars = observation_chars(cfg.max_observation_tokens)
     return lambda: ToolEnvironment(tools, cfg.tool_timeout_s, cfg.error_penalty, chars)

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         with_host_work,
     )
 
-    cfg, base = load_experiment(args.experiment)
+    cfg = load_experiment(args.experiment)
     if cfg.device != "cpu" or cfg.launcher.type != "local":
         raise UserError("realign bench async runs on this machine: device cpu, launcher "
                         "local", field="device")
@@ -151,10 +151,10 @@ def run(args: argparse.Namespace) -> int:
                         "steps and the last", field="--steps")
     t0 = time.time()
     keep = Path(tempfile.mkdtemp(prefix="realign-bench-async-"))
-    profile, profile_src = _profile(args, cfg, base, keep)
+    profile, profile_src = _profile(args, cfg, keep)
     # host work timed once for the three plans
-    priced = with_host_work(priced_with(cfg, profile_src if profile is not None else None), base)
-    sync, asyn, why = both_modes(priced, base)
+    priced = with_host_work(priced_with(cfg, profile_src if profile is not None else None))
+    sync, asyn, why = both_modes(priced)
     if sync is None or asyn is None:
         raise UserError(f"no {'synchronous' if sync is None else 'asynchronous'} plan fits: "
                         f"{why}", field="cluster")
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     gpus = cfg.cluster.gpus_per_node * cfg.cluster.nodes
     one = None
     if not args.no_dp_scaling and gpus > 1:
-        one = plan_mode(_seeded(cfg.run.seed, one_device=True)(priced), base, False)
+        one = plan_mode(_seeded(cfg.run.seed, one_device=True)(priced), False)
         plans["synchronous, 1 device"] = one
     paths = {}
     for k, (name, p) in enumerate(plans.items()):

@@ -167,7 +167,7 @@ def run_plan(experiment: Path, plan_path: Path, run_dir: Path, steps: int,
     return {"rows": rows, "timeline": timeline}
 
 
-def _profile(args, cfg, base: Path, folder: Path):
+def _profile(args, cfg, folder: Path):
     """The profile every plan is priced with: ``--profile`` (checked against the
     experiment like ``plan.profile``), none with ``--analytic``, else a fresh one."""
     from realign.config.planning import load_profile, with_profile
@@ -176,7 +176,7 @@ def _profile(args, cfg, base: Path, folder: Path):
             raise UserError("give --profile or --analytic, not both", field="--analytic")
         return None, "none (analytic device preset)"
     if args.profile is not None:
-        return load_profile(with_profile(cfg, args.profile), base), str(args.profile)
+        return load_profile(with_profile(cfg, args.profile)), str(args.profile)
     from realign.profile.run import default_settings, profile_machine
     out = folder / "profile.json"
     preset = cfg.cluster.spec().device.name if cfg.device == "cuda" else None
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         search_settings,
     )
 
-    cfg, base = load_experiment(args.experiment)
+    cfg = load_experiment(args.experiment)
     if cfg.launcher.type != "local":
         raise UserError("realign bench plans runs on this machine: launcher local, not "
                         f"{cfg.launcher.type!r}", field="launcher.type")
@@ -215,11 +215,12 @@ def run(args: argparse.Namespace) -> int:
                             "shrink the cluster or run it where the GPUs are", field="cluster")
     t0 = time.time()
     keep = Path(tempfile.mkdtemp(prefix="realign-bench-plans-"))
-    profile, profile_src = _profile(args, cfg, base, keep)
-    models = resolve_models(cfg, base)
-    graph = experiment_graph(cfg, models, base)
+    profile, profile_src = _profile(args, cfg, keep)
+    models = resolve_models(cfg)
+    graph = experiment_graph(cfg, models)
     plans = bench_plans(cfg.name, graph, models, cfg.cluster.spec(),
-                        cost_config(priced_with(cfg, profile_src if profile else None), base),
+                        cost_config(priced_with(cfg, profile_src if profile else None),
+                                    host_work=True),
                         profile, search_settings(cfg), n=args.plans)
     entries = []
     for k, lp in enumerate(plans):

@@ -174,14 +174,14 @@ def plan_run(run: PublicRun, index_dir: Path, time_limit_s: float) -> dict:
     from realign.config.loading import load_experiment
     from realign.config.planning import plan_experiment, priced_with
 
-    cfg, base = load_experiment(index_dir / run.experiment)
+    cfg = load_experiment(index_dir / run.experiment)
     cfg = priced_with(cfg, None)
     row = {"id": run.id, "system": run.system, "hardware": run.hardware,
            "experiment": run.experiment, "device": cfg.cluster.spec().device.name,
            "gpus": cfg.cluster.nodes * cfg.cluster.gpus_per_node,
            "measured": run.measured.model_dump()}
     try:
-        plan = plan_experiment(cfg, base, {"time_limit_s": time_limit_s})
+        plan = plan_experiment(cfg, {"time_limit_s": time_limit_s})
     except PlanError as e:
         return {**row, "error": str(e)}
     pj = json.loads(plan.to_json())

@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                         "first (or pass --bench-venv, or --skip-trl to measure realign only)",
                         field="--bench-venv")
     from realign.config.loading import load_experiment
-    cfg, _ = load_experiment(args.experiment)
+    cfg = load_experiment(args.experiment)
     if cfg.algorithm.name != "grpo" and not args.skip_trl:
         raise UserError(f"the TRL comparison is GRPO only (the experiment runs "
                         f"{cfg.algorithm.name!r}); use --skip-trl", field="algorithm.name")

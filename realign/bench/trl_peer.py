@@ -26,12 +26,12 @@ def mean_or_none(xs: list[float]) -> float | None:
 
 def trl_config(spec, steps: int, threads: int, beta: float) -> dict:
     """The driver's input: the prepared run's settings in TRL's terms."""
-    cfg, base, p = spec.config, spec.base_dir, spec.params
+    cfg, p = spec.config, spec.params
     alg, data = cfg.algorithm, cfg.data.train
     ref = cfg.models.roles()["actor"]
     return {
-        "model": str((base / ref).resolve()),
-        "dataset": str((base / data.path).resolve()),
+        "model": str(Path(ref).resolve()),
+        "dataset": str(Path(data.path).resolve()),
         "prompt_key": data.prompt_key, "answer_key": data.answer_key,
         "prompts_per_step": alg.prompts_per_step, "samples_per_prompt": alg.samples_per_prompt,
         "max_prompt_len": alg.prompt_len, "max_completion_len": alg.gen_len,

@@ -52,11 +52,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"must be > 0 (got {args.time_limit_s})", field="--time-limit")
     if args.seed is not None and args.seed < 0:
         raise UserError(f"must be >= 0 (got {args.seed})", field="--seed")
-    cfg, base = load_experiment(args.experiment)
+    cfg = load_experiment(args.experiment)
     if args.profile:
         cfg = with_profile(cfg, args.profile)
-    plan = plan_experiment(cfg, base, {"method": args.method, "time_limit_s": args.time_limit_s,
-                                       "seed": args.seed})
+    plan = plan_experiment(cfg, {"method": args.method, "time_limit_s": args.time_limit_s,
+                                 "seed": args.seed})
     if args.out:
         _write(args.out, plan.to_json())
     if args.timeline:

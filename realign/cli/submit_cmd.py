@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from realign.launch.backends import backend
     from realign.launch.jobs import remember
 
-    name = args.launcher or load_experiment(args.experiment)[0].launcher.type
+    name = args.launcher or load_experiment(args.experiment).launcher.type
     args.launcher = name
     b = backend(name)
     if not args.dry_run:

@@ -2,8 +2,9 @@
 
 Every section is a pydantic model with unknown keys forbidden; defaults live here,
 once. A model is named by a preset (``llama2-7b``, ``qwen2.5-0.5b``, ``tiny-llama``...)
-or by a path to a Hugging Face ``config.json`` or checkpoint folder (relative paths
-are resolved against the YAML file's folder).
+or by a path to a Hugging Face ``config.json`` or checkpoint folder. Every field that
+names a file has a type of :mod:`realign.paths`: a relative path is resolved against the
+YAML file's folder while the YAML is validated, so a loaded config holds absolute paths.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from planner.specs.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, Dev
 from planner.specs.layout import Allocation
 from planner.specs.lora import LoraSpec
 from realign.data.config import DatasetConfig
+from realign.paths import CodeRef, FilePath, ModelRef
 from realign.runtime.settings import Rollout, Sampling, TrainConfig
 
 #: The most steps a run takes (``run.steps`` and ``--steps`` alike).
@@ -32,10 +34,10 @@ class _Strict(BaseModel):
 class ModelsConfig(_Strict):
     """Models by role: a preset name or a path to a HF config.json / checkpoint folder."""
 
-    actor: str | None = Field(None, description="Policy being trained (LM head).")
-    critic: str | None = Field(None, description="Value model (PPO), trained (value head).")
-    ref: str | None = Field(None, description="Frozen reference policy for the KL term (LM head).")
-    reward: str | None = Field(None, description="Reward model (value head); trained under `rm`.")
+    actor: ModelRef | None = Field(None, description="Policy being trained (LM head).")
+    critic: ModelRef | None = Field(None, description="Value model (PPO), trained (value head).")
+    ref: ModelRef | None = Field(None, description="Frozen reference policy for the KL term (LM head).")
+    reward: ModelRef | None = Field(None, description="Reward model (value head); trained under `rm`.")
 
     def roles(self) -> dict[str, str]:
         return {r: v for r, v in self.model_dump().items() if v is not None}
@@ -45,7 +47,7 @@ class LoraConfig(LoraSpec):
     """LoRA on one trained role (``lora.<role>``): the planner's settings (rank, alpha,
     dropout, target_modules) and where the adapters come from and go to."""
 
-    init_from: str | None = Field(
+    init_from: FilePath | None = Field(
         None, description="A PEFT adapter folder (adapter_config.json + "
         "adapter_model.safetensors) to start from, made for this role's base model "
         "(relative to the YAML file). Unset: A random (Kaiming-uniform, as PEFT), B zero.")
@@ -105,13 +107,13 @@ class PlanConfig(SearchSettings):
 
     cost: CostModelConfig = Field(default_factory=CostModelConfig,
                                   description="Analytic cost model settings.")
-    profile: str | None = Field(None, description="Path to a measured profile table (JSON).")
-    lengths_from: str | None = Field(
+    profile: FilePath | None = Field(None, description="Path to a measured profile table (JSON).")
+    lengths_from: FilePath | None = Field(
         None, description="A previous run's folder (or its metrics.jsonl): price generation "
         "with the response lengths it recorded (every sampled response's length, from its "
         "response_len_hist; from an older run, the mean of its response_len, as "
         "algorithm.gen_len_mean prices a mean) instead of algorithm.gen_len_mean.")
-    file: str | None = Field(None, description="realign run: execute this saved plan.json "
+    file: FilePath | None = Field(None, description="realign run: execute this saved plan.json "
                                                "instead of searching.")
     manual: dict[str, Allocation] | None = Field(
         None, description="realign run: an allocation per MFC (by name) instead of searching.")
@@ -135,7 +137,7 @@ class EvalConfig(_Strict):
                          "sampled reward and accuracy, and pass@k with k = samples.")
     max_prompts: int | None = Field(None, gt=0, description="Use the first this many "
                                     "prompts of the file (null: all).")
-    verifier: str = Field("math_verify", description="What counts as correct (accuracy, "
+    verifier: CodeRef = Field("math_verify", description="What counts as correct (accuracy, "
                           "pass@k): a built-in or 'module:function'(prompt, response, answer) "
                           "returning true/false or 1/0.")
 
@@ -143,7 +145,7 @@ class EvalConfig(_Strict):
 class RewardConfig(_Strict):
     """Where rewards come from when there is no reward model."""
 
-    fn: str = Field("math_verify", description="A built-in (math_verify) or a user's "
+    fn: CodeRef = Field("math_verify", description="A built-in (math_verify) or a user's "
                                                "'module:function'(prompt, response, answer) -> float.")
 
 

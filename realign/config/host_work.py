@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 
 from planner.cost.cost_config import CostModelConfig
 from planner.specs.model_spec import model_presets
@@ -25,8 +24,7 @@ REPS = 5
 MAX_SEQS = 64
 
 
-def resolve_host_work(cfg: ExperimentConfig, base: Path,
-                      cost: CostModelConfig) -> CostModelConfig:
+def resolve_host_work(cfg: ExperimentConfig, cost: CostModelConfig) -> CostModelConfig:
     """``cost`` with ``batch_s`` and ``reward_s_per_seq`` resolved: kept when set, timed
     here when the plan uses a profile, else 0 (not priced)."""
     todo = [k for k in ("batch_s", "reward_s_per_seq") if getattr(cost, k) is None]
@@ -34,11 +32,11 @@ def resolve_host_work(cfg: ExperimentConfig, base: Path,
         return cost
     if not cfg.plan.profile or cfg.data is None:
         return cost.model_copy(update={k: 0.0 for k in todo})
-    timed = time_host_work(cfg, base)
+    timed = time_host_work(cfg)
     return cost.model_copy(update={k: timed[k] for k in todo})
 
 
-def time_host_work(cfg: ExperimentConfig, base: Path) -> dict[str, float]:
+def time_host_work(cfg: ExperimentConfig) -> dict[str, float]:
     """``{"batch_s": ..., "reward_s_per_seq": ...}`` measured on this host (the reward
     is 0 when the experiment scores with a reward model or generates nothing)."""
     from realign.data.datasets import load_dataset
@@ -49,14 +47,14 @@ def time_host_work(cfg: ExperimentConfig, base: Path) -> dict[str, float]:
     ref = getattr(cfg.models, role)
     if ref is None or ref in model_presets():   # no tokenizer this host could run
         return {"batch_s": 0.0, "reward_s_per_seq": 0.0}
-    tok = model_tokenizer(ref, base, field=f"models.{role}")
+    tok = model_tokenizer(ref, field=f"models.{role}")
     pad = pad_id(tok)
-    data = load_dataset(cfg.data.train, tok, base)
+    data = load_dataset(cfg.data.train, tok)
     n = cfg.algorithm.shape().prompts_generated
     batch_s = _median_s(lambda k: step_batch(data, n, k, pad))
     fn = cfg.rule_reward_fn()
     return {"batch_s": batch_s,
-            "reward_s_per_seq": 0.0 if fn is None else _reward_s_per_seq(fn, cfg, base, tok,
+            "reward_s_per_seq": 0.0 if fn is None else _reward_s_per_seq(fn, cfg, tok,
                                                                           data, pad)}
 
 
@@ -69,7 +67,7 @@ def _median_s(fn) -> float:
     return statistics.median(times[1:])
 
 
-def _reward_s_per_seq(fn_ref: str, cfg: ExperimentConfig, base: Path, tok, data, pad: int
+def _reward_s_per_seq(fn_ref: str, cfg: ExperimentConfig, tok, data, pad: int
                       ) -> float:
     """Seconds to decode and score one sequence: ``MAX_SEQS`` (at most a step's) of the
     dataset's prompts, each answered with its reference answer's tokens repeated to
@@ -80,7 +78,7 @@ def _reward_s_per_seq(fn_ref: str, cfg: ExperimentConfig, base: Path, tok, data,
     from realign.rewards.registry import load_reward_fn
     from realign.rewards.scoring import decoded_answers, scores
 
-    fn = load_reward_fn(fn_ref, base_dir=base)
+    fn = load_reward_fn(fn_ref)
     a = cfg.algorithm
     n = min(MAX_SEQS, a.shape().prompts_generated * a.samples_per_prompt)
     examples = [data.examples[i % len(data.examples)] for i in range(n)]

@@ -16,7 +16,7 @@ from planner.specs.model_spec import model_presets
 from realign.config.experiment import ExperimentConfig
 
 
-def data_prompt_lengths(cfg: ExperimentConfig, base: Path) -> GenLengths | None:
+def data_prompt_lengths(cfg: ExperimentConfig) -> GenLengths | None:
     """The training prompts' token lengths (``data.train`` tokenized with the actor's
     tokenizer, as the run reads it), each at most ``algorithm.prompt_len``, as a
     histogram. None (every prompt priced at ``prompt_len``) when the algorithm
@@ -30,22 +30,21 @@ def data_prompt_lengths(cfg: ExperimentConfig, base: Path) -> GenLengths | None:
             or cfg.models.actor in model_presets()
             or not algorithm_spec(cfg.algorithm.name).generates):
         return None
-    path = Path(data.train.path)
-    if not (path if path.is_absolute() else base / path).is_file():
+    if not Path(data.train.path).is_file():
         return None
     from realign.data.datasets import load_dataset
     from realign.data.tokenizer import model_tokenizer
 
-    tok = model_tokenizer(cfg.models.actor, base, field="models.actor")
+    tok = model_tokenizer(cfg.models.actor, field="models.actor")
     cap = cfg.algorithm.prompt_len
     counts: dict[int, float] = {}
-    for e in load_dataset(data.train, tok, base, field="data.train").examples:
+    for e in load_dataset(data.train, tok, field="data.train").examples:
         n = min(max(len(e.prompt_ids), 1), cap)
         counts[n] = counts.get(n, 0.0) + 1.0
     return GenLengths(max_len=cap, histogram=tuple(sorted(counts.items())))
 
 
-def recorded_lengths(cfg: ExperimentConfig, base: Path) -> GenLengths | None:
+def recorded_lengths(cfg: ExperimentConfig) -> GenLengths | None:
     """The response-length distribution ``plan.lengths_from`` names: a previous run's
     metrics.jsonl. Its steps' ``response_len_hist`` (every sampled response's length)
     pooled into a histogram, lengths past this experiment's ``gen_len`` counted at
@@ -54,7 +53,6 @@ def recorded_lengths(cfg: ExperimentConfig, base: Path) -> GenLengths | None:
     if not cfg.plan.lengths_from:
         return None
     p = Path(cfg.plan.lengths_from)
-    p = p if p.is_absolute() else base / p
     f = p / "metrics.jsonl" if p.is_dir() else p
     field = "plan.lengths_from"
     if not f.is_file():
@@ -99,7 +97,7 @@ def _histogram_pairs(value, f: Path, line: int) -> list[tuple[int, float]]:
     return [(int(a), float(c)) for a, c in value]
 
 
-def recorded_turns(cfg: ExperimentConfig, base: Path) -> dict[str, float]:
+def recorded_turns(cfg: ExperimentConfig) -> dict[str, float]:
     """What a previous multi-turn run (``plan.lengths_from``) measured of its episodes,
     averaged over its steps: ``turns`` (model turns per episode), ``obs_tokens`` (tokens
     per observation: the masked share of the response tokens over the observations,
@@ -108,7 +106,6 @@ def recorded_turns(cfg: ExperimentConfig, base: Path) -> dict[str, float]:
     if not cfg.plan.lengths_from or not cfg.rollout.multi_turn:
         return {}
     p = Path(cfg.plan.lengths_from)
-    p = p if p.is_absolute() else base / p
     f = p / "metrics.jsonl" if p.is_dir() else p
     if not f.is_file():
         return {}           # recorded_lengths says what is wrong

@@ -1,6 +1,7 @@
 """Load an experiment YAML into :class:`ExperimentConfig`, turning every problem
 into a :class:`~realign.errors.UserError` that names the field path, the bad value
-and what is allowed."""
+and what is allowed. Relative paths in it are resolved against its folder while it is
+validated (:mod:`realign.paths`): the config holds absolute paths."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,6 +13,7 @@ from planner.errors import from_validation
 from realign.config.experiment import ExperimentConfig
 from realign.config.streaming import check_streaming
 from realign.errors import UserError
+from realign.paths import YAML_DIR
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -46,8 +48,9 @@ def read_yaml(p: Path):
         raise UserError(f"{p} is not valid YAML: {e}", field="experiment") from None
 
 
-def load_experiment(path: str | Path) -> tuple[ExperimentConfig, Path]:
-    """Parse and validate an experiment YAML. Returns the config and its folder."""
+def load_experiment(path: str | Path) -> ExperimentConfig:
+    """Parse and validate an experiment YAML, its relative paths resolved against its
+    folder."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"no experiment file at {str(p)!r}", field="experiment")
@@ -56,8 +59,8 @@ def load_experiment(path: str | Path) -> tuple[ExperimentConfig, Path]:
         raise UserError(f"{p} must hold a mapping with the sections name, models, algorithm, "
                         "cluster, plan", field="experiment")
     try:
-        cfg = ExperimentConfig.model_validate(raw)
+        cfg = ExperimentConfig.model_validate(raw, context={YAML_DIR: p.resolve().parent})
     except ValidationError as e:
         raise from_validation(e, ExperimentConfig, context=f"{p}: invalid experiment: ") from None
     check_streaming(cfg)
-    return cfg, p.resolve().parent
+    return cfg

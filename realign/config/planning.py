@@ -25,14 +25,14 @@ from realign.config.shared_base import with_shared_bases
 from realign.errors import UserError
 
 
-def resolve_models(cfg: ExperimentConfig, base: Path) -> dict[str, RoleModel]:
+def resolve_models(cfg: ExperimentConfig) -> dict[str, RoleModel]:
     presets = model_presets()
     out = {}
     for role, ref in cfg.models.roles().items():
         if ref in presets:
             spec = presets[ref]
         else:
-            p = Path(ref) if Path(ref).is_absolute() else base / ref
+            p = Path(ref)
             if not p.exists():
                 raise UserError(f"{ref!r} is neither a preset ({', '.join(sorted(presets))}) "
                                 "nor an existing path to a Hugging Face config.json",
@@ -88,11 +88,11 @@ def check_lora(cfg: ExperimentConfig) -> None:
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 
 
-def cost_config(cfg: ExperimentConfig, base: Path | None = None) -> CostModelConfig:
+def cost_config(cfg: ExperimentConfig, host_work: bool = False) -> CostModelConfig:
     """``plan.cost`` pricing what the run executes: its optimizer
     (``train.distributed_optimizer``) and its parameter dtype (``dtype``), both resolved
     for ``device``, unless ``plan.cost`` says otherwise, which must then agree; with
-    ``base`` (the experiment's folder) also the host work of its steps
+    ``host_work`` also the host work of its steps
     (:func:`realign.config.host_work.resolve_host_work`)."""
     cost = cfg.plan.cost
     runs = cfg.train.uses_distributed_optimizer(cfg.device)
@@ -120,16 +120,15 @@ def cost_config(cfg: ExperimentConfig, base: Path | None = None) -> CostModelCon
                                    "decode_capture": cfg.rollout.capture,
                                    "vllm_max_num_seqs": vllm.max_num_seqs,
                                    "vllm_kv_cache_bytes": vllm.kv_cache_gib * 2 ** 30})
-    return cost if base is None else resolve_host_work(cfg, base, cost)
+    return resolve_host_work(cfg, cost) if host_work else cost
 
 
-def eval_shape(cfg: ExperimentConfig, base: Path) -> EvalShape | None:
+def eval_shape(cfg: ExperimentConfig) -> EvalShape | None:
     """The evaluation's shape: its prompt count is ``eval.max_prompts`` or the number of
     rows of the held-out file (read here, so a plan prices the evaluation that runs)."""
     if cfg.eval is None:
         return None
     p = Path(cfg.eval.data.path)
-    p = p if p.is_absolute() else base / p
     try:
         rows = sum(1 for line in p.read_text(encoding="utf-8").splitlines() if line.strip())
     except (OSError, UnicodeDecodeError) as e:
@@ -145,16 +144,15 @@ def eval_shape(cfg: ExperimentConfig, base: Path) -> EvalShape | None:
 _NOT_SEARCH_SETTINGS = {"cost", "profile", "lengths_from", "file", "manual"}
 
 
-def graph_lengths(cfg: ExperimentConfig, base: Path
-                  ) -> tuple[GenLengths | None, GenLengths | None]:
+def graph_lengths(cfg: ExperimentConfig) -> tuple[GenLengths | None, GenLengths | None]:
     """(response lengths, prompt lengths) the experiment's graph carries: a recorded
     run's (``plan.lengths_from``) and the training data's (tokenized here, so a caller
     that builds several graphs reads them once)."""
-    return recorded_lengths(cfg, base), data_prompt_lengths(cfg, base)
+    return recorded_lengths(cfg), data_prompt_lengths(cfg)
 
 
 def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
-                     base: Path, asynchronous: bool = False,
+                     asynchronous: bool = False,
                      lengths: tuple[GenLengths | None, GenLengths | None] | None = None
                      ) -> DataflowGraph:
     """The dataflow graph of the experiment: its algorithm, batch shape, model roles,
@@ -167,21 +165,21 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
     role that is a LoRA model's base scored by that model, adapters off
     (:mod:`realign.config.shared_base`); ``lengths``:
     :func:`graph_lengths`, read already (None: read here)."""
-    responses, prompts = lengths if lengths is not None else graph_lengths(cfg, base)
+    responses, prompts = lengths if lengths is not None else graph_lengths(cfg)
     graph = build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models),
                        train_micro_batches=cfg.train.micro_batches,
-                       evaluation=eval_shape(cfg, base), lengths=responses,
+                       evaluation=eval_shape(cfg), lengths=responses,
                        max_staleness=cfg.algorithm.max_staleness, asynchronous=asynchronous,
                        prompt_lengths=prompts, score_rollout=scores_rollout(cfg),
-                       turns=turns_shape(cfg, base),
+                       turns=turns_shape(cfg),
                        max_sampling_rounds=max_sampling_rounds(make_params(
                            cfg.algorithm.name, cfg.algorithm.params, cfg.algorithm.shape())))
     graph = refill_graph(graph) if cfg.rollout.refill else graph
-    graph = with_shared_bases(graph, cfg, base)     # a reference that is the actor's base
+    graph = with_shared_bases(graph, cfg)     # a reference that is the actor's base
     return packed_graph(graph) if cfg.train.packing else graph
 
 
-def turns_shape(cfg: ExperimentConfig, base: Path) -> Turns | None:
+def turns_shape(cfg: ExperimentConfig) -> Turns | None:
     """The multi-turn shape of every generate call (``rollout.env`` / ``rollout.tools``):
     turns of at most ``turn_tokens`` (else ``algorithm.gen_len``) in ``env_groups``
     groups; the turns per episode, tokens per observation and environment seconds per
@@ -192,7 +190,7 @@ def turns_shape(cfg: ExperimentConfig, base: Path) -> Turns | None:
     r = cfg.rollout
     if not r.multi_turn:
         return None
-    seen = recorded_turns(cfg, base)
+    seen = recorded_turns(cfg)
     obs = r.plan_observation_tokens
     return Turns(turns=min(float(r.max_turns), r.plan_turns or seen.get("turns", r.max_turns)),
                  turn_tokens=r.turn_tokens or cfg.algorithm.gen_len,
@@ -225,14 +223,13 @@ def allows_async(cfg: ExperimentConfig) -> bool:
     return cfg.algorithm.max_staleness >= 1
 
 
-def load_profile(cfg: ExperimentConfig, base: Path) -> ProfileTable | None:
-    """The profile table ``plan.profile`` names (relative to the experiment), or None.
+def load_profile(cfg: ExperimentConfig) -> ProfileTable | None:
+    """The profile table ``plan.profile`` names, or None.
     It must have been measured in the run's dtype on the cluster's device: its rates
     are only true for those."""
     if not cfg.plan.profile:
         return None
-    pp = Path(cfg.plan.profile)
-    table = ProfileTable.load(pp if pp.is_absolute() else base / pp)
+    table = ProfileTable.load(Path(cfg.plan.profile))
     if table.measured.dtype != cfg.run_dtype():
         raise PlanError(f"{table.source} was measured in {table.measured.dtype}; this run "
                         f"computes in {cfg.run_dtype()} (measure with realign profile "
@@ -244,43 +241,42 @@ def load_profile(cfg: ExperimentConfig, base: Path) -> ProfileTable | None:
     return table
 
 
-def plan_experiment(cfg: ExperimentConfig, base: Path,
-                    overrides: dict | None = None) -> ExecutionPlan:
+def plan_experiment(cfg: ExperimentConfig, overrides: dict | None = None) -> ExecutionPlan:
     """Search the execution plan of an experiment (``overrides``: search settings).
     With ``algorithm.max_staleness`` >= 1 both modes are searched (each with half of
     ``plan.time_limit_s``) and the faster estimate wins (the synchronous on a tie);
     the plan lists both (:attr:`~planner.plan.ExecutionPlan.modes`)."""
     if not allows_async(cfg):
-        return plan_mode(cfg, base, False, overrides)
-    sync, asyn, _why = both_modes(cfg, base, overrides)
+        return plan_mode(cfg, False, overrides)
+    sync, asyn, _why = both_modes(cfg, overrides)
     return compare_modes(sync, asyn)
 
 
-def plan_mode(cfg: ExperimentConfig, base: Path, asynchronous: bool,
+def plan_mode(cfg: ExperimentConfig, asynchronous: bool,
               overrides: dict | None = None,
               lengths: tuple[GenLengths | None, GenLengths | None] | None = None
               ) -> ExecutionPlan:
     """The searched plan of one execution mode (``lengths``: :func:`graph_lengths`,
     read already)."""
-    models = resolve_models(cfg, base)
-    graph = experiment_graph(cfg, models, base, asynchronous, lengths)
-    return search(cfg.name, graph, models, cfg.cluster.spec(), cost_config(cfg, base),
-                  load_profile(cfg, base), search_settings(cfg, overrides))
+    models = resolve_models(cfg)
+    graph = experiment_graph(cfg, models, asynchronous, lengths)
+    return search(cfg.name, graph, models, cfg.cluster.spec(), cost_config(cfg, host_work=True),
+                  load_profile(cfg), search_settings(cfg, overrides))
 
 
-def both_modes(cfg: ExperimentConfig, base: Path, overrides: dict | None = None
+def both_modes(cfg: ExperimentConfig, overrides: dict | None = None
                ) -> tuple[ExecutionPlan | None, ExecutionPlan | None, str]:
     """(best synchronous plan, best asynchronous plan, why one is missing): each is
     None when no plan of that mode fits."""
     settings = search_settings(cfg, overrides)
-    cfg = with_host_work(cfg, base)          # timed once for both modes
-    lengths = graph_lengths(cfg, base)       # and the data read once
+    cfg = with_host_work(cfg)          # timed once for both modes
+    lengths = graph_lengths(cfg)       # and the data read once
     half = {**(overrides or {}), "time_limit_s": settings.time_limit_s / 2}
     plans: list[ExecutionPlan | None] = []
     why = ""
     for asynchronous in (False, True):
         try:
-            plans.append(plan_mode(cfg, base, asynchronous, half, lengths))
+            plans.append(plan_mode(cfg, asynchronous, half, lengths))
         except InfeasibleError as e:
             plans.append(None)
             why = e.message
@@ -315,10 +311,10 @@ def with_profile(cfg: ExperimentConfig, path: str | Path) -> ExperimentConfig:
     return cfg.model_copy(update={"plan": plan})
 
 
-def with_host_work(cfg: ExperimentConfig, base: Path) -> ExperimentConfig:
+def with_host_work(cfg: ExperimentConfig) -> ExperimentConfig:
     """``cfg`` with ``plan.cost``'s host work resolved once (timed here when it plans
     with a profile), so that every plan priced from it uses the same numbers."""
-    cost = resolve_host_work(cfg, base, cfg.plan.cost)
+    cost = resolve_host_work(cfg, cfg.plan.cost)
     return cfg.model_copy(update={"plan": cfg.plan.model_copy(update={"cost": cost})})
 
 
@@ -330,7 +326,7 @@ def priced_with(cfg: ExperimentConfig, profile_src: str | Path | None) -> Experi
     return cfg.model_copy(update={"plan": cfg.plan.model_copy(update={"profile": None})})
 
 
-def resolve_plan(cfg: ExperimentConfig, base: Path, models: dict[str, RoleModel]) -> ExecutionPlan:
+def resolve_plan(cfg: ExperimentConfig, models: dict[str, RoleModel]) -> ExecutionPlan:
     """The plan ``realign run`` executes: a saved file, manual allocations, or a search."""
     from planner.search.manual import check_plan_matches, manual_plan
     from planner.specs.layout import Allocation
@@ -341,26 +337,26 @@ def resolve_plan(cfg: ExperimentConfig, base: Path, models: dict[str, RoleModel]
     if cfg.plan.file:
         p = Path(cfg.plan.file)
         try:
-            plan = ExecutionPlan.load(p if p.is_absolute() else base / p)
+            plan = ExecutionPlan.load(p)
         except PlanError as e:
             raise PlanError(e.message, field="plan.file") from None
         if plan.asynchronous and not allows_async(cfg):
             raise UserError(f"{p} runs generation ahead of training (asynchronous), but "
                             f"algorithm.max_staleness is {cfg.algorithm.max_staleness}; set it "
                             "to 1 or more, or plan again", field="plan.file")
-        check_plan_matches(plan, experiment_graph(cfg, models, base, plan.asynchronous),
+        check_plan_matches(plan, experiment_graph(cfg, models, plan.asynchronous),
                            models, cluster)
         return plan
     if cfg.plan.manual:
-        graph = manual_graph(cfg, models, base, list(cfg.plan.manual))
+        graph = manual_graph(cfg, models, list(cfg.plan.manual))
         allocs = {k: Allocation(mesh=v.mesh, layout=v.layout, micro_batches=v.micro_batches)
                   for k, v in cfg.plan.manual.items()}
-        return manual_plan(cfg.name, graph, models, cluster, allocs, cost_config(cfg, base),
-                           profile=load_profile(cfg, base))
-    return plan_experiment(cfg, base)
+        return manual_plan(cfg.name, graph, models, cluster, allocs,
+                           cost_config(cfg, host_work=True), profile=load_profile(cfg))
+    return plan_experiment(cfg)
 
 
-def manual_graph(cfg: ExperimentConfig, models: dict[str, RoleModel], base: Path,
+def manual_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
                  placed: list[str]) -> DataflowGraph:
     """The graph a ``plan.manual`` that places the calls ``placed`` runs: the
     asynchronous one where the experiment lets generation run ahead
@@ -370,7 +366,7 @@ def manual_graph(cfg: ExperimentConfig, models: dict[str, RoleModel], base: Path
     lists them, what is missing and what is unknown, and why the proximal call is or
     is not in the graph."""
     asynchronous = PROXIMAL_MFC in placed and allows_async(cfg)
-    graph = experiment_graph(cfg, models, base, asynchronous)
+    graph = experiment_graph(cfg, models, asynchronous)
     names = [m.name for m in graph.mfcs]
     missing = [n for n in names if n not in placed]
     unknown = [n for n in placed if n not in names]

@@ -10,7 +10,7 @@ Two frozen roles are, by PPO's usual set-up, that very checkpoint:
   frozen, beside the head the critic trains) computes exactly the reward model's scores.
 
 :func:`shared_bases` names the pairs an experiment shares (the same checkpoint: one
-preset name, or one folder once resolved against the YAML's folder; the owner has LoRA;
+preset name, or one folder; the owner has LoRA;
 ``lora.<owner>.share_base`` is on; the borrower is not trained), and
 :func:`planner.graph.shared_base.share_base` rewrites the graph so.
 """
@@ -26,23 +26,23 @@ from realign.config.experiment import ExperimentConfig
 PAIRS: tuple[tuple[str, str], ...] = (("ref", "actor"), ("reward", "critic"))
 
 
-def same_checkpoint(a: str, b: str, base: Path) -> bool:
+def same_checkpoint(a: str, b: str) -> bool:
     """Whether two ``models.<role>`` values name one checkpoint: equal strings (a preset
-    or the same relative path), or paths that resolve to one folder (a config.json file
-    stands for its folder).
+    or the same path), or paths that resolve to one folder (a config.json file stands
+    for its folder; links and ``..`` followed).
 
-    ``("../runs/sft/final/actor", "/abs/runs/sft/final/actor/config.json")`` with the YAML in
-    ``/abs/experiments``: True."""
+    ``("/abs/experiments/../runs/sft/final/actor", "/abs/runs/sft/final/actor/config.json")``:
+    True."""
     if a == b:
         return True
 
     def where(ref: str) -> Path:
-        p = Path(ref) if Path(ref).is_absolute() else base / ref
+        p = Path(ref)
         return (p.parent if p.name == "config.json" else p).resolve()
     return where(a) == where(b)
 
 
-def shared_bases(cfg: ExperimentConfig, base: Path, trained: set[str]) -> dict[str, str]:
+def shared_bases(cfg: ExperimentConfig, trained: set[str]) -> dict[str, str]:
     """Frozen role -> the LoRA role that scores it with its adapters off, for the
     experiment whose graph trains ``trained`` (a trained borrower shares nothing)."""
     models = cfg.models.roles()
@@ -52,15 +52,14 @@ def shared_bases(cfg: ExperimentConfig, base: Path, trained: set[str]) -> dict[s
         if (lora is None or not lora.share_base or borrower not in models
                 or owner not in models or borrower in trained or owner not in trained):
             continue
-        if same_checkpoint(models[borrower], models[owner], base):
+        if same_checkpoint(models[borrower], models[owner]):
             out[borrower] = owner
     return out
 
 
-def with_shared_bases(graph: DataflowGraph, cfg: ExperimentConfig, base: Path
-                      ) -> DataflowGraph:
+def with_shared_bases(graph: DataflowGraph, cfg: ExperimentConfig) -> DataflowGraph:
     """``graph`` with every shared frozen role's calls made its owner's, adapters off."""
     trained = graph.trainable_roles()
-    for borrower, owner in shared_bases(cfg, base, trained).items():
+    for borrower, owner in shared_bases(cfg, trained).items():
         graph = share_base(graph, borrower, owner)
     return graph

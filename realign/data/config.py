@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from realign.paths import FilePath
+
 DatasetKind = Literal["prompts", "preferences", "sft"]
 
 
@@ -24,7 +26,7 @@ class DatasetConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    path: str = Field(description="JSONL file; a relative path is resolved against the "
+    path: FilePath = Field(description="JSONL file; a relative path is resolved against the "
                                   "experiment YAML's folder.")
     kind: DatasetKind = Field(description="prompts | preferences | sft (what each line holds).")
     prompt_key: str = Field("prompt", description="Key of the prompt (a string or a list "

@@ -22,7 +22,7 @@ from typing import Any, Sequence, Union
 
 from realign.data.config import DatasetConfig
 from realign.data.errors import DataError
-from realign.data.jsonl import read_jsonl, resolve
+from realign.data.jsonl import read_jsonl
 
 Messages = list[dict[str, str]]
 Prompt = Union[str, Messages]
@@ -119,11 +119,10 @@ class _Lines:
         return self.messages(v, key, line) if isinstance(v, list) else self.text(obj, key, line)
 
 
-def load_dataset(config: DatasetConfig, tokenizer, base_dir: str | Path | None = None,
-                 field: str = "data") -> Dataset:
-    """Read, check and tokenize ``config.path`` (relative to ``base_dir``). ``field`` is
-    where the dataset sits in the experiment config, for error messages."""
-    path = resolve(config.path, base_dir)
+def load_dataset(config: DatasetConfig, tokenizer, field: str = "data") -> Dataset:
+    """Read, check and tokenize ``config.path``. ``field`` is where the dataset sits in
+    the experiment config, for error messages."""
+    path = Path(config.path)
     lines = _Lines(path, f"{field}.path")
     rows = list(read_jsonl(path, field=lines.field))
     if not rows:

@@ -8,13 +8,6 @@ from typing import Iterator
 from realign.data.errors import DataError
 
 
-def resolve(path: str | Path, base_dir: str | Path | None = None) -> Path:
-    """``path`` as given when absolute or when there is no ``base_dir``, else relative
-    to ``base_dir`` (the experiment YAML's folder)."""
-    p = Path(path).expanduser()
-    return p if p.is_absolute() or base_dir is None else Path(base_dir) / p
-
-
 def read_jsonl(path: str | Path, field: str | None = None) -> Iterator[tuple[int, dict]]:
     """Yield ``(line_number, object)`` for every non-blank line of ``path``.
 

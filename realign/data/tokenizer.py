@@ -30,10 +30,10 @@ def load_tokenizer(folder: str | Path, field: str = "models.actor"):
                         field=field) from None
 
 
-def model_tokenizer(ref: str, base: Path, field: str):
+def model_tokenizer(ref: str, field: str):
     """:func:`load_tokenizer` of an experiment's model reference ``ref`` (a checkpoint
-    folder or a file in one, relative to the experiment's folder ``base``)."""
-    p = Path(ref) if Path(ref).is_absolute() else base / ref
+    folder or a file in one)."""
+    p = Path(ref)
     return load_tokenizer(p if p.is_dir() else p.parent, field=field)
 
 

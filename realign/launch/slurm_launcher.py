@@ -20,18 +20,27 @@ from pathlib import Path
 from realign.errors import UserError
 from realign.launch.base import Launcher, Network, WorkerExit
 from realign.launch.slurm_common import gpu_flags, job_ports, job_shape, parse_kv, slurm, slurm_options
+from realign.paths import named_paths
 
 STOP_WAIT_S = 3.0        #: how long stop() lets the workers end on their own
+
+
+def data_folders(spec) -> list[str]:
+    """The folders a container must see besides the run folder: the models' checkpoint
+    folders and the folder of every other file the experiment names
+    (:func:`realign.paths.named_paths`: datasets, adapters, user code...)."""
+    named = [p if p.is_dir() else p.parent for p in named_paths(spec.config).values()]
+    return sorted({str(p) for p in (*named, *spec.paths.values())})
 
 
 class SlurmStepLauncher(Launcher):
     """Workers as the tasks of one ``srun`` step of the current Slurm job."""
 
     def __init__(self, run_dir: Path, job_id: int, nodelist: str, nodes: int,
-                 tasks_per_node: int, opts, base_dir: str, device: str = "cpu"):
+                 tasks_per_node: int, opts, mounts: list[str], device: str = "cpu"):
         self.run_dir, self.job_id, self.nodelist = Path(run_dir), job_id, nodelist
         self.nodes, self.tasks_per_node, self.opts = nodes, tasks_per_node, opts
-        self.base_dir, self.device = base_dir, device
+        self.mounts, self.device = mounts, device
         self.env_dir = self.run_dir / "slurm" / "workers"
         self.proc: subprocess.Popen | None = None
         self._log = None
@@ -47,8 +56,8 @@ class SlurmStepLauncher(Launcher):
         opts = slurm_options(spec.config)
         nodes, per_node = job_shape(opts, spec.plan, spec.n_workers)
         return cls(spec.run_dir, int(os.environ["SLURM_JOB_ID"]),
-                   os.environ["SLURM_JOB_NODELIST"], nodes, per_node, opts, str(spec.base_dir),
-                   spec.config.device)
+                   os.environ["SLURM_JOB_NODELIST"], nodes, per_node, opts,
+                   data_folders(spec), spec.config.device)
 
     def _first_node_addr(self) -> str:
         first = slurm(["scontrol", "show", "hostnames", self.nodelist],
@@ -71,7 +80,7 @@ class SlurmStepLauncher(Launcher):
                *gpu_flags(self.opts, self.device, self.tasks_per_node)]
         python = sys.executable
         if self.opts.container_image:
-            mounts = sorted({str(self.run_dir), self.base_dir})
+            mounts = sorted({str(self.run_dir), *self.mounts})
             cmd += [f"--container-image={self.opts.container_image}",
                     f"--container-mounts={','.join(f'{m}:{m}' for m in mounts)}"]
             python = "python"                  # the image's own Python (realign installed)

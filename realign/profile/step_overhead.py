@@ -98,6 +98,6 @@ def measure_step_costs(folder: Path, workers: int, device: str, preset: str, thr
                 log = spec.run_dir / "logs"
                 raise RuntimeError(f"the step-overhead run on {n} worker(s) failed; logs in "
                                    f"{log}")
-        batch = time_host_work(spec.config, spec.base_dir)["batch_s"]
+        batch = time_host_work(spec.config)["batch_s"]
         points.append((n, max(0.0, statistics.median(outside_ops_s(spec.run_dir)) - batch)))
     return fit_step_costs(points)

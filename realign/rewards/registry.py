@@ -6,7 +6,7 @@ dataset's reference answer (None for prompt-only datasets).
 
 A user's function is named ``"package.module:function"`` (imported from
 ``sys.path``, so the current folder or ``PYTHONPATH``), or
-``"path/to/file.py:function"`` (a file, relative to ``base_dir`` when given). The
+``"path/to/file.py:function"`` (a file; the experiment loader makes its path absolute). The
 attribute may be dotted (``"mod:Scorer.score"``). It is loaded as all user code is
 (:mod:`realign.usercode`): a module that raises or calls ``sys.exit`` while importing
 is a :class:`UserError` at the field.
@@ -14,7 +14,6 @@ is a :class:`UserError` at the field.
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 from typing import Callable
 
 from realign.errors import UserError
@@ -40,8 +39,7 @@ BUILTINS: dict[str, RewardFn] = _table(
 )
 
 
-def load_reward_fn(spec: str, field: str = "reward.fn",
-                   base_dir: str | Path | None = None) -> RewardFn:
+def load_reward_fn(spec: str, field: str = "reward.fn") -> RewardFn:
     """The reward function named by ``spec``: a built-in name or ``"module:function"``.
 
     Raises :class:`UserError` (at ``field``) for a malformed spec, a module that is
@@ -56,7 +54,7 @@ def load_reward_fn(spec: str, field: str = "reward.fn",
     if ":" not in spec:
         raise UserError(f"unknown reward {spec!r}: give a built-in "
                         f"({', '.join(sorted(BUILTINS))}) or 'module:function'", field=field)
-    obj = import_object(spec, field, base_dir)
+    obj = import_object(spec, field)
     if not callable(obj):
         raise UserError(f"{spec} is a {type(obj).__name__}, not a function", field=field)
     try:

@@ -52,11 +52,11 @@ def _with_overrides(cfg: ExperimentConfig, steps: int | None, launcher: str | No
     return cfg
 
 
-def _checkpoint_folders(cfg: ExperimentConfig, base: Path) -> dict[str, Path]:
+def _checkpoint_folders(cfg: ExperimentConfig) -> dict[str, Path]:
     """Model role -> its Hugging Face checkpoint folder (a preset has no weights)."""
     paths = {}
     for role, ref in cfg.models.roles().items():
-        p = Path(ref) if Path(ref).is_absolute() else base / ref
+        p = Path(ref)
         if not (p / "config.json").is_file():
             raise UserError(f"{ref!r} is not a Hugging Face checkpoint folder (no config.json "
                             "there); realign run needs weights, a preset name has none",
@@ -79,7 +79,7 @@ def _check_weights(paths: dict[str, Path]) -> None:
             raise UserError(f"{path}: {e.message}", field=f"models.{role}") from None
 
 
-def _check_eval(cfg: ExperimentConfig, base: Path, tok: Any, train: Dataset) -> int:
+def _check_eval(cfg: ExperimentConfig, tok: Any, train: Dataset) -> int:
     """The held-out prompts: a prompts file with answers, within the prompt length, none
     of them a training prompt; the verifier loads. How many each evaluation answers."""
     from realign.data.datasets import load_dataset
@@ -90,7 +90,7 @@ def _check_eval(cfg: ExperimentConfig, base: Path, tok: Any, train: Dataset) -> 
     if ev.data.kind != "prompts" or ev.data.answer_key is None:
         raise UserError("the held-out set is prompts with reference answers (kind: prompts, "
                         "an answer_key)", field="eval.data.kind")
-    held = load_dataset(ev.data, tok, base, field="eval.data")
+    held = load_dataset(ev.data, tok, field="eval.data")
     seen = {tuple(e.prompt_ids): e.line for e in train.examples}
     used = held.examples[:ev.max_prompts]
     for e in used:
@@ -102,11 +102,11 @@ def _check_eval(cfg: ExperimentConfig, base: Path, tok: Any, train: Dataset) -> 
             raise UserError(f"{held.path} line {e.line} is the training prompt of "
                             f"{train.path} line {seen[tuple(e.prompt_ids)]}: a held-out set "
                             "never overlaps the training prompts", field="eval.data")
-    load_reward_fn(ev.verifier, field="eval.verifier", base_dir=base)
+    load_reward_fn(ev.verifier, field="eval.verifier")
     return len(used)
 
 
-def _check_multi_turn(cfg: ExperimentConfig, base: Path, generates: bool) -> None:
+def _check_multi_turn(cfg: ExperimentConfig, generates: bool) -> None:
     """``rollout.env`` / ``rollout.tools``: an algorithm that generates, a turn that fits
     the response budget, and an environment class or tools that load and have the right
     shape (:mod:`realign.agents.loading`)."""
@@ -121,7 +121,7 @@ def _check_multi_turn(cfg: ExperimentConfig, base: Path, generates: bool) -> Non
         raise UserError(f"{r.turn_tokens} tokens per turn, more than the episode's whole "
                         f"budget algorithm.gen_len = {cfg.algorithm.gen_len}",
                         field="rollout.turn_tokens")
-    env_factory(r, base)
+    env_factory(r)
 
 
 def _run_folder(cfg: ExperimentConfig, run_dir: str | None) -> Path:
@@ -176,7 +176,7 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     from realign.data.datasets import load_dataset
     from realign.data.tokenizer import load_tokenizer
 
-    cfg, base = load_experiment(experiment)
+    cfg = load_experiment(experiment)
     cfg = _with_overrides(cfg, steps, launcher, plan_file)
     if transform is not None:
         cfg = transform(cfg)
@@ -188,8 +188,8 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     if cfg.data.train.kind != kind:
         raise UserError(f"{algo.name} trains on {kind} data, the dataset is "
                         f"{cfg.data.train.kind!r}", field="data.train.kind")
-    paths = _checkpoint_folders(cfg, base)
-    models = resolve_models(cfg, base)
+    paths = _checkpoint_folders(cfg)
+    models = resolve_models(cfg)
     _check_weights(paths)
     longest = cfg.algorithm.prompt_len + cfg.algorithm.gen_len
     for role, m in models.items():
@@ -199,19 +199,19 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
                             "(max_position_embeddings)", field="algorithm.gen_len")
     for role, lc in cfg.lora.items():      # an adapter to start from fits its base
         if lc.init_from:
-            from realign.runtime.lora_peft import check_peft_adapter, resolve_path
-            check_peft_adapter(resolve_path(lc.init_from, base), models[role].spec,
+            from realign.runtime.lora_peft import check_peft_adapter
+            check_peft_adapter(Path(lc.init_from), models[role].spec,
                                models[role].head, lc.spec(), f"lora.{role}.init_from")
     params = algo.make_config(cfg.algorithm.params, cfg.algorithm.shape())
     algo.check_roles(params, set(paths))
     reward_fn = cfg.rule_reward_fn()
     if reward_fn is not None:
         from realign.rewards.registry import load_reward_fn
-        load_reward_fn(reward_fn, base_dir=base)
+        load_reward_fn(reward_fn)
     if cfg.rollout.multi_turn:
-        _check_multi_turn(cfg, base, algo.spec.generates)
+        _check_multi_turn(cfg, algo.spec.generates)
     tok = load_tokenizer(paths[cfg.tokenizer_role()])
-    data = load_dataset(cfg.data.train, tok, base, field="data.train")
+    data = load_dataset(cfg.data.train, tok, field="data.train")
     too_long = [e for e in data.examples if len(e.prompt_ids) > cfg.algorithm.prompt_len]
     if too_long:
         e = too_long[0]
@@ -221,12 +221,12 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     if cfg.train.transformer_engine and cfg.device != "cuda":
         raise UserError("Transformer-Engine runs on CUDA only; leave it off on cpu",
                         field="train.transformer_engine")
-    eval_prompts = _check_eval(cfg, base, tok, data) if cfg.eval is not None else None
+    eval_prompts = _check_eval(cfg, tok, data) if cfg.eval is not None else None
     if cfg.device == "cpu" and cfg.cluster.device != "cpu":
         raise UserError("device 'cpu' needs cluster.device 'cpu' (the plan must be for the "
                         "machine that runs it)", field="cluster.device")
     cfg = _vllm_engine(cfg, models)
-    plan = resolve_plan(cfg, base, models)
+    plan = resolve_plan(cfg, models)
     on_vllm = [plan.graph.mfc(a.mfc) for a in plan.allocations if a.engine == "vllm"]
     if on_vllm:                                  # a saved plan may name vLLM too
         from realign.config.planning import DTYPE_BYTES
@@ -234,7 +234,7 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
         check_vllm(cfg, models["actor"].spec, on_vllm, DTYPE_BYTES[cfg.run_dtype()],
                    plan.cost_config.kv_cache_block_tokens,
                    {a.mfc: a.layout.tp for a in plan.allocations if a.engine == "vllm"})
-    spec = RunSpec(config=cfg, plan=plan, paths=paths, base_dir=base,
+    spec = RunSpec(config=cfg, plan=plan, paths=paths,
                    run_dir=_run_folder(cfg, run_dir), params=params,
                    tokenizer_role=cfg.tokenizer_role(), reward_fn=reward_fn,
                    verifier=cfg.eval.verifier if cfg.eval is not None else None,

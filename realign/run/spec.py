@@ -42,8 +42,6 @@ class RunSpec(BaseModel):
     config: ExperimentConfig = Field(description="The experiment, checked.")
     plan: ExecutionPlan = Field(description="The plan the run executes.")
     paths: dict[str, Path] = Field(description="Model role -> its HF checkpoint folder.")
-    base_dir: Path = Field(description="The experiment YAML's folder (relative paths in "
-                                       "the config are resolved against it).")
     run_dir: Path = Field(description="The run folder.")
     # ---- resolved by prepare() ----
     params: AnyParams = Field(description="The algorithm's hyper-parameters, typed: "

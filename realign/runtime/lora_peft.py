@@ -39,11 +39,6 @@ HF_MODULE = {"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1"
              "linear_fc2": "mlp"}
 
 
-def resolve_path(path: str, base: Path | str) -> Path:
-    p = Path(path)
-    return p if p.is_absolute() else Path(base) / p
-
-
 def base_tensor(spec: ModelSpec, layer: int, target: str) -> LogicalTensor:
     """The logical base weight a target adapts (its rows give B's layout)."""
     want = f"decoder.layers.{layer}.{MODULE_OF[target]}.{target}.weight"

@@ -27,7 +27,7 @@ from realign.run.spec import RunSpec
 from realign.runtime.device import init_device
 from realign.runtime.hf_checkpoint import read_hf_config, save_hf_checkpoint, spec_from_hf
 from realign.runtime.lora import load_trained_state, trained_state
-from realign.runtime.lora_peft import resolve_path, save_merged_checkpoint, save_peft_adapter
+from realign.runtime.lora_peft import save_merged_checkpoint, save_peft_adapter
 from realign.runtime.optimizer_state import load_optimizer_state, optimizer_state, torch_optimizers
 from realign.worker.calls import Calls
 from realign.worker.replicas import build_replicas
@@ -85,29 +85,28 @@ class Session:
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = load_tokenizer(self.paths[spec.tokenizer_role])
         self.pad = pad_id(self.tokenizer)
-        self.dataset = load_dataset(cfg.data.train, self.tokenizer, spec.base_dir)
+        self.dataset = load_dataset(cfg.data.train, self.tokenizer)
         self.eval_record = None
         if cfg.eval is not None:
-            held = load_dataset(cfg.eval.data, self.tokenizer, spec.base_dir, field="eval.data")
+            held = load_dataset(cfg.eval.data, self.tokenizer, field="eval.data")
             self.eval_record = prompts_record(held.examples[:spec.eval_prompts], self.pad)
         self.algo = registry.get(cfg.algorithm.name)
         from realign.rewards.registry import load_reward_fn
         reward_fn = verifier = None
         if spec.reward_fn is not None:
-            reward_fn = load_reward_fn(spec.reward_fn, base_dir=spec.base_dir)
+            reward_fn = load_reward_fn(spec.reward_fn)
         if spec.verifier is not None:
-            verifier = load_reward_fn(spec.verifier, field="eval.verifier",
-                                      base_dir=spec.base_dir)
+            verifier = load_reward_fn(spec.verifier, field="eval.verifier")
         make_env = None
         if cfg.rollout.multi_turn:       # checked by prepare: loads as it did there
             from realign.agents.loading import env_factory
-            make_env = env_factory(cfg.rollout, spec.base_dir)
+            make_env = env_factory(cfg.rollout)
         self.specs = {r: spec_from_hf(p) for r, p in self.paths.items()}
         self.loras = {role: lc.spec() for role, lc in cfg.lora.items()}
         self.hosted = build_replicas(
             self.program, self.specs, self.paths, self.dev, cfg.run.seed,
             use_te=cfg.train.transformer_engine, loras=self.loras,
-            adapters={role: str(resolve_path(lc.init_from, spec.base_dir))
+            adapters={role: lc.init_from
                       for role, lc in cfg.lora.items() if lc.init_from})
         dist.barrier()              # every world rank's groups exist before any traffic
         self.calls = Calls(specs=self.specs, algorithm=self.algo, algo_params=spec.params,

@@ -118,8 +118,11 @@ def test_a_cuda_job_asks_for_gpus_and_each_task_finds_its_own():
     assert "#SBATCH --gpus-per-task=1" in script("cuda", gpus="per_task").splitlines()
     assert "--gpus" not in script("cpu")
     step = SlurmStepLauncher(Path("/r"), 7, "n[1-2]", 2, 8, SlurmLauncherConfig(type="slurm"),
-                             "/base", device="cuda")
+                             ["/data"], device="cuda")
     assert "--gpus-per-node=8" in step.srun_command(16)
+    boxed = SlurmStepLauncher(Path("/r"), 7, "n[1-2]", 2, 8, SlurmLauncherConfig(
+        type="slurm", container_image="img.sqsh"), ["/data", "/models/a"], device="cuda")
+    assert "--container-mounts=/data:/data,/models/a:/models/a,/r:/r" in boxed.srun_command(16)
     # whole-node allocation: every task sees the node's GPUs and takes its local rank's;
     # --gpus-per-task: each sees only its own, device 0
     assert local_device({"SLURM_LOCALID": "5", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}) == 5

@@ -85,7 +85,7 @@ def test_table_output(tmp_path, capsys):
 def test_shipped_experiments_parse():
     from realign.config.loading import load_experiment
     for p in sorted((REPO / "experiments").glob("*.yaml")):
-        cfg, _ = load_experiment(p)
+        cfg = load_experiment(p)
         assert cfg.name
 
 
@@ -200,7 +200,7 @@ def test_a_sharded_optimizer_shrinks_the_memory_the_plan_counts():
     mem = {}
     for zero1 in (True, False):
         cfg = ExperimentConfig.model_validate(dict(base, train={"distributed_optimizer": zero1}))
-        plan = resolve_plan(cfg, REPO, resolve_models(cfg, REPO))
+        plan = resolve_plan(cfg, resolve_models(cfg))
         mem[zero1] = plan.allocation("actor.train").mem_bytes
     # Adam state + fp32 master weights: 12 bytes per parameter, half of it per DP rank
     params_per_gpu = 6.7e9 / 4

@@ -11,6 +11,7 @@ from realign.data.config import DatasetConfig
 from realign.data.datasets import PreferenceExample, PromptExample, SFTExample, load_dataset
 from realign.data.errors import DataError
 from realign.errors import UserError
+from realign.paths import YAML_DIR
 
 
 def _write(path, lines):
@@ -31,8 +32,9 @@ def test_tiny_datasets_load(tiny_assets, tokenizer):
     assert math[0].prompt_ids == tokenizer(first["prompt"]).input_ids
     assert tokenizer.decode(math[0].prompt_ids, skip_special_tokens=True) == first["prompt"]
 
-    prefs = load_dataset(DatasetConfig(path="prefs.jsonl", kind="preferences"), tokenizer,
-                         base_dir=tiny_assets["prefs"].parent)
+    in_yaml = {YAML_DIR: tiny_assets["prefs"].parent}   # a relative path, as a YAML gives it
+    prefs = load_dataset(DatasetConfig.model_validate(
+        {"path": "prefs.jsonl", "kind": "preferences"}, context=in_yaml), tokenizer)
     p = prefs[0]
     assert isinstance(p, PreferenceExample)
     assert p.chosen_ids[-1] == eos and p.rejected_ids[-1] == eos
@@ -118,8 +120,8 @@ def _err(tmp_path, char_tok, lines, kind="prompts", **cfg) -> DataError:
 @pytest.mark.pure
 def test_missing_file(tmp_path, char_tok):
     with pytest.raises(DataError, match="no such file") as e:
-        load_dataset(DatasetConfig(path="nope.jsonl", kind="prompts"), char_tok,
-                     base_dir=tmp_path)
+        load_dataset(DatasetConfig.model_validate({"path": "nope.jsonl", "kind": "prompts"},
+                                                  context={YAML_DIR: tmp_path}), char_tok)
     assert e.value.path == str(tmp_path / "nope.jsonl") and e.value.line is None
     with pytest.raises(DataError, match="is a folder"):
         load_dataset(DatasetConfig(path=str(tmp_path), kind="prompts"), char_tok)

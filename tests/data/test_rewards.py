@@ -61,7 +61,13 @@ def test_user_function(user_module):
     fn = load_reward_fn("my_rewards:length_reward")
     assert fn("p", "abc", None) == 3.0
     assert load_reward_fn("my_rewards:Scorer.score")("p", "r", "a") == 1.0
-    by_file = load_reward_fn("my_rewards.py:length_reward", base_dir=user_module)
+    from realign.config.experiment import RewardConfig
+    from realign.paths import YAML_DIR
+
+    named = RewardConfig.model_validate({"fn": "my_rewards.py:length_reward"},
+                                        context={YAML_DIR: user_module})   # as a YAML there
+    assert named.fn == f"{user_module / 'my_rewards.py'}:length_reward"
+    by_file = load_reward_fn(named.fn)
     assert by_file("p", "ab", None) == 2.0
     assert load_reward_fn(str(user_module / "my_rewards.py") + ":length_reward") is not None
 

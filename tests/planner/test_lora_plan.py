@@ -285,7 +285,7 @@ def test_70b_ppo_on_16_a100s_plans_with_lora_and_no_offload():
 
     path = ROOT / "experiments/public/ppo-llama2-70b-16gpu-lora.yaml"
     cfg = ExperimentConfig(**yaml.safe_load(path.read_text()))
-    plan = plan_experiment(cfg, path.parent)
+    plan = plan_experiment(cfg)
     trains = [a for a in plan.allocations if a.kind == "train"]
     assert trains and not any(a.optimizer_offload or a.train_state_offload for a in trains)
     # the reference and the reward model are the LoRA models' bases (lora.<role>.share_base)
@@ -309,9 +309,9 @@ def test_a_saved_plan_with_other_lora_settings_is_refused():
     from realign.config.experiment import ExperimentConfig
     from realign.config.planning import experiment_graph, plan_experiment, resolve_models
     cfg = ExperimentConfig(**yaml.safe_load(path.read_text()))
-    plan = plan_experiment(cfg, path.parent)
-    models = resolve_models(cfg, path.parent)
-    graph = experiment_graph(cfg, models, path.parent)
+    plan = plan_experiment(cfg)
+    models = resolve_models(cfg)
+    graph = experiment_graph(cfg, models)
     check_plan_matches(plan, graph, models, cfg.cluster.spec())       # the same: accepted
     other = {r: RoleModel(m.role, m.spec, m.head, LoraSpec(rank=8) if m.lora else None)
              for r, m in models.items()}

@@ -179,9 +179,9 @@ def test_70b_ppo_on_16_a100s_plans_with_the_training_state_on_the_host():
     from realign.config.loading import load_experiment
     from realign.config.planning import plan_experiment
     repo = Path(__file__).resolve().parents[2]
-    cfg, base = load_experiment(repo / "experiments/public/ppo-llama2-70b-16gpu.yaml")
+    cfg = load_experiment(repo / "experiments/public/ppo-llama2-70b-16gpu.yaml")
     plan = plan_experiment(cfg.model_copy(update={"plan": cfg.plan.model_copy(
-        update={"time_limit_s": 20.0})}), base)
+        update={"time_limit_s": 20.0})}))
     for name in ("actor.train", "critic.train"):
         a = plan.allocation(name)
         assert a.train_state_offload

@@ -196,16 +196,16 @@ def test_which_roles_share_a_base():
     base = ROOT / "experiments"
     cfg = _experiment("ppo-llama2-70b-8gpu-lora.yaml")
     trained = {"actor", "critic"}
-    assert shared_bases(cfg, base, trained) == {"ref": "actor", "reward": "critic"}
+    assert shared_bases(cfg, trained) == {"ref": "actor", "reward": "critic"}
     off = _experiment("ppo-llama2-70b-8gpu-lora.yaml", lora__actor__share_base=False)
-    assert shared_bases(off, base, trained) == {"reward": "critic"}
+    assert shared_bases(off, trained) == {"reward": "critic"}
     other = _experiment("ppo-llama2-70b-8gpu-lora.yaml", models__ref="llama2-13b")
-    assert shared_bases(other, base, trained) == {"reward": "critic"}
+    assert shared_bases(other, trained) == {"reward": "critic"}
     no_lora = _experiment("ppo-llama2-70b-8gpu-lora.yaml", lora={"critic": {"rank": 8}})
-    assert shared_bases(no_lora, base, trained) == {"reward": "critic"}
-    assert same_checkpoint("tiny/actor", str(base / "tiny/actor/config.json"), base)
-    assert same_checkpoint("../experiments/tiny/actor", "tiny/actor", base)
-    assert not same_checkpoint("tiny/actor", "tiny/reward", base)
+    assert shared_bases(no_lora, trained) == {"reward": "critic"}
+    assert same_checkpoint(str(base / "tiny/actor"), str(base / "tiny/actor/config.json"))
+    assert same_checkpoint(str(base / "../experiments/tiny/actor"), str(base / "tiny/actor"))
+    assert not same_checkpoint(str(base / "tiny/actor"), str(base / "tiny/reward"))
 
 
 def test_70b_ppo_with_lora_plans_on_8_a100s_with_one_base_each():
@@ -214,7 +214,7 @@ def test_70b_ppo_with_lora_plans_on_8_a100s_with_one_base_each():
     from realign.config.planning import plan_experiment
 
     cfg = _experiment("ppo-llama2-70b-8gpu-lora.yaml", plan__time_limit_s=20)
-    plan = plan_experiment(cfg, ROOT / "experiments/public")
+    plan = plan_experiment(cfg)
     assert [m.role for m in plan.models] == ["actor", "critic"]
     assert max(plan.peak_mem_bytes) <= plan.mem_limit_bytes
     assert plan.reallocations == () or all(
@@ -236,4 +236,4 @@ def test_70b_ppo_with_lora_plans_on_8_a100s_with_one_base_each():
     off = _experiment("ppo-llama2-70b-8gpu-lora.yaml", plan__time_limit_s=20,
                       lora__actor__share_base=False, lora__critic__share_base=False)
     with pytest.raises(PlanError):
-        plan_experiment(off, ROOT / "experiments/public")
+        plan_experiment(off)

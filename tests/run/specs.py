@@ -9,6 +9,7 @@ import yaml
 from realign.algorithms.params import make_params
 from realign.config.experiment import ExperimentConfig
 from realign.config.planning import plan_experiment
+from realign.paths import YAML_DIR
 from realign.run.spec import RunSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,10 +21,10 @@ def planned_spec(run_dir: Path, name: str = "tiny-grpo-cpu", **changes) -> RunSp
     raw = yaml.safe_load((REPO / "experiments" / f"{name}.yaml").read_text())
     raw["models"] = {role: "tiny-llama" for role in raw["models"]}
     raw.update(changes)
-    cfg = ExperimentConfig.model_validate(raw)
-    plan = plan_experiment(cfg, REPO / "experiments")
+    cfg = ExperimentConfig.model_validate(raw, context={YAML_DIR: REPO / "experiments"})
+    plan = plan_experiment(cfg)
     params = make_params(cfg.algorithm.name, cfg.algorithm.params, cfg.algorithm.shape())
     return RunSpec(config=cfg, plan=plan, paths={r: REPO / "x" / r for r in raw["models"]},
-                   base_dir=REPO / "experiments", run_dir=run_dir, params=params,
+                   run_dir=run_dir, params=params,
                    tokenizer_role=cfg.tokenizer_role(), reward_fn=cfg.rule_reward_fn(),
                    verifier=None, eval_prompts=None)

@@ -52,12 +52,12 @@ def test_evaluation_runs_on_its_steps_and_reaches_the_metrics(tiny_assets, tmp_p
         assert not any(k.startswith("eval.") and k.endswith("_hist") for k in row)
     from realign.config.loading import load_experiment
     from realign.config.planning import experiment_graph, recorded_lengths, resolve_models
-    cfg, base = load_experiment(exp)
+    cfg = load_experiment(exp)
     cfg = cfg.model_copy(update={"plan": cfg.plan.model_copy(
         update={"lengths_from": str(tmp_path / "run")})})
-    pooled = recorded_lengths(cfg, base)
+    pooled = recorded_lengths(cfg)
     assert sum(w for _, w in pooled.histogram) == 64 * len(got)
-    gen = next(m for m in experiment_graph(cfg, resolve_models(cfg, base), base).mfcs
+    gen = next(m for m in experiment_graph(cfg, resolve_models(cfg)).mfcs
                if m.kind == "generate")
     assert gen.lengths == pooled
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())

@@ -47,16 +47,16 @@ def test_the_time_outside_the_ops_is_the_step_minus_their_span(tmp_path):
 @pytest.mark.cpu_dist
 def test_with_a_profile_the_batch_and_the_reward_are_timed_here(tiny_assets, tmp_path):
     exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path)
-    cfg, base = load_experiment(exp)
-    unpriced = cost_config(cfg, base)
+    cfg = load_experiment(exp)
+    unpriced = cost_config(cfg, host_work=True)
     assert unpriced.batch_s == 0.0 and unpriced.reward_s_per_seq == 0.0
-    timed = cost_config(with_profile(cfg, PROFILE), base)
+    timed = cost_config(with_profile(cfg, PROFILE), host_work=True)
     # a batch of 16 prompts, a digit-matching reward: microseconds to milliseconds
     assert 1e-6 < timed.batch_s < 0.05 and 1e-8 < timed.reward_s_per_seq < 0.01
     fixed = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, plan__cost={
         "batch_s": 0.002, "reward_s_per_seq": 0.0})
-    cfg2, base2 = load_experiment(fixed)
-    kept = cost_config(with_profile(cfg2, PROFILE), base2)
+    cfg2 = load_experiment(fixed)
+    kept = cost_config(with_profile(cfg2, PROFILE), host_work=True)
     assert kept.batch_s == 0.002 and kept.reward_s_per_seq == 0.0
 
 
@@ -65,7 +65,7 @@ def test_a_reward_function_that_returns_no_number_fails_while_planning(tiny_asse
     (tiny_assets / "bad_reward.py").write_text(
         "def text(prompt, response, answer):\n    return 'good'\n")
     exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, reward__fn="bad_reward.py:text")
-    cfg, base = load_experiment(exp)
+    cfg = load_experiment(exp)
     with pytest.raises(UserError) as e:
-        cost_config(with_profile(cfg, PROFILE), base)
+        cost_config(with_profile(cfg, PROFILE), host_work=True)
     assert e.value.field == "reward.fn" and "'good'" in str(e.value)

@@ -17,10 +17,10 @@ EXP = Path(__file__).resolve().parents[2] / "experiments" / "ppo-llama2-7b-8gpu.
 
 
 def config(lengths_from):
-    cfg, base = load_experiment(EXP)
+    cfg = load_experiment(EXP)
     plan = cfg.plan.model_copy(update={"lengths_from": lengths_from, "time_limit_s": 5.0,
                                        "anneal_steps": 3000})
-    return cfg.model_copy(update={"plan": plan}), base
+    return cfg.model_copy(update={"plan": plan})
 
 
 def run_folder(tmp_path: Path, rows: list[dict]) -> Path:
@@ -31,30 +31,30 @@ def run_folder(tmp_path: Path, rows: list[dict]) -> Path:
 
 
 def test_recorded_lengths_price_generation_below_the_cap(tmp_path):
-    cfg, base = config(None)
+    cfg = config(None)
     gen_len = cfg.algorithm.gen_len
     folder = run_folder(tmp_path, [{"step": 0, "response_len": gen_len / 8},
                                    {"step": 1, "response_len": gen_len / 4},
                                    {"step": 2, "loss": 1.0}])
-    cfg2, _ = config(str(folder))
-    models = resolve_models(cfg2, base)
-    gen = next(m for m in experiment_graph(cfg2, models, base).mfcs if m.kind == "generate")
+    cfg2 = config(str(folder))
+    models = resolve_models(cfg2)
+    gen = next(m for m in experiment_graph(cfg2, models).mfcs if m.kind == "generate")
     assert gen.lengths.max_len == gen_len
     assert gen.lengths.mean == pytest.approx((gen_len / 8 + gen_len / 4) / 2)
-    capped = plan_experiment(cfg, base).allocation("actor.generate").time_s
-    recorded = plan_experiment(cfg2, base).allocation("actor.generate").time_s
+    capped = plan_experiment(cfg).allocation("actor.generate").time_s
+    recorded = plan_experiment(cfg2).allocation("actor.generate").time_s
     assert recorded < capped        # shorter responses: fewer decode steps per wave
 
 
 def test_recorded_histograms_are_pooled_and_capped(tmp_path):
-    cfg, base = config(None)
+    cfg = config(None)
     gen_len = cfg.algorithm.gen_len
     folder = run_folder(tmp_path, [
         {"step": 0, "response_len": 10.0, "response_len_hist": [[5, 2], [gen_len, 1]]},
         {"step": 1, "response_len": 10.0, "response_len_hist": [[5, 1], [gen_len + 7, 3]]},
         {"step": 2, "loss": 1.0}])
-    cfg2, _ = config(str(folder))
-    gen = next(m for m in experiment_graph(cfg2, resolve_models(cfg2, base), base).mfcs
+    cfg2 = config(str(folder))
+    gen = next(m for m in experiment_graph(cfg2, resolve_models(cfg2)).mfcs
                if m.kind == "generate")
     # every response counts (not the steps' means); past the cap: at the cap
     assert gen.lengths.mean is None
@@ -63,25 +63,25 @@ def test_recorded_histograms_are_pooled_and_capped(tmp_path):
     assert pmf[4] == pytest.approx(3 / 7) and pmf[gen_len - 1] == pytest.approx(4 / 7)
     # the same mean as a censored geometric (a fixed stop chance per token) puts less
     # at the cap than these bimodal recorded lengths
-    by_mean, _ = config(str(run_folder(tmp_path / "m", [{"response_len": sum(
+    by_mean = config(str(run_folder(tmp_path / "m", [{"response_len": sum(
         x * w for x, w in gen.lengths.histogram) / 7}])))
-    m2 = next(m for m in experiment_graph(by_mean, resolve_models(by_mean, base), base).mfcs
+    m2 = next(m for m in experiment_graph(by_mean, resolve_models(by_mean)).mfcs
               if m.kind == "generate")
     assert m2.lengths.pmf()[gen_len - 1] < 0.35 < 0.5 < pmf[gen_len - 1]
 
 
 def test_a_malformed_histogram_names_the_setting(tmp_path):
     folder = run_folder(tmp_path, [{"response_len": 3.0, "response_len_hist": [[3, "x"]]}])
-    cfg, base = config(str(folder))
+    cfg = config(str(folder))
     with pytest.raises(PlanError, match="response_len_hist must be") as e:
-        experiment_graph(cfg, resolve_models(cfg, base), base)
+        experiment_graph(cfg, resolve_models(cfg))
     assert e.value.field == "plan.lengths_from"
 
 
 def test_the_metrics_file_itself_may_be_named(tmp_path):
     folder = run_folder(tmp_path, [{"response_len": 10.0}])
-    cfg, base = config(str(folder / "metrics.jsonl"))
-    gen = next(m for m in experiment_graph(cfg, resolve_models(cfg, base), base).mfcs
+    cfg = config(str(folder / "metrics.jsonl"))
+    gen = next(m for m in experiment_graph(cfg, resolve_models(cfg)).mfcs
                if m.kind == "generate")
     assert gen.lengths.mean == 10.0
 
@@ -92,7 +92,7 @@ def test_the_metrics_file_itself_may_be_named(tmp_path):
 ])
 def test_a_folder_without_lengths_names_the_setting(tmp_path, rows, says):
     where = run_folder(tmp_path, rows) if rows is not None else tmp_path / "nothing"
-    cfg, base = config(str(where))
+    cfg = config(str(where))
     with pytest.raises(PlanError, match=says) as e:
-        experiment_graph(cfg, resolve_models(cfg, base), base)
+        experiment_graph(cfg, resolve_models(cfg))
     assert e.value.field == "plan.lengths_from"

@@ -36,7 +36,7 @@ def _resolve(manual: dict, engine: str = "own", staleness: int = 0, **params):
         "rollout": {"engine": engine},
         "cluster": {"nodes": 1, "gpus_per_node": 8, "device": "a100-80g"},
         "plan": {"manual": manual}})
-    return resolve_plan(cfg, REPO, resolve_models(cfg, REPO))
+    return resolve_plan(cfg, resolve_models(cfg))
 
 
 @pytest.mark.parametrize("engine,params,on_vllm", [

@@ -23,15 +23,15 @@ ARGPARSE = ("import argparse\np = argparse.ArgumentParser()\n"
 
 @pytest.mark.pure
 @pytest.mark.parametrize("source, shown", [
-    (EXITS, r"importing exits\.py:shaped called sys\.exit\(3\)"),
-    (ARGPARSE, r"importing exits\.py:shaped called sys\.exit\(2\)"),
-    ("raise GeneratorExit('gone')\n", r"importing exits\.py:shaped raised GeneratorExit: gone"),
+    (EXITS, r"importing \S+/exits\.py:shaped called sys\.exit\(3\)"),
+    (ARGPARSE, r"importing \S+/exits\.py:shaped called sys\.exit\(2\)"),
+    ("raise GeneratorExit('gone')\n", r"importing \S+/exits\.py:shaped raised GeneratorExit: gone"),
     ("raise RuntimeError('boom')\n", r"importing '.*exits\.py' raised RuntimeError: boom"),
 ])
 def test_a_reward_file_that_leaves_its_import_is_a_user_error(tmp_path, source, shown):
     (tmp_path / "exits.py").write_text(source)
     with pytest.raises(UserError, match=shown) as e:
-        load_reward_fn("exits.py:shaped", base_dir=tmp_path)
+        load_reward_fn(f"{tmp_path}/exits.py:shaped")
     assert e.value.field == "reward.fn"
     assert "Traceback" not in str(e.value)
 
@@ -52,7 +52,7 @@ def test_a_keyboard_interrupt_while_importing_propagates(tmp_path):
     """In the main thread a KeyboardInterrupt may be the user's Ctrl-C: not a UserError."""
     (tmp_path / "ctrl_c.py").write_text("raise KeyboardInterrupt\n")
     with pytest.raises(KeyboardInterrupt):
-        import_object("ctrl_c.py:f", "reward.fn", tmp_path)
+        import_object(f"{tmp_path}/ctrl_c.py:f", "reward.fn")
 
 
 @pytest.mark.pure
@@ -60,9 +60,9 @@ def test_a_file_that_exited_is_imported_again_once_fixed(tmp_path):
     path = tmp_path / "fixed_later.py"
     path.write_text(EXITS)
     with pytest.raises(UserError):
-        import_object("fixed_later.py:shaped", "reward.fn", tmp_path)
+        import_object(f"{path}:shaped", "reward.fn")
     path.write_text("def shaped(prompt, response, answer):\n    return 1.5\n")
-    assert import_object("fixed_later.py:shaped", "reward.fn", tmp_path)("p", "r", "a") == 1.5
+    assert import_object(f"{path}:shaped", "reward.fn")("p", "r", "a") == 1.5
 
 
 @pytest.mark.pure
