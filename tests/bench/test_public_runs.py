@@ -129,7 +129,7 @@ def test_committed_set_is_well_formed():
     idx = load_index(DEFAULT_INDEX)
     devices = set()
     for r in idx.runs:
-        cfg, _ = load_experiment(DEFAULT_INDEX.parent / r.experiment)
+        cfg = load_experiment(DEFAULT_INDEX.parent / r.experiment)
         devices.add(cfg.cluster.spec().device.name)
         assert r.quote.strip() and r.source.strip() and r.measured.step_s > 0
     assert len({r.system for r in idx.runs}) >= 2
