@@ -25,7 +25,7 @@ def test_every_run_is_sourced_and_its_setting_loads():
         assert r.source.strip() and r.quote.strip(), r.id
         path = DEFAULT_INDEX.parent / r.experiment
         assert path.is_file(), f"{r.id}: no experiment file {path}"
-        cfg, _ = load_experiment(path)
+        cfg = load_experiment(path)
         assert cfg.name == r.id, f"{r.id}: the experiment is named {cfg.name}"
         device = cfg.cluster.spec().device.name
         named = [preset for gpu, preset in PRESET_OF.items() if gpu in r.hardware]
