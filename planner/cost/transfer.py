@@ -12,6 +12,9 @@ and the planner's cost (:mod:`planner.cost.realloc_cost`) prices the same bytes.
   replicas.
 
 So the bytes moved equal the lower bound: the bytes each destination lacks locally.
+
+With expert parallelism (``layout.ep`` > 1) a GPU holds only its EP rank's experts
+(:func:`held_tensors`), so a change of EP moves expert shards like any other slice.
 """
 from __future__ import annotations
 
@@ -80,6 +83,27 @@ class TransferPlan:
         return {g: (v[0], v[1]) for g, v in out.items()}
 
 
+_EXPERT = ".mlp.experts.local_experts."
+
+
+def held_tensors(spec: ModelSpec, head: str, lora: LoraSpec | None, layout: Layout,
+                 dp_rank: int, pp_rank: int) -> list[LogicalTensor]:
+    """The tensors (each TP-sharded as its layout says) that the GPU at data-parallel
+    rank ``dp_rank`` and stage ``pp_rank`` of ``layout`` holds, of those a reallocation
+    moves (:func:`planner.specs.lora.moved_stage_tensors`): with expert parallelism,
+    every tensor but the other EP ranks' experts (data-parallel rank ``d`` is EP rank
+    ``d % ep``, holding experts ``(d % ep) E/ep .. (d % ep + 1) E/ep - 1``, as
+    :mod:`realign.runtime.ep_groups` builds them). Example: 8 experts, dp 2, ep 2: dp
+    rank 1 holds ``decoder.layers.0.mlp.experts.local_experts.5.linear_fc1.weight`` and
+    not ``...local_experts.3...``."""
+    tensors = moved_stage_tensors(spec, head, lora, layout.pp, pp_rank)
+    if layout.ep == 1 or spec.moe is None:
+        return tensors
+    per, mine = spec.moe.n_experts // layout.ep, dp_rank % layout.ep
+    return [t for t in tensors if _EXPERT not in t.name
+            or int(t.name.split(_EXPERT, 1)[1].split(".", 1)[0]) // per == mine]
+
+
 def _elem_per_index(t: LogicalTensor) -> int:
     return t.numel // t.shape[t.shard_dim] if t.shard_dim is not None else t.numel
 
@@ -91,8 +115,8 @@ def transfer_plan(spec: ModelSpec, head: str, src: Placement, dst: Placement,
     only the trained tensors, :func:`planner.specs.lora.moved_stage_tensors`)."""
     # content -> [(gpu, tp_rank, tensor)] over every source GPU holding it
     holders: dict[str, list[tuple[int, int, LogicalTensor]]] = defaultdict(list)
-    for gpu, k, _d, j in src.gpu_coords():
-        for t in moved_stage_tensors(spec, head, lora, src.layout.pp, j):
+    for gpu, k, d, j in src.gpu_coords():
+        for t in held_tensors(spec, head, lora, src.layout, d, j):
             holders[t.content].append((gpu, k, t))
     sent: dict[int, int] = defaultdict(int)
     plan = TransferPlan()
@@ -104,8 +128,8 @@ def transfer_plan(spec: ModelSpec, head: str, src: Placement, dst: Placement,
         return min(pool, key=lambda g: (sent[g], g))
 
     tp_s = src.layout.tp
-    for dst_gpu, i, _d, j in dst.gpu_coords():
-        for t in moved_stage_tensors(spec, head, lora, dst.layout.pp, j):
+    for dst_gpu, i, d, j in dst.gpu_coords():
+        for t in held_tensors(spec, head, lora, dst.layout, d, j):
             hs = holders[t.content]
             per_index = _elem_per_index(t) * dtype_bytes
             if t.shard_dim is None:

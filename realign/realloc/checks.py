@@ -12,9 +12,9 @@ from collections.abc import Mapping
 
 import torch
 
-from planner.cost.transfer import Placement
-from planner.specs.layout import coords_of_rank
-from planner.specs.lora import LoraSpec, moved_stage_tensors
+from planner.cost.transfer import Placement, held_tensors
+from planner.specs.layout import coords_of_rank, ep_problems
+from planner.specs.lora import LoraSpec
 from planner.specs.model_spec import ModelSpec
 from realign.errors import UserError
 
@@ -42,6 +42,7 @@ def placement_problems(spec: ModelSpec, p: Placement, n_gpus_world: int) -> list
             out.append(f"tp={lay.tp} must divide the {n} {what} of {spec.name}")
     if spec.n_layers % lay.pp:
         out.append(f"pp={lay.pp} must divide the {spec.n_layers} layers of {spec.name}")
+    out += ep_problems(spec, lay.dp, lay.ep)
     return out
 
 
@@ -62,10 +63,9 @@ def expected_shards(spec: ModelSpec, head: str, p: Placement, gpu: int,
     ``lora``: of the tensors a LoRA reallocation moves."""
     if gpu not in p.mesh.gpus:
         return {}
-    tp_rank, _dp, pp_rank = coords_of_rank(gpu - p.mesh.first_gpu, p.layout)
-    del tp_rank
+    _tp_rank, dp_rank, pp_rank = coords_of_rank(gpu - p.mesh.first_gpu, p.layout)
     return {t.name: t.shard_shape(p.layout.tp)
-            for t in moved_stage_tensors(spec, head, lora, p.layout.pp, pp_rank)}
+            for t in held_tensors(spec, head, lora, p.layout, dp_rank, pp_rank)}
 
 
 def check_shards(shards: Mapping[str, torch.Tensor] | None, expected: dict[str, tuple[int, ...]],
@@ -105,14 +105,14 @@ def lower_bound_bytes(spec: ModelSpec, head: str, src: Placement, dst: Placement
     out: dict[int, int] = {}
     for r in range(dst.mesh.n_gpus):
         g = dst.mesh.first_gpu + r
-        i, _d, j = coords_of_rank(r, dst.layout)
+        i, d, j = coords_of_rank(r, dst.layout)
         held: dict[str, tuple] = {}
         if g in src.mesh.gpus:
-            k, _ds, js = coords_of_rank(g - src.mesh.first_gpu, src.layout)
-            for t in moved_stage_tensors(spec, head, lora, src.layout.pp, js):
+            k, ds, js = coords_of_rank(g - src.mesh.first_gpu, src.layout)
+            for t in held_tensors(spec, head, lora, src.layout, ds, js):
                 held[t.content] = (t, k)
         lack = 0
-        for t in moved_stage_tensors(spec, head, lora, dst.layout.pp, j):
+        for t in held_tensors(spec, head, lora, dst.layout, d, j):
             if t.shard_dim is None:
                 lack += 0 if t.content in held else t.numel * dtype_bytes
                 continue

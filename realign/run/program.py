@@ -45,7 +45,7 @@ TIMEOUT_SAFETY = 10.0
 class Replica:
     """One model placement hosted by the workers of its mesh."""
 
-    key: str               #: "<role>@g<first>+<n>:tp<tp>pp<pp>"
+    key: str               #: "<role>@g<first>+<n>:tp<tp>pp<pp>" (then "ep<ep>" above 1)
     role: str
     head: str              #: "lm" or "value"
     first_gpu: int
@@ -55,6 +55,7 @@ class Replica:
     dp: int
     trained: bool          #: this is the copy the optimizer updates
     reallocated: bool      #: filled from the trained copy before each use, not loaded
+    ep: int = 1            #: expert parallelism inside the dp ranks (the plan's layout.ep)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -246,12 +247,13 @@ class Program:
                 f"{worst.estimate_mem_bytes / gib:.1f} GiB on it while {worst.name} runs")
 
 
-def replica_key(role: str, first_gpu: int, n_gpus: int, tp: int, pp: int) -> str:
-    return f"{role}@g{first_gpu}+{n_gpus}:tp{tp}pp{pp}"
+def replica_key(role: str, first_gpu: int, n_gpus: int, tp: int, pp: int, ep: int = 1) -> str:
+    return f"{role}@g{first_gpu}+{n_gpus}:tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else "")
 
 
 def _key(a: MFCAllocation) -> str:
-    return replica_key(a.role, a.mesh.first_gpu, a.mesh.n_gpus, a.layout.tp, a.layout.pp)
+    return replica_key(a.role, a.mesh.first_gpu, a.mesh.n_gpus, a.layout.tp, a.layout.pp,
+                       a.layout.ep)
 
 
 def compile_program(plan: ExecutionPlan, round_group_size: int | None = None) -> Program:
@@ -281,7 +283,7 @@ def compile_program(plan: ExecutionPlan, round_group_size: int | None = None) ->
                 key, a.role, heads[a.role], a.mesh.first_gpu, a.mesh.n_gpus, a.layout.tp,
                 a.layout.pp, a.layout.dp,
                 trained=a.role in train and a.shards == train[a.role].shards,
-                reallocated=key in filled)
+                reallocated=key in filled, ep=a.layout.ep)
     everyone = tuple(range(plan.cluster.n_gpus))
     holders: dict[str, tuple[int, ...]] = {k: everyone for k in datasets}
     ahead = [m for m in graph.mfcs if graph.is_ahead(m)]

@@ -24,7 +24,6 @@ from planner.specs.model_spec import ModelSpec
 from realign.errors import UserError
 from realign.runtime.ep_groups import (
     ep_coords,
-    ep_problems,
     ep_rank_groups,
     expert_dp_groups,
     tp_ep_groups,
@@ -62,7 +61,7 @@ class ReplicaGroups:
 
 
 def check_replica(spec: ModelSpec, mesh: DeviceMesh, layout: Layout, world_size: int,
-                  field: str = "allocation", ep: int = 1) -> None:
+                  field: str = "allocation") -> None:
     """Raise :class:`UserError` if ``spec`` cannot run with ``layout`` on ``mesh`` in a
     world of ``world_size`` ranks. Pure: call it before any collective."""
     probs = []
@@ -73,8 +72,7 @@ def check_replica(spec: ModelSpec, mesh: DeviceMesh, layout: Layout, world_size:
     if layout.world != mesh.n_gpus:
         probs.append(f"layout {layout} needs tp*pp*dp = {layout.world} ranks but the mesh "
                      f"has {mesh.n_gpus}")
-    probs += model_layout_problems(layout, spec)
-    probs += ep_problems(spec, layout, ep)
+    probs += model_layout_problems(layout, spec)    # layout.ep's rule among them
     if probs:
         raise UserError("; ".join(probs), field=field)
 
@@ -121,17 +119,18 @@ def _group_by(coords, key) -> list[list[int]]:
 
 
 def build_replica_groups(spec: ModelSpec, mesh: DeviceMesh, layout: Layout,
-                         rank_offset: int | None = None, ep: int = 1) -> ReplicaGroups:
+                         rank_offset: int | None = None) -> ReplicaGroups:
     """Create the replica's process groups. Collective over the whole world: every rank
     calls it with the same arguments. ``rank_offset`` defaults to ``mesh.first_gpu``.
-    ``ep`` > 1: expert parallelism inside the data-parallel ranks (the EP, expert-DP,
-    TP x EP and TP x EP x PP groups become megatron's ``ep``, ``expt_dp``, ``tp_ep`` and
-    ``tp_ep_pp``: DDP sums the experts' gradients over ``expt_dp``, the expert
+    ``layout.ep`` > 1 (the plan's): expert parallelism inside the data-parallel ranks
+    (the EP, expert-DP, TP x EP and TP x EP x PP groups become megatron's ``ep``,
+    ``expt_dp``, ``tp_ep`` and ``tp_ep_pp``: DDP sums the experts' gradients over ``expt_dp``, the expert
     optimizer's gradient norm over ``tp_ep_pp``, where every expert is held once)."""
     world, me = dist.get_world_size(), dist.get_rank()
     offset = mesh.first_gpu if rank_offset is None else rank_offset
     shifted = DeviceMesh(first_gpu=offset, n_gpus=mesh.n_gpus)
-    check_replica(spec, shifted, layout, world, ep=ep)
+    check_replica(spec, shifted, layout, world)
+    ep = layout.ep
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     enum = grid_rank_enum(layout, offset)

@@ -49,7 +49,7 @@ def build_replicas(program: Program, specs: dict[str, ModelSpec], paths: dict[st
     for r in program.replicas:
         spec = specs[r.role]
         groups = build_replica_groups(spec, DeviceMesh(first_gpu=r.first_gpu, n_gpus=r.n_gpus),
-                                      Layout(tp=r.tp, pp=r.pp, dp=r.dp))
+                                      Layout(tp=r.tp, pp=r.pp, dp=r.dp, ep=r.ep))
         shard = None
         released = None
         if groups.member:

@@ -25,7 +25,7 @@ def replica_ep(ctx, path, tp, dp, ep):
         reader = HFReader(path)
         check_checkpoint(reader, spec, "lm")
         groups = build_replica_groups(spec, DeviceMesh(first_gpu=0, n_gpus=tp * dp),
-                                      Layout(tp=tp, dp=dp), ep=ep)
+                                      Layout(tp=tp, dp=dp, ep=ep))
         shard = None
         if groups.member:
             shard = build_model(spec, "lm", groups, init_device("cpu", dtype="fp32"),

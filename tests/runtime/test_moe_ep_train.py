@@ -36,7 +36,7 @@ def ep_replica(path, tp, dp, ep):
     reader = HFReader(path)
     check_checkpoint(reader, spec, "lm")
     groups = build_replica_groups(spec, DeviceMesh(first_gpu=0, n_gpus=tp * dp),
-                                  Layout(tp=tp, dp=dp), ep=ep)
+                                  Layout(tp=tp, dp=dp, ep=ep))
     if not groups.member:
         return None
     shard = build_model(spec, "lm", groups, init_device("cpu", dtype="fp32"),
