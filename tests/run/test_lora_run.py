@@ -26,6 +26,18 @@ def run(exp: Path, run_dir: Path, timeout: float = 300) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=timeout)
 
 
+def refused(exp: Path, run_dir: Path, capsys) -> str:
+    """``realign run`` of ``exp`` in this process (a refusal starts no worker, and the
+    imports are paid once per test process, not once per case): its stderr, after
+    checking it exited 2."""
+    from realign.cli.main import main
+    capsys.readouterr()
+    code = main(["run", str(exp), "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    return err
+
+
 def lora_exp(assets: Path, tmp: Path, **changes) -> Path:
     """The shipped LoRA experiment on the tiny random actor (no warm start), no eval."""
     changes.setdefault("run__steps", 6)
@@ -123,14 +135,14 @@ def test_reallocation_moves_only_the_adapters(tiny_assets, tmp_path):
     ({"rollout__engine": "vllm", "lora__actor__rank": 1024}, "lora.actor.rank", "up to 512"),
     ({"lora__actor__alpha": 0}, "lora.actor.alpha", "greater than 0"),
 ])
-def test_bad_lora_input_exits_2_naming_the_field(tiny_assets, tmp_path, changes, field, needle):
-    r = run(lora_exp(tiny_assets, tmp_path, **changes), tmp_path / "run")
-    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
-    assert field in r.stderr and needle in r.stderr, r.stderr[-2000:]
+def test_bad_lora_input_exits_2_naming_the_field(tiny_assets, tmp_path, capsys, changes, field,
+                                                 needle):
+    err = refused(lora_exp(tiny_assets, tmp_path, **changes), tmp_path / "run", capsys)
+    assert field in err and needle in err, err[-2000:]
     assert not (tmp_path / "run").exists()
 
 
-def test_an_adapter_made_for_another_base_exits_2(tiny_assets, tmp_path):
+def test_an_adapter_made_for_another_base_exits_2(tiny_assets, tmp_path, capsys):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -138,10 +150,10 @@ def test_an_adapter_made_for_another_base_exits_2(tiny_assets, tmp_path):
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     get_peft_model(other, LoraConfig(r=8, lora_alpha=16, target_modules=targets)
                    ).save_pretrained(str(tmp_path / "adapter"))
-    r = run(lora_exp(tiny_assets, tmp_path, lora__actor__init_from=str(tmp_path / "adapter")),
-            tmp_path / "run")
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "lora.actor.init_from" in r.stderr and "another base" in r.stderr, r.stderr[-2000:]
+    err = refused(lora_exp(tiny_assets, tmp_path,
+                           lora__actor__init_from=str(tmp_path / "adapter")),
+                  tmp_path / "run", capsys)
+    assert "lora.actor.init_from" in err and "another base" in err, err[-2000:]
 
 
 @pytest.mark.parametrize("peft_fields,lora_fields,needle", [
@@ -150,8 +162,8 @@ def test_an_adapter_made_for_another_base_exits_2(tiny_assets, tmp_path):
     ({}, {"lora__actor__shared_a": True}, "have different lora_A"),
     ({"target_modules": ["q_proj", "v_proj"]}, {}, "the adapter adapts ['q_proj', 'v_proj']"),
 ])
-def test_a_peft_adapter_realign_cannot_run_as_set_exits_2(tiny_assets, tmp_path, peft_fields,
-                                                          lora_fields, needle):
+def test_a_peft_adapter_realign_cannot_run_as_set_exits_2(tiny_assets, tmp_path, capsys,
+                                                          peft_fields, lora_fields, needle):
     """PEFT adapters of the actor's own base that these settings cannot start from: DoRA,
     rsLoRA's scale, fused parts with their own A under shared_a, other projections."""
     from peft import LoraConfig, get_peft_model
@@ -160,11 +172,11 @@ def test_a_peft_adapter_realign_cannot_run_as_set_exits_2(tiny_assets, tmp_path,
     base = AutoModelForCausalLM.from_pretrained(tiny_assets / "tiny" / "actor")
     fields = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", **peft_fields}
     get_peft_model(base, LoraConfig(**fields)).save_pretrained(str(tmp_path / "adapter"))
-    r = run(lora_exp(tiny_assets, tmp_path, lora__actor__init_from=str(tmp_path / "adapter"),
-                     **lora_fields), tmp_path / "run")
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "lora.actor.init_from" in r.stderr and needle in r.stderr, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr
+    err = refused(lora_exp(tiny_assets, tmp_path,
+                           lora__actor__init_from=str(tmp_path / "adapter"), **lora_fields),
+                  tmp_path / "run", capsys)
+    assert "lora.actor.init_from" in err and needle in err, err[-2000:]
+    assert "Traceback" not in err
     assert not (tmp_path / "run").exists()
 
 
@@ -192,9 +204,8 @@ def test_a_lora_reward_model_loads_with_peft_as_a_sequence_classifier(tiny_asset
     assert (scored - merged).abs().max() < 1e-4
 
 
-def test_merging_a_model_the_run_does_not_hand_over_exits_2(tiny_assets, tmp_path):
+def test_merging_a_model_the_run_does_not_hand_over_exits_2(tiny_assets, tmp_path, capsys):
     exp = experiment(tiny_assets, "tiny-ppo-cpu", tmp_path, run__steps=1,
                      lora={"critic": {"rank": 4, "merged": True}})
-    r = run(exp, tmp_path / "run")
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "lora.critic.merged" in r.stderr and "only the actor" in r.stderr, r.stderr[-2000:]
+    err = refused(exp, tmp_path / "run", capsys)
+    assert "lora.critic.merged" in err and "only the actor" in err, err[-2000:]
