@@ -19,10 +19,14 @@ namespace {
 
 using IntLists = std::vector<std::vector<i64>>;
 using FloatLists = std::vector<std::vector<double>>;
-using PlaceTuple = std::array<i64, 5>;         // (first_gpu, n_gpus, tp, pp, dp)
-using ReallocModelTuple = std::array<i64, 7>;  // planner.cost.realloc_cost.ReallocModel fields
+using PlaceTuple = std::vector<i64>;           // (first_gpu, n_gpus, tp, pp, dp[, ep])
+using ReallocModelTuple = std::array<i64, 8>;  // planner.cost.realloc_cost.ReallocModel fields
 
-Place place_of(const PlaceTuple& t) { return Place{t[0], t[1], t[2], t[3], t[4]}; }
+Place place_of(const PlaceTuple& t) {
+    if (t.size() != 5 && t.size() != 6)
+        throw std::invalid_argument("src/dst: need (first_gpu, n_gpus, tp, pp, dp[, ep])");
+    return Place{t[0], t[1], t[2], t[3], t[4], t.size() == 6 ? t[5] : 1};
+}
 
 ReallocModel realloc_model_of(const ReallocModelTuple& t) {
     ReallocModel m;
@@ -33,6 +37,7 @@ ReallocModel realloc_model_of(const ReallocModelTuple& t) {
     m.final_norm_bytes = t[4];
     m.head_kind = static_cast<int>(t[5]);
     m.head_bytes = t[6];
+    m.layer_expert_bytes = t[7];
     return m;
 }
 
@@ -56,6 +61,7 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
                      const std::vector<ReallocModelTuple>& realloc_models,
                      const IntLists& cand_first_gpu, const IntLists& cand_n_gpus,
                      const IntLists& cand_tp, const IntLists& cand_pp, const IntLists& cand_dp,
+                     const IntLists& cand_ep,
                      const FloatLists& cand_time_s, const FloatLists& cand_resident_bytes,
                      const FloatLists& cand_activation_bytes, const FloatLists& cand_weights_bytes,
                      const std::vector<IntLists>& same_mesh, double realloc_fixed_s,
@@ -72,6 +78,7 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
     check_shape(cand_tp, cand_first_gpu, "cand_tp");
     check_shape(cand_pp, cand_first_gpu, "cand_pp");
     check_shape(cand_dp, cand_first_gpu, "cand_dp");
+    check_shape(cand_ep, cand_first_gpu, "cand_ep");
     check_shape(cand_time_s, cand_first_gpu, "cand_time_s");
     check_shape(cand_time_sd_s, cand_first_gpu, "cand_time_sd_s");
     check_shape(cand_resident_bytes, cand_first_gpu, "cand_resident_bytes");
@@ -108,7 +115,7 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
         for (size_t j = 0; j < cand_first_gpu[i].size(); ++j) {
             Candidate c;
             c.place = Place{cand_first_gpu[i][j], cand_n_gpus[i][j], cand_tp[i][j], cand_pp[i][j],
-                            cand_dp[i][j]};
+                            cand_dp[i][j], cand_ep[i][j]};
             c.time_s = cand_time_s[i][j];
             c.time_sd_s = cand_time_sd_s[i][j];
             c.resident_bytes = cand_resident_bytes[i][j];
@@ -140,9 +147,10 @@ std::tuple<double, i64> py_realloc_time(const Problem& prob, i64 model, const Pl
     for (const PlaceTuple* t : {&src, &dst}) {
         const Place p = place_of(*t);
         if (p.first_gpu < 0 || p.n_gpus < 1 || p.tp < 1 || p.pp < 1 || p.dp < 1 ||
-            p.tp * p.pp * p.dp != p.n_gpus)
+            p.tp * p.pp * p.dp != p.n_gpus || p.ep < 1 || p.dp % p.ep != 0)
             throw std::invalid_argument(
-                "src/dst: need first_gpu >= 0 and tp, pp, dp >= 1 with tp * pp * dp == n_gpus");
+                "src/dst: need first_gpu >= 0 and tp, pp, dp >= 1 with tp * pp * dp == n_gpus, "
+                "ep >= 1 dividing dp");
     }
     const ReallocCost c =
         realloc_time(prob.realloc_models[model], place_of(src), place_of(dst), prob.links);
@@ -198,7 +206,7 @@ PYBIND11_MODULE(_core, m) {
              py::arg("inter_latency_s"), py::arg("mfc_model"), py::arg("mfc_is_train"),
              py::arg("deps"), py::arg("model_train_mfc"), py::arg("realloc_models"),
              py::arg("cand_first_gpu"), py::arg("cand_n_gpus"), py::arg("cand_tp"),
-             py::arg("cand_pp"), py::arg("cand_dp"), py::arg("cand_time_s"),
+             py::arg("cand_pp"), py::arg("cand_dp"), py::arg("cand_ep"), py::arg("cand_time_s"),
              py::arg("cand_resident_bytes"), py::arg("cand_activation_bytes"),
              py::arg("cand_weights_bytes"), py::arg("same_mesh"), py::arg("realloc_fixed_s"),
              py::arg("copy_bytes_per_s"), py::arg("inputs"), py::arg("outputs"),

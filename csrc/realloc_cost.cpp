@@ -55,11 +55,12 @@ Stages embedding_stages(const ReallocModel& m, i64 pp) {
 // planner.cost.realloc_cost._Acc: per-GPU received and sent bytes (0: intra, 1: inter).
 // Indexed by GPU; a GPU never charged holds zeros, which change neither the sum
 // nor the max that realloc_time takes over the Python dicts.
-// _Acc.far: the bytes per holder of a slice group (stages, tp rank) that reached
+// _Acc.far: the bytes per holder of a slice group (stages, tp rank, EP rank) that reached
 // GPUs on other nodes, in the order the groups first appear.
 struct FarGroup {
     Stages stages;
     i64 k;
+    i64 e;
     double per_holder;
 };
 
@@ -69,50 +70,56 @@ struct Acc {
     std::vector<i64> local;    // bytes a destination GPU copies locally
     std::vector<i64> holders;  // scratch for _holders
     std::vector<FarGroup> far;
-    // group (stages, k) -> its index in far (-1: none yet): slot j * (tp + 1) + k + 1 for
-    // one stage j, pp * (tp + 1) + k + 1 for the tied embedding's two stages
+    // group (stages, k, e) -> its index in far (-1: none yet): slot
+    // (row * (tp + 1) + k + 1) * (ep + 1) + e + 1, row j for one stage j, pp for the tied
+    // embedding's two stages
     std::vector<i64> far_slot;
     i64 src_tp = 1;
+    i64 src_ep = 1;
 
-    Acc(i64 n_gpus, i64 tp, i64 pp)
+    Acc(i64 n_gpus, i64 tp, i64 pp, i64 ep)
         : recv(n_gpus, {0, 0}), send(n_gpus, {0.0, 0.0}), local(n_gpus, 0),
-          far_slot((pp + 1) * (tp + 1), -1), src_tp(tp) {}
+          far_slot((pp + 1) * (tp + 1) * (ep + 1), -1), src_tp(tp), src_ep(ep) {}
 
-    i64& slot(const Stages& stages, i64 k, i64 pp) {
+    i64& slot(const Stages& stages, i64 k, i64 e, i64 pp) {
         const i64 row = stages.n == 1 ? stages.s[0] : pp;
-        return far_slot[row * (src_tp + 1) + k + 1];
+        return far_slot[(row * (src_tp + 1) + k + 1) * (src_ep + 1) + e + 1];
     }
 };
 
-// planner.cost.realloc_cost._holders: source GPUs at tp rank k (k < 0: any) of stages.
-void holders_of(const Place& src, const Stages& stages, i64 k, std::vector<i64>& out) {
+// planner.cost.realloc_cost._holders: source GPUs at tp rank k (k < 0: any) of stages, of
+// EP rank e (e < 0: any; else the dp ranks d with d % ep == e).
+void holders_of(const Place& src, const Stages& stages, i64 k, i64 e, std::vector<i64>& out) {
     out.clear();
+    const i64 d_lo = e < 0 ? 0 : e;
+    const i64 d_step = e < 0 ? 1 : src.ep;
     for (int q = 0; q < stages.n; ++q) {
         const i64 j = stages.s[q];
         const i64 k_lo = k < 0 ? 0 : k;
         const i64 k_hi = k < 0 ? src.tp : k + 1;
         for (i64 kk = k_lo; kk < k_hi; ++kk)
-            for (i64 d = 0; d < src.dp; ++d)
+            for (i64 d = d_lo; d < src.dp; d += d_step)
                 out.push_back(src.first_gpu + kk + src.tp * (d + src.dp * j));
     }
 }
 
-// planner.cost.realloc_cost._charge: g receives nbytes of a slice of group (stages, k),
+// planner.cost.realloc_cost._charge: g receives nbytes of a slice of group (stages, k, e),
 // shared evenly by the holders on its own node if any (each holder's send accumulated
 // in charge order, as in Python), else by all holders (summed per group, added to them
-// at the end). The holders are those of holders_of(src, stages, k): per stage an
+// at the end). The holders are those of holders_of(src, stages, k, e): per stage an
 // arithmetic progression, so the ones on g's node are found without visiting the rest.
-void charge(Acc& acc, const Place& src, const Stages& stages, i64 k, i64 g, i64 nbytes,
+void charge(Acc& acc, const Place& src, const Stages& stages, i64 k, i64 e, i64 g, i64 nbytes,
             i64 gpn) {
     if (nbytes >= kExactDoubleLimit) throw std::overflow_error("realloc_time: byte count >= 2**53");
     const i64 node_lo = g / gpn * gpn, node_hi = node_lo + gpn;
     // per stage: holders start + stride * q for q in [0, count)
-    const i64 stride = k < 0 ? 1 : src.tp;
-    const i64 count = k < 0 ? src.tp * src.dp : src.dp;
+    const i64 stride = k < 0 ? 1 : e < 0 ? src.tp : src.tp * src.ep;
+    const i64 count = k < 0 ? src.tp * src.dp : e < 0 ? src.dp : src.dp / src.ep;
     i64 n_near = 0;
     std::array<std::array<i64, 3>, 2> near{};   // per stage: start, first q, end q
     for (int q = 0; q < stages.n; ++q) {
-        const i64 start = src.first_gpu + (k < 0 ? 0 : k) + src.tp * src.dp * stages.s[q];
+        const i64 start = src.first_gpu + (k < 0 ? 0 : k) + (e < 0 ? 0 : src.tp * e) +
+                          src.tp * src.dp * stages.s[q];
         // q with node_lo <= start + stride * q < node_hi
         const i64 q_lo = std::max<i64>(0, node_lo <= start ? 0 : (node_lo - start + stride - 1) / stride);
         const i64 q_hi = std::min<i64>(count, node_hi <= start ? 0 : (node_hi - start + stride - 1) / stride);
@@ -130,22 +137,24 @@ void charge(Acc& acc, const Place& src, const Stages& stages, i64 k, i64 g, i64 
     }
     acc.recv[g][1] += nbytes;
     const double per_holder = static_cast<double>(nbytes) / static_cast<double>(count * stages.n);
-    i64& at = acc.slot(stages, k, src.pp);
+    i64& at = acc.slot(stages, k, e, src.pp);
     if (at >= 0) {
         acc.far[at].per_holder += per_holder;
         return;
     }
     at = static_cast<i64>(acc.far.size());
-    acc.far.push_back({stages, k, per_holder});
+    acc.far.push_back({stages, k, e, per_holder});
 }
 
 // The per-destination-GPU context of realloc_recv_send's closures.
 struct DstGpu {
     i64 g;      // global GPU
     i64 i;      // its tp rank in dst
+    i64 e;      // its EP rank in dst
     bool local; // it also belongs to the source mesh
     i64 k_g;    // its tp rank in src (local only)
     i64 j_g;    // its pp stage in src (local only)
+    i64 e_g;    // its EP rank in src (local only)
 };
 
 // realloc_recv_send's nested sharded(): a TP-split tensor held by `stages`.
@@ -159,7 +168,28 @@ void sharded(Acc& acc, const Place& src, const Place& dst, const DstGpu& d, i64 
             acc.local[d.g] += nbytes * ov / unit;
             continue;
         }
-        charge(acc, src, stages, k, d.g, nbytes * ov / unit, gpn);
+        charge(acc, src, stages, k, -1, d.g, nbytes * ov / unit, gpn);
+    }
+}
+
+// realloc_recv_send's nested experts(): TP shard i of EP rank e's experts, per source
+// (tp rank, EP rank) overlap.
+void experts(Acc& acc, const Place& src, const Place& dst, const DstGpu& d, i64 nbytes,
+             const Stages& stages, i64 gpn) {
+    const i64 unit = dst.tp * src.tp;
+    for (i64 k = 0; k < src.tp; ++k) {
+        const i64 ov = tp_overlap(d.i, dst.tp, k, src.tp);
+        if (ov == 0) continue;
+        for (i64 es = 0; es < src.ep; ++es) {
+            const i64 oe = tp_overlap(d.e, dst.ep, es, src.ep);
+            if (oe == 0) continue;
+            const i64 part = nbytes * oe / (dst.ep * src.ep) * ov / unit;
+            if (d.local && d.k_g == k && d.e_g == es && stages.contains(d.j_g)) {
+                acc.local[d.g] += part;
+                continue;
+            }
+            charge(acc, src, stages, k, es, d.g, part, gpn);
+        }
     }
 }
 
@@ -170,7 +200,7 @@ void replicated(Acc& acc, const Place& src, const DstGpu& d, i64 nbytes, const S
         acc.local[d.g] += nbytes;
         return;
     }
-    charge(acc, src, stages, -1, d.g, nbytes, gpn);
+    charge(acc, src, stages, -1, -1, d.g, nbytes, gpn);
 }
 
 // planner.cost.realloc_cost.realloc_recv_send
@@ -184,16 +214,20 @@ void realloc_recv_send(Acc& acc, const ReallocModel& m, const Place& src, const 
         DstGpu d;
         d.g = dst.first_gpu + r;
         d.i = r % dst.tp;
+        d.e = r / dst.tp % dst.dp % dst.ep;
         const i64 j = r / (dst.tp * dst.dp);
         d.local = src.first_gpu <= d.g && d.g < src.first_gpu + src.n_gpus;
         d.k_g = d.local ? (d.g - src.first_gpu) % src.tp : -1;
         d.j_g = d.local ? (d.g - src.first_gpu) / (src.tp * src.dp) : -1;
+        d.e_g = d.local ? (d.g - src.first_gpu) / src.tp % src.dp % src.ep : -1;
 
         if (j == 0) sharded(acc, src, dst, d, m.embedding_bytes, embedding_stages(m, src.pp), gpn);
         const i64 d_lo = j * per_d, d_hi = (j + 1) * per_d;
         for (i64 js = d_lo / per_s; js < floordiv(d_hi - 1, per_s) + 1; ++js) {
             const i64 c = std::min(d_hi, (js + 1) * per_s) - std::max(d_lo, js * per_s);
             sharded(acc, src, dst, d, m.layer_sharded_bytes * c, Stages::one(js), gpn);
+            if (m.layer_expert_bytes != 0)
+                experts(acc, src, dst, d, m.layer_expert_bytes * c, Stages::one(js), gpn);
             replicated(acc, src, d, m.layer_replicated_bytes * c, Stages::one(js), gpn);
         }
         if (j == dst.pp - 1) {
@@ -208,7 +242,7 @@ void realloc_recv_send(Acc& acc, const ReallocModel& m, const Place& src, const 
         }
     }
     for (const FarGroup& f : acc.far) {
-        holders_of(src, f.stages, f.k, acc.holders);
+        holders_of(src, f.stages, f.k, f.e, acc.holders);
         for (i64 h : acc.holders) acc.send[h][1] += f.per_holder;
     }
 }
@@ -219,7 +253,7 @@ void realloc_recv_send(Acc& acc, const ReallocModel& m, const Place& src, const 
 ReallocCost realloc_time(const ReallocModel& m, const Place& src, const Place& dst,
                          const Links& links) {
     const i64 n = std::max(src.first_gpu + src.n_gpus, dst.first_gpu + dst.n_gpus);
-    Acc acc(n, src.tp, src.pp);
+    Acc acc(n, src.tp, src.pp, src.ep);
     realloc_recv_send(acc, m, src, dst, links.gpus_per_node);
     double worst = 0.0;
     i64 total = 0;

@@ -67,6 +67,7 @@ void Problem::validate() const {
             const Place& p = cands[i][j].place;
             if (p.tp < 1 || p.pp < 1 || p.dp < 1 || p.tp * p.pp * p.dp != p.n_gpus)
                 fail("cands" + cat, "needs tp, pp, dp >= 1 with tp * pp * dp == n_gpus");
+            if (p.ep < 1 || p.dp % p.ep != 0) fail("cands" + cat, "needs ep >= 1 dividing dp");
             if (p.first_gpu < 0 || p.first_gpu + p.n_gpus > n_gpus)
                 fail("cands" + cat, "mesh lies outside the cluster's " + std::to_string(n_gpus) + " GPUs");
             // realloc_time divides n_layers // pp (Python would raise ZeroDivisionError).
@@ -110,10 +111,11 @@ void Problem::index_places() {
     place_id.assign(cands.size(), {});
     n_places.assign(cands.size(), 0);
     for (size_t i = 0; i < cands.size(); ++i) {
-        std::map<std::array<i64, 4>, i64> ids;
+        std::map<std::array<i64, 5>, i64> ids;
         place_id[i].reserve(cands[i].size());
         for (const Candidate& c : cands[i]) {
-            const std::array<i64, 4> key{c.place.first_gpu, c.place.n_gpus, c.place.tp, c.place.pp};
+            const std::array<i64, 5> key{c.place.first_gpu, c.place.n_gpus, c.place.tp, c.place.pp,
+                                         c.place.ep};
             place_id[i].push_back(ids.emplace(key, static_cast<i64>(ids.size())).first->second);
         }
         n_places[i] = static_cast<i64>(ids.size());
@@ -153,7 +155,8 @@ bool off_training_placement(const Problem& prob, const std::vector<i64>& assign,
     if (t < 0 || t == i) return false;
     const Place& a = prob.cands[t][assign[t]].place;
     const Place& b = prob.cands[i][assign[i]].place;
-    return a.first_gpu != b.first_gpu || a.n_gpus != b.n_gpus || a.tp != b.tp || a.pp != b.pp;
+    return a.first_gpu != b.first_gpu || a.n_gpus != b.n_gpus || a.tp != b.tp || a.pp != b.pp ||
+           a.ep != b.ep;
 }
 
 // planner.search.simulator.memory
@@ -161,7 +164,7 @@ double memory(const Problem& prob, const std::vector<i64>& assign,
               std::vector<double>& peak_bytes) {
     const i64 n = prob.n_gpus;
     thread_local std::vector<double> resident, transient;   // scratch, as in simulate()
-    thread_local std::vector<std::array<i64, 5>> seen;      // (model, first_gpu, n_gpus, tp, pp)
+    thread_local std::vector<std::array<i64, 6>> seen;      // (model, first_gpu, n_gpus, tp, pp, ep)
     resident.assign(n, 0.0);
     transient.assign(n, 0.0);
     seen.clear();
@@ -173,8 +176,8 @@ double memory(const Problem& prob, const std::vector<i64>& assign,
         if (prob.mfc_is_train[i]) {
             add_res = c.resident_bytes;
         } else if (!trained) {
-            const std::array<i64, 5> key{model, c.place.first_gpu, c.place.n_gpus, c.place.tp,
-                                         c.place.pp};
+            const std::array<i64, 6> key{model, c.place.first_gpu, c.place.n_gpus, c.place.tp,
+                                         c.place.pp, c.place.ep};
             if (std::find(seen.begin(), seen.end(), key) == seen.end()) {
                 seen.push_back(key);
                 add_res = c.resident_bytes;
@@ -182,8 +185,8 @@ double memory(const Problem& prob, const std::vector<i64>& assign,
         }
         if (prob.mfc_base[i] && off_training_placement(prob, assign, i)) {
             // the base with its adapters off, away from training: the base stays here
-            const std::array<i64, 5> key{model, c.place.first_gpu, c.place.n_gpus, c.place.tp,
-                                         c.place.pp};
+            const std::array<i64, 6> key{model, c.place.first_gpu, c.place.n_gpus, c.place.tp,
+                                         c.place.pp, c.place.ep};
             if (std::find(seen.begin(), seen.end(), key) == seen.end()) {
                 seen.push_back(key);
                 add_res = c.resident_bytes;
@@ -192,8 +195,8 @@ double memory(const Problem& prob, const std::vector<i64>& assign,
         double tr = c.activation_bytes;
         if (trained && !prob.mfc_is_train[i] && needs_realloc(prob, assign, i)) {
             if (prob.model_lora[model]) {  // LoRA: the frozen base stays on each placement
-                const std::array<i64, 5> key{model, c.place.first_gpu, c.place.n_gpus,
-                                             c.place.tp, c.place.pp};
+                const std::array<i64, 6> key{model, c.place.first_gpu, c.place.n_gpus,
+                                             c.place.tp, c.place.pp, c.place.ep};
                 if (std::find(seen.begin(), seen.end(), key) == seen.end()) {
                     seen.push_back(key);
                     add_res += c.resident_bytes;

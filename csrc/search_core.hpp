@@ -47,15 +47,17 @@ struct ReallocModel {
     i64 final_norm_bytes = 0;
     int head_kind = kHeadLmUntied;
     i64 head_bytes = 0;
+    i64 layer_expert_bytes = 0;  // every expert of one layer (split over TP and EP)
 };
 
-// planner.cost.realloc_cost.Place: (first_gpu, n_gpus, tp, pp, dp)
+// planner.cost.realloc_cost.Place: (first_gpu, n_gpus, tp, pp, dp, ep)
 struct Place {
     i64 first_gpu = 0;
     i64 n_gpus = 1;
     i64 tp = 1;
     i64 pp = 1;
     i64 dp = 1;
+    i64 ep = 1;  // expert parallelism within dp (a mixture of experts)
 };
 
 // planner.search.problem.Candidate (the fields the simulator reads)
@@ -85,7 +87,7 @@ struct Problem {
     std::vector<ReallocModel> realloc_models;        // per model
     std::vector<std::vector<Candidate>> cands;       // per MFC: its candidates
     std::vector<std::vector<std::vector<i64>>> same_mesh;  // per MFC, per cand
-    // per MFC, per cand: the index of its placement (first_gpu, n_gpus, tp, pp) among the
+    // per MFC, per cand: the index of its placement (first_gpu, n_gpus, tp, pp, ep) among the
     // MFC's distinct placements, and their number (index_places() fills them)
     std::vector<std::vector<i64>> place_id;
     std::vector<i64> n_places;

@@ -92,10 +92,10 @@ class MFCAllocation(_Frozen):
         "micro_batches is the expected bin count. None for every other call.")
 
     @property
-    def shards(self) -> tuple[int, int, int, int]:
+    def shards(self) -> tuple[int, int, int, int, int]:
         """:func:`planner.specs.layout.shard_placement` of this allocation."""
         return shard_placement(self.mesh.first_gpu, self.mesh.n_gpus, self.layout.tp,
-                               self.layout.pp)
+                               self.layout.pp, self.layout.ep)
 
 
 class Reallocation(_Frozen):

@@ -104,6 +104,10 @@ class CostModelConfig(BaseModel):
         "(rollout.vllm.kv_cache_gib); it also bounds how many sequences decode at once.")
     max_micro_batches: int = Field(
         64, gt=0, description="Largest micro-batch count the search considers.")
+    max_ep: int | None = Field(
+        None, gt=0, description="Largest expert-parallel degree the search considers for a "
+        "mixture of experts (1: no expert parallelism); None: every degree that divides "
+        "the experts and the call's dp.")
     reward_s_per_seq: float | None = Field(
         None, ge=0, description="Host seconds a rule reward takes to decode and score one "
         "generated sequence (each rank that generated scores them all, after the "

@@ -49,6 +49,8 @@ from planner.cost.lora_terms import adapter_params
 from planner.cost.memory import (
     kv_cache_bytes,
     mfc_memory,
+    optimizer_shard_params,
+    stage_expert_params,
     stage_params,
     trainable_params,
 )
@@ -92,6 +94,9 @@ class CostModel:
         #: search prices many candidates whose passes are alike (the same rows per
         #: replica on meshes of other sizes); the Works kept here are only read
         self._stage_memo: dict[tuple, Work] = {}
+        #: a packed call's bins per (call, rows per rank, budget): the same for every
+        #: layout of one dp (expert parallelism's candidates among them)
+        self._budget_memo: dict[tuple, tuple[int, float, float]] = {}
 
     @property
     def mem_limit_bytes(self) -> float:
@@ -117,24 +122,37 @@ class CostModel:
                 group_nodes(list(range(0, tp * dp, tp)), mesh, gpn),
                 group_nodes(list(range(0, tp * dp * pp, tp * dp)), mesh, gpn))
 
+    def expert_dp_nodes(self, mesh: DeviceMesh, layout: Layout) -> int:
+        """Nodes spanned by one expert-data-parallel group (the ranks holding the same
+        experts: data-parallel ranks 0, ep, 2 ep, ..: mesh ranks 0, tp ep, ..)."""
+        step = layout.tp * layout.ep
+        return group_nodes(list(range(0, layout.tp * layout.dp, step)), mesh,
+                           self.cluster.gpus_per_node)
+
+    def ep_nodes(self, mesh: DeviceMesh, layout: Layout) -> int:
+        """Nodes spanned by one EP group of ``layout`` on ``mesh`` (data-parallel ranks
+        0 .. ep-1 of one (tp, pp) position: mesh ranks 0, tp, .., (ep-1) tp)."""
+        return group_nodes(list(range(0, layout.tp * layout.ep, layout.tp)), mesh,
+                           self.cluster.gpus_per_node)
+
     def stage_works(self, spec: ModelSpec, head: str, kind: str, rows: float, ctx: float,
                     out_rows: float, layout: Layout, tp_nodes: int, msg: Work,
                     back: Work | None = None, recompute: bool = False,
-                    costs_kind: str | None = None, lora: LoraSpec | None = None
-                    ) -> list[tuple[Work, int]]:
+                    costs_kind: str | None = None, lora: LoraSpec | None = None,
+                    ep_nodes: int = 1) -> list[tuple[Work, int]]:
         """(work, how many stages do it) of one micro-batch's pass through each stage:
         the first (embedding), the middle ones, the last (head); every stage but the
         last also sends ``msg`` on, and with ``back`` the last sends that back (decode:
         the chosen tokens). ``costs_kind``: whose fixed costs overlap the device's work
         on an asynchronous device (default ``kind``'s: realign's engine; vLLM's steps
-        pass theirs)."""
-        tp, pp = layout.tp, layout.pp
+        pass theirs). ``ep_nodes``: the nodes one EP group spans (:meth:`ep_nodes`)."""
+        tp, pp, ep = layout.tp, layout.pp, layout.ep
         layers = spec.n_layers // pp
         r = self.rates
         costs_kind = costs_kind or kind
         signature = (spec, head, kind, rows, ctx, out_rows, tp, pp, tp_nodes, recompute,
                      work_key(msg), work_key(back) if back is not None else None,
-                     costs_kind, lora)
+                     costs_kind, lora, ep, ep_nodes)
 
         def stage(first: bool, last: bool) -> Work:
             key = (signature, first, last)
@@ -145,12 +163,12 @@ class CostModel:
 
         def make(first: bool, last: bool) -> Work:
             w = stage_pass(r, spec, head, kind, rows, ctx, out_rows, tp, layers, first, last,
-                           tp_nodes, lora)
+                           tp_nodes, lora, ep, ep_nodes)
             if kind == "train" and recompute:
                 # the backward first runs each layer's forward again (no head, no
                 # embedding): its GEMMs, attention and TP collectives
                 again = stage_pass(r, spec, head, "inference", rows, ctx, 0.0, tp, layers,
-                                   False, False, tp_nodes, lora)
+                                   False, False, tp_nodes, lora, ep, ep_nodes)
                 again.counts = {k: v for k, v in again.counts.items()
                                 if k in ("layer_s", "collective_s", "kernel_extra")}
                 w.add(again)
@@ -204,11 +222,12 @@ class CostModel:
         """The generation engines to price for ``mfc`` under ``layout``
         (``generate_engine``): realign's own for every call; vLLM for a generate call
         at PP 1 and one micro-batch, at any TP (one engine per data-parallel rank,
-        continuous batching: no waves) that its KV cache can hold one sequence of."""
+        continuous batching: no waves) that its KV cache can hold one sequence of, without
+        expert parallelism (each engine holds every expert)."""
         mode = self.config.generate_engine
         if mfc.kind != "generate" or mode == "own":
             return ("own",)
-        fits = (layout.pp == 1 and micro_batches == 1)
+        fits = (layout.pp == 1 and micro_batches == 1 and layout.ep == 1)
         vllm = ("vllm",) if fits else ()
         return vllm if mode == "vllm" else ("own",) + vllm
 
@@ -264,6 +283,14 @@ class CostModel:
                        resident_bytes=resident, activation_bytes=act, host_bytes=host,
                        adapter_bytes=adapters)
 
+    def _budget_shape(self, mfc: MFC, rows: float, budget: int) -> tuple[int, float, float]:
+        """:func:`planner.graph.packing.budget_shape`, computed once per argument."""
+        key = (mfc, rows, budget)
+        hit = self._budget_memo.get(key)
+        if hit is None:
+            hit = self._budget_memo[key] = budget_shape(mfc, rows, budget)
+        return hit
+
     def state_transfer_s(self, kept_bytes: float) -> float:
         """Seconds one train call with training-state offload adds: the optimizer
         state the GPU keeps during the call (``kept_bytes`` per GPU: the fp32 main
@@ -302,12 +329,12 @@ class CostModel:
         if token_budget is None:
             tok, ctx = micro_batch_tokens(mfc, n_local / m, m, dp)
         else:
-            m, tok, ctx = budget_shape(mfc, n_local, token_budget)
+            m, tok, ctx = self._budget_shape(mfc, n_local, token_budget)
         costs = r.engine("inference")
         # per micro-batch and stage boundary: its hidden states to the next stage
         msg = messages(r.collective_s("p2p", tok * spec.hidden * dt, 2, ppn))
         stages = self.stage_works(spec, head, "inference", tok, ctx, tok, layout, tpn, msg,
-                                  lora=lora)
+                                  lora=lora, ep_nodes=self.ep_nodes(mesh, layout))
         out_cols = s - 1 if head == "lm" else s
         call = Work(seconds={"dp_comm": (
             r.collective_s("all_gather", mfc.n_seqs * out_cols * 4, dp, dpn)
@@ -327,29 +354,38 @@ class CostModel:
         if token_budget is None:
             tok, ctx = micro_batch_tokens(mfc, rows / m, m, dp)
         else:
-            m, tok, ctx = budget_shape(mfc, rows, token_budget)
+            m, tok, ctx = self._budget_shape(mfc, rows, token_budget)
         costs = r.engine("train")
         # per micro-batch and stage boundary: activations forward, their gradients back
         msg = messages(r.collective_s("p2p", tok * spec.hidden * dt, 2, ppn), 2)
         stages = self.stage_works(spec, head, "train", tok, ctx, tok, layout, tpn, msg,
-                                  recompute=recompute, lora=lora)
+                                  recompute=recompute, lora=lora,
+                                  ep_nodes=self.ep_nodes(mesh, layout))
         # what has gradients, an optimizer state and new values: every parameter, or the
         # adapters (and a value head) with LoRA
         p_gpu = self.trainable_params(spec, head, layout, lora)
-        grad_bytes = cfg.grad_dtype_bytes * p_gpu
-        if cfg.distributed_optimizer:   # reduce-scatter grads, all-gather new weights
-            sync = (r.collective_s("reduce_scatter", grad_bytes, dp, dpn)
-                    + r.collective_s("all_gather", dt * p_gpu, dp, dpn))
-            n_sync = 2 * (dp > 1)
-        else:
-            sync = r.collective_s("all_reduce", grad_bytes, dp, dpn)
-            n_sync = 1 * (dp > 1)
+        # with expert parallelism the experts' gradients are summed over the dp / ep
+        # ranks that hold the same experts, the dense ones over dp
+        experts = stage_expert_params(spec, layout) if layout.ep > 1 else 0.0
+        groups = [(p_gpu - experts, dp, dpn)]
+        if experts:
+            groups.append((experts, dp // layout.ep, self.expert_dp_nodes(mesh, layout)))
+        sync, n_sync = 0.0, 0
+        for params, n, nodes in groups:
+            if cfg.distributed_optimizer:   # reduce-scatter grads, all-gather new weights
+                sync += (r.collective_s("reduce_scatter", cfg.grad_dtype_bytes * params, n,
+                                        nodes)
+                         + r.collective_s("all_gather", dt * params, n, nodes))
+                n_sync += 2 * (n > 1)
+            else:
+                sync += r.collective_s("all_reduce", cfg.grad_dtype_bytes * params, n, nodes)
+                n_sync += 1 * (n > 1)
         # the global grad norm: an all-reduce over the model-parallel ranks (and the
         # DP ranks when the gradients are sharded), twice (norm, then clipping's check)
         mp = tp * pp * (dp if cfg.distributed_optimizer else 1)
         mp_nodes = max(tpn, ppn, dpn if cfg.distributed_optimizer else 1)
         norm = 2 * r.collective_s("all_reduce", 8, mp, mp_nodes) if mp > 1 else 0.0
-        shard = p_gpu / (dp if cfg.distributed_optimizer else 1)
+        shard = optimizer_shard_params(spec, layout, p_gpu, cfg.distributed_optimizer)
         per_step = Work(seconds={"dp_grad_sync": sync + norm},
                         counts={"call_s": 1.0, "collective_s": float(n_sync + 2 * (mp > 1)),
                                 "param_s": 0.0 if offload else shard})

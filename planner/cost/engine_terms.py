@@ -147,7 +147,8 @@ def layer_gemms(spec: ModelSpec, tp: int) -> list[tuple[float, float]]:
 
 def stage_pass(r: Rates, spec: ModelSpec, head: str, kind: str, rows: float, ctx: float,
                out_rows: float, tp: int, layers: int, first: bool, last: bool,
-               tp_nodes: int = 1, lora: LoraSpec | None = None) -> Work:
+               tp_nodes: int = 1, lora: LoraSpec | None = None, ep: int = 1,
+               ep_nodes: int = 1) -> Work:
     """One micro-batch of ``rows`` tokens (decode: ``rows`` sequences, one token each)
     through ``layers`` layers of one stage, attending over ``ctx`` keys on average;
     ``out_rows`` rows reach the head on the last stage. ``kind``: train | inference |
@@ -158,7 +159,12 @@ def stage_pass(r: Rates, spec: ModelSpec, head: str, kind: str, rows: float, ctx
     two thin GEMMs per target and a rank-wide TP all-reduce per target. Training then
     computes no gradient of the frozen base weights: a base GEMM costs its forward and
     its input gradient (two forward GEMMs instead of three), the adapters a full
-    forward + backward."""
+    forward + backward.
+
+    ``ep`` (a mixture of experts, expert-parallel over an EP group spanning ``ep_nodes``
+    nodes): each rank runs its ``n_experts / ep`` experts on the tokens routed to them,
+    and each sparse layer exchanges the tokens by two all-to-alls per pass, four in
+    training (:mod:`planner.cost.moe_terms`), priced as ``ep_comm``."""
     train = kind == "train"
     dt = r.dtype_bytes
     h, d = spec.hidden, spec.kv_channels
@@ -171,7 +177,7 @@ def stage_pass(r: Rates, spec: ModelSpec, head: str, kind: str, rows: float, ctx
         def price(m: float, k: float, n: float) -> float:
             return r.gemm_s(m, k, n, train)
     base = (sum(price(rows, k, n) for k, n in layer_gemms(spec, tp))
-            + sparse_mlp_s(spec, rows, tp, price))
+            + sparse_mlp_s(spec, rows, tp, price, ep))
     adapters = (sum(r.gemm_s(rows, k, n, train) for k, n in lora.gemms(spec, tp))
                 if lora is not None else 0.0)
     gemm = layers * (base + adapters)
@@ -213,6 +219,11 @@ def stage_pass(r: Rates, spec: ModelSpec, head: str, kind: str, rows: float, ctx
                 n_coll += 1
                 comm += r.collective_s("all_gather", out_rows * vocab * dt, tp, tp_nodes)
     w.seconds["tp_comm"] = comm
+    if ep > 1 and spec.moe is not None:
+        a2a = layers * spec.sparse_layers() / spec.n_layers * (4 if train else 2)
+        w.seconds["ep_comm"] = a2a * r.all_to_all_s(
+            rows * spec.moe.top_k * spec.hidden * dt, ep, ep_nodes)
+        n_coll += a2a
     scores = layers * heads * rows * ctx if kind in ("train", "inference") else 0.0
     w.counts = {"microbatch_s": 1.0, "layer_s": float(layers), "score_s": float(scores),
                 "token_hidden_s": float(layers * rows * h), "token_s": float(rows),

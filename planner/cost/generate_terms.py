@@ -86,13 +86,14 @@ def _passes(cm: "CostModel", spec: "ModelSpec", head: str, mesh: "DeviceMesh",
     the next stage, the step with the chosen tokens back."""
     r, dt, h = cm.rates, cm.config.param_dtype_bytes, spec.hidden
     tpn, _, ppn = cm.nodes_spanned(mesh, layout)
+    epn = cm.ep_nodes(mesh, layout)
     pre = cm.stage_works(spec, head, "prefill", pre_rows * P, P / 2, pre_rows, layout, tpn,
                          messages(r.collective_s("p2p", pre_rows * P * h * dt, 2, ppn)),
-                         lora=lora)
+                         lora=lora, ep_nodes=epn)
     dec = cm.stage_works(spec, head, "decode", dec_rows, ctx, dec_rows, layout, tpn,
                          messages(r.collective_s("p2p", dec_rows * h * dt, 2, ppn)),
                          back=messages(r.collective_s("p2p", 2 * dec_rows * 8, 2, ppn)),
-                         lora=lora)
+                         lora=lora, ep_nodes=epn)
     return pre, dec
 
 

@@ -1,6 +1,10 @@
 """Memory of an MFC under an allocation, and the sizes it is made of.
 
-Memory (bytes per GPU): weights ``param_dtype x params/tp`` of the heaviest stage;
+Memory (bytes per GPU): weights ``param_dtype x params/tp`` of the heaviest stage, a
+mixture of experts' experts further divided by the layout's ``ep`` (each EP rank holds
+``n_experts / ep`` of them: weights and gradients fall by ``ep``; with the distributed
+optimizer their optimizer state is sharded over the ``dp / ep`` ranks that hold the same
+experts, so it stays ``1/dp`` of the model per GPU as without EP);
 training adds fp32 main grads and optimizer state (divided by dp with the
 distributed optimizer) and 1F1B activations for ``min(pp, m)`` micro-batches in
 flight (with activation recompute only each layer's input, plus one layer's
@@ -28,9 +32,12 @@ from planner.specs.model_spec import ModelSpec
 
 
 def stage_params(spec: ModelSpec, head: str, layout: Layout) -> float:
-    """Parameters on one GPU of the heaviest pipeline stage."""
+    """Parameters on one GPU of the heaviest pipeline stage (the experts: ``1/ep`` of
+    them)."""
     tp, pp = layout.tp, layout.pp
-    per_layer = spec.layer_sharded_params() / tp + spec.layer_replicated_params()
+    experts = spec.layer_expert_params()
+    per_layer = ((spec.layer_sharded_params() - experts * (1 - 1 / layout.ep)) / tp
+                 + spec.layer_replicated_params())
     body = spec.n_layers // pp * per_layer
     first = body + spec.embedding_params() / tp
     head_p: float
@@ -42,6 +49,27 @@ def stage_params(spec: ModelSpec, head: str, layout: Layout) -> float:
         head_p = spec.embedding_params() / tp
     last = body + spec.hidden + head_p
     return first + spec.hidden + head_p if pp == 1 else max(first, last)
+
+def stage_expert_params(spec: ModelSpec, layout: Layout) -> float:
+    """The experts' parameters on one GPU of a stage (``1/(tp ep)`` of its sparse
+    layers' experts); 0 for a dense model."""
+    return spec.n_layers // layout.pp * spec.layer_expert_params() / (layout.tp * layout.ep)
+
+
+def optimizer_shard_params(spec: ModelSpec, layout: Layout, p_gpu: float,
+                           distributed: bool) -> float:
+    """Parameters whose optimizer state one GPU keeps, of the ``p_gpu`` it trains: all of
+    them, or with the distributed optimizer a ``1/dp`` share of the dense ones and a
+    ``1/(dp/ep)`` share of its experts (sharded over the ranks holding the same experts).
+
+    Example: 100 dense and 40 expert parameters per GPU, dp 4, ep 2: 100/4 + 40/2 = 45."""
+    if not distributed:
+        return p_gpu
+    if layout.ep == 1:
+        return p_gpu / layout.dp
+    experts = stage_expert_params(spec, layout)
+    return (p_gpu - experts) / layout.dp + experts / (layout.dp // layout.ep)
+
 
 def trainable_params(spec: ModelSpec, head: str, layout: Layout,
                      lora: LoraSpec | None) -> float:
@@ -112,7 +140,7 @@ def mfc_memory(cfg: CostModelConfig, mfc: MFC, spec: ModelSpec, head: str, layou
     per_layer = (tok * spec.hidden * dt) if recompute else act_layer
     act = in_flight * spec.n_layers / pp * per_layer + (act_layer if recompute else 0)
     act += 2 * 4.0 * tok * logit_cols
-    shard = p_gpu / (dp if cfg.distributed_optimizer else 1)
+    shard = optimizer_shard_params(spec, layout, p_gpu, cfg.distributed_optimizer)
     if offload:
         # megatron's HybridDeviceOptimizer: the GPU keeps the fp32 main-weight shard
         # (4 bytes); the host its fp32 copy, Adam's m and v and pinned fp32 grads

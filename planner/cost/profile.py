@@ -37,7 +37,8 @@ PROFILE_SCHEMA_VERSION = 2
 #: realign's own engines, and vLLM's prefill and decode steps (a generate call with
 #: ``rollout.engine`` vllm; :mod:`planner.cost.vllm_cost`)
 EngineKind = Literal["train", "inference", "prefill", "decode", "vllm_prefill", "vllm_decode"]
-CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p"]
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p",
+                       "all_to_all"]
 
 
 class _Frozen(BaseModel):

@@ -22,6 +22,13 @@ Analytic terms (no profile):
   device's NIC carries 1/k of the data). With 8 H100 per node and 8 NICs of 400 Gb/s
   this gives a bus bandwidth of ~390 GB/s for 2 nodes, against the ~320-380 GB/s
   measured (docs/gpu-facts.md §4); one flat ring at the NIC rate would give ~45.
+* all-to-all (expert parallelism's token dispatch and combine) on ``n`` ranks over ``N``
+  nodes: each rank sends ``(n-1)/n S`` of its tensor ``S`` (it keeps its own share), of
+  which ``(n - k)/(n-1)`` go to the other nodes; the two links run side by side, so
+  ``max(intra / A_i, inter / A_x) + l`` with ``A_i`` / ``A_x`` the intra-node link and
+  NIC rates at ``all_to_all_intra_efficiency`` / ``all_to_all_inter_efficiency`` (the
+  presets': DeepEP's measured dispatch and combine, docs/gpu-terms.md) and ``l`` one
+  message latency (``l_x`` across nodes).
 * a decode step's attention: its GEMMs, but never faster than reading the KV cache
   (every row's keys and values over the context) at ``kv_read_bytes_per_s``: the
   preset's bandwidth at ``kv_read_bw_efficiency``, which one streaming kernel per layer
@@ -48,7 +55,7 @@ def alg_factor(op: str, n: int) -> float:
     """Algorithm bytes per tensor byte (nccl-tests' busbw factors, docs/gpu-facts.md §4)."""
     if op == "all_reduce":
         return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     return 1.0
 
@@ -92,7 +99,8 @@ class Rates:
             self.sources["engine vllm_decode"] += ", eager (a per-layer host cost)"
         if vllm and config.vllm_scheduler == "sync":
             self.sources["engine vllm_decode"] += ", synchronous scheduler (a host gap per step)"
-        for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p"):
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p",
+                   "all_to_all"):
             for inter in (False, True):
                 where = "across nodes" if inter else "within a node"
                 got = profile is not None and any(
@@ -165,6 +173,29 @@ class Rates:
         if inter:
             lat += steps * math.ceil(math.log2(nodes)) * lx
         return max(intra, inter_t) + lat
+
+    def all_to_all_s(self, nbytes: float, n: int, nodes: int = 1) -> float:
+        """Seconds of an all-to-all over ``n`` ranks spanning ``nodes`` nodes, each rank
+        holding a tensor of ``nbytes`` spread evenly over the ranks (the module
+        docstring; a profile's measured ``all_to_all`` curve where it has one).
+
+        Example (8 ranks, one node, 450 GB/s at 0.95, 2.5 us): 8 MB -> 7/8 x 8e6 /
+        4.275e11 + 2.5e-6 = 18.9 us."""
+        if n <= 1:
+            return 0.0
+        inter = nodes > 1
+        if self.profile is not None:
+            c = self.profile.collective("all_to_all", n, inter)
+            if c is not None:
+                return c.time_s(nbytes, alg_factor("all_to_all", n))
+        dev = self.cluster.device
+        sent = alg_factor("all_to_all", n) * nbytes
+        k = max(1, n // max(1, nodes))
+        far = sent * (n - k) / (n - 1)
+        intra_rate = dev.intra_node_bytes_per_s * dev.all_to_all_intra_efficiency
+        inter_rate = self.cluster.inter_node_bytes_per_gpu_s * dev.all_to_all_inter_efficiency
+        wire = max((sent - far) / intra_rate, far / inter_rate if far > 0 else 0.0)
+        return wire + (dev.inter_node_latency_s if inter else dev.intra_node_latency_s)
 
     # ---- realign's engines -----------------------------------------------------------
     def engine(self, kind: str) -> EngineCosts:

@@ -6,6 +6,15 @@ sits on its own node, with the same slice arithmetic and the same sender rule as
 identical), but aggregated per pipeline-stage overlap instead of per tensor. The C++
 core (``csrc/realloc_cost.cpp``) has a line-by-line twin of :func:`realloc_time`.
 
+A mixture of experts' experts are split over TP like the dense MLP and, with expert
+parallelism (a placement's ``ep``), over the EP ranks: data-parallel rank ``d`` holds
+experts ``(d % ep) E/ep .. (d % ep + 1) E/ep - 1`` (:mod:`realign.runtime.ep_groups`).
+A destination GPU needs its TP shard of its EP rank's experts; what overlaps with a
+source (tp rank, EP rank)'s shard comes from the GPU itself when it held that shard,
+else from the source GPUs holding it (the ranks of that tp rank whose dp rank is that EP
+rank modulo the source's ep). So every destination receives exactly the bytes it needs
+and does not hold: the byte lower bound, expert shards included.
+
 Time model (receiver- and sender-bound, links full duplex): a GPU receiving
 ``intra`` bytes from its own node and ``inter`` bytes from other nodes is busy
 ``intra/intra_bw + inter/inter_bw`` on the wire, plus ``(received + local) /
@@ -39,6 +48,9 @@ class ReallocModel:
     final_norm_bytes: int
     head_kind: int                #: HEAD_LM_UNTIED | HEAD_LM_TIED | HEAD_VALUE
     head_bytes: int               #: output layer (untied, sharded) or value head (replicated)
+    #: the experts of one layer (full: every expert, unsharded; split over TP and EP),
+    #: not among ``layer_sharded_bytes``; 0 for a dense model
+    layer_expert_bytes: int = 0
 
     @staticmethod
     def of(spec: ModelSpec, head: str, dtype_bytes: int,
@@ -57,12 +69,14 @@ class ReallocModel:
                 else HEAD_LM_TIED if spec.tied_embeddings else HEAD_LM_UNTIED)
         return ReallocModel(
             n_layers=spec.n_layers,
-            layer_sharded_bytes=spec.layer_sharded_params() * dtype_bytes,
+            layer_sharded_bytes=(spec.layer_sharded_params() - spec.layer_expert_params())
+            * dtype_bytes,
             layer_replicated_bytes=spec.layer_replicated_params() * dtype_bytes,
             embedding_bytes=spec.embedding_params() * dtype_bytes,
             final_norm_bytes=spec.hidden * dtype_bytes,
             head_kind=kind,
             head_bytes=(spec.head_params(head) * dtype_bytes if kind != HEAD_LM_TIED else 0),
+            layer_expert_bytes=spec.layer_expert_params() * dtype_bytes,
         )
 
 
@@ -79,8 +93,12 @@ class Links:
     copy_bytes_per_s: float = float("inf")   #: writing the destination shards (memory)
 
 
-# A placement in numbers: (first_gpu, n_gpus, tp, pp, dp).
-Place = tuple[int, int, int, int, int]
+# A placement in numbers: (first_gpu, n_gpus, tp, pp, dp, ep), or without ep (1).
+Place = tuple[int, ...]
+
+
+def _ep(p: Place) -> int:
+    return p[5] if len(p) > 5 else 1
 
 
 def _tp_overlap(i: int, tp_d: int, k: int, tp_s: int) -> int:
@@ -94,8 +112,8 @@ class _Acc:
     """Per-GPU received and sent bytes (index 0: intra-node, 1: inter-node).
 
     A slice that reaches a GPU from another node is shared by every holder of it; such
-    shares are summed per holder group (``far``: (stages, tp rank) -> bytes per
-    holder, in the order the groups first appear) and added to the group's holders once
+    shares are summed per holder group (``far``: (stages, tp rank, EP rank) -> bytes
+    per holder, in the order the groups first appear) and added to the group's holders once
     at the end, so a charge costs the holders on the receiver's node, not all of them
     (at 1024 GPUs a group holds up to 128 GPUs, and every receiver charged each)."""
 
@@ -103,10 +121,10 @@ class _Acc:
         self.recv: dict[int, list[int]] = {}
         self.send: dict[int, list[float]] = {}
         self.local: dict[int, int] = {}       #: bytes a destination GPU copies locally
-        self.far: dict[tuple[tuple[int, ...], int], float] = {}
+        self.far: dict[tuple[tuple[int, ...], int, int], float] = {}
 
 
-def _charge(acc: _Acc, g: int, group: tuple[tuple[int, ...], int], holders: list[int],
+def _charge(acc: _Acc, g: int, group: tuple[tuple[int, ...], int, int], holders: list[int],
             nbytes: int, gpn: int) -> None:
     """``g`` receives ``nbytes`` of a slice held by ``holders`` (the holders of
     ``group``), shared evenly by those on ``g``'s node, or else by all of them."""
@@ -130,27 +148,32 @@ def _stages_holding(content: str, m: ReallocModel, pp: int, layer: int = -1) -> 
     return [pp - 1]  # final norm, output layer, value head
 
 
-def _holders(src: Place, stages: list[int], k: int) -> list[int]:
-    """Source GPUs at tp rank k (k < 0: any tp rank) of the given stages."""
-    first, _n, tp, _pp, dp = src
+def _holders(src: Place, stages: list[int], k: int, e: int = -1) -> list[int]:
+    """Source GPUs at tp rank k (k < 0: any tp rank) of the given stages, and with
+    ``e`` >= 0 only those of EP rank ``e`` (dp rank = e modulo the source's ep)."""
+    first, _n, tp, _pp, dp = src[:5]
     ks = range(tp) if k < 0 else (k,)
-    return [first + kk + tp * (d + dp * j) for j in stages for kk in ks for d in range(dp)]
+    ds = range(dp) if e < 0 else range(e, dp, _ep(src))
+    return [first + kk + tp * (d + dp * j) for j in stages for kk in ks for d in ds]
 
 
 def realloc_recv_send(m: ReallocModel, src: Place, dst: Place, gpn: int) -> _Acc:
     """Bytes each GPU receives and sends when moving ``m`` from ``src`` to ``dst``."""
     acc = _Acc()
-    s_first, s_n, tp_s, pp_s, dp_s = src
-    d_first, d_n, tp_d, pp_d, dp_d = dst
+    s_first, s_n, tp_s, pp_s, dp_s = src[:5]
+    d_first, d_n, tp_d, pp_d, dp_d = dst[:5]
+    ep_s, ep_d = _ep(src), _ep(dst)
     L = m.n_layers
     unit = tp_d * tp_s
     for r in range(d_n):
         g = d_first + r
         i = r % tp_d
         j = r // (tp_d * dp_d)
+        e = (r // tp_d) % dp_d % ep_d
         local = s_first <= g < s_first + s_n
         k_g = (g - s_first) % tp_s if local else -1
         j_g = (g - s_first) // (tp_s * dp_s) if local else -1
+        e_g = (g - s_first) // tp_s % dp_s % ep_s if local else -1
 
         def sharded(nbytes: int, stages: list[int]) -> None:
             for k in range(tp_s):
@@ -160,14 +183,31 @@ def realloc_recv_send(m: ReallocModel, src: Place, dst: Place, gpn: int) -> _Acc
                 if local and k_g == k and j_g in stages:
                     acc.local[g] = acc.local.get(g, 0) + nbytes * ov // unit
                     continue
-                _charge(acc, g, (tuple(stages), k), _holders(src, stages, k),
+                _charge(acc, g, (tuple(stages), k, -1), _holders(src, stages, k),
                         nbytes * ov // unit, gpn)
+
+        def experts(nbytes: int, stages: list[int]) -> None:
+            # TP shard i of EP rank e's experts: per source (tp rank, EP rank) overlap
+            for k in range(tp_s):
+                ov = _tp_overlap(i, tp_d, k, tp_s)
+                if ov == 0:
+                    continue
+                for es in range(ep_s):
+                    oe = _tp_overlap(e, ep_d, es, ep_s)
+                    if oe == 0:
+                        continue
+                    part = nbytes * oe // (ep_d * ep_s) * ov // unit
+                    if local and k_g == k and e_g == es and j_g in stages:
+                        acc.local[g] = acc.local.get(g, 0) + part
+                        continue
+                    _charge(acc, g, (tuple(stages), k, es), _holders(src, stages, k, es),
+                            part, gpn)
 
         def replicated(nbytes: int, stages: list[int]) -> None:
             if local and j_g in stages:
                 acc.local[g] = acc.local.get(g, 0) + nbytes
                 return
-            _charge(acc, g, (tuple(stages), -1), _holders(src, stages, -1), nbytes, gpn)
+            _charge(acc, g, (tuple(stages), -1, -1), _holders(src, stages, -1), nbytes, gpn)
 
         if j == 0:
             sharded(m.embedding_bytes, _stages_holding("embedding", m, pp_s))
@@ -176,6 +216,8 @@ def realloc_recv_send(m: ReallocModel, src: Place, dst: Place, gpn: int) -> _Acc
         for js in range(d_lo // per_s, (d_hi - 1) // per_s + 1):
             c = min(d_hi, (js + 1) * per_s) - max(d_lo, js * per_s)
             sharded(m.layer_sharded_bytes * c, [js])
+            if m.layer_expert_bytes:
+                experts(m.layer_expert_bytes * c, [js])
             replicated(m.layer_replicated_bytes * c, [js])
         if j == pp_d - 1:
             replicated(m.final_norm_bytes, [pp_s - 1])
@@ -185,8 +227,8 @@ def realloc_recv_send(m: ReallocModel, src: Place, dst: Place, gpn: int) -> _Acc
                 replicated(m.head_bytes, [pp_s - 1])
             elif pp_d > 1:
                 sharded(m.embedding_bytes, _stages_holding("embedding", m, pp_s))
-    for (stages, k), per_holder in acc.far.items():
-        for h in _holders(src, list(stages), k):
+    for (stages, k, es), per_holder in acc.far.items():
+        for h in _holders(src, list(stages), k, es):
             acc.send.setdefault(h, [0.0, 0.0])[1] += per_holder
     return acc
 

@@ -38,7 +38,7 @@ def to_core(prob: Problem) -> Any:
     # column per field
     cols = [list(zip(*[(c.first_gpu, c.n_gpus, c.tp, c.pp, c.dp, float(c.time_s),
                         float(c.resident_bytes), float(c.activation_bytes),
-                        float(c.weights_bytes), float(c.time_sd_s)) for c in cs]))
+                        float(c.weights_bytes), float(c.time_sd_s), c.ep) for c in cs]))
             for cs in cands]
 
     def column(k: int) -> list[list]:
@@ -60,13 +60,15 @@ def to_core(prob: Problem) -> Any:
         model_lora=[bool(x) for x in (prob.model_lora or [False] * len(prob.model_train_mfc))],
         mfc_base=[bool(x) for x in (prob.mfc_base or [False] * len(prob.mfc_model))],
         realloc_models=[(m.n_layers, m.layer_sharded_bytes, m.layer_replicated_bytes,
-                         m.embedding_bytes, m.final_norm_bytes, m.head_kind, m.head_bytes)
+                         m.embedding_bytes, m.final_norm_bytes, m.head_kind, m.head_bytes,
+                         m.layer_expert_bytes)
                         for m in prob.realloc_models],
         cand_first_gpu=column(0),
         cand_n_gpus=column(1),
         cand_tp=column(2),
         cand_pp=column(3),
         cand_dp=column(4),
+        cand_ep=column(10),
         cand_time_s=column(5),
         cand_resident_bytes=column(6),
         cand_activation_bytes=column(7),

@@ -48,7 +48,8 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
         if not engines:
             raise PlanError(f"runs on vLLM (rollout.engine {cost_config.generate_engine}), "
                             "which runs one engine per data-parallel rank at the "
-                            "call's tp: give it pp 1 and micro_batches 1 (got "
+                            "call's tp, every expert on each: give it pp 1, ep 1 and "
+                            "micro_batches 1 (got "
                             f"{a.layout}, {a.micro_batches})",
                             field=f"{field}.{m.name}")
         # several engines (rollout.engine auto): the faster one on this allocation
@@ -67,7 +68,7 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
                                 call_time_sd(cost, graph, m, rm.spec, rm.head, a.mesh,
                                              a.layout, a.micro_batches, off, state_off, rc,
                                              eng, rm.lora)
-                                / m.every, rc, eng)])
+                                / m.every, rc, eng, ep=a.layout.ep)])
     prob = assemble(graph, models, cost, cands)
     res = simulate(prob, [0] * len(cands))
     if not res.feasible:

@@ -78,6 +78,7 @@ class Candidate:
     engine: str = "own"       #: generate: realign's own engine (waves) or vllm
     #: packed scoring: tokens per bin (``micro_batches`` is then the expected bin count)
     token_budget: int | None = None
+    ep: int = 1               #: expert-parallel degree (a mixture of experts; within dp)
 
     def at(self, first_gpu: int) -> "Candidate":
         """The same allocation on the mesh of its size that starts at ``first_gpu``.
@@ -93,19 +94,20 @@ class Candidate:
         return new
 
     @property
-    def place(self) -> tuple[int, int, int, int, int]:
-        return (self.first_gpu, self.n_gpus, self.tp, self.pp, self.dp)
+    def place(self) -> tuple[int, int, int, int, int, int]:
+        """(first_gpu, n_gpus, tp, pp, dp, ep): :data:`planner.cost.realloc_cost.Place`."""
+        return (self.first_gpu, self.n_gpus, self.tp, self.pp, self.dp, self.ep)
 
     @property
-    def shards(self) -> tuple[int, int, int, int]:
+    def shards(self) -> tuple[int, int, int, int, int]:
         """:func:`planner.specs.layout.shard_placement` of this candidate."""
-        return shard_placement(self.first_gpu, self.n_gpus, self.tp, self.pp)
+        return shard_placement(self.first_gpu, self.n_gpus, self.tp, self.pp, self.ep)
 
     def mesh(self) -> DeviceMesh:
         return DeviceMesh(first_gpu=self.first_gpu, n_gpus=self.n_gpus)
 
     def layout(self) -> Layout:
-        return Layout(tp=self.tp, pp=self.pp, dp=self.dp)
+        return Layout(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep)
 
 
 @dataclass
@@ -243,15 +245,18 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
         host = host_s(graph, mfc, cost.config)
         per_mfc: list[Candidate] = []
         host_bound = False      # a candidate fit on the GPU but its offload not on the host
+        batching: dict[int, list[tuple[int, int | None]]] = {}   # per dp (ep shares them)
         for size, group_meshes in by_size.items():
             if deadline is not None:
                 deadline.check(f"pricing the allocations of {mfc.name} on {cluster.describe()}")
             proto = group_meshes[0]
             priced: list[Candidate] = []
-            for lay in enumerate_layouts(proto, rm.spec, mfc, cluster):
+            for lay in enumerate_layouts(proto, rm.spec, mfc, cluster, cost.config.max_ep):
                 group = []
-                for mb, budget in _batching_options(mfc, per_step // lay.dp // mfc.group_size,
-                                                    cost.config.max_micro_batches):
+                if lay.dp not in batching:
+                    batching[lay.dp] = _batching_options(
+                        mfc, per_step // lay.dp // mfc.group_size, cost.config.max_micro_batches)
+                for mb, budget in batching[lay.dp]:
                     for off, state_off, rc, eng in product(
                             cost.offload_options(mfc), cost.state_offload_options(mfc),
                             cost.recompute_options(mfc), cost.engine_options(mfc, lay, mb)):
@@ -276,7 +281,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                                                (c.time_s + host) / mfc.every, resident,
                                                c.activation_bytes, weights, off,
                                                c.host_bytes, state_off, sd / mfc.every, rc,
-                                               eng, budget))
+                                               eng, budget, lay.ep))
                 priced += _pareto(group)
             for mesh in group_meshes:
                 if allowed is None or allowed(mesh):

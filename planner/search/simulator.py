@@ -135,7 +135,7 @@ def memory(prob: Problem, assign: list[int], upto: int | None = None) -> tuple[l
     n = prob.n_gpus
     resident = [0.0] * n
     transient = [0.0] * n
-    seen: set[tuple[int, int, int, int, int]] = set()
+    seen: set[tuple[int, int, int, int, int, int]] = set()
     for i in range(len(prob.cands) if upto is None else upto):
         c = prob.cands[i][assign[i]]
         model = prob.mfc_model[i]
@@ -144,13 +144,13 @@ def memory(prob: Problem, assign: list[int], upto: int | None = None) -> tuple[l
         if prob.mfc_is_train[i]:
             add_res = c.resident_bytes
         elif not trained:
-            key = (model, c.first_gpu, c.n_gpus, c.tp, c.pp)
+            key = (model, c.first_gpu, c.n_gpus, c.tp, c.pp, c.ep)
             if key not in seen:
                 seen.add(key)
                 add_res = c.resident_bytes
         if prob.mfc_base and prob.mfc_base[i] and off_training_placement(prob, assign, i, upto):
             # the base with its adapters off, away from training: the base stays here
-            key = (model, c.first_gpu, c.n_gpus, c.tp, c.pp)
+            key = (model, c.first_gpu, c.n_gpus, c.tp, c.pp, c.ep)
             if key not in seen:
                 seen.add(key)
                 add_res = c.resident_bytes
@@ -159,7 +159,7 @@ def memory(prob: Problem, assign: list[int], upto: int | None = None) -> tuple[l
             if prob.model_lora and prob.model_lora[model]:
                 # LoRA: the frozen base stays on each placement (resident_bytes); only
                 # the adapters (weights_bytes) are the reallocated copy
-                key = (model, c.first_gpu, c.n_gpus, c.tp, c.pp)
+                key = (model, c.first_gpu, c.n_gpus, c.tp, c.pp, c.ep)
                 if key not in seen:
                     seen.add(key)
                     add_res += c.resident_bytes

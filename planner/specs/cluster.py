@@ -63,6 +63,12 @@ class DeviceSpec(BaseModel):
         0.8, gt=0, le=1, description="Fraction of the intra-node link rate collectives reach.")
     inter_link_efficiency: float = Field(
         0.8, gt=0, le=1, description="Fraction of the NIC rate collectives reach.")
+    all_to_all_intra_efficiency: float = Field(
+        0.8, gt=0, le=1, description="Fraction of the intra-node link rate an all-to-all "
+        "reaches per rank (expert parallelism's token dispatch and combine).")
+    all_to_all_inter_efficiency: float = Field(
+        0.8, gt=0, le=1, description="Fraction of the NIC rate an all-to-all reaches per "
+        "rank across nodes (expert parallelism's token dispatch and combine).")
     host_link_bytes_per_s: float = Field(
         25e9, gt=0, description="Device <-> host memory bandwidth per device (PCIe), bytes/s: "
         "what optimizer offload pays.")

@@ -50,16 +50,17 @@ class Allocation(BaseModel):
     micro_batches: int = Field(1, gt=0, description="Micro-batches per (mini-)batch and replica.")
 
 
-def shard_placement(first_gpu: int, n_gpus: int, tp: int, pp: int) -> tuple[int, int, int, int]:
-    """What decides which GPU holds which parameter shard: the mesh and (tp, pp); dp
-    follows from them and micro-batches only split the batch. A call of a trained
+def shard_placement(first_gpu: int, n_gpus: int, tp: int, pp: int,
+                    ep: int = 1) -> tuple[int, int, int, int, int]:
+    """What decides which GPU holds which parameter shard: the mesh, (tp, pp) and the
+    experts' split ep; dp follows from them and micro-batches only split the batch. A call of a trained
     model whose shard placement differs from its training call's needs a reallocation
     (the one rule: the simulator prices it, the plan lists it, the run executes it).
 
     >>> shard_placement(0, 4, 2, 1) == shard_placement(0, 4, 2, 1)
     True
     """
-    return (first_gpu, n_gpus, tp, pp)
+    return (first_gpu, n_gpus, tp, pp, ep)
 
 
 # ---- rank arithmetic (pure) ------------------------------------------------------
@@ -194,16 +195,22 @@ def check_allocation(alloc: Allocation, model: ModelSpec, mfc: MFC,
 
 
 def enumerate_layouts(mesh: DeviceMesh, model: ModelSpec, mfc: MFC,
-                      cluster: ClusterSpec) -> list[Layout]:
-    """All valid (tp, pp, dp) of ``model`` for ``mfc`` on ``mesh`` (micro-batches aside,
-    unless the MFC fixes its count)."""
+                      cluster: ClusterSpec, max_ep: int | None = None) -> list[Layout]:
+    """All valid (tp, pp, dp, ep) of ``model`` for ``mfc`` on ``mesh`` (micro-batches
+    aside, unless the MFC fixes its count), ep ascending for each (tp, pp): ep 1 alone
+    for a dense model, every ep up to ``max_ep`` (None: any) for a mixture of experts."""
     out = []
     n = mesh.n_gpus
     for tp in _divisors(n):
         for pp in _divisors(n // tp):
-            lay = Layout(tp=tp, pp=pp, dp=n // (tp * pp))
-            if not layout_problems(lay, mesh, model, mfc, mfc.micro_batches or 1, cluster):
-                out.append(lay)
+            dp = n // (tp * pp)
+            for ep in _divisors(dp) if model.moe is not None else [1]:
+                if max_ep is not None and ep > max_ep:
+                    break
+                lay = Layout(tp=tp, pp=pp, dp=dp, ep=ep)
+                if not layout_problems(lay, mesh, model, mfc, mfc.micro_batches or 1,
+                                       cluster):
+                    out.append(lay)
     return out
 
 

@@ -207,6 +207,13 @@ class ModelSpec(BaseModel):
         sparse = self._heaviest_is_sparse() if layer is None else self.is_sparse(layer)
         return self._attention_sharded_params() + self._mlp_sharded_params(sparse)
 
+    def layer_expert_params(self, layer: int | None = None) -> int:
+        """The experts' parameters among :meth:`layer_sharded_params` (what expert
+        parallelism divides): every expert of a sparse layer, 0 for a dense one;
+        ``layer`` None: the heaviest layer's."""
+        sparse = self._heaviest_is_sparse() if layer is None else self.is_sparse(layer)
+        return self._mlp_sharded_params(True) if sparse else 0
+
     def layer_replicated_params(self, layer: int | None = None) -> int:
         """Parameters of a layer that every TP rank holds whole (two RMSNorms, the
         per-head query and key norms where the family has them, a sparse layer's

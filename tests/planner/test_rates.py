@@ -300,7 +300,8 @@ def test_sources_say_which_terms_were_measured():
         assert measured[key] == "profile", key
     for key in ("engine inference", "engine prefill", "engine decode", "host link",
                 "all_reduce across nodes", "all_gather within a node", "broadcast within a node",
-                "reduce_scatter within a node", "p2p within a node", "p2p across nodes"):
+                "reduce_scatter within a node", "p2p within a node", "p2p across nodes",
+                "all_to_all within a node", "all_to_all across nodes"):
         assert measured[key] == preset, key
     # realign's own step cost: the profile's, or not priced (no preset value)
     assert measured["step overhead"] == "not priced"
@@ -309,5 +310,5 @@ def test_sources_say_which_terms_were_measured():
     plain = rates().sources
     linked = rates(profile=_profile().model_copy(update={"host_link_bytes_per_s": 5e9}))
     assert linked.sources["host link"] == "profile" and linked.host_link_bytes_per_s == 5e9
-    assert set(plain) == set(measured) and len(plain) == 20
+    assert set(plain) == set(measured) and len(plain) == 22
     assert set(plain.values()) == {preset, "not priced"}

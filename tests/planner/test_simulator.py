@@ -294,6 +294,6 @@ def test_a_candidate_moved_to_another_mesh_keeps_every_other_field():
     import dataclasses
 
     from planner.search.problem import Candidate
-    c = Candidate(*[i + 1 for i in range(10)], True, 7.5, True, 0.25, True, "vllm", 2048)
+    c = Candidate(*[i + 1 for i in range(10)], True, 7.5, True, 0.25, True, "vllm", 2048, 2)
     assert c.at(64) == dataclasses.replace(c, first_gpu=64)
-    assert [f.name for f in dataclasses.fields(c)][-1] == "token_budget"   # at() lists them all
+    assert [f.name for f in dataclasses.fields(c)][-1] == "ep"   # at() lists them all
