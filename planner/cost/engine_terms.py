@@ -219,17 +219,17 @@ def stage_pass(r: Rates, spec: ModelSpec, head: str, kind: str, rows: float, ctx
                 n_coll += 1
                 comm += r.collective_s("all_gather", out_rows * vocab * dt, tp, tp_nodes)
     w.seconds["tp_comm"] = comm
+    a2a = 0.0
     if ep > 1 and spec.moe is not None:
         a2a = layers * spec.sparse_layers() / spec.n_layers * (4 if train else 2)
         w.seconds["ep_comm"] = a2a * r.all_to_all_s(
             rows * spec.moe.top_k * spec.hidden * dt, ep, ep_nodes)
-        n_coll += a2a
     scores = layers * heads * rows * ctx if kind in ("train", "inference") else 0.0
     w.counts = {"microbatch_s": 1.0, "layer_s": float(layers), "score_s": float(scores),
                 "token_hidden_s": float(layers * rows * h), "token_s": float(rows),
                 "token_vocab_s": (float(out_rows * (vocab / tp if kind in ("train", "inference")
                                                     else vocab)) if last and lm else 0.0),
-                "collective_s": float(n_coll), "kernel_extra": gemm + att}
+                "collective_s": float(n_coll) + a2a, "kernel_extra": gemm + att}
     return w
 
 

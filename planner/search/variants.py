@@ -29,6 +29,10 @@ from planner.specs.layout import Allocation, Layout, enumerate_layouts
 from planner.specs.mesh import DeviceMesh
 
 
+#: Per allocation: MFC, mesh first GPU and size, TP, PP, DP and micro-batches.
+PlanSignature = tuple[tuple[str, int, int, int, int, int, int], ...]
+
+
 @dataclass(frozen=True)
 class LabelledPlan:
     label: str             #: "searched", "heuristic megatron", "variant all TP2·PP1·DP1 x1", ...
@@ -36,11 +40,11 @@ class LabelledPlan:
     plan: ExecutionPlan
 
 
-def signature(plan: ExecutionPlan) -> tuple:
+def signature(plan: ExecutionPlan) -> PlanSignature:
     """What makes two plans the same plan: every allocation's mesh, layout and
     micro-batches."""
     return tuple((a.mfc, a.mesh.first_gpu, a.mesh.n_gpus, a.layout.tp, a.layout.pp,
-                  a.layout.dp, a.micro_batches) for a in plan.allocations)
+                  a.layout.dp, a.layout.ep, a.micro_batches) for a in plan.allocations)
 
 
 def _micro_batch_options(mfc: MFC, dp: int) -> list[int]:
@@ -107,7 +111,7 @@ def hand_variants(graph: DataflowGraph, models: dict[str, RoleModel], cluster: C
     degrees = sorted({(lay.tp, lay.pp) for m in graph.mfcs
                       for lay in _layouts(full, models, m, cluster)},
                      key=lambda t: (t[0] * t[1], -t[0]))
-    families: list[list[tuple[str, dict | None]]] = []
+    families: list[list[tuple[str, dict[str, Allocation] | None]]] = []
     for many in (False, True):
         fam = []
         for tp, pp in degrees:
@@ -155,7 +159,7 @@ def bench_plans(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
     cost_config = cost_config or CostModelConfig()
     settings = settings or SearchSettings()
     out: list[LabelledPlan] = []
-    seen: set[tuple] = set()
+    seen: set[PlanSignature] = set()
 
     def add(label: str, origin: str, plan: ExecutionPlan) -> None:
         if len(out) < n and signature(plan) not in seen:
