@@ -27,7 +27,6 @@ def summary(plan: ExecutionPlan) -> dict:
         "mfcs": [
             {"name": a.mfc, "mesh": a.mesh_name, "first_gpu": a.mesh.first_gpu,
              "n_gpus": a.mesh.n_gpus, "tp": a.layout.tp, "pp": a.layout.pp, "dp": a.layout.dp,
-             "ep": a.layout.ep,
              "micro_batches": a.micro_batches, "token_budget": a.token_budget,
              "time_s": a.time_s, "mem_bytes": a.mem_bytes,
              "optimizer_offload": a.optimizer_offload,
@@ -248,8 +247,7 @@ def table(plan: ExecutionPlan) -> str:
     a train call whose optimizer state is offloaded to host memory (Adam stepped there),
     ``+state`` one whose gradients and GPU optimizer state exist only during the call,
     ``+rc`` one that recomputes each layer's activations in the backward; a packed
-    scoring call's micro-batches are its expected bins, with its token budget; ``EPn``
-    beside DP: the experts split over n of the data-parallel ranks."""
+    scoring call's micro-batches are its expected bins, with its token budget."""
     mark = "*" if plan.profile is not None else ""
     rows = [("MFC", "mesh", "GPUs", "TP", "PP", "DP", "micro", "engine", "time s",
              "mem GiB/GPU")]
@@ -259,8 +257,7 @@ def table(plan: ExecutionPlan) -> str:
                      + (" +state" if a.train_state_offload else "")
                      + (" +rc" if a.activation_recompute else ""), a.mesh_name,
                      str(a.mesh.n_gpus), str(a.layout.tp), str(a.layout.pp),
-                     str(a.layout.dp) + (f" EP{a.layout.ep}" if a.layout.ep > 1 else ""),
-                     str(a.micro_batches) + (
+                     str(a.layout.dp), str(a.micro_batches) + (
                          f" (budget {a.token_budget} tok)" if a.token_budget else ""),
                      a.engine if a.kind == "generate" else "-", f"{a.time_s:.3f}{mark}",
                      f"{a.mem_bytes / GIB:.1f}"))
@@ -282,8 +279,11 @@ def table(plan: ExecutionPlan) -> str:
                 ("training state on the host between calls", a.train_state_offload)) if on)
             out.append(f"{a.mfc}: {what}, {a.host_bytes / GIB:.1f} GiB of host memory per GPU")
     if any(a.engine == "vllm" for a in plan.allocations):
-        out.append("engine vllm: continuous batching on one vLLM engine per GPU, its weights "
-                   "copied from the trained model before each call (docs/vllm.md)")
+        lora = any(m.lora is not None and m.role == "actor" for m in plan.models)
+        moved = ("the actor's LoRA adapters (its base loaded once, at start)" if lora
+                 else "its weights")
+        out.append("engine vllm: continuous batching on one vLLM engine per GPU, "
+                   f"{moved} copied from the trained model before each call (docs/vllm.md)")
     out.extend(turns_lines(plan))
     out.append(sources_line(plan))
     for line in (host_line(plan), lengths_line(plan)):

@@ -13,6 +13,7 @@ from planner.cost.vllm_cost import (
     peft_adapter_params,
     vllm_generate_cost,
 )
+from planner.errors import InfeasibleError
 from planner.graph.dataflow import MFC
 from planner.specs.cluster import ClusterSpec, resolve_device
 from planner.specs.layout import Layout
@@ -85,3 +86,27 @@ def test_a_rank_vllm_cannot_take_is_not_priced():
     with pytest.raises(ValueError, match="up to 512"):
         vllm_generate_cost(model("cpu"), gen(), SMALL, "lm", DeviceMesh(first_gpu=0, n_gpus=1),
                            Layout(tp=1, pp=1, dp=1), LoraSpec(rank=1024))
+
+
+def test_a_lora_actor_is_planned_on_vllm_and_the_table_says_adapters_move():
+    from planner.graph.algorithms import BatchShape, build_graph
+    from planner.report import table
+    from planner.search.problem import RoleModel, head_of
+    from planner.search.search import SearchSettings, search
+
+    shape = BatchShape(prompts_per_step=16, samples_per_prompt=4, prompt_len=8, gen_len=64,
+                       gen_len_mean=8, ppo_minibatches=1)
+    spec = model_presets()["tiny-llama"]
+    cluster = ClusterSpec(n_nodes=1, gpus_per_node=2, device=resolve_device("cpu"))
+    graph = build_graph("grpo", shape, {"actor"}, score_rollout=True)
+    cfg = CostModelConfig(param_dtype_bytes=4, distributed_optimizer=False,
+                          generate_engine="vllm")
+    fast = SearchSettings(time_limit_s=2.0, anneal_steps=5000)
+    plan = search("lora", graph, {"actor": RoleModel("actor", spec, head_of("actor"), LORA)},
+                  cluster, cfg, settings=fast)
+    assert plan.allocation("actor.generate").engine == "vllm"
+    assert "the actor's LoRA adapters (its base loaded once, at start)" in table(plan)
+    # above vLLM's largest rank the search offers no vLLM allocation at all
+    beyond = {"actor": RoleModel("actor", spec, head_of("actor"), LoraSpec(rank=1024))}
+    with pytest.raises(InfeasibleError, match="on vLLM"):
+        search("beyond", graph, beyond, cluster, cfg, settings=fast)
