@@ -27,6 +27,7 @@ def summary(plan: ExecutionPlan) -> dict:
         "mfcs": [
             {"name": a.mfc, "mesh": a.mesh_name, "first_gpu": a.mesh.first_gpu,
              "n_gpus": a.mesh.n_gpus, "tp": a.layout.tp, "pp": a.layout.pp, "dp": a.layout.dp,
+             "ep": a.layout.ep,
              "micro_batches": a.micro_batches, "token_budget": a.token_budget,
              "time_s": a.time_s, "mem_bytes": a.mem_bytes,
              "optimizer_offload": a.optimizer_offload,
@@ -247,7 +248,8 @@ def table(plan: ExecutionPlan) -> str:
     a train call whose optimizer state is offloaded to host memory (Adam stepped there),
     ``+state`` one whose gradients and GPU optimizer state exist only during the call,
     ``+rc`` one that recomputes each layer's activations in the backward; a packed
-    scoring call's micro-batches are its expected bins, with its token budget."""
+    scoring call's micro-batches are its expected bins, with its token budget; ``EPn``
+    beside DP: the experts split over n of the data-parallel ranks."""
     mark = "*" if plan.profile is not None else ""
     rows = [("MFC", "mesh", "GPUs", "TP", "PP", "DP", "micro", "engine", "time s",
              "mem GiB/GPU")]
@@ -257,7 +259,8 @@ def table(plan: ExecutionPlan) -> str:
                      + (" +state" if a.train_state_offload else "")
                      + (" +rc" if a.activation_recompute else ""), a.mesh_name,
                      str(a.mesh.n_gpus), str(a.layout.tp), str(a.layout.pp),
-                     str(a.layout.dp), str(a.micro_batches) + (
+                     str(a.layout.dp) + (f" EP{a.layout.ep}" if a.layout.ep > 1 else ""),
+                     str(a.micro_batches) + (
                          f" (budget {a.token_budget} tok)" if a.token_budget else ""),
                      a.engine if a.kind == "generate" else "-", f"{a.time_s:.3f}{mark}",
                      f"{a.mem_bytes / GIB:.1f}"))
