@@ -39,6 +39,13 @@ class AlgorithmParams(BaseModel):
 
     algorithm: str
 
+    def written(self) -> dict[str, Any]:
+        """The keys the experiment wrote in ``algorithm.params`` with their values (what
+        an experiment's ``algorithm.params`` saves as): neither ``algorithm`` nor a
+        field the batch shape sets."""
+        return self.model_dump(mode="json", include=self.model_fields_set
+                               - {"algorithm", *SHAPE_OWNED})
+
     def check_written(self, written: Collection[str]) -> None:
         """A :class:`UserError` where keys the experiment wrote (``written``, its
         ``algorithm.params``) contradict each other: a value that another one makes

@@ -9,7 +9,7 @@ roles, dataflow graph) is :data:`planner.graph.algorithms.ALGORITHMS` under the 
 Use::
 
     algo = registry.get(exp.algorithm.name)
-    cfg = algo.make_config(exp.algorithm.params, exp.algorithm.shape())
+    cfg = exp.algorithm.params                 # typed when the experiment was loaded
     batch = algo.prepare(scored_rollout, cfg)          # adds advantages, returns, ...
     engine.train_step(minibatch, algo.loss_fn("actor", cfg))
 """
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 from planner.graph.algorithms import ALGORITHMS as SPECS
-from planner.graph.algorithms import AlgorithmSpec, BatchShape
+from planner.graph.algorithms import AlgorithmSpec
 from realign.algorithms import (
     dapo,
     dpo,
@@ -51,7 +51,6 @@ from realign.algorithms.params import (
     GRPOConfig,
     RejectionSamplingConfig,
     SFTConfig,
-    make_params,
 )
 from realign.errors import UserError
 
@@ -93,11 +92,6 @@ class Algorithm:
             raise UserError(f"{self.name} with kl_coef {kl_coef} needs a reference model: "
                             "set models.ref, or algorithm.params.kl_coef: 0 to train "
                             "without one", field="models.ref")
-
-    def make_config(self, params: Mapping[str, Any], shape: BatchShape) -> AlgorithmParams:
-        """The typed parameters from the experiment's ``algorithm.params`` and the batch
-        shape (:func:`realign.algorithms.params.make_params`)."""
-        return make_params(self.name, params, shape)
 
     def loss_fn(self, role: str, cfg: AlgorithmParams) -> TrainLoss:
         """The loss function that trains model ``role`` under ``cfg``, with the row

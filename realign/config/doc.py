@@ -27,11 +27,17 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from realign.algorithms.param_paths import SHAPE_OWNED
-from realign.algorithms.params import PARAMS
 from realign.config.experiment import ExperimentConfig
 
 #: how the key of a mapping of sections is written in its path (``lora.<role>``)
 KEY_NAMES = {"lora": "role", "plan.manual": "mfc"}
+
+#: a union of sections chosen by a key of the section above it, not by a key of its own:
+#: its path -> (that key, the member's keys set from above, a note on each member)
+CHOSEN_ABOVE = {"algorithm.params": (
+    "name", frozenset({"algorithm", *SHAPE_OWNED}),
+    "The batch shape's keys (samples_per_prompt, gen_len, ...) are written on "
+    "`algorithm`, not here.")}
 
 HEADER = """# Experiment YAML reference
 
@@ -180,7 +186,8 @@ def default_text(f: FieldInfo) -> str:
 def sections() -> list[Section]:
     """Every section of the experiment YAML, parents before children, in the schema's
     order; a mapping of sections (``lora``) as one ``<key>`` section, each launcher type
-    and each algorithm's ``algorithm.params`` as a section of its own."""
+    and each algorithm's ``algorithm.params`` (the union of the algorithms' parameters,
+    chosen by ``algorithm.name``) as a section of its own."""
     out: list[Section] = []
 
     def visit(model: type[BaseModel], path: str, title: str, text: str) -> None:
@@ -199,18 +206,15 @@ def sections() -> list[Section]:
             for m in _models_in(f.annotation):
                 if tag is None:
                     visit(m, sub, f"`{sub}`", doc_of(m))
+                    continue
+                value = _literals(m.model_fields[tag].annotation)[0]
+                if sub in CHOSEN_ABOVE:             # algorithm.params (name: ppo)
+                    key, skip, note = CHOSEN_ABOVE[sub]
+                    text = f"`{sub}` of `{key}: {value}`. {doc_of(m)} {note}"
+                    out.append(Section(sub, f"`{sub}` ({key}: {value})", m, text, skip))
                 else:                               # launcher (type: slurm)
-                    value = _literals(m.model_fields[tag].annotation)[0]
                     visit(m, sub, f"`{sub}` ({tag}: {value})", doc_of(m))
     visit(ExperimentConfig, "", "Top level", doc_of(ExperimentConfig))
-    at_ = next(i for i, s in enumerate(out) if s.path == "algorithm") + 1
-    for name, cls in PARAMS.items():
-        note = (f"`algorithm.params` of `name: {name}`. {doc_of(cls)} The batch shape's "
-                "keys (samples_per_prompt, gen_len, ...) are written on `algorithm`, "
-                "not here.")
-        out.insert(at_, Section("algorithm.params", f"`algorithm.params` (name: {name})", cls,
-                                note, frozenset({"algorithm", *SHAPE_OWNED})))
-        at_ += 1
     return out
 
 

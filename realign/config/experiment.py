@@ -8,17 +8,19 @@ YAML file's folder while the YAML is validated, so a loaded config holds absolut
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator
 
 from planner.cost.cost_config import CostModelConfig
 from planner.graph.algorithms import Algorithm, BatchShape, algorithm_spec
 from planner.graph.dataflow import MAX_STALENESS
-from planner.search.search import SearchSettings
+from planner.search_settings import SearchSettings
 from planner.specs.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, DeviceSpec, resolve_device
 from planner.specs.layout import Allocation
 from planner.specs.lora import LoraSpec
+from realign.algorithms.params import AlgorithmParams, AnyParams, make_params
 from realign.data.config import DatasetConfig
 from realign.paths import CodeRef, FilePath, ModelRef
 from realign.runtime.settings import Rollout, Sampling, TrainConfig
@@ -70,15 +72,38 @@ class AlgorithmSection(BatchShape):
 
     name: Algorithm = Field(description="ppo | grpo | remax | reinforce_pp | rloo | dpo | sft | "
                             "rm | rejection_sampling | online_dpo | dapo | gspo | dr_grpo")
-    params: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Hyper-parameters of the algorithm (e.g. kl_coef, clip_ratio; see "
-                    "realign/algorithms/params.py). Batch-shape fields are set above.")
+    params: AnyParams = Field(
+        default_factory=dict, validate_default=True,  # type: ignore[arg-type]
+        description="Hyper-parameters of the algorithm (e.g. kl_coef, clip_ratio), typed by "
+                    "name when the YAML is loaded: the keys of its algorithm.params section "
+                    "below. Batch-shape fields are set above, not here.")
     max_staleness: int = Field(
         0, ge=0, le=MAX_STALENESS, description="Asynchronous (off-policy) execution: the "
         "most policy versions a trained sample may lag. 0: synchronous. With 1 or more the "
         "planner also prices generation one step ahead of training on its own GPUs, and "
         "runs whichever plan is faster.")
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _typed_params(cls, raw: Any, info: ValidationInfo) -> AlgorithmParams:
+        """``algorithm.params`` as the typed hyper-parameters of ``name``, with the
+        fields the batch shape sets (:func:`~realign.algorithms.params.make_params`: a
+        :class:`UserError` naming ``algorithm.params.<key>``). A typed value (a config
+        built in code, or copied) is typed again from the keys it was written with."""
+        if isinstance(raw, AlgorithmParams):
+            raw = raw.written()
+        if not isinstance(raw, Mapping):
+            raise ValueError("a mapping of hyper-parameter names to values")
+        unset = [k for k in ("name", *BatchShape.model_fields) if k not in info.data]
+        if unset:
+            raise ValueError(f"typed by algorithm.{unset[0]}, which is not valid")
+        shape = BatchShape(**{k: info.data[k] for k in BatchShape.model_fields})
+        return make_params(info.data["name"], raw, shape)
+
+    @field_serializer("params")
+    def _written_params(self, params: AlgorithmParams) -> dict[str, Any]:
+        """Saved as the keys the experiment wrote, so that it loads back the same."""
+        return params.written()
 
     def shape(self) -> BatchShape:
         return BatchShape(**self.model_dump(exclude={"name", "params", "max_staleness"}))

@@ -17,7 +17,7 @@ from planner.plan import ExecutionPlan, ModeResult
 from planner.search.problem import RoleModel, head_of
 from planner.search.search import SearchSettings, search
 from planner.specs.model_spec import model_presets, model_spec_from_hf_config
-from realign.algorithms.params import ClippedPGParams, make_params, max_sampling_rounds
+from realign.algorithms.params import ClippedPGParams, max_sampling_rounds
 from realign.config.experiment import ExperimentConfig
 from realign.config.host_work import resolve_host_work
 from realign.config.lengths import data_prompt_lengths, recorded_lengths, recorded_turns
@@ -172,8 +172,7 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
                        max_staleness=cfg.algorithm.max_staleness, asynchronous=asynchronous,
                        prompt_lengths=prompts, score_rollout=scores_rollout(cfg),
                        turns=turns_shape(cfg),
-                       max_sampling_rounds=max_sampling_rounds(make_params(
-                           cfg.algorithm.name, cfg.algorithm.params, cfg.algorithm.shape())))
+                       max_sampling_rounds=max_sampling_rounds(cfg.algorithm.params))
     graph = refill_graph(graph) if cfg.rollout.refill else graph
     graph = with_shared_bases(graph, cfg)     # a reference that is the actor's base
     return packed_graph(graph) if cfg.train.packing else graph
@@ -207,7 +206,7 @@ def scores_rollout(cfg: ExperimentConfig) -> bool:
     with ``algorithm.params.tis_cap`` set, to correct for it. Only the algorithms that
     take a behaviour correction (the clipped policy-gradient family) do."""
     spec = algorithm_spec(cfg.algorithm.name)
-    params = make_params(cfg.algorithm.name, cfg.algorithm.params, cfg.algorithm.shape())
+    params = cfg.algorithm.params
     tis = isinstance(params, ClippedPGParams) and params.tis_cap is not None
     if not (spec.generates and spec.runs_ahead):
         return False

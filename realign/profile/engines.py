@@ -154,6 +154,7 @@ def time_train(ctx, dims, lay, b: int, s: int, m: int, reps: int = REPS_PER_PASS
     """Seconds of ``reps`` optimizer steps with GRPO's actor loss (clipped surrogate)."""
     from planner.graph.algorithms import BatchShape
     from realign.algorithms import registry
+    from realign.algorithms.params import make_params
     from realign.runtime.engines.train import TrainEngine
     from realign.runtime.settings import TrainConfig
     shard, dev = _replica(ctx, dims, lay), ctx.store["device"]
@@ -164,8 +165,8 @@ def time_train(ctx, dims, lay, b: int, s: int, m: int, reps: int = REPS_PER_PASS
         ctx.store["trainers"][key] = TrainEngine(shard, TrainConfig(lr=1e-6), micro_batches=m)
     eng = ctx.store["trainers"][key]
     algo = registry.get("grpo")
-    loss = algo.loss_fn("actor", algo.make_config(
-        {}, BatchShape(prompts_per_step=b // 2, samples_per_prompt=2)))
+    loss = algo.loss_fn("actor", make_params(
+        "grpo", {}, BatchShape(prompts_per_step=b // 2, samples_per_prompt=2)))
     batch = _batch(shard.spec, b, s, 7)
     return _sample_times(lambda: eng.train_step(batch, loss, dp_mean=False), dev.device,
                          _ranks(lay), reps)

@@ -202,8 +202,7 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
             from realign.runtime.lora_peft import check_peft_adapter
             check_peft_adapter(Path(lc.init_from), models[role].spec,
                                models[role].head, lc.spec(), f"lora.{role}.init_from")
-    params = algo.make_config(cfg.algorithm.params, cfg.algorithm.shape())
-    algo.check_roles(params, set(paths))
+    algo.check_roles(cfg.algorithm.params, set(paths))
     reward_fn = cfg.rule_reward_fn()
     if reward_fn is not None:
         from realign.rewards.registry import load_reward_fn
@@ -235,7 +234,7 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
                    plan.cost_config.kv_cache_block_tokens,
                    {a.mfc: a.layout.tp for a in plan.allocations if a.engine == "vllm"})
     spec = RunSpec(config=cfg, plan=plan, paths=paths,
-                   run_dir=_run_folder(cfg, run_dir), params=params,
+                   run_dir=_run_folder(cfg, run_dir),
                    tokenizer_role=cfg.tokenizer_role(), reward_fn=reward_fn,
                    verifier=cfg.eval.verifier if cfg.eval is not None else None,
                    eval_prompts=eval_prompts)

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.errors import from_validation
 from planner.plan import ExecutionPlan
-from realign.algorithms.params import AnyParams, DAPOConfig, max_sampling_rounds
+from realign.algorithms.params import AlgorithmParams, DAPOConfig, max_sampling_rounds
 from realign.config.experiment import ExperimentConfig
 from realign.errors import UserError
 from realign.run.program import Program, compile_program
@@ -44,8 +44,6 @@ class RunSpec(BaseModel):
     paths: dict[str, Path] = Field(description="Model role -> its HF checkpoint folder.")
     run_dir: Path = Field(description="The run folder.")
     # ---- resolved by prepare() ----
-    params: AnyParams = Field(description="The algorithm's hyper-parameters, typed: "
-                              "algorithm.params with the batch shape's fields.")
     tokenizer_role: str = Field(description="The model role whose folder holds the "
                                 "tokenizer every process uses.")
     reward_fn: str | None = Field(description="The reward function the rule rewards call "
@@ -58,6 +56,12 @@ class RunSpec(BaseModel):
                                      "no eval section.")
 
     # ---- derived -------------------------------------------------------------------
+    @property
+    def params(self) -> AlgorithmParams:
+        """The algorithm's hyper-parameters, typed when the experiment was loaded
+        (``algorithm.params`` with the batch shape's fields)."""
+        return self.config.algorithm.params
+
     @property
     def steps(self) -> int:
         return self.config.run.steps

@@ -14,6 +14,7 @@ from planner.graph.algorithms import BatchShape, build_graph
 from realign.algorithms import registry
 from realign.algorithms.common import minibatch, pop_stats
 from realign.algorithms.registry import ALGORITHMS, Algorithm
+from realign.config.experiment import AlgorithmSection
 from realign.errors import UserError
 
 pytestmark = pytest.mark.torch
@@ -41,24 +42,48 @@ def test_lookup_errors():
         grpo.actor_loss_fn(registry.get("ppo").config())
 
 
-def test_make_config_takes_shape_fields_from_the_batch_shape():
-    shape = BatchShape(samples_per_prompt=4, ppo_epochs=2, ppo_minibatches=8)
-    cfg = registry.get("ppo").make_config({"kl_coef": 0.1}, shape)
+def section(name: str, params: dict, **shape) -> AlgorithmSection:
+    """The experiment's ``algorithm`` section as the YAML loads it."""
+    return AlgorithmSection.model_validate({"name": name, "params": params, **shape})
+
+
+def test_params_are_typed_at_load_with_the_batch_shape_fields():
+    shape = {"samples_per_prompt": 4, "ppo_epochs": 2, "ppo_minibatches": 8}
+    cfg = section("ppo", {"kl_coef": 0.1}, **shape).params
     # epochs and mini-batches are the batch shape's alone: the train calls carry them
     # (the trainer reads them there), the parameters do not repeat them
+    assert isinstance(cfg, registry.get("ppo").config)
     assert cfg.kl_coef == 0.1 and not {"ppo_epochs", "minibatches"} & set(type(cfg).model_fields)
-    train = build_graph("ppo", shape, {"actor", "critic", "ref", "reward"}).mfc("actor.train")
+    train = build_graph("ppo", BatchShape(**shape), {"actor", "critic", "ref", "reward"}
+                        ).mfc("actor.train")
     assert (train.n_epochs, train.n_minibatches) == (2, 8)
-    assert registry.get("grpo").make_config({}, shape).samples_per_prompt == 4
+    assert section("grpo", {}, **shape).params.samples_per_prompt == 4
     with pytest.raises(UserError, match="set ppo_minibatches on the algorithm") as e:
-        registry.get("ppo").make_config({"minibatches": 2}, shape)
+        section("ppo", {"minibatches": 2}, **shape)
     assert e.value.field == "algorithm.params.minibatches"
     with pytest.raises(UserError) as e:
-        registry.get("grpo").make_config({}, BatchShape(samples_per_prompt=1))
+        section("grpo", {}, samples_per_prompt=1)
     assert e.value.field == "algorithm.samples_per_prompt"
     with pytest.raises(UserError) as e:
-        registry.get("dpo").make_config({"betta": 0.1}, shape)
+        section("dpo", {"betta": 0.1}, **shape)
     assert e.value.field == "algorithm.params.betta"
+
+
+def test_params_save_as_written_and_load_back_the_same():
+    """A loaded section dumps the keys the experiment wrote (not the batch shape's, not
+    the defaults), so that a saved experiment loads back to equal parameters."""
+    sec = section("dapo", {"clip_ratio_high": 0.3, "max_sampling_rounds": 2},
+                  samples_per_prompt=4, prompts_per_step=8, gen_len=16,
+                  dropped_group_frac=0.25)
+    p = sec.params
+    assert (p.gen_len, p.prompts_per_step, p.dropped_group_frac) == (16, 8, 0.25)
+    dumped = sec.model_dump(mode="json")
+    assert dumped["params"] == {"clip_ratio_high": 0.3, "max_sampling_rounds": 2}
+    assert AlgorithmSection.model_validate(dumped).params == p
+    # a typed value handed in (a config built in code) is typed again for its own shape
+    other = AlgorithmSection(name="dapo", params=p, samples_per_prompt=4,
+                             prompts_per_step=8, gen_len=32)
+    assert other.params.gen_len == 32 and other.params.clip_ratio_high == 0.3
 
 
 def test_duplicates_rejected():

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import yaml
 
-from realign.algorithms.params import make_params
 from realign.config.experiment import ExperimentConfig
 from realign.config.planning import plan_experiment
 from realign.paths import YAML_DIR
@@ -23,8 +22,7 @@ def planned_spec(run_dir: Path, name: str = "tiny-grpo-cpu", **changes) -> RunSp
     raw.update(changes)
     cfg = ExperimentConfig.model_validate(raw, context={YAML_DIR: REPO / "experiments"})
     plan = plan_experiment(cfg)
-    params = make_params(cfg.algorithm.name, cfg.algorithm.params, cfg.algorithm.shape())
     return RunSpec(config=cfg, plan=plan, paths={r: REPO / "x" / r for r in raw["models"]},
-                   run_dir=run_dir, params=params,
+                   run_dir=run_dir,
                    tokenizer_role=cfg.tokenizer_role(), reward_fn=cfg.rule_reward_fn(),
                    verifier=None, eval_prompts=None)
