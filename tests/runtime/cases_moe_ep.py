@@ -90,3 +90,23 @@ def save_from_ep(ctx, path, out, tp, dp, ep):
     save_hf_checkpoint(shard, out, read_hf_config(path))
     index = json.loads(next(Path(out).glob("*.index.json")).read_text())
     return sorted(index["weight_map"])
+
+
+def packed_scores(ctx, path, dp, ep, budget):
+    """(log-probs of 8 rows scored packed into bins of at most ``budget`` tokens, this
+    rank's bin count): data-parallel rank 0's rows are long and rank 1's short, so the
+    ranks run different numbers of forwards."""
+    from realign.data.packing import inference_packs
+    from realign.runtime.engines.packed_attention import kernel_for
+
+    shard = replica_ep(ctx, path, 1, dp, ep)
+    if shard is None:
+        return None
+    batch = sample_batch(n=8, s=12, vocab=shard.spec.vocab_size, seed=2)
+    batch["lengths"] = torch.tensor([12, 11, 12, 10, 2, 3, 2, 2])
+    lp = InferenceEngine(shard, packing=True, token_budget=budget).inference(batch)["logprobs"]
+    per = 8 // dp
+    mine = slice(shard.groups.dp_rank * per, (shard.groups.dp_rank + 1) * per)
+    bins = len(inference_packs(batch["tokens"][mine], batch["lengths"][mine], 1,
+                               kernel_for("cpu"), budget))
+    return lp, bins

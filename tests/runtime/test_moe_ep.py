@@ -56,3 +56,14 @@ def test_checkpoint_saved_from_ep2_holds_every_expert(world2, moe_path, tmp_path
     for logits_diff, lp_diff, _ in filter(None, world2.run("cases_moe:logits_parity",
                                                            out, 1, 1)):
         assert logits_diff < TOL and lp_diff < TOL
+
+
+def test_dp2_ep2_packed_scores_with_uneven_bins_equal_ep1(world2, moe_path):
+    """Packed scoring with a token budget: rank 0's long rows take four bins, rank 1's
+    short ones one; the rank that has finished joins the other's remaining exchanges
+    (realign.runtime.engines.ep_lockstep), and the log-probs equal DP2·EP1's."""
+    ep1 = world2.run("cases_moe_ep:packed_scores", moe_path, 2, 1, 16)
+    ep2 = world2.run("cases_moe_ep:packed_scores", moe_path, 2, 2, 16)
+    assert [r[1] for r in ep2] == [4, 1]
+    for (lp1, _), (lp2, _) in zip(ep1, ep2):
+        assert float((lp1 - lp2).abs().max()) < 1e-5

@@ -5,7 +5,8 @@ With expert parallelism every sparse layer's forward is a collective over the EP
 experts), so every rank of the group must run the same number of forwards. A generate
 call does not: its ranks are data-parallel ranks decoding their own prompts, and one
 whose sequences stop early runs fewer decode steps (and, refilling, prefills at other
-iterations) than another.
+iterations) than another; so does a packed scoring call, whose token budget gives each
+data-parallel rank its own number of bins.
 
 The protocol, per pipeline stage: before each forward (a prefill or a decode step) a
 rank says so (:func:`announce_forward`: one all-reduce of a flag over the EP group); a
@@ -19,6 +20,13 @@ are matched per sparse layer, in order, whatever the tokens' count.
 Example, EP2, rank 0 decodes 3 steps and rank 1 5: both announce steps 1-3; rank 0
 drains, answering rank 1's announcements of steps 4 and 5 and joining their exchanges
 with zero tokens; at the next round neither announces and both leave.
+
+Generation announces in :class:`~realign.runtime.engines.decoder.StageDecoder`'s
+``prefill`` and ``step`` and drains in
+:meth:`~realign.runtime.engines.generate.GenerateEngine.generate`; packed scoring in
+:class:`~realign.runtime.engines.inference.InferenceEngine`. A training step needs
+neither: its micro-batch count is the same on every rank (a token budget is refused
+at EP > 1).
 
 Cost: one small all-reduce per forward on top of the exchanges. Without expert
 parallelism nothing runs.

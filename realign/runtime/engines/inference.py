@@ -24,6 +24,7 @@ from realign.runtime.engines.base import (
     split,
 )
 from realign.runtime.engines.decoder import StageDecoder, gather_vocab, run_stage
+from realign.runtime.engines.ep_lockstep import announce_forward, drain
 from realign.runtime.engines.packed_attention import kernel_for
 from realign.runtime.model import ModelShard
 from realign.runtime.vocab_parallel import token_logprobs
@@ -132,9 +133,13 @@ class InferenceEngine:
         results = []
         with torch.inference_mode():
             for pack in packs:
+                # data-parallel ranks may run different pack counts: with expert
+                # parallelism the EP group keeps in step (ep_lockstep; nothing at EP 1)
+                announce_forward(shard)
                 out = run_stage(shard, functools.partial(dec.score, pack=pack), pack.tokens)
                 if out is not None:
                     results.append(packed_head_outputs(shard, out, pack, local_shape[1]))
+            drain(shard)
         mine = None
         if shard.groups.is_last_stage:
             mine = torch.zeros(local_shape, dtype=torch.float32, device=shard.device.device)
