@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from planner.graph.lengths import expected_call_tokens
 from planner.graph.packing import budget_shape, packed_shape, row_moments
@@ -12,7 +13,7 @@ from planner.plan import ExecutionPlan
 GIB = 2 ** 30
 
 
-def summary(plan: ExecutionPlan) -> dict:
+def summary(plan: ExecutionPlan) -> dict[str, Any]:
     """The ``realign plan --json`` object."""
     heur = {h.name: h.iteration_time_s for h in plan.heuristics}
     return {
@@ -138,7 +139,7 @@ def host_line(plan: ExecutionPlan) -> str | None:
     return out
 
 
-def priced_lengths(plan: ExecutionPlan) -> dict | None:
+def priced_lengths(plan: ExecutionPlan) -> dict[str, Any] | None:
     """The lengths the rollout is priced at (None: every prompt and response at its
     cap): mean prompt and response, and the mean length its rows are padded to."""
     gen = next((m for m in plan.graph.mfcs if m.kind == "generate"
@@ -154,7 +155,7 @@ def priced_lengths(plan: ExecutionPlan) -> dict | None:
             "bin_tokens": bin_tokens(plan), "generation": _steps_dict(plan)}
 
 
-def _steps_dict(plan: ExecutionPlan) -> dict | None:
+def _steps_dict(plan: ExecutionPlan) -> dict[str, Any] | None:
     """:func:`generation_steps` as a JSON object (None: no rollout on the own engine)."""
     steps = generation_steps(plan)
     if steps is None:
@@ -215,7 +216,7 @@ def lengths_line(plan: ExecutionPlan) -> str | None:
     return _lengths_head(x) + tail
 
 
-def _lengths_head(x: dict) -> str:
+def _lengths_head(x: dict[str, Any]) -> str:
     """:func:`lengths_line` but its generation: prompts, responses, padded or packed rows."""
     head = (f"lengths: prompts {x['prompt_mean']:.1f} tokens on average (cap "
             f"{x['prompt_cap']}), responses {x['response_mean']:.1f} (cap {x['response_cap']}); ")

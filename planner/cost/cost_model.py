@@ -93,10 +93,10 @@ class CostModel:
         #: one pass of a micro-batch through a stage, by everything it depends on: the
         #: search prices many candidates whose passes are alike (the same rows per
         #: replica on meshes of other sizes); the Works kept here are only read
-        self._stage_memo: dict[tuple, Work] = {}
+        self._stage_memo: dict[tuple[tuple[object, ...], bool, bool], Work] = {}
         #: a packed call's bins per (call, rows per rank, budget): the same for every
         #: layout of one dp (expert parallelism's candidates among them)
-        self._budget_memo: dict[tuple, tuple[int, float, float]] = {}
+        self._budget_memo: dict[tuple[MFC, float, int], tuple[int, float, float]] = {}
 
     @property
     def mem_limit_bytes(self) -> float:

@@ -22,7 +22,11 @@ def micro_batch_tokens(mfc: MFC, rows: float, m: int, dp: int) -> tuple[float, f
     return rows * s, s / 2
 
 
-def work_key(w: Work) -> tuple:
+#: A Work's priced seconds and counts by term, sorted: equal Works, equal keys.
+WorkKey = tuple[tuple[tuple[str, float], ...], tuple[tuple[str, float], ...]]
+
+
+def work_key(w: Work) -> WorkKey:
     """A Work's contents as a hashable value."""
     return tuple(sorted(w.seconds.items())), tuple(sorted(w.counts.items()))
 

@@ -348,7 +348,7 @@ def _with_lengths(calls: list[MFC], lengths: GenLengths | None,
     that read the training prompts, and both of a generate call's on every call that
     scores or trains the sequences it generates (priced at the batch's padded
     length: :mod:`planner.graph.padding`)."""
-    made: dict[str, dict] = {}
+    made: dict[str, dict[str, GenLengths | None]] = {}
     out = []
     for m in calls:
         if m.kind == "generate":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -92,14 +93,14 @@ class RolloutBuffer:
         return Taken(batch, dropped)
 
     # ---- checkpoints -------------------------------------------------------------
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         """Plain values (JSON-able) for a checkpoint."""
         return {"capacity_groups": self.capacity_groups, "dropped_total": self.dropped_total,
                 "groups": [[g.group_id, g.oldest_version, g.newest_version]
                            for g in self.groups]}
 
     @classmethod
-    def from_state(cls, state: dict) -> RolloutBuffer:
+    def from_state(cls, state: dict[str, Any]) -> RolloutBuffer:
         return cls(int(state["capacity_groups"]),
                    deque(FinishedGroup(int(a), int(b), int(c)) for a, b, c in state["groups"]),
                    int(state["dropped_total"]))

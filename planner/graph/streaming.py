@@ -32,7 +32,7 @@ StreamSchedule.state` repeats an uninterrupted one exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -200,7 +200,7 @@ class StreamSchedule:
         return out
 
     # ---- checkpoints -------------------------------------------------------------
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         """Everything the schedule holds, as plain JSON values (the buffer and the
         sequences in flight included)."""
         assert self.buffer is not None
@@ -217,7 +217,7 @@ class StreamSchedule:
             "segments": {str(k): v for k, v in self.segments.items()}}
 
     @classmethod
-    def from_state(cls, settings: StreamSettings, lengths: list[int], st: dict
+    def from_state(cls, settings: StreamSettings, lengths: list[int], st: dict[str, Any]
                    ) -> StreamSchedule:
         sch = cls(settings, lengths, it=st["it"], next_sample=st["next_sample"],
                   gen_version=st["gen_version"], pause_left=st["pause_left"],

@@ -41,7 +41,7 @@ def to_core(prob: Problem) -> Any:
                         float(c.weights_bytes), float(c.time_sd_s), c.ep) for c in cs]))
             for cs in cands]
 
-    def column(k: int) -> list[list]:
+    def column(k: int) -> list[list[float]]:
         return [list(col[k]) if col else [] for col in cols]
 
     return core.Problem(

@@ -41,7 +41,7 @@ from planner.search.plan_build import build_plan, describe_candidate
 from planner.search.polish import polish
 from planner.search.problem import Problem, RoleModel, async_splits, build_problem
 from planner.search.simulator import energy, simulate
-from planner.search_settings import SearchSettings
+from planner.search_settings import SearchSettings as SearchSettings  # callers import it here
 from planner.specs.cluster import MAX_NODES, ClusterSpec
 
 

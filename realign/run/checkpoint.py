@@ -26,6 +26,7 @@ import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 KEEP_LAST = 2
 MANIFEST = "manifest.json"
@@ -70,8 +71,8 @@ def bytes_digest(data: bytes) -> tuple[int, str]:
     return len(data), hashlib.sha256(data).hexdigest()
 
 
-def read_manifest(folder: Path) -> dict:
-    manifest: dict = json.loads((folder / MANIFEST).read_text())
+def read_manifest(folder: Path) -> dict[str, Any]:
+    manifest: dict[str, Any] = json.loads((folder / MANIFEST).read_text())
     return manifest
 
 
@@ -196,7 +197,7 @@ def clean_partial(run_dir: Path) -> None:
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def commit(run_dir: Path, step: int, manifest: dict) -> Path:
+def commit(run_dir: Path, step: int, manifest: dict[str, Any]) -> Path:
     """Seal the checkpoint of ``step``: manifest, then the atomic folder rename; then
     remove checkpoints older than the last :data:`KEEP_LAST` (checkpoints only)."""
     tmp = tmp_dir(run_dir, step)
@@ -225,7 +226,7 @@ def check_sharding(was: bool | None, now: bool, name: str) -> None:
                         field="train.distributed_optimizer")
 
 
-def in_flight_usable(manifest: dict, ahead_ranks: tuple[int, ...]) -> bool:
+def in_flight_usable(manifest: dict[str, Any], ahead_ranks: tuple[int, ...]) -> bool:
     """Whether a checkpoint's samples in flight (a rollout generated ahead, saved by the
     ranks that made it) can feed the resumed run: its plan generated on the same ranks.
     Otherwise the first resumed step generates its rollout again, with the current
@@ -233,7 +234,7 @@ def in_flight_usable(manifest: dict, ahead_ranks: tuple[int, ...]) -> bool:
     return bool(ahead_ranks) and manifest.get("in_flight_ranks") == list(ahead_ranks)
 
 
-def check_resumable(manifest: dict, folder: Path, distributed_optimizer: bool,
+def check_resumable(manifest: dict[str, Any], folder: Path, distributed_optimizer: bool,
                     trained: list[str]) -> None:
     """A :class:`UserError` (before any worker starts) when the checkpoint in ``folder``
     cannot resume this run: its optimizer was sharded otherwise, or it holds other
@@ -285,7 +286,7 @@ def seal_final(final_dir: Path, steps: int) -> Path:
 
 
 # ---- atomic files ---------------------------------------------------------------------
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict[str, Any]) -> None:
     save_file(json.dumps(data, indent=1).encode(), path)
 
 
