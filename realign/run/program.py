@@ -29,6 +29,7 @@ must move (checked at run time), its ``time_s`` enters the timeout like a call's
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import assert_never
 
 from planner.graph.algorithms import PROXIMAL_MFC
 from planner.graph.dataflow import MFC, DataflowGraph
@@ -165,6 +166,30 @@ class Release:
 Op = Realloc | Send | Call | RuleReward | Evaluate | Release
 
 
+def runs_ahead(op: Op) -> bool:
+    """Whether ``op`` works on the next step's rollout (asynchronous execution): a
+    generate call or a rule reward the plan runs ahead; no other kind of op does."""
+    match op:
+        case Call() | RuleReward():
+            return op.ahead
+        case Realloc() | Send() | Evaluate() | Release():
+            return False
+        case _:
+            assert_never(op)
+
+
+def estimate_s(op: Op) -> float:
+    """The plan's estimate of ``op``'s duration: a call's or a reallocation's; 0 for the
+    ops the plan does not price (sends, rewards, evaluations' scoring, releases)."""
+    match op:
+        case Call() | Realloc():
+            return op.estimate_s
+        case Send() | RuleReward() | Evaluate() | Release():
+            return 0.0
+        case _:
+            assert_never(op)
+
+
 @dataclass(frozen=True)
 class RoundSpan:
     """DAPO's sampling rounds (:mod:`realign.worker.sampling_loop`): ``ops[start:end]``
@@ -200,13 +225,12 @@ class Program:
 
     @property
     def asynchronous(self) -> bool:
-        return any(getattr(op, "ahead", False) for op in self.ops)
+        return any(runs_ahead(op) for op in self.ops)
 
     @property
     def ahead_ranks(self) -> tuple[int, ...]:
         """The ranks that hold a rollout made ahead between steps."""
-        return tuple(sorted({g for op in self.ops if getattr(op, "ahead", False)
-                             for g in op.ranks}))
+        return tuple(sorted({g for op in self.ops if runs_ahead(op) for g in op.ranks}))
 
     @property
     def evaluates(self) -> bool:
@@ -222,7 +246,7 @@ class Program:
         if prologue:
             ops[self.head:self.head] = self.prologue
         if last:
-            ops = [op for op in ops if not getattr(op, "ahead", False)]
+            ops = [op for op in ops if not runs_ahead(op)]
         return tuple(op for op in ops if evaluate or op.every == 1)
 
     def collective_timeout_s(self) -> float:
@@ -230,7 +254,7 @@ class Program:
         and reallocation ran one after another (a rank can idle while other meshes run
         all of them), times :data:`TIMEOUT_SAFETY`, and never below
         :data:`MIN_COLLECTIVE_TIMEOUT_S`."""
-        serial = sum(op.estimate_s for op in self.ops if isinstance(op, (Call, Realloc)))
+        serial = sum(estimate_s(op) for op in self.ops)
         return max(MIN_COLLECTIVE_TIMEOUT_S, TIMEOUT_SAFETY * serial)
 
     def memory_shortfall(self, rank: int, free_bytes: float) -> str | None:
