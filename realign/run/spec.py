@@ -21,7 +21,7 @@ from planner.plan import ExecutionPlan
 from realign.algorithms.params import AlgorithmParams, DAPOConfig, max_sampling_rounds
 from realign.config.experiment import ExperimentConfig
 from realign.errors import UserError
-from realign.run.program import Program, compile_program
+from realign.run.program import Op, Program, compile_program, estimate_s
 
 #: The shortest default call timeout (torch's default collective timeout is 10 minutes).
 MIN_CALL_TIMEOUT_S = 600.0
@@ -94,13 +94,13 @@ class RunSpec(BaseModel):
                  and max_sampling_rounds(p) > 1 else None)
         return compile_program(self.plan, round_group_size=group)
 
-    def call_timeout_s(self, op: object) -> float:
+    def call_timeout_s(self, op: Op) -> float:
         """How long op ``op`` of the program may run once all its ranks have reached it:
         ``run.call_timeout_s``, or :data:`CALL_TIMEOUT_SAFETY` times the plan's estimate of
         it (calls and reallocations), never below :data:`MIN_CALL_TIMEOUT_S`."""
         if self.config.run.call_timeout_s is not None:
             return self.config.run.call_timeout_s
-        return max(MIN_CALL_TIMEOUT_S, CALL_TIMEOUT_SAFETY * getattr(op, "estimate_s", 0.0))
+        return max(MIN_CALL_TIMEOUT_S, CALL_TIMEOUT_SAFETY * estimate_s(op))
 
     def collective_timeout_s(self) -> float:
         """How long a worker waits in one collective before it fails by itself (the

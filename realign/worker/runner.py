@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import assert_never
 
 import torch
 
 from planner.specs.lora import LoraSpec
 from realign.realloc import offload
-from realign.run.program import Call, Evaluate, Program, Realloc, Release, RuleReward, Send
+from realign.run.program import Call, Evaluate, Op, Program, Realloc, Release, RuleReward, Send
 from realign.runtime.realloc_glue import reallocate_replica, release_copy
 from realign.worker.records import Record, recv_record, send_record
 from realign.worker.replicas import Hosted
@@ -89,33 +90,36 @@ class StepRunner:
             wall0 = time.time()
             t0 = time.perf_counter()
             self.position.enter(step, i, describe(op)[0], op)
-            if isinstance(op, Realloc):
-                stats = self._realloc(op)
-                metrics[f"realloc_bytes.{op.to_mfc}.r{me}"] = float(stats.bytes_received)
-            elif isinstance(op, Send):
-                self._send(op, store)
-            elif isinstance(op, Call):
-                self._maybe_stall(op, step)
-                where, mine = (ahead, ahead_metrics) if op.ahead else (store, metrics)
-                out, m, parts = self.calls.call(op, self.hosted[op.replica], where, step,
-                                                sampling_round=rounds.round if rounds else 0)
-                where.update(out)
-                dp_parts.update(parts)
-                if lead:
-                    merge_round_metrics(mine, m) if again else mine.update(m)
-            elif isinstance(op, RuleReward):
-                where, mine = (ahead, ahead_metrics) if op.ahead else (store, metrics)
-                out, m = self.calls.rule_reward(op, where, step + op.ahead)
-                where.update(out)
-                if lead:
-                    merge_round_metrics(mine, m) if again else mine.update(m)
-            elif isinstance(op, Evaluate):
-                m = self.calls.evaluate(op, store, step)
-                if lead:
-                    metrics.update(m)
-            elif isinstance(op, Release):
-                h = self.hosted[op.replica]
-                h.released = release_copy(h.shard)
+            match op:
+                case Realloc():
+                    stats = self._realloc(op)
+                    metrics[f"realloc_bytes.{op.to_mfc}.r{me}"] = float(stats.bytes_received)
+                case Send():
+                    self._send(op, store)
+                case Call():
+                    self._maybe_stall(op, step)
+                    where, mine = (ahead, ahead_metrics) if op.ahead else (store, metrics)
+                    out, m, parts = self.calls.call(op, self.hosted[op.replica], where, step,
+                                                    sampling_round=rounds.round if rounds else 0)
+                    where.update(out)
+                    dp_parts.update(parts)
+                    if lead:
+                        merge_round_metrics(mine, m) if again else mine.update(m)
+                case RuleReward():
+                    where, mine = (ahead, ahead_metrics) if op.ahead else (store, metrics)
+                    out, m = self.calls.rule_reward(op, where, step + op.ahead)
+                    where.update(out)
+                    if lead:
+                        merge_round_metrics(mine, m) if again else mine.update(m)
+                case Evaluate():
+                    m = self.calls.evaluate(op, store, step)
+                    if lead:
+                        metrics.update(m)
+                case Release():
+                    h = self.hosted[op.replica]
+                    h.released = release_copy(h.shard)
+                case _:
+                    assert_never(op)
             self.position.leave()
             if not isinstance(op, Release):
                 spans.append([i, wall0, wall0 + time.perf_counter() - t0])
@@ -157,26 +161,34 @@ class StepRunner:
                     send_record(store[op.key], d)
 
 
-def timed_metric(op) -> str | None:
+def timed_metric(op: Op) -> str | None:
     """The metric an op's duration is reported under: ``time.<mfc>`` for a call,
-    ``time.realloc.<mfc>`` for the reallocation before it."""
-    if isinstance(op, Call):
-        return f"time.{op.name}"   # an ahead call's time: the step it runs in
-    if isinstance(op, Realloc):
-        return f"time.realloc.{op.to_mfc}"
-    return None
+    ``time.realloc.<mfc>`` for the reallocation before it, none for the others."""
+    match op:
+        case Call():
+            return f"time.{op.name}"   # an ahead call's time: the step it runs in
+        case Realloc():
+            return f"time.realloc.{op.to_mfc}"
+        case Send() | RuleReward() | Evaluate() | Release():
+            return None
+        case _:
+            assert_never(op)
 
 
-def describe(op) -> tuple[str, str]:
+def describe(op: Op) -> tuple[str, str]:
     """(label, kind) of an op on a timeline."""
-    if isinstance(op, Call):
-        return (f"{op.name} (next step)" if op.ahead else op.name), op.kind
-    if isinstance(op, Realloc):
-        return f"realloc {op.role} -> {op.to_mfc}", "realloc"
-    if isinstance(op, Send):
-        return f"send {op.key}", "send"
-    if isinstance(op, RuleReward):
-        return f"reward {op.out_key}", "reward"
-    if isinstance(op, Release):
-        return f"release {op.replica}", "release"
-    return f"evaluate {op.name}", "eval"
+    match op:
+        case Call():
+            return (f"{op.name} (next step)" if op.ahead else op.name), op.kind
+        case Realloc():
+            return f"realloc {op.role} -> {op.to_mfc}", "realloc"
+        case Send():
+            return f"send {op.key}", "send"
+        case RuleReward():
+            return f"reward {op.out_key}", "reward"
+        case Release():
+            return f"release {op.replica}", "release"
+        case Evaluate():
+            return f"evaluate {op.name}", "eval"
+        case _:
+            assert_never(op)

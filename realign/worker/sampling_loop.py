@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from realign.algorithms.selection import constant_groups
-from realign.run.program import RoundSpan
+from realign.run.program import Op, RoundSpan
 from realign.worker.records import Record
 
 #: the metrics of a generate call that add up over rounds (the rest: the last round's)
@@ -122,8 +122,8 @@ class SamplingLoop:
         self.dropped_groups: list[int] = []
         self.surplus = 0
 
-    def walk(self, ops: tuple, store: dict[str, Record], metrics: dict
-             ) -> Iterator[tuple[int, object]]:
+    def walk(self, ops: tuple[Op, ...], store: dict[str, Record], metrics: dict
+             ) -> Iterator[tuple[int, Op]]:
         """(index, op) of the step in order; after the span's last op, the round closes
         (every rank: :meth:`close_round`) and the span runs again when the batch is
         short and rounds are left. Indices of a later round's ops are shifted by the

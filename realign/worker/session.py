@@ -23,6 +23,7 @@ from realign.data.step_batch import prompts_record, step_batch
 from realign.data.tokenizer import load_tokenizer, pad_id
 from realign.errors import UserError
 from realign.run import checkpoint
+from realign.run.program import Call
 from realign.run.spec import RunSpec
 from realign.runtime.device import init_device
 from realign.runtime.hf_checkpoint import read_hf_config, save_hf_checkpoint, spec_from_hf
@@ -125,7 +126,7 @@ class Session:
                                  loras=self.loras)
         # train engines exist before a checkpoint is loaded into them
         for op in self.program.ops:
-            if getattr(op, "kind", None) == "train" and rank in op.ranks:
+            if isinstance(op, Call) and op.kind == "train" and rank in op.ranks:
                 self.calls.train_engine(op, self.hosted[op.replica])
         #: asynchronous programs: the next step run still has to generate its own
         #: rollout (none was made ahead, or the checkpoint's cannot be used)
@@ -143,7 +144,7 @@ class Session:
 
         a = self.cfg.algorithm
         for op in self.program.ops:
-            if (getattr(op, "engine", "own") == "vllm" and rank in op.ranks
+            if (isinstance(op, Call) and op.engine == "vllm" and rank in op.ranks
                     and op.replica not in self.calls.vllm_engines):
                 g = self.hosted[op.replica].shard.groups
                 local = int(os.environ.get("LOCAL_RANK", rank))
