@@ -28,7 +28,6 @@ from planner.specs.cluster import ClusterSpec
 from planner.specs.layout import Allocation, Layout, enumerate_layouts
 from planner.specs.mesh import DeviceMesh
 
-
 #: Per allocation: MFC, mesh first GPU and size, TP, PP, DP, EP and micro-batches.
 PlanSignature = tuple[tuple[str, int, int, int, int, int, int, int], ...]
 
