@@ -2,6 +2,8 @@
 a plan whose actor generates and trains on different layouts (reallocating)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -27,11 +29,19 @@ def run(exp: Path, run_dir: Path, timeout: float = 120) -> subprocess.CompletedP
 
 
 def bad(tiny_assets, tmp_path, name="tiny-grpo-cpu", **changes) -> str:
-    r = run(experiment(tiny_assets, name, tmp_path, **changes), tmp_path / "run")
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    assert "Traceback" not in r.stderr
+    """``realign run`` of the changed experiment, in this process (a refusal starts no
+    worker, and the imports are paid once per test process, not once per case): its
+    stderr, after checking it exited 2 before any worker started."""
+    from realign.cli.main import main
+    exp = experiment(tiny_assets, name, tmp_path, **changes)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["run", str(exp), "--run-dir", str(tmp_path / "run")])
+    text = err.getvalue()
+    assert code == 2, (code, text[-2000:])
+    assert "Traceback" not in text
     assert not (tmp_path / "run" / "logs").exists(), "no worker may start on bad input"
-    return r.stderr
+    return text
 
 
 @pytest.mark.pure
