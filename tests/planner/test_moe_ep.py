@@ -16,7 +16,8 @@ from planner.cost.rates import Rates
 from planner.cost.realloc_cost import ReallocModel, realloc_recv_send, realloc_time
 from planner.errors import PlanError
 from planner.graph.algorithms import BatchShape, build_graph
-from planner.search.core_bridge import core_simulate, load_core, to_core
+from planner.search.anneal import AnnealSettings, anneal
+from planner.search.core_bridge import core_anneal, core_simulate, load_core, to_core
 from planner.search.problem import RoleModel, build_problem, head_of
 from planner.search.simulator import simulate
 from planner.specs.cluster import ClusterSpec, DeviceSpec, resolve_device
@@ -214,6 +215,13 @@ def test_python_and_cpp_agree_on_moe_problems():
             py, cc = simulate(prob, assign), core_simulate(prob, assign, cp)
             assert (cc.iter_time_s, cc.makespan_s, cc.overflow_bytes, list(cc.peak_bytes)) == (
                 py.iter_time_s, py.makespan_s, py.overflow_bytes, list(py.peak_bytes))
+        settings = AnnealSettings(n_steps=400, t0_frac=0.2, t1_frac=1e-3, restart_every=97,
+                                  seed=rng.randrange(2**64))
+        start = [rng.randrange(len(cs)) for cs in prob.cands]
+        py_a, cc_a = anneal(prob, start, settings), core_anneal(prob, start, settings,
+                                                                core_prob=cp)
+        assert (cc_a.assign, cc_a.energy, cc_a.feasible, cc_a.steps, cc_a.accepted) == (
+            py_a.assign, py_a.energy, py_a.feasible, py_a.steps, py_a.accepted)
         for model, rm in enumerate(prob.realloc_models):
             cands = [c for i, cs in enumerate(prob.cands) if prob.mfc_model[i] == model
                      for c in cs]
