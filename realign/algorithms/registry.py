@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Any, Callable, Generic, Mapping, TypeVar
 
 from planner.graph.algorithms import ALGORITHMS as SPECS
 from planner.graph.algorithms import AlgorithmSpec
@@ -54,9 +54,12 @@ from realign.algorithms.params import (
 )
 from realign.errors import UserError
 
+#: An algorithm's hyper-parameter class.
+P = TypeVar("P", bound=AlgorithmParams)
+
 
 @dataclass(frozen=True)
-class Algorithm:
+class Algorithm(Generic[P]):
     """One algorithm: ``config`` (pydantic class), ``prepare(batch, cfg) -> batch`` (in
     the train call on each of its workers, after scoring, before training; it may
     choose the rows to train, :mod:`realign.algorithms.selection`) and ``losses``: trained role ->
@@ -65,10 +68,10 @@ class Algorithm:
     (:class:`~realign.algorithms.common.TrainLoss`)."""
 
     name: str
-    config: type[AlgorithmParams]
-    prepare: Callable[[Batch, AlgorithmParams], Batch]
-    losses: Mapping[str, Callable[[AlgorithmParams], LossFn]]
-    normalisers: Mapping[str, Callable[[AlgorithmParams], RowWeights]]
+    config: type[P]
+    prepare: Callable[[Batch, P], Batch]
+    losses: Mapping[str, Callable[[P], LossFn]]
+    normalisers: Mapping[str, Callable[[P], RowWeights]]
 
     def __post_init__(self) -> None:
         if set(self.losses) != set(self.normalisers):
@@ -111,8 +114,8 @@ class Algorithm:
         return self.loss_fn("critic", cfg)
 
 
-def _table(*algorithms: Algorithm) -> Mapping[str, Algorithm]:
-    table: dict[str, Algorithm] = {}
+def _table(*algorithms: Algorithm[Any]) -> Mapping[str, Algorithm[Any]]:
+    table: dict[str, Algorithm[Any]] = {}
     for a in algorithms:
         if a.name in table:
             raise ValueError(f"algorithm {a.name!r} registered twice")
@@ -152,7 +155,7 @@ def _loss_mask_agg(cfg: AlgorithmParams) -> RowWeights:
     return aggregate_weights(cfg.loss_agg, loss_mask_of)
 
 
-ALGORITHMS: Mapping[str, Algorithm] = _table(
+ALGORITHMS: Mapping[str, Algorithm[Any]] = _table(
     Algorithm("ppo", ppo.PPOConfig, ppo.prepare,
               {"actor": ppo.actor_loss_fn, "critic": ppo.critic_loss_fn},
               {"actor": _response_tokens, "critic": _response_tokens}),
@@ -183,7 +186,7 @@ ALGORITHMS: Mapping[str, Algorithm] = _table(
               {"actor": _rows}),
 )
 
-def get(name: str) -> Algorithm:
+def get(name: str) -> Algorithm[Any]:
     """The algorithm called ``name``; :class:`UserError` listing the known ones if none."""
     if name not in ALGORITHMS:
         raise UserError(f"unknown algorithm {name!r}; allowed: {', '.join(ALGORITHMS)}",

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import BinaryIO
 
 from realign.launch.base import Launcher, WorkerExit
 
@@ -15,7 +16,7 @@ class LocalLauncher(Launcher):
     def __init__(self, threads_per_worker: int = 1):
         self.threads = threads_per_worker
         self.procs: list[subprocess.Popen] = []
-        self._logs = []
+        self._logs: list[BinaryIO] = []
 
     @classmethod
     def for_run(cls, spec) -> "LocalLauncher":

@@ -16,6 +16,7 @@ before the workers start.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
@@ -134,7 +135,8 @@ class RayLauncher(Launcher):
             try:
                 # "auto": RAY_ADDRESS (set inside a Ray job) or the cluster started on
                 # this machine; never a new private instance
-                ray.init(address=addr or "auto", logging_level="WARNING", log_to_driver=False)
+                ray.init(address=addr or "auto", logging_level=logging.WARNING,
+                         log_to_driver=False)
             except (ConnectionError, RuntimeError) as e:
                 raise UserError(f"cannot connect to a Ray cluster at {self.address}: {e}",
                                 field="launcher.address") from e
@@ -175,7 +177,8 @@ class RayLauncher(Launcher):
         res = dict(self.resources)
         cpus, gpus = res.pop("CPU", 0.0), res.pop("GPU", 0.0)
         # max_concurrency 2: node_ip still answers while run() works
-        cls = ray.remote(max_restarts=0, max_concurrency=2)(RealignWorker)
+        # ray's stub of remote() lacks the actor options it takes (max_concurrency)
+        cls = ray.remote(max_restarts=0, max_concurrency=2)(RealignWorker)  # type: ignore[call-overload]
         self.actors = [
             cls.options(num_cpus=cpus, num_gpus=gpus, resources=res or None,
                         runtime_env=runtime_env,

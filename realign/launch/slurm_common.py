@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+from typing import Mapping
 
 from realign.errors import UserError
 
@@ -67,7 +68,7 @@ def gpu_flags(opts, device: str, tasks_per_node: int) -> list[str]:
     return [f"--gpus-per-node={tasks_per_node}"]
 
 
-def local_device(env: dict[str, str]) -> int:
+def local_device(env: Mapping[str, str]) -> int:
     """The CUDA device index a task uses, from its Slurm environment: its local rank
     when it sees several GPUs (--gpus-per-node: all the node's), 0 when it sees one
     (--gpus-per-task=1: only its own; CUDA_VISIBLE_DEVICES then names one device).

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import BinaryIO
 
 from realign.errors import UserError
 from realign.launch.base import Launcher, Network, WorkerExit
@@ -43,7 +44,7 @@ class SlurmStepLauncher(Launcher):
         self.mounts, self.device = mounts, device
         self.env_dir = self.run_dir / "slurm" / "workers"
         self.proc: subprocess.Popen | None = None
-        self._log = None
+        self._log: BinaryIO | None = None
 
     @classmethod
     def for_run(cls, spec) -> "SlurmStepLauncher":

@@ -205,7 +205,9 @@ def reallocate(spec: ModelSpec, head: str, src: Placement, dst: Placement,
         return ReallocStats(0, 0, 0, 0, 0)
     s_side = _Side(spec, head, src, gpu, src_shards, lora)
     d_side = _Side(spec, head, dst, gpu, dst_shards, lora)
-    device = next(iter((dst_shards or src_shards).values())).device
+    held = dst_shards or src_shards
+    assert held is not None, "a rank with work to do holds source or destination shards"
+    device = next(iter(held.values())).device
 
     ops: list[dist.P2POp] = []
     recv_later: list[tuple[torch.Tensor, list[torch.Tensor]]] = []   # (buffer, views) to unpack

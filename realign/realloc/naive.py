@@ -50,21 +50,24 @@ def naive_reallocate(spec: ModelSpec, head: str, src: Placement, dst: Placement,
     full = all_tensors(spec, head)
     n_full = sum(t.numel for t in full)
     received = 0
-    flat = None
+    flat: torch.Tensor | None = None
 
     # 1. gather on the root
-    senders = [g for g in src.mesh.gpus if _coords(src, g)[1] == 0]
+    senders = [g for g in src.mesh.gpus
+               if coords_of_rank(g - src.mesh.first_gpu, src.layout)[1] == 0]
     me = _coords(src, gpu)
     if gpu in senders and gpu != root:
+        assert me is not None and src_shards is not None, "a sender holds source shards"
         mine = [src_shards[t.name] for t in stage_tensors(spec, head, src.layout.pp, me[2])]
         dist.send(pack(mine), root)
     if gpu == root:
         flat = torch.empty(n_full, dtype=dtype)
         by_content = _full_views(flat, full)
         for g in senders:
-            k, _d, j = _coords(src, g)
+            k, _d, j = coords_of_rank(g - src.mesh.first_gpu, src.layout)
             ts = stage_tensors(spec, head, src.layout.pp, j)
             if g == root:
+                assert src_shards is not None, "the root holds source shards"
                 shards = [src_shards[t.name] for t in ts]
             else:
                 shards = [torch.empty(t.shard_shape(src.layout.tp), dtype=dtype) for t in ts]
@@ -77,8 +80,10 @@ def naive_reallocate(spec: ModelSpec, head: str, src: Placement, dst: Placement,
 
     # 2. root -> every destination
     if gpu == root:
+        assert flat is not None
         works = [dist.isend(flat, g) for g in dst.mesh.gpus if g != root]
         for w in works:
+            assert w is not None, "isend over the world group returns its request"
             w.wait()
     elif gpu in dst.mesh.gpus:
         flat = torch.empty(n_full, dtype=dtype)
@@ -88,6 +93,7 @@ def naive_reallocate(spec: ModelSpec, head: str, src: Placement, dst: Placement,
     # 3. cut the destination shards
     d = _coords(dst, gpu)
     if d is not None:
+        assert flat is not None and dst_shards is not None, "a destination received the model"
         by_content = _full_views(flat, full)
         for t in stage_tensors(spec, head, dst.layout.pp, d[2]):
             _read_shard(by_content[t.content], dst_shards[t.name], t, d[0], dst.layout.tp)
