@@ -256,7 +256,15 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                 if lay.dp not in batching:
                     batching[lay.dp] = _batching_options(
                         mfc, per_step // lay.dp // mfc.group_size, cost.config.max_micro_batches)
-                for mb, budget in batching[lay.dp]:
+                options = batching[lay.dp]
+                if mfc.kind == "train" and lay.ep > 1 and any(b for _, b in options):
+                    # a token budget's bin count is each data-parallel rank's own, but the
+                    # ranks of an EP group exchange tokens in every micro-batch of a train
+                    # step: a fixed micro-batch count instead (the runtime refuses a budget)
+                    options = [(m, None) for m in _micro_batch_options(
+                        per_step // lay.dp // mfc.group_size, cost.config.max_micro_batches,
+                        mfc.micro_batches)]
+                for mb, budget in options:
                     for off, state_off, rc, eng in product(
                             cost.offload_options(mfc), cost.state_offload_options(mfc),
                             cost.recompute_options(mfc), cost.engine_options(mfc, lay, mb)):
