@@ -1,7 +1,7 @@
 """Paths an experiment YAML names, made absolute while it is validated.
 
 A relative path in the YAML means a path relative to the YAML file's folder. The
-loader (:func:`realign.config.loading.load_experiment`) validates the YAML with the
+loader (:func:`realign.run.loading.load_experiment`) validates the YAML with the
 validation context ``{YAML_DIR: <the folder>}``; every field that names a file has one
 of the types below, whose validator reads that folder from the context and joins it,
 so whatever reads the config later (the planner's front end, the workers, a resumed
@@ -64,7 +64,7 @@ def _path_kind(annotation: Any, metadata: list[Any] = []) -> Any:  # noqa: B006 
     ``| None``, ``list[...]`` and ``dict[..., ...]``; pydantic moves a bare
     ``Annotated``'s validator into the field's ``metadata``), else None."""
     for kind in _KINDS:
-        if annotation == kind or kind.__metadata__[0] in metadata:
+        if annotation == kind or get_args(kind)[1] in metadata:      # Annotated[str, v]: v
             return kind
     for arg in get_args(annotation):
         found = _path_kind(arg)

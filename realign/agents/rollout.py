@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -96,7 +97,7 @@ class EpisodeLoop:
             generate: TurnGenerator) -> list[_State]:
         states = [_State(None, list(p), self.budget) for p in prompts]
         for s, ep in zip(states, episodes):
-            s.pending = self._start(lambda s=s, ep=ep: self._reset(s, ep))
+            s.pending = self._start(partial(self._reset, s, ep))
         for s in states:
             self._finish(s, reset=True)
         groups = contiguous_ranges(len(states), self.cfg.env_groups)
@@ -116,7 +117,7 @@ class EpisodeLoop:
                         continue
                     # (after the last turn too: its reward counts)
                     text = self.decode(s.response[s.answer_start:])
-                    s.pending = self._start(lambda s=s, text=text: _as_step(s.env.step(text)))
+                    s.pending = self._start(partial(_env_step, s, text))
         for s in states:
             self._finish(s, last=True)
         return states
@@ -212,6 +213,12 @@ def _timed(fn: Callable[[], object]) -> tuple[float, object]:
     t0 = time.monotonic()
     value = fn()
     return time.monotonic() - t0, value
+
+
+def _env_step(s: _State, text: str) -> Step:
+    """``s``'s environment's answer to ``text``, as a :class:`Step`."""
+    assert s.env is not None, "an episode's environment is made when it starts"
+    return _as_step(s.env.step(text))
 
 
 def _as_step(value) -> Step:

@@ -113,6 +113,7 @@ def _model_config(kind: str, vocab_size: int, head: str, arch: dict | None = Non
 
     fields = dict(arch or TINY_LLAMA, vocab_size=vocab_size, pad_token_id=PAD_ID,
                   bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    cfg: tf.PretrainedConfig
     if kind == "qwen2":
         cfg = tf.Qwen2Config(**fields, rope_parameters={"rope_type": "default",
                                                         "rope_theta": 10000.0})

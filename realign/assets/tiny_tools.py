@@ -64,7 +64,7 @@ def tool_problems(seed: int = 0) -> tuple[list[dict], list[dict]]:
     training prompt."""
     rng = random.Random(f"realign-tiny-tools:{seed}")
     seen: set[tuple[int, int]] = set()
-    rows = []
+    rows: list[dict[str, str]] = []
     while len(rows) < N_TRAIN + N_EVAL:
         a, b = rng.randint(100, 999), rng.randint(100, 999)
         if (a, b) in seen:

@@ -101,6 +101,7 @@ class Controller:
             pending = [c for r, c in self.conns.items() if r in want and r not in got]
             for conn in wait(pending + list(self.watches.values()), timeout=POLL_S):
                 if conn not in pending:
+                    assert isinstance(conn, Connection), "wait() returns what it was given"
                     self._beat(conn)
                     continue
                 rank = next(r for r, c in self.conns.items() if c is conn)
@@ -153,7 +154,8 @@ class Controller:
                            s.config.device) for r in range(s.n_workers)]
         self.launcher.start(envs, logs)
         deadline = time.monotonic() + ACCEPT_TIMEOUT_S
-        self.listener._listener._socket.settimeout(POLL_S)
+        # Listener keeps its socket private; accept() needs its timeout to poll the workers
+        self.listener._listener._socket.settimeout(POLL_S)  # type: ignore[attr-defined]
         while len(self.conns) < s.n_workers or len(self.watches) < s.n_workers:
             if time.monotonic() > deadline:
                 raise WorkerFailed(-1, f"only {len(self.conns)} of {s.n_workers} workers "
@@ -223,6 +225,7 @@ class Controller:
             if resume:
                 print(f"resuming from {resume[1]} (step {start})", file=self.out, flush=True)
             if finished:
+                assert resume is not None, "steps done imply a checkpoint to resume from"
                 print(f"all {s.steps} steps are done, but final {s.final_dir.name} is missing "
                       f"or incomplete: writing it again from {resume[1].name}", file=self.out,
                       flush=True)

@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 
 from realign.errors import UserError
+from realign.launch.base import Launcher
 from realign.launch.local_launcher import LocalLauncher
 from realign.launch.ray_launcher import RayLauncher
 from realign.launch.slurm_launcher import SlurmStepLauncher
 
 #: launcher name -> its class (each imports its cluster's client only when it starts)
-LAUNCHERS = {"local": LocalLauncher, "slurm-step": SlurmStepLauncher, "ray": RayLauncher}
+LAUNCHERS: dict[str, type[Launcher]] = {"local": LocalLauncher, "slurm-step": SlurmStepLauncher,
+                                         "ray": RayLauncher}
 
 
 def make_launcher(name: str, spec):

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from realign.run.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,11 @@ def worker_env(rank: int, world: int, master_addr: str, master_port: int,
 
 class Launcher(abc.ABC):
     """Starts and stops the worker processes of one run."""
+
+    @classmethod
+    @abc.abstractmethod
+    def for_run(cls, spec: RunSpec) -> Launcher:
+        """The launcher a prepared run asks for (its experiment's launcher options)."""
 
     def network(self) -> Network:
         """Addresses for this launcher's workers (default: everything on this host)."""

@@ -137,7 +137,7 @@ def find(job_id: str) -> JobRecord:
 
 
 # ---- what the run folder says ---------------------------------------------------------
-def progress(run_dir: Path) -> tuple[int | None, int | None, dict | None]:
+def progress(run_dir: str | Path) -> tuple[int | None, int | None, dict | None]:
     """(steps done, total steps, last metrics row) from the run folder."""
     from realign.run.spec import RunSpec
 
