@@ -24,15 +24,16 @@ def _prompts(vocab: int, rows: int = 8) -> list[list[int]]:
 
 # ---- cases run inside the gloo world -------------------------------------------------
 
-def generate_ep(ctx, path, dp, ep, stops, waves, refill):
+def generate_ep(ctx, path, dp, ep, stops, waves, refill, tp=1):
     """(tokens, log-probs, lengths, this rank's decode steps, its dp rank) of the greedy
-    continuations of 8 prompts of 3-9 tokens at DP ``dp`` with experts over EP ``ep``."""
+    continuations of 8 prompts of 3-9 tokens at TP ``tp`` x DP ``dp`` with experts over
+    EP ``ep``."""
     from cases_moe_ep import replica_ep
 
     from realign.runtime.engines.generate import GenerateEngine
     from realign.runtime.sampling import SamplingParams
 
-    shard = replica_ep(ctx, path, 1, dp, ep)
+    shard = replica_ep(ctx, path, tp, dp, ep)
     if shard is None:
         return None
     gen = GenerateEngine(shard).generate(
@@ -117,7 +118,7 @@ def test_dp2_ep2_greedy_equals_dp2_ep1_one_rank_finishing_first(world2, moe_path
         assert torch.equal(t1, t2) and torch.equal(n1, n2)
         assert float((lp1 - lp2).abs().max()) < 1e-5
         assert steps1 == steps2
-    tokens, _, lengths, _, _ = ep2[0]
+    _, _, lengths, _, _ = ep2[0]
     # rank 0's rows stop early, rank 1's run to the end: rank 0 decodes fewer steps and
     # the other rank's exchanges still completed
     assert int(lengths[:4].max()) < N and int(lengths[4:].min()) == N
@@ -132,3 +133,24 @@ def test_ep2_rollout_routes_as_training(world2, moe_path):
         assert compared == 2 * 4 * (P + NR - 1)
         assert differ == 0
         assert logprob_diff < 1e-5, logprob_diff
+
+
+@pytest.mark.slow
+def test_tp2_dp2_ep2_greedy_equals_tp2_dp2_ep1_one_rank_finishing_first(moe_path):
+    """Four ranks: the experts split over TP inside each EP rank, the ranks of one TP
+    position exchanging tokens; both TP ranks of the data-parallel rank that finishes
+    first keep joining the exchanges."""
+    from realign.runtime.local_world import LocalWorld
+
+    with LocalWorld(4, timeout_s=300) as w:
+        free = w.run("test_moe_ep_generate:generate_ep", moe_path, 2, 1, [], 1, False, 2)[0]
+        stops = early_stops(free[0])
+        got = {ep: w.run("test_moe_ep_generate:generate_ep", moe_path, 2, ep, stops, 2, True,
+                         2) for ep in (1, 2)}
+    for (t1, lp1, n1, steps1, _), (t2, lp2, n2, steps2, _) in zip(got[1], got[2]):
+        assert torch.equal(t1, t2) and torch.equal(n1, n2) and steps1 == steps2
+        assert float((lp1 - lp2).abs().max()) < 1e-5
+    lengths = got[2][0][2]
+    assert int(lengths[:4].max()) < N and int(lengths[4:].min()) == N
+    steps = [r[3] for r in got[2]]
+    assert [r[4] for r in got[2]] == [0, 0, 1, 1] and steps[0] == steps[1] < steps[2] == steps[3]
