@@ -123,10 +123,11 @@ def _groups(world: int) -> dict[int, object]:
 
 
 def collectives(ctx, kind: str, sizes: list[int]) -> dict[str, list[tuple[int, float]]]:
-    """``"op n" -> [(bytes, seconds)]`` for all-reduce, all-gather, reduce-scatter and
-    broadcast over ranks 0..n-1 (each power of two n up to the world), and ``"p2p 2"``
-    for one message between ranks 0 and 1 (half a ping-pong). CPU waits poll, as the
-    workers' do (:mod:`realign.runtime.polled_wait`)."""
+    """``"op n" -> [(bytes, seconds)]`` for all-reduce, all-gather, reduce-scatter,
+    broadcast and all-to-all (expert parallelism's token exchange: each rank's tensor
+    split evenly over the ranks) over ranks 0..n-1 (each power of two n up to the
+    world), and ``"p2p 2"`` for one message between ranks 0 and 1 (half a ping-pong).
+    CPU waits poll, as the workers' do (:mod:`realign.runtime.polled_wait`)."""
     import contextlib
 
     from realign.runtime.polled_wait import polled_waits
@@ -136,12 +137,13 @@ def collectives(ctx, kind: str, sizes: list[int]) -> dict[str, list[tuple[int, f
     with polled_waits() if kind == "cpu" else contextlib.nullcontext():
         for n, group in sorted(_groups(world).items()):
             member = me < n
-            for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+            for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"):
                 pts = []
                 for nbytes in sizes:
                     elems = max(n, nbytes // 4 // n * n)
                     t = torch.ones(elems, device=dev)
                     part = torch.empty(elems // n, device=dev)
+                    swapped = torch.empty(elems, device=dev)
                     fn = {
                         "all_reduce": lambda t=t, g=group: dist.all_reduce(t, group=g),
                         "all_gather": lambda t=t, p=part, g=group:
@@ -149,6 +151,8 @@ def collectives(ctx, kind: str, sizes: list[int]) -> dict[str, list[tuple[int, f
                         "reduce_scatter": lambda t=t, p=part, g=group:
                             dist.reduce_scatter_tensor(p, t, group=g),
                         "broadcast": lambda t=t, g=group: dist.broadcast(t, src=0, group=g),
+                        "all_to_all": lambda t=t, o=swapped, g=group:
+                            dist.all_to_all_single(o, t, group=g),
                     }[op]
                     if member:
                         pts.append((elems * 4, _collective_time(fn, dev, group)))

@@ -6,8 +6,8 @@ bandwidth, caches). Steps, with a progress bar:
 
 1. GEMM rates over a grid of rows x width, forward and forward + backward;
 2. streaming memory bandwidth;
-3. collectives (all-reduce, all-gather, reduce-scatter, broadcast over each power of
-   two of workers, and point to point) by message size, fitted to latency +
+3. collectives (all-reduce, all-gather, reduce-scatter, broadcast, all-to-all over
+   each power of two of workers, and point to point) by message size, fitted to latency +
    bytes / bandwidth;
 4. realign's engines on probe models (:mod:`realign.profile.engines`): scoring,
    training, generation; their fixed costs (:class:`planner.cost.profile.EngineCosts`) are

@@ -30,7 +30,7 @@ def test_profile_measures_every_term_and_plan_prices_with_it(tmp_path, capsys, t
     assert t.mem_bytes_per_s > 0 and t.realloc is not None and t.send is not None
     ops = {(c.op, c.group_size) for c in t.collectives}
     assert {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2), ("broadcast", 2),
-            ("p2p", 2)} <= ops
+            ("all_to_all", 2), ("p2p", 2)} <= ops
     # the recorded RMS is that of the recorded probes against their fit. How close the
     # fit comes on this machine is a measurement of the machine (benchmarks/profile's
     # tables record it, 9-23 %), not asserted here; that the fit recovers known fixed
@@ -66,6 +66,7 @@ def test_profile_measures_every_term_and_plan_prices_with_it(tmp_path, capsys, t
     assert {k for k, v in src.items() if v != "profile"} == {
         k for k in src if k.endswith("across nodes")} | {"host link"}
     assert src["gemm"] == src["engine decode"] == src["all_reduce within a node"] == "profile"
+    assert src["all_to_all within a node"] == "profile"
     assert src["step overhead"] == "profile"
     # the host work between steps and the reward function, timed while planning
     assert plan["step_overhead_s"] > t.step.time_s(2) and plan["cost_config"]["batch_s"] > 0
