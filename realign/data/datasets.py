@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 from realign.data.config import DatasetConfig
 from realign.data.errors import DataError
@@ -129,7 +129,8 @@ def load_dataset(config: DatasetConfig, tokenizer, field: str = "data") -> Datas
         raise lines.error("the dataset is empty (no non-blank lines)")
     if tokenizer.eos_token_id is None and config.kind != "prompts":
         raise lines.error("the tokenizer has no end-of-sequence token to end responses with")
-    build = {"prompts": _prompts, "preferences": _preferences, "sft": _sft}[config.kind]
+    build: Callable[[DatasetConfig, Any, list[Any], _Lines], Sequence[Example]] = {
+        "prompts": _prompts, "preferences": _preferences, "sft": _sft}[config.kind]
     return Dataset(config, path, tuple(build(config, tokenizer, rows, lines)))
 
 
