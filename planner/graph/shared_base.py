@@ -11,7 +11,7 @@ held two; the simulator keeps that base once on each placement of the owner
 (it reads no trained tensor).
 
 Which roles share is the experiment's decision (the same checkpoint, the owner has LoRA,
-``lora.<owner>.share_base``: :mod:`realign.config.shared_base`); this module only rewrites.
+``lora.<owner>.share_base``: :mod:`realign.run.shared_base`); this module only rewrites.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ asynchronous plan of one experiment (``algorithm.max_staleness`` >= 1), run on t
 machine for the same steps, against the planner's estimates.
 
 1. Pricing: ``--profile FILE``, ``--analytic``, or a fresh ``realign profile`` (as
-   ``realign bench plans``). Both modes are searched (:func:`realign.config.planning.
+   ``realign bench plans``). Both modes are searched (:func:`realign.run.planning.
    both_modes`), and the synchronous plan again on one device of the cluster: the
    data-parallel scaling the asynchronous plan competes with.
 2. Each round is one seed (``run.seed``): every plan runs ``--steps`` steps with it.
@@ -127,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         raise UserError(f"must be >= 0, got {args.warmup}", field="--warmup")
     from realign.bench.plans import _profile
-    from realign.config.loading import load_experiment
-    from realign.config.planning import (
+    from realign.run.loading import load_experiment
+    from realign.run.planning import (
         allows_async,
         both_modes,
         plan_mode,

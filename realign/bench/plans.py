@@ -170,7 +170,7 @@ def run_plan(experiment: Path, plan_path: Path, run_dir: Path, steps: int,
 def _profile(args, cfg, folder: Path):
     """The profile every plan is priced with: ``--profile`` (checked against the
     experiment like ``plan.profile``), none with ``--analytic``, else a fresh one."""
-    from realign.config.planning import load_profile, with_profile
+    from realign.run.planning import load_profile, with_profile
     if args.analytic:
         if args.profile is not None:
             raise UserError("give --profile or --analytic, not both", field="--analytic")
@@ -193,8 +193,8 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         raise UserError(f"must be >= 0, got {args.warmup}", field="--warmup")
     from planner.search.variants import bench_plans
-    from realign.config.loading import load_experiment
-    from realign.config.planning import (
+    from realign.run.loading import load_experiment
+    from realign.run.planning import (
         cost_config,
         experiment_graph,
         priced_with,

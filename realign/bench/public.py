@@ -171,8 +171,8 @@ def summarize(rows: list[dict]) -> dict:
 def plan_run(run: PublicRun, index_dir: Path, time_limit_s: float) -> dict:
     """Plan one run with its device preset (no profile); its row of the record."""
     from planner.errors import PlanError
-    from realign.config.loading import load_experiment
-    from realign.config.planning import plan_experiment, priced_with
+    from realign.run.loading import load_experiment
+    from realign.run.planning import plan_experiment, priced_with
 
     cfg = load_experiment(index_dir / run.experiment)
     cfg = priced_with(cfg, None)

@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"no TRL environment at {args.bench_venv}: run `make bench-env` "
                         "first (or pass --bench-venv, or --skip-trl to measure realign only)",
                         field="--bench-venv")
-    from realign.config.loading import load_experiment
+    from realign.run.loading import load_experiment
     cfg = load_experiment(args.experiment)
     if cfg.algorithm.name != "grpo" and not args.skip_trl:
         raise UserError(f"the TRL comparison is GRPO only (the experiment runs "

@@ -4,8 +4,8 @@ section of :class:`~realign.config.experiment.ExperimentConfig` and the models i
 values and description. Nothing is written by hand: a field's text is its
 ``description``, a section's is its model's docstring.
 
-    python -m realign.config.doc --out docs/config.md      # regenerate
-    python -m realign.config.doc --check docs/config.md    # exit 1 when stale
+    python -m realign.cli.config_doc --out docs/config.md      # regenerate
+    python -m realign.cli.config_doc --check docs/config.md    # exit 1 when stale
 
 ``tests/meta/test_config_doc.py`` fails when the file and :func:`render` differ.
 """
@@ -43,7 +43,7 @@ HEADER = """# Experiment YAML reference
 
 Every section and key of an experiment YAML (`realign plan`, `realign run`, `realign
 submit`), generated from the schema's own descriptions (`realign/config/experiment.py`
-and the models it nests) by `python -m realign.config.doc --out docs/config.md`;
+and the models it nests) by `python -m realign.cli.config_doc --out docs/config.md`;
 `tests/meta/test_config_doc.py` fails when this file is stale. Unknown keys are errors
 in every section. A default of *required* means the key must be written; *null* means
 unset.
@@ -260,7 +260,7 @@ def description(name: str, f: FieldInfo) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m realign.config.doc",
+    p = argparse.ArgumentParser(prog="python -m realign.cli.config_doc",
                                 description="docs/config.md from the experiment schema")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--out", type=Path, help="write the reference to this file")
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render()
     if args.check is not None:
         if not args.check.is_file() or args.check.read_text() != text:
-            print(f"{args.check} is stale: run python -m realign.config.doc --out {args.check}",
+            print(f"{args.check} is stale: run python -m realign.cli.config_doc --out {args.check}",
                   file=sys.stderr)
             return 1
         return 0

@@ -45,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
     from planner.report import summary, table
     from planner.timeline_svg import render
     from realign.bench.public import error_band_line
-    from realign.config.loading import load_experiment
-    from realign.config.planning import plan_experiment, with_profile
+    from realign.run.loading import load_experiment
+    from realign.run.planning import plan_experiment, with_profile
 
     if args.time_limit_s is not None and args.time_limit_s <= 0:
         raise UserError(f"must be > 0 (got {args.time_limit_s})", field="--time-limit")

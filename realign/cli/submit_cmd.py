@@ -21,9 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from realign.config.loading import load_experiment
     from realign.launch.backends import backend
     from realign.launch.jobs import remember
+    from realign.run.loading import load_experiment
 
     name = args.launcher or load_experiment(args.experiment).launcher.type
     args.launcher = name

@@ -11,7 +11,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from planner.cost.cost_config import CostModelConfig
 from planner.graph.algorithms import Algorithm, BatchShape, algorithm_spec
@@ -21,6 +29,7 @@ from planner.specs.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, Dev
 from planner.specs.layout import Allocation
 from planner.specs.lora import LoraSpec
 from realign.algorithms.params import AlgorithmParams, AnyParams, make_params
+from realign.config.streaming import check_streaming
 from realign.data.config import DatasetConfig
 from realign.paths import CodeRef, FilePath, ModelRef
 from realign.runtime.settings import Rollout, Sampling, TrainConfig
@@ -270,6 +279,13 @@ class ExperimentConfig(_Strict):
     run: RunConfig = Field(default_factory=RunConfig)
     launcher: LauncherConfig = Field(default_factory=LocalLauncherConfig,
                                      description="local | slurm | ray, with their options.")
+
+    @model_validator(mode="after")
+    def _streaming_supported(self) -> "ExperimentConfig":
+        """``rollout.mode: streaming`` refused, naming the field at fault
+        (:func:`~realign.config.streaming.check_streaming`)."""
+        check_streaming(self)
+        return self
 
     def run_dtype(self) -> str:
         """``dtype``, its unset default resolved for ``device``."""

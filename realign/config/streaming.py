@@ -1,5 +1,7 @@
 """Checks of ``rollout.mode: streaming`` (a generator that streams into a rollout
-buffer, :mod:`planner.graph.streaming`), before anything is planned or started.
+buffer, :mod:`planner.graph.streaming`): a validator of the experiment schema
+(:class:`~realign.config.experiment.ExperimentConfig` runs it on every config it
+builds), so before anything is planned or started.
 
 Every combination the streaming schedule does not cover is named with its field, and
 the mode itself is refused last, naming ``rollout.mode``: its buffer, staleness bound

@@ -1,7 +1,7 @@
 """The batch of one training step, as every worker builds it: the sampler's
 ``step``-th draw of ``n`` examples, collated by the dataset's kind. A pure function of
 (dataset, step), so a resumed run and the planner's timing of it
-(:mod:`realign.config.host_work`) build exactly what an uninterrupted run does."""
+(:mod:`realign.run.host_work`) build exactly what an uninterrupted run does."""
 from __future__ import annotations
 
 from typing import Sequence

@@ -10,7 +10,7 @@ of its ops.
 Each run's median is fitted as ``fixed_s + per_worker_s x workers`` (the controller
 talks to every worker; two points, or one with a single worker). The batch the tiny
 run prepares is timed on its own and taken out: the planner adds each experiment's
-own (:mod:`realign.config.host_work`).
+own (:mod:`realign.run.host_work`).
 """
 from __future__ import annotations
 
@@ -82,9 +82,9 @@ def measure_step_costs(folder: Path, workers: int, device: str, preset: str, thr
                        dtype: str) -> StepCosts:
     """Run the tiny SFT on 1 and on ``workers`` devices; the fitted step costs."""
     from realign.assets.tiny import make_tiny_assets
-    from realign.config.host_work import time_host_work
     from realign.controller.controller import Controller
     from realign.launch.local_launcher import LocalLauncher
+    from realign.run.host_work import time_host_work
     from realign.run.prepare import prepare
 
     with contextlib.redirect_stderr(io.StringIO()):     # transformers' save progress bars

@@ -1,7 +1,7 @@
 """Scoring generated sequences with a reward function, as a rule reward does on the
 ranks that generated them: decode each response, call ``fn(prompt, response,
 answer)``, check what it returns. The worker (:mod:`realign.worker.calls`) and the
-planner's timing of it (:mod:`realign.config.host_work`) run this same code."""
+planner's timing of it (:mod:`realign.run.host_work`) run this same code."""
 from __future__ import annotations
 
 import math

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import TYPE_CHECKING, Any, Callable
 
 from planner.cost.cost_config import CostModelConfig
 from planner.specs.model_spec import model_presets
 from realign.config.experiment import ExperimentConfig
+
+if TYPE_CHECKING:
+    from realign.data.datasets import Dataset
 
 #: timed repetitions (the median counts)
 REPS = 5
@@ -45,8 +49,8 @@ def time_host_work(cfg: ExperimentConfig) -> dict[str, float]:
 
     role = cfg.tokenizer_role()
     ref = getattr(cfg.models, role)
-    if ref is None or ref in model_presets():   # no tokenizer this host could run
-        return {"batch_s": 0.0, "reward_s_per_seq": 0.0}
+    if cfg.data is None or ref is None or ref in model_presets():   # no data, or no
+        return {"batch_s": 0.0, "reward_s_per_seq": 0.0}           # tokenizer to run here
     tok = model_tokenizer(ref, field=f"models.{role}")
     pad = pad_id(tok)
     data = load_dataset(cfg.data.train, tok)
@@ -58,7 +62,7 @@ def time_host_work(cfg: ExperimentConfig) -> dict[str, float]:
                                                                           data, pad)}
 
 
-def _median_s(fn) -> float:
+def _median_s(fn: Callable[[int], object]) -> float:
     times = []
     for k in range(REPS + 1):
         t0 = time.perf_counter()
@@ -67,13 +71,14 @@ def _median_s(fn) -> float:
     return statistics.median(times[1:])
 
 
-def _reward_s_per_seq(fn_ref: str, cfg: ExperimentConfig, tok, data, pad: int
-                      ) -> float:
+def _reward_s_per_seq(fn_ref: str, cfg: ExperimentConfig, tok: Any, data: Dataset,
+                      pad: int) -> float:
     """Seconds to decode and score one sequence: ``MAX_SEQS`` (at most a step's) of the
     dataset's prompts, each answered with its reference answer's tokens repeated to
-    the mean generation length."""
+    the mean generation length (a rule reward scores a prompts dataset's answers)."""
     import torch
 
+    from realign.data.datasets import PromptExample
     from realign.data.step_batch import prompts_record
     from realign.rewards.registry import load_reward_fn
     from realign.rewards.scoring import decoded_answers, scores
@@ -81,7 +86,8 @@ def _reward_s_per_seq(fn_ref: str, cfg: ExperimentConfig, tok, data, pad: int
     fn = load_reward_fn(fn_ref)
     a = cfg.algorithm
     n = min(MAX_SEQS, a.shape().prompts_generated * a.samples_per_prompt)
-    examples = [data.examples[i % len(data.examples)] for i in range(n)]
+    held = [e for e in data.examples if isinstance(e, PromptExample)]
+    examples = [held[i % len(held)] for i in range(n)]
     gen = max(1, round(a.gen_len_mean or a.gen_len))
     rows, prompt_lens = [], []
     for e in examples:

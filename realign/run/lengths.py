@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from planner.errors import PlanError
 from planner.graph.algorithms import algorithm_spec
@@ -84,7 +85,7 @@ def recorded_lengths(cfg: ExperimentConfig) -> GenLengths | None:
     return GenLengths(max_len=gen_len, mean=min(float(gen_len), sum(means) / len(means)))
 
 
-def _histogram_pairs(value, f: Path, line: int) -> list[tuple[int, float]]:
+def _histogram_pairs(value: Any, f: Path, line: int) -> list[tuple[int, float]]:
     """A metrics row's ``response_len_hist`` as (length, count) pairs ([] when absent)."""
     if value is None:
         return []

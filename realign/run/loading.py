@@ -5,23 +5,23 @@ validated (:mod:`realign.paths`): the config holds absolute paths."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
 from planner.errors import from_validation
 from realign.config.experiment import ExperimentConfig
-from realign.config.streaming import check_streaming
 from realign.errors import UserError
 from realign.paths import YAML_DIR
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML is untyped here
     """YAML's safe loader, refusing a mapping that names a key twice (PyYAML keeps the
     last value silently)."""
 
-    def construct_mapping(self, node, deep=False):
-        seen: dict = {}
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: dict[Any, int] = {}
         for key_node, _value in node.value:
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
@@ -32,7 +32,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def read_yaml(p: Path):
+def read_yaml(p: Path) -> Any:
     """The YAML document in ``p``: a :class:`UserError` for a file that is not text, not
     YAML, or names a key twice."""
     try:
@@ -62,5 +62,4 @@ def load_experiment(path: str | Path) -> ExperimentConfig:
         cfg = ExperimentConfig.model_validate(raw, context={YAML_DIR: p.resolve().parent})
     except ValidationError as e:
         raise from_validation(e, ExperimentConfig, context=f"{p}: invalid experiment: ") from None
-    check_streaming(cfg)
     return cfg

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.profile import ProfileTable
@@ -18,16 +19,18 @@ from planner.search.problem import RoleModel, head_of
 from planner.search.search import SearchSettings, search
 from planner.specs.model_spec import model_presets, model_spec_from_hf_config
 from realign.algorithms.params import ClippedPGParams, max_sampling_rounds
-from realign.config.experiment import ExperimentConfig
-from realign.config.host_work import resolve_host_work
-from realign.config.lengths import data_prompt_lengths, recorded_lengths, recorded_turns
-from realign.config.shared_base import with_shared_bases
+from realign.config.experiment import ExperimentConfig, LoraConfig
 from realign.errors import UserError
+from realign.run.host_work import resolve_host_work
+from realign.run.lengths import data_prompt_lengths, recorded_lengths, recorded_turns
+from realign.run.shared_base import with_shared_bases
+from realign.run.spec import final_role
 
 
 def resolve_models(cfg: ExperimentConfig) -> dict[str, RoleModel]:
     presets = model_presets()
     out = {}
+    loras: dict[str, LoraConfig] = {role: lc for role, lc in cfg.lora.items()}
     for role, ref in cfg.models.roles().items():
         if ref in presets:
             spec = presets[ref]
@@ -41,7 +44,7 @@ def resolve_models(cfg: ExperimentConfig) -> dict[str, RoleModel]:
                 spec = model_spec_from_hf_config(p, name=p.name if p.is_dir() else p.parent.name)
             except PlanError as e:
                 raise UserError(str(e).removeprefix("model: "), field=f"models.{role}") from None
-        lora = cfg.lora.get(role)
+        lora = loras.get(role)
         if lora is not None and spec.moe is not None:
             raise UserError(f"LoRA on a mixture of experts ({spec.family}) is not supported: "
                             f"train the full model, or remove lora.{role}", field=f"lora.{role}")
@@ -58,7 +61,7 @@ def check_lora(cfg: ExperimentConfig) -> None:
         return
     models = cfg.models.roles()
     graph = build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models))
-    trained = {m.role for m in graph.mfcs if m.kind == "train"}
+    trained = graph.trainable_roles()
     for role in cfg.lora:
         if role not in models:
             raise UserError(f"there is no models.{role} to put adapters on (models: "
@@ -67,7 +70,7 @@ def check_lora(cfg: ExperimentConfig) -> None:
             raise UserError(f"{cfg.algorithm.name} does not train the {role} (it trains: "
                             f"{', '.join(sorted(trained)) or 'nothing'}); LoRA applies to "
                             "trained roles only", field=f"lora.{role}")
-    final = "actor" if "actor" in trained else "reward"     # RunSpec.final_role's rule
+    final = final_role(graph)
     for role, lc in cfg.lora.items():
         if lc.merged and role != final:
             raise UserError(f"the run writes only the {final} at the end (final/{final}); "
@@ -93,7 +96,7 @@ def cost_config(cfg: ExperimentConfig, host_work: bool = False) -> CostModelConf
     (``train.distributed_optimizer``) and its parameter dtype (``dtype``), both resolved
     for ``device``, unless ``plan.cost`` says otherwise, which must then agree; with
     ``host_work`` also the host work of its steps
-    (:func:`realign.config.host_work.resolve_host_work`)."""
+    (:func:`realign.run.host_work.resolve_host_work`)."""
     cost = cfg.plan.cost
     runs = cfg.train.uses_distributed_optimizer(cfg.device)
     if "distributed_optimizer" in cost.model_fields_set and cost.distributed_optimizer != runs:
@@ -124,8 +127,18 @@ def cost_config(cfg: ExperimentConfig, host_work: bool = False) -> CostModelConf
 
 
 def eval_shape(cfg: ExperimentConfig) -> EvalShape | None:
-    """The evaluation's shape: its prompt count is ``eval.max_prompts`` or the number of
-    rows of the held-out file (read here, so a plan prices the evaluation that runs)."""
+    """The evaluation's shape (None: no ``eval`` section): :func:`eval_prompts` prompts,
+    so that a plan prices the evaluation that runs."""
+    n = eval_prompts(cfg)
+    if cfg.eval is None or n is None:
+        return None
+    return EvalShape(n_prompts=n, samples=cfg.eval.samples, every=cfg.eval.interval)
+
+
+def eval_prompts(cfg: ExperimentConfig) -> int | None:
+    """How many held-out prompts each evaluation answers: the first ``eval.max_prompts``
+    rows of the held-out file, or all of them (its non-blank lines, one prompt each, as
+    :func:`realign.data.jsonl.read_jsonl` reads them); None without an eval section."""
     if cfg.eval is None:
         return None
     p = Path(cfg.eval.data.path)
@@ -136,8 +149,7 @@ def eval_shape(cfg: ExperimentConfig) -> EvalShape | None:
             from None
     if rows == 0:
         raise UserError(f"{p} holds no prompts", field="eval.data.path")
-    n = min(rows, cfg.eval.max_prompts or rows)
-    return EvalShape(n_prompts=n, samples=cfg.eval.samples, every=cfg.eval.interval)
+    return min(rows, cfg.eval.max_prompts or rows)
 
 
 #: plan section fields that are not search settings
@@ -163,7 +175,7 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
     packed with ``train.packing``; generation refilling its slots with
     ``rollout.refill``; DAPO's sampling rounds priced (``max_sampling_rounds``); a frozen
     role that is a LoRA model's base scored by that model, adapters off
-    (:mod:`realign.config.shared_base`); ``lengths``:
+    (:mod:`realign.run.shared_base`); ``lengths``:
     :func:`graph_lengths`, read already (None: read here)."""
     responses, prompts = lengths if lengths is not None else graph_lengths(cfg)
     graph = build_graph(cfg.algorithm.name, cfg.algorithm.shape(), set(models),
@@ -184,7 +196,7 @@ def turns_shape(cfg: ExperimentConfig) -> Turns | None:
     groups; the turns per episode, tokens per observation and environment seconds per
     turn are ``rollout.plan_turns``, ``plan_observation_tokens`` and ``plan_env_s`` where
     given, else what the run of ``plan.lengths_from`` measured
-    (:func:`~realign.config.lengths.recorded_turns`), else ``max_turns``,
+    (:func:`~realign.run.lengths.recorded_turns`), else ``max_turns``,
     ``max_observation_tokens`` and 0."""
     r = cfg.rollout
     if not r.multi_turn:
@@ -240,7 +252,7 @@ def load_profile(cfg: ExperimentConfig) -> ProfileTable | None:
     return table
 
 
-def plan_experiment(cfg: ExperimentConfig, overrides: dict | None = None) -> ExecutionPlan:
+def plan_experiment(cfg: ExperimentConfig, overrides: dict[str, Any] | None = None) -> ExecutionPlan:
     """Search the execution plan of an experiment (``overrides``: search settings).
     With ``algorithm.max_staleness`` >= 1 both modes are searched (each with half of
     ``plan.time_limit_s``) and the faster estimate wins (the synchronous on a tie);
@@ -252,7 +264,7 @@ def plan_experiment(cfg: ExperimentConfig, overrides: dict | None = None) -> Exe
 
 
 def plan_mode(cfg: ExperimentConfig, asynchronous: bool,
-              overrides: dict | None = None,
+              overrides: dict[str, Any] | None = None,
               lengths: tuple[GenLengths | None, GenLengths | None] | None = None
               ) -> ExecutionPlan:
     """The searched plan of one execution mode (``lengths``: :func:`graph_lengths`,
@@ -263,7 +275,7 @@ def plan_mode(cfg: ExperimentConfig, asynchronous: bool,
                   load_profile(cfg), search_settings(cfg, overrides))
 
 
-def both_modes(cfg: ExperimentConfig, overrides: dict | None = None
+def both_modes(cfg: ExperimentConfig, overrides: dict[str, Any] | None = None
                ) -> tuple[ExecutionPlan | None, ExecutionPlan | None, str]:
     """(best synchronous plan, best asynchronous plan, why one is missing): each is
     None when no plan of that mode fits."""
@@ -285,9 +297,11 @@ def both_modes(cfg: ExperimentConfig, overrides: dict | None = None
 
 
 def compare_modes(sync: ExecutionPlan | None, asyn: ExecutionPlan | None) -> ExecutionPlan:
-    """The faster of the two (the synchronous on a tie), listing both."""
+    """The faster of the two (the synchronous on a tie), listing both; at least one is
+    a plan (:func:`both_modes` raises where neither fits)."""
     chosen = asyn if sync is None or (
         asyn is not None and asyn.iteration_time_s < sync.iteration_time_s) else sync
+    assert chosen is not None
     modes = tuple(ModeResult(mode=name, iteration_time_s=p.iteration_time_s if p else None,
                              chosen=p is chosen, slower_side_s=p.slower_side_s if p else 0.0,
                              allocations={a.mfc: f"{a.mesh_name} {a.layout} x{a.micro_batches}mb"
@@ -296,7 +310,7 @@ def compare_modes(sync: ExecutionPlan | None, asyn: ExecutionPlan | None) -> Exe
     return chosen.model_copy(update={"modes": modes})
 
 
-def search_settings(cfg: ExperimentConfig, overrides: dict | None = None) -> SearchSettings:
+def search_settings(cfg: ExperimentConfig, overrides: dict[str, Any] | None = None) -> SearchSettings:
     """The plan section's search settings, with ``overrides`` (None values ignored)."""
     fields = cfg.plan.model_dump(exclude=_NOT_SEARCH_SETTINGS)
     fields.update({k: v for k, v in (overrides or {}).items() if v is not None})

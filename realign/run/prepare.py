@@ -81,9 +81,11 @@ def _check_weights(paths: dict[str, Path]) -> None:
 
 def _check_eval(cfg: ExperimentConfig, tok: Any, train: Dataset) -> int:
     """The held-out prompts: a prompts file with answers, within the prompt length, none
-    of them a training prompt; the verifier loads. How many each evaluation answers."""
+    of them a training prompt; the verifier loads. How many each evaluation answers
+    (:func:`~realign.run.planning.eval_prompts`, what the plan prices)."""
     from realign.data.datasets import load_dataset
     from realign.rewards.registry import load_reward_fn
+    from realign.run.planning import eval_prompts
 
     ev = cfg.eval
     assert ev is not None             # called for an experiment with an eval section
@@ -92,7 +94,9 @@ def _check_eval(cfg: ExperimentConfig, tok: Any, train: Dataset) -> int:
                         "an answer_key)", field="eval.data.kind")
     held = load_dataset(ev.data, tok, field="eval.data")
     seen = {tuple(e.prompt_ids): e.line for e in train.examples}
-    used = held.examples[:ev.max_prompts]
+    n = eval_prompts(cfg)
+    assert n is not None              # an experiment with an eval section
+    used = held.examples[:n]
     for e in used:
         if len(e.prompt_ids) > cfg.algorithm.prompt_len:
             raise UserError(f"{held.path} line {e.line}: the prompt has {len(e.prompt_ids)} "
@@ -139,7 +143,7 @@ def _vllm_engine(cfg: ExperimentConfig, models: dict[str, Any]) -> ExperimentCon
     import sys
 
     from planner.graph.dataflow import MFC
-    from realign.config.planning import DTYPE_BYTES
+    from realign.run.planning import DTYPE_BYTES
     from realign.run.vllm_check import vllm_problem
 
     engine = cfg.rollout.engine
@@ -171,10 +175,10 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     ``transform``: a benchmark's change to the config (``cfg -> cfg``: a seed, a cluster)."""
     from planner.timeline_svg import render
     from realign.algorithms import registry
-    from realign.config.loading import load_experiment
-    from realign.config.planning import resolve_models, resolve_plan
     from realign.data.datasets import load_dataset
     from realign.data.tokenizer import load_tokenizer
+    from realign.run.loading import load_experiment
+    from realign.run.planning import resolve_models, resolve_plan
 
     cfg = load_experiment(experiment)
     cfg = _with_overrides(cfg, steps, launcher, plan_file)
@@ -228,7 +232,7 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     plan = resolve_plan(cfg, models)
     on_vllm = [plan.graph.mfc(a.mfc) for a in plan.allocations if a.engine == "vllm"]
     if on_vllm:                                  # a saved plan may name vLLM too
-        from realign.config.planning import DTYPE_BYTES
+        from realign.run.planning import DTYPE_BYTES
         from realign.run.vllm_check import check_vllm
         check_vllm(cfg, models["actor"].spec, on_vllm, DTYPE_BYTES[cfg.run_dtype()],
                    plan.cost_config.kv_cache_block_tokens,

@@ -17,13 +17,14 @@ preset name, or one folder; the owner has LoRA;
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from planner.graph.dataflow import DataflowGraph
 from planner.graph.shared_base import share_base
 from realign.config.experiment import ExperimentConfig
 
 #: (frozen role, the LoRA role whose base it may be)
-PAIRS: tuple[tuple[str, str], ...] = (("ref", "actor"), ("reward", "critic"))
+PAIRS: tuple[tuple[str, Literal["actor", "critic"]], ...] = (("ref", "actor"), ("reward", "critic"))
 
 
 def same_checkpoint(a: str, b: str) -> bool:
@@ -46,7 +47,7 @@ def shared_bases(cfg: ExperimentConfig, trained: set[str]) -> dict[str, str]:
     """Frozen role -> the LoRA role that scores it with its adapters off, for the
     experiment whose graph trains ``trained`` (a trained borrower shares nothing)."""
     models = cfg.models.roles()
-    out = {}
+    out: dict[str, str] = {}
     for borrower, owner in PAIRS:
         lora = cfg.lora.get(owner)
         if (lora is None or not lora.share_base or borrower not in models

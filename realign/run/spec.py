@@ -17,6 +17,7 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.errors import from_validation
+from planner.graph.dataflow import DataflowGraph
 from planner.plan import ExecutionPlan
 from realign.algorithms.params import AlgorithmParams, DAPOConfig, max_sampling_rounds
 from realign.config.experiment import ExperimentConfig
@@ -30,6 +31,12 @@ MIN_CALL_TIMEOUT_S = 600.0
 CALL_TIMEOUT_SAFETY = 10.0
 #: The default process-group timeout exceeds the longest call timeout by this much.
 COLLECTIVE_MARGIN_S = 60.0
+
+
+def final_role(graph: DataflowGraph) -> str:
+    """The trained model a run of ``graph`` hands over at the end (``RUN/final/<role>``):
+    the actor, or the reward model under reward modelling."""
+    return "actor" if "actor" in graph.trainable_roles() else "reward"
 
 
 class RunSpec(BaseModel):
@@ -77,10 +84,8 @@ class RunSpec(BaseModel):
 
     @property
     def final_role(self) -> str:
-        """The trained model the run hands over at the end: the actor, or the reward
-        model under reward modelling."""
-        trained = self.plan.graph.trainable_roles()
-        return "actor" if "actor" in trained else "reward"
+        """The trained model the run hands over at the end (:func:`final_role`)."""
+        return final_role(self.plan.graph)
 
     @property
     def final_dir(self) -> Path:

@@ -7,8 +7,8 @@ import json
 import pytest
 import yaml
 
-from realign.config.loading import load_experiment
-from realign.config.planning import turns_shape
+from realign.run.loading import load_experiment
+from realign.run.planning import turns_shape
 
 pytestmark = pytest.mark.torch
 

@@ -124,7 +124,7 @@ def test_committed_set_is_well_formed():
     """Every entry of the shipped set names an experiment that exists, quotes its figure
     and has a positive step time; at least two systems and both A100 and Hopper GPUs."""
     from realign.bench.public import DEFAULT_INDEX
-    from realign.config.loading import load_experiment
+    from realign.run.loading import load_experiment
 
     idx = load_index(DEFAULT_INDEX)
     devices = set()

@@ -17,7 +17,7 @@ def test_every_run_is_sourced_and_its_setting_loads():
     carries the run's id as its name and is priced with the preset its hardware names (an
     entry on 'H100' plans with h100-80g); published phases fit in the step; the set holds
     at least two H100 runs and runs from at least five systems."""
-    from realign.config.loading import load_experiment
+    from realign.run.loading import load_experiment
 
     idx = load_index(DEFAULT_INDEX)
     on_device: dict[str, int] = {}

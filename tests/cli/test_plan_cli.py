@@ -83,7 +83,7 @@ def test_table_output(tmp_path, capsys):
 
 
 def test_shipped_experiments_parse():
-    from realign.config.loading import load_experiment
+    from realign.run.loading import load_experiment
     for p in sorted((REPO / "experiments").glob("*.yaml")):
         cfg = load_experiment(p)
         assert cfg.name
@@ -175,7 +175,7 @@ def test_planning_never_imports_torch(tmp_path):
     ("cpu", False, False, False), ("cuda", None, True, True)])  # stated alike
 def test_the_cost_model_prices_the_optimizer_the_run_uses(device, train, cost, priced):
     from realign.config.experiment import ExperimentConfig
-    from realign.config.planning import cost_config
+    from realign.run.planning import cost_config
 
     cfg = with_(SMALL, "device", device)
     if train is not None:
@@ -189,7 +189,7 @@ def test_the_cost_model_prices_the_optimizer_the_run_uses(device, train, cost, p
 
 def test_a_sharded_optimizer_shrinks_the_memory_the_plan_counts():
     from realign.config.experiment import ExperimentConfig
-    from realign.config.planning import resolve_models, resolve_plan
+    from realign.run.planning import resolve_models, resolve_plan
 
     alloc = {"mesh": {"first_gpu": 0, "n_gpus": 8}, "layout": {"tp": 4, "pp": 1, "dp": 2}}
     base = {"name": "g", "models": {"actor": "llama2-7b"}, "device": "cuda",

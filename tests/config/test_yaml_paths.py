@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from realign.config.experiment import ExperimentConfig
-from realign.config.loading import load_experiment
 from realign.errors import UserError
 from realign.paths import YAML_DIR, named_paths
+from realign.run.loading import load_experiment
 
 pytestmark = pytest.mark.pure
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from realign.config.doc import main, render
+from realign.cli.config_doc import main, render
 
 pytestmark = pytest.mark.pure
 
@@ -19,7 +19,7 @@ DOC = REPO / "docs" / "config.md"
 
 def test_docs_config_md_is_what_the_schema_renders():
     assert DOC.read_text() == render(), (
-        "docs/config.md is stale: run .venv/bin/python -m realign.config.doc --out docs/config.md")
+        "docs/config.md is stale: run .venv/bin/python -m realign.cli.config_doc --out docs/config.md")
 
 
 def documented() -> dict[str, set[str]]:

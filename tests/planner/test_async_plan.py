@@ -109,7 +109,7 @@ def test_search_finds_a_disjoint_asynchronous_plan_and_one_gpu_has_none():
 
 
 def test_plan_shows_both_modes_with_the_speedup():
-    from realign.config.planning import compare_modes
+    from realign.run.planning import compare_modes
     sync = search("t", build_graph("grpo", SHAPE, {"actor"}, max_staleness=1),
                   models("actor"), CPU2, settings=SearchSettings(time_limit_s=10))
     asyn = search("t", build_graph("grpo", SHAPE, {"actor"}, max_staleness=1,

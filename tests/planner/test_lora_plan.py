@@ -281,7 +281,7 @@ def test_70b_ppo_on_16_a100s_plans_with_lora_and_no_offload():
     import yaml
 
     from realign.config.experiment import ExperimentConfig
-    from realign.config.planning import plan_experiment
+    from realign.run.planning import plan_experiment
 
     path = ROOT / "experiments/public/ppo-llama2-70b-16gpu-lora.yaml"
     cfg = ExperimentConfig(**yaml.safe_load(path.read_text()))
@@ -307,7 +307,7 @@ def test_a_saved_plan_with_other_lora_settings_is_refused():
     import yaml
 
     from realign.config.experiment import ExperimentConfig
-    from realign.config.planning import experiment_graph, plan_experiment, resolve_models
+    from realign.run.planning import experiment_graph, plan_experiment, resolve_models
     cfg = ExperimentConfig(**yaml.safe_load(path.read_text()))
     plan = plan_experiment(cfg)
     models = resolve_models(cfg)

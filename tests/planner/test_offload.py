@@ -176,8 +176,8 @@ def test_70b_ppo_on_16_a100s_plans_with_the_training_state_on_the_host():
     trained 70B models park their state between calls; it fits GPUs and host."""
     from pathlib import Path
 
-    from realign.config.loading import load_experiment
-    from realign.config.planning import plan_experiment
+    from realign.run.loading import load_experiment
+    from realign.run.planning import plan_experiment
     repo = Path(__file__).resolve().parents[2]
     cfg = load_experiment(repo / "experiments/public/ppo-llama2-70b-16gpu.yaml")
     plan = plan_experiment(cfg.model_copy(update={"plan": cfg.plan.model_copy(

@@ -191,7 +191,7 @@ def _experiment(name: str, **changes):
 
 
 def test_which_roles_share_a_base():
-    from realign.config.shared_base import same_checkpoint, shared_bases
+    from realign.run.shared_base import same_checkpoint, shared_bases
 
     base = ROOT / "experiments"
     cfg = _experiment("ppo-llama2-70b-8gpu-lora.yaml")
@@ -211,7 +211,7 @@ def test_which_roles_share_a_base():
 def test_70b_ppo_with_lora_plans_on_8_a100s_with_one_base_each():
     from planner.plan import ExecutionPlan
     from planner.report import summary, table
-    from realign.config.planning import plan_experiment
+    from realign.run.planning import plan_experiment
 
     cfg = _experiment("ppo-llama2-70b-8gpu-lora.yaml", plan__time_limit_s=20)
     plan = plan_experiment(cfg)

@@ -109,7 +109,7 @@ def test_the_asynchronous_step_ends_at_the_expected_slower_side():
 def test_plans_say_what_the_slower_side_per_step_adds():
     from planner.report import modes_lines
     from planner.search.search import SearchSettings, search
-    from realign.config.planning import compare_modes
+    from realign.run.planning import compare_modes
     actor = {"actor": RoleModel("actor", TINY, head_of("actor"))}
     quick = SearchSettings(time_limit_s=10)
     spread = GenLengths(max_len=64, mean=16)

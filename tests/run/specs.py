@@ -7,8 +7,8 @@ from pathlib import Path
 import yaml
 
 from realign.config.experiment import ExperimentConfig
-from realign.config.planning import plan_experiment
 from realign.paths import YAML_DIR
+from realign.run.planning import plan_experiment
 from realign.run.spec import RunSpec
 
 REPO = Path(__file__).resolve().parents[2]

@@ -50,8 +50,8 @@ def test_evaluation_runs_on_its_steps_and_reaches_the_metrics(tiny_assets, tmp_p
         assert sum(c for _, c in hist) == 64
         assert sum(x * c for x, c in hist) / 64 == pytest.approx(row["response_len"])
         assert not any(k.startswith("eval.") and k.endswith("_hist") for k in row)
-    from realign.config.loading import load_experiment
-    from realign.config.planning import experiment_graph, recorded_lengths, resolve_models
+    from realign.run.loading import load_experiment
+    from realign.run.planning import experiment_graph, recorded_lengths, resolve_models
     cfg = load_experiment(exp)
     cfg = cfg.model_copy(update={"plan": cfg.plan.model_copy(
         update={"lengths_from": str(tmp_path / "run")})})

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from realign.config.loading import load_experiment
-from realign.config.planning import cost_config, with_profile
 from realign.errors import UserError
 from realign.profile.step_overhead import fit_step_costs, outside_ops_s
+from realign.run.loading import load_experiment
+from realign.run.planning import cost_config, with_profile
 from tests.run.conftest import experiment
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from planner.errors import PlanError
-from realign.config.loading import load_experiment
-from realign.config.planning import experiment_graph, plan_experiment, resolve_models
+from realign.run.loading import load_experiment
+from realign.run.planning import experiment_graph, plan_experiment, resolve_models
 
 pytestmark = pytest.mark.pure
 

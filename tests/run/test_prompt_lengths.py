@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from planner.report import lengths_line, priced_lengths
-from realign.config.lengths import data_prompt_lengths
-from realign.config.loading import load_experiment
-from realign.config.planning import experiment_graph, plan_experiment, resolve_models
 from realign.errors import UserError
+from realign.run.lengths import data_prompt_lengths
+from realign.run.loading import load_experiment
+from realign.run.planning import experiment_graph, plan_experiment, resolve_models
 from tests.run.conftest import REPO, experiment
 
 pytestmark = pytest.mark.pure

@@ -151,8 +151,8 @@ def main() -> None:
 
 def plan_terms() -> None:
     """Each call's terms in the 4 x 70B PPO on 128 H100 (the searched plan)."""
-    from realign.config.loading import load_experiment
-    from realign.config.planning import plan_experiment, resolve_models
+    from realign.run.loading import load_experiment
+    from realign.run.planning import plan_experiment, resolve_models
 
     cfg = load_experiment(REPO / "experiments" / "ppo-llama2-70b-128gpu.yaml")
     plan = plan_experiment(cfg)

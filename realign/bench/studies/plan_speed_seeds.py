@@ -65,8 +65,8 @@ def experiment_planner(spec: str, tmp: Path, time_limit_s: float | None = None
                        ) -> Callable[[int], dict]:
     """A function seed -> one plan's numbers for experiment ``spec`` (a path, with
     ``+variant`` for one of :data:`VARIANTS`)."""
-    from realign.config.loading import load_experiment
-    from realign.config.planning import plan_experiment
+    from realign.run.loading import load_experiment
+    from realign.run.planning import plan_experiment
 
     path, _, variant = spec.partition("+")
     cfg = load_experiment(REPO / path)          # its paths absolute: a variant keeps them
