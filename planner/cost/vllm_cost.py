@@ -39,6 +39,12 @@ price, not vLLM's). Per engine:
   between two steps, during which the device waits (V1 overlaps it with the step);
 * the outputs gathered over the data-parallel ranks, as realign's own engine does.
 
+A mixture of experts: each engine holds every expert at the call's TP (vLLM's expert
+parallelism is not used), so its passes are priced at EP 1 (the top-k experts' FLOPs
+and the experts a step's rows reach: :mod:`planner.cost.moe_terms`) and, where the
+replica runs at EP > 1, the weight load first gathers the other EP ranks' experts
+(:func:`experts_gather_s`).
+
 Memory per GPU: the model's weights (realign's copy), plus vLLM's copy of them, its KV
 cache (``vllm_kv_cache_bytes``, allocated whole) and the logits of ``S`` rows; with
 LoRA also vLLM's copy of the adapters (PEFT's layout, one adapter at a time).
@@ -115,6 +121,21 @@ def weight_load_s(cm: "CostModel", full_bytes: float, tp: int = 1, tp_nodes: int
     return gather + LOAD_PASSES * full_bytes / cm.rates.mem_bytes_per_s
 
 
+def experts_gather_s(cm: "CostModel", spec: ModelSpec, mesh: DeviceMesh,
+                     layout: Layout) -> float:
+    """Seconds for each rank of a replica at EP > 1 to gather the experts the other
+    ranks of its EP group hold (its TP shard of every sparse layer's experts), which
+    its engine needs whole: an all-gather over the EP group; 0 at EP 1.
+
+    Example: 2 sparse layers of 1e6 expert parameters, bf16, TP 1, EP 2: an all-gather
+    of 4e6 bytes over 2 ranks."""
+    if layout.ep <= 1 or spec.moe is None:
+        return 0.0
+    nbytes = (cm.config.param_dtype_bytes * spec.sparse_layers() * spec.layer_expert_params()
+              / layout.tp)
+    return cm.rates.collective_s("all_gather", nbytes, layout.ep, cm.ep_nodes(mesh, layout))
+
+
 def kv_bytes_per_seq(spec: ModelSpec, mfc: MFC, dtype_bytes: int, block_tokens: int,
                      tp: int = 1) -> float:
     """KV-cache bytes of one sequence at full length (``prompt_len + gen_len`` rounded
@@ -177,16 +198,19 @@ def vllm_generate_cost(cm: "CostModel", mfc: MFC, spec: ModelSpec, head: str,
         raise ValueError(f"vLLM's KV cache of {cfg.vllm_kv_cache_bytes:.3g} bytes holds no "
                          f"sequence of {mfc.seq_len} tokens")
     full = max(1.0, min(float(slots), n))
+    # each engine holds every expert at the call's TP and exchanges no tokens: a
+    # mixture of experts' passes are priced at EP 1 whatever the replica's EP
+    engine = layout.model_copy(update={"ep": 1})
     P = longest_prompt(mfc, n)
     steps, seq_steps = decode_schedule(mfc, n, slots)
     pre_c, dec_c = r.engine(VLLM_PREFILL), r.engine(VLLM_DECODE)
     none = Work()
-    (pre, _), = cm.stage_works(spec, head, "prefill", n * P, P / 2, n, layout, 1, none,
+    (pre, _), = cm.stage_works(spec, head, "prefill", n * P, P / 2, n, engine, 1, none,
                                costs_kind=VLLM_PREFILL)
     ctx = P + (mfc.lengths.expected() if mfc.lengths is not None else mfc.gen_len) / 2
-    (one, _), = cm.stage_works(spec, head, "decode", 1.0, ctx, 1.0, layout, 1, none,
+    (one, _), = cm.stage_works(spec, head, "decode", 1.0, ctx, 1.0, engine, 1, none,
                                costs_kind=VLLM_DECODE)
-    (wide, _), = cm.stage_works(spec, head, "decode", full, ctx, full, layout, 1, none,
+    (wide, _), = cm.stage_works(spec, head, "decode", full, ctx, full, engine, 1, none,
                                 costs_kind=VLLM_DECODE)
     per_row = Work().add(wide).add(one, -1.0)
     decode = Work().add(one, steps).add(per_row, (seq_steps - steps) / max(1.0, full - 1.0))
@@ -196,7 +220,8 @@ def vllm_generate_cost(cm: "CostModel", mfc: MFC, spec: ModelSpec, head: str,
     n_out = mfc.gen_len
     adapters = dt * peft_adapter_params(spec, lora) if lora is not None else 0.0
     load = ({"adapter_load": adapter_load_s(cm, adapters, layout.tp, tpn)} if lora is not None
-            else {"weight_load": weight_load_s(cm, whole, layout.tp, tpn)})
+            else {"weight_load": weight_load_s(cm, whole, layout.tp, tpn)
+                  + experts_gather_s(cm, spec, mesh, layout)})
     call = Work(seconds={"dp_comm": r.collective_s("all_gather", mfc.n_seqs * (2 * n_out + 1) * 8,
                                                    dp, dpn), **load},
                 counts={"call_s": 1.0, "collective_s": float(dp > 1)})
@@ -208,7 +233,8 @@ def vllm_generate_cost(cm: "CostModel", mfc: MFC, spec: ModelSpec, head: str,
     for k, v in call.terms(pre_c).items():
         terms[k] = terms.get(k, 0.0) + v
     logit_cols = spec.padded_vocab if head == "lm" else 1.0
-    vllm_copy = weights - mine + adapters       # vLLM's base and its copy of the adapters
+    # vLLM's base (every expert) and its copy of the adapters
+    vllm_copy = dt * cm.stage_params(spec, head, engine) + adapters
     act = vllm_copy + cfg.vllm_kv_cache_bytes + 4.0 * full * logit_cols * 2
     return MFCCost(time_s=sum(terms.values()), terms_s=terms, weights_bytes=weights,
                    resident_bytes=weights, activation_bytes=act,
