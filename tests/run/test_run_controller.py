@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,11 +113,22 @@ def test_resume_after_sigkill_is_bit_identical(learned, tmp_path):
         [row["reward_mean"] for row in metrics(cut)]
 
 
-def test_partial_checkpoint_is_ignored(tiny_assets, tmp_path):
-    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=4,
-                     run__checkpoint_interval=2)
-    rd = tmp_path / "run"
-    assert run(exp, rd, "--steps", "2").returncode == 0
+@pytest.fixture(scope="module")
+def sharded_half(tiny_assets, tmp_path_factory) -> tuple[Path, Path]:
+    """Two steps of a 4-step run checkpointed every 2, its optimizer sharded
+    (train.distributed_optimizer: true): its experiment and its run folder, which each
+    test copies."""
+    tmp = tmp_path_factory.mktemp("sharded")
+    exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp, run__steps=4,
+                     run__checkpoint_interval=2, train__distributed_optimizer=True)
+    r = run(exp, tmp / "run", "--steps", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return exp, tmp / "run"
+
+
+def test_partial_checkpoint_is_ignored(sharded_half, tmp_path):
+    exp, rd = sharded_half[0], tmp_path / "run"
+    shutil.copytree(sharded_half[1], rd)
     # a kill during the next checkpoint's write leaves a .tmp folder behind
     part = rd / "checkpoints" / "step_000004.tmp"
     part.mkdir()
@@ -128,15 +140,12 @@ def test_partial_checkpoint_is_ignored(tiny_assets, tmp_path):
 
 
 @pytest.mark.slow
-def test_resuming_with_a_differently_sharded_optimizer_is_refused(tiny_assets, tmp_path):
+def test_resuming_with_a_differently_sharded_optimizer_is_refused(tiny_assets, sharded_half,
+                                                                  tmp_path):
     rd = tmp_path / "run"
-
-    def exp(**train):     # (one YAML path per test: each call rewrites it)
-        return experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=4,
-                          run__checkpoint_interval=2, **train)
-
-    assert run(exp(train__distributed_optimizer=True), rd, "--steps", "2").returncode == 0
-    plain = exp()                                     # unset: not sharded on cpu
+    shutil.copytree(sharded_half[1], rd)
+    plain = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=4,
+                       run__checkpoint_interval=2)    # unset: not sharded on cpu
     r = run(plain, rd)
     assert r.returncode == 2                          # refused before any worker starts
     assert "train.distributed_optimizer: true to resume" in r.stderr, r.stderr[-3000:]
@@ -156,7 +165,7 @@ def test_resuming_with_a_differently_sharded_optimizer_is_refused(tiny_assets, t
     assert r.returncode == 1
     assert "sharded differently (train.distributed_optimizer" in r.stderr, r.stderr[-3000:]
     assert (ckpt / "manifest.json").is_file()      # the checkpoint itself is kept
-    r = run(exp(train__distributed_optimizer=True), rd)   # resumes with the same setting
+    r = run(sharded_half[0], rd)                      # resumes with the same setting
     assert r.returncode == 0, r.stderr[-3000:]
     assert [row["step"] for row in metrics(rd)] == list(range(4))
 
