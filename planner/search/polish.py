@@ -4,14 +4,28 @@ Annealing walks end in plans that no single move improves but that differ from s
 seed: the common trap is a pair of calls that would each be faster on their own half of
 a mesh, where moving one alone only makes it slower (the two trainings of a PPO on the
 two halves of a node against both on the whole node). :func:`polish` climbs from a plan
-with two kinds of move, best improvement first, until neither improves it:
+with three kinds of move, best improvement first, until none improves it:
 
 * **one call, another layout**: every candidate of one MFC on the mesh it runs on (or,
   where an MFC has at most :data:`FULL_SCAN_CANDIDATES` candidates, every candidate);
 * **two calls, their meshes together**: for each pair of MFCs, both on one mesh or on
   the two halves of it (either way round), for the meshes the pair runs on and the
   meshes just above them, each call taking one of its :data:`PAIR_OPTIONS` fastest and
-  leanest candidates there.
+  leanest candidates there;
+* **two pairs trading meshes** (either way round within each pair), each call taking
+  its fastest or leanest candidate on its new mesh.
+
+A move of several calls rarely fits with the candidates it first takes: the trainings
+moved to the two halves of a node fit only at a pipeline depth between the fastest and
+the leanest, and the calls moved onto the whole node leave room for it only at theirs.
+So each pair move and each trade of meshes is also tried **fitted**
+(:func:`_fitted`): the moved calls start at their fastest candidates on their new
+meshes and step down their time/memory Pareto fronts, each step the one that saves the
+most memory for the time it adds, until the plan fits; then each moved call in turn
+climbs back up its front while the plan still fits and gets faster. That joins plans
+that differ in three or four calls at once (the two PPO plans above: both trainings on
+the whole node with two scoring calls on its halves, or the reverse), where every
+smaller part overflows memory.
 
 It reads only the simulator, so the C++ core and its Python twin polish alike.
 """
@@ -68,6 +82,75 @@ def _pair_placements(prob: Problem, i: int, k: int, a: list[int]) -> list[tuple[
     return out
 
 
+class _Fronts:
+    """Per (MFC, mesh), the time/memory Pareto front of its candidates there, fastest
+    first (each next one needs less memory per GPU), computed once per polish."""
+
+    def __init__(self, prob: Problem):
+        self.prob = prob
+        self.memo: dict[tuple[int, Mesh], tuple[list[int], list[float]]] = {}
+
+    def __call__(self, i: int, mesh: Mesh) -> tuple[list[int], list[float]]:
+        key = (i, mesh)
+        if key not in self.memo:
+            cs = self.prob.cands[i]
+            js = sorted(self.prob.on_mesh[i].get(mesh, []),
+                        key=lambda j: (cs[j].time_s, cs[j].resident_bytes + cs[j].activation_bytes,
+                                       j))
+            front: list[int] = []
+            mem: list[float] = []
+            for j in js:
+                m = cs[j].resident_bytes + cs[j].activation_bytes
+                if not mem or m < mem[-1]:
+                    front.append(j)
+                    mem.append(m)
+            self.memo[key] = front, mem
+        return self.memo[key]
+
+
+def _fitted(prob: Problem, sim: Sim, fronts: _Fronts, a: list[int],
+            moved: dict[int, Mesh]) -> tuple[list[int], float]:
+    """MFCs ``moved`` onto their meshes, the rest of ``a`` kept. Each moved call starts at
+    the fastest point of its front (:class:`_Fronts`); while the plan does not fit, the
+    call whose next point saves the most memory per GPU for the time it adds steps down
+    to it. Once it fits, each moved call in turn climbs to the fastest point of its front
+    that still fits and gains, until none does. (plan, energy); (a, inf) where even the
+    leanest points do not fit."""
+    fr = {i: fronts(i, m) for i, m in moved.items()}
+    if any(not f[0] for f in fr.values()):
+        return a, float("inf")
+    pos = dict.fromkeys(fr, 0)
+    b = list(a)
+    for i, (front, _mem) in fr.items():
+        b[i] = front[0]
+    e = _score(prob, sim, b)
+    while e == float("inf"):
+        def gain(i: int) -> float:
+            front, mem = fr[i]
+            k = pos[i]
+            dt = prob.cands[i][front[k + 1]].time_s - prob.cands[i][front[k]].time_s
+            return (mem[k] - mem[k + 1]) / max(dt, 1e-9)
+        down = [i for i in fr if pos[i] + 1 < len(fr[i][0])]
+        if not down:
+            return a, e
+        i = max(down, key=lambda x: (gain(x), -x))
+        pos[i] += 1
+        b[i] = fr[i][0][pos[i]]
+        e = _score(prob, sim, b)
+    climbed = True
+    while climbed:
+        climbed = False
+        for i, (front, _mem) in fr.items():
+            for k in range(pos[i]):
+                c = list(b)
+                c[i] = front[k]
+                ec = _score(prob, sim, c)
+                if ec < e:
+                    b, e, pos[i], climbed = c, ec, k, True
+                    break
+    return b, e
+
+
 def _best_single(prob: Problem, sim: Sim, a: list[int], e: float
                  ) -> tuple[list[int], float]:
     best, best_e = a, e
@@ -85,10 +168,14 @@ def _best_single(prob: Problem, sim: Sim, a: list[int], e: float
     return best, best_e
 
 
-def _best_pair(prob: Problem, sim: Sim, a: list[int], e: float) -> tuple[list[int], float]:
+def _best_pair(prob: Problem, sim: Sim, fronts: _Fronts, a: list[int], e: float
+               ) -> tuple[list[int], float]:
     best, best_e = a, e
     for i, k in itertools.combinations(range(len(a)), 2):
         for mi, mk in _pair_placements(prob, i, k, a):
+            b, eb = _fitted(prob, sim, fronts, a, {i: mi, k: mk})
+            if eb < best_e:
+                best, best_e = b, eb
             for ji, jk in itertools.product(_options(prob, i, mi), _options(prob, k, mk)):
                 if (ji, jk) == (a[i], a[k]):
                     continue
@@ -105,7 +192,7 @@ def _mesh(prob: Problem, i: int, j: int) -> Mesh:
     return c.first_gpu, c.n_gpus
 
 
-def _best_exchange(prob: Problem, sim: Sim, a: list[int], e: float
+def _best_exchange(prob: Problem, sim: Sim, fronts: _Fronts, a: list[int], e: float
                    ) -> tuple[list[int], float]:
     """Two pairs of MFCs trade their meshes (either way round within each pair), each
     call taking its fastest or its leanest candidate on its new mesh."""
@@ -119,6 +206,9 @@ def _best_exchange(prob: Problem, sim: Sim, a: list[int], e: float
         if sorted(here) == sorted(there):
             continue
         for (mi, mk), (mp, mq) in itertools.product((there, there[::-1]), (here, here[::-1])):
+            b, eb = _fitted(prob, sim, fronts, a, {i: mi, k: mk, p: mp, q: mq})
+            if eb < best_e:
+                best, best_e = b, eb
             opts = [_options(prob, x, m, 1) for x, m in ((i, mi), (k, mk), (p, mp), (q, mq))]
             for js in itertools.product(*opts):
                 b = list(a)
@@ -134,12 +224,13 @@ def polish(prob: Problem, sim: Sim, assign: list[int], deadline: Deadline | None
     """The plan reached from ``assign`` by best-improvement moves (see the module), and
     its energy (inf where it does not fit). Deterministic; stops early at the deadline."""
     a, e = list(assign), _score(prob, sim, assign)
+    fronts = _Fronts(prob)
     while deadline is None or not deadline.passed():
         b, eb = _best_single(prob, sim, a, e)
         if eb >= e and (deadline is None or not deadline.passed()):
-            b, eb = _best_pair(prob, sim, a, e)
+            b, eb = _best_pair(prob, sim, fronts, a, e)
         if eb >= e and (deadline is None or not deadline.passed()):
-            b, eb = _best_exchange(prob, sim, a, e)
+            b, eb = _best_exchange(prob, sim, fronts, a, e)
         if eb >= e:
             break
         a, e = b, eb
