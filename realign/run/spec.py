@@ -4,10 +4,11 @@ checked and resolved (``RUN/run_spec.json``).
 Typed and whole: the experiment config and the execution plan are values inside it
 (not JSON inside JSON), so the launchers, the job index and the controller read a
 run folder through one :meth:`RunSpec.load` and never parse the file by hand. What
-:func:`realign.run.prepare.prepare` decided is in it too (the algorithm's typed
-hyper-parameters, the reward function, the verifier, the tokenizer's role, the
-held-out prompts; each call's purpose is its MFC's in the plan's graph): workers,
-controller, launchers and benchmarks read these and decide nothing again.
+:func:`realign.run.prepare.prepare` decided is in it too (the reward function, the
+verifier, the tokenizer's role, the held-out prompts; each call's purpose is its MFC's
+in the plan's graph), and the algorithm's hyper-parameters are the config's, typed when
+it was loaded: workers, controller, launchers and benchmarks read these and decide
+nothing again.
 """
 from __future__ import annotations
 
