@@ -93,7 +93,8 @@ class CostModelConfig(BaseModel):
         "async", description="vLLM's host work between decode steps (scheduling, the next "
         "step's inputs, the sampled tokens' copy to the host and their output "
         "processing): 'async' overlaps it with the device (vLLM V1, the engine realign "
-        "runs); 'sync' makes the device wait for it on every decode step, "
+        "runs), leaving VLLM_ASYNC_STEP_GAP_S of device idle per decode step with CUDA "
+        "graphs (docs/gpu-terms.md); 'sync' makes the device wait for it on every decode step, "
         "VLLM_SYNC_STEP_S seconds (vLLM v0 without multi-step scheduling: "
         "docs/gpu-facts.md §3e); for pricing runs of other systems on v0.")
     vllm_max_num_seqs: int = Field(

@@ -36,7 +36,14 @@ price, not vLLM's). Per engine:
   :func:`adapter_load_s`;
 * ``decode_host_sync`` (``vllm_scheduler: sync``, vLLM v0): :data:`VLLM_SYNC_STEP_S`
   per decode step, the host's scheduling, input preparation and output processing
-  between two steps, during which the device waits (V1 overlaps it with the step);
+  between two steps, during which the device waits;
+* ``decode_host_gap`` (``vllm_scheduler: async``, vLLM V1 with CUDA graphs, on a device
+  that runs kernels asynchronously, without a profile's ``vllm_decode``):
+  :data:`VLLM_ASYNC_STEP_GAP_S` per decode step. V1's scheduler runs a step ahead, so
+  its scheduling and output processing overlap the device's step; what remains is the
+  device's idle gap between one step's last kernel and the next step's graph replay
+  (the next step's inputs copied in and the graph launched once the previous step's
+  sampled tokens exist), which is not hidden;
 * the outputs gathered over the data-parallel ranks, as realign's own engine does.
 
 A mixture of experts: each engine holds every expert at the call's TP (vLLM's expert
@@ -77,6 +84,12 @@ LOAD_PASSES = 3
 #: their output processing): "about 4ms of GPU bubble" on every decode step in the
 #: trace of vllm-project/vllm issue #6854 (docs/gpu-facts.md §3e)
 VLLM_SYNC_STEP_S = 0.004
+#: seconds the device idles between two decode steps of vLLM V1 with asynchronous
+#: scheduling and CUDA graphs: the part of the per-step host work that does not overlap
+#: the step. "the cudagraph token gap, which is currently 150-170us" at batch 256,
+#: down from "5-6ms" without asynchronous scheduling, "gpu-util continued to be 100%"
+#: (vllm-project/vllm PR #11133, V1; the midpoint; docs/gpu-terms.md)
+VLLM_ASYNC_STEP_GAP_S = 160e-6
 #: the largest LoRA rank vLLM 0.32 takes (``max_lora_rank``: 1, 8, ... 320, 512)
 VLLM_MAX_LORA_RANK = 512
 
@@ -179,6 +192,24 @@ def decode_schedule(mfc: MFC, n: float, slots: int) -> tuple[float, float]:
     return max(0.0, steps), max(0.0, n * (mean - 1.0))
 
 
+def host_step_terms(cm: "CostModel", steps: float) -> dict[str, float]:
+    """The host's work between ``steps`` decode steps that the device waits for:
+    ``decode_host_sync`` (:data:`VLLM_SYNC_STEP_S` a step) with the synchronous
+    scheduler; with the asynchronous one, ``decode_host_gap`` (:data:`VLLM_ASYNC_STEP_GAP_S`
+    a step) where the step is a replayed CUDA graph on a device that runs kernels
+    asynchronously and no profile measured vLLM's decode (a profile's steps include
+    their gaps; eager, the host's per-layer cost already paces the step); else nothing.
+
+    Example: 1000 steps on an H100, async, graphs: {"decode_host_gap": 0.16}."""
+    cfg = cm.config
+    if cfg.vllm_scheduler == "sync":
+        return {"decode_host_sync": steps * VLLM_SYNC_STEP_S}
+    profiled = cm.profile is not None and VLLM_DECODE in cm.profile.engines
+    if cm.cluster.device.async_kernels and not cfg.vllm_enforce_eager and not profiled:
+        return {"decode_host_gap": steps * VLLM_ASYNC_STEP_GAP_S}
+    return {}
+
+
 def vllm_generate_cost(cm: "CostModel", mfc: MFC, spec: ModelSpec, head: str,
                        mesh: DeviceMesh, layout: Layout,
                        lora: LoraSpec | None = None) -> MFCCost:
@@ -228,8 +259,7 @@ def vllm_generate_cost(cm: "CostModel", mfc: MFC, spec: ModelSpec, head: str,
     terms = {f"prefill_{k}": v for k, v in lagged(pre, layout.world).terms(pre_c).items()}
     for k, v in lagged(decode, layout.world).terms(dec_c).items():
         terms[f"decode_{k}"] = v
-    if cfg.vllm_scheduler == "sync":
-        terms["decode_host_sync"] = steps * VLLM_SYNC_STEP_S
+    terms.update(host_step_terms(cm, steps))
     for k, v in call.terms(pre_c).items():
         terms[k] = terms.get(k, 0.0) + v
     logit_cols = spec.padded_vocab if head == "lm" else 1.0

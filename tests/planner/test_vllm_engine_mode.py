@@ -6,7 +6,12 @@ import pytest
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.cost_model import CostModel
-from planner.cost.vllm_cost import VLLM_SYNC_STEP_S, concurrency, decode_schedule
+from planner.cost.vllm_cost import (
+    VLLM_ASYNC_STEP_GAP_S,
+    VLLM_SYNC_STEP_S,
+    concurrency,
+    decode_schedule,
+)
 from planner.graph.dataflow import MFC
 from planner.specs.cluster import ClusterSpec, resolve_device
 from planner.specs.layout import Layout
@@ -63,5 +68,7 @@ def test_a_synchronous_scheduler_adds_its_gap_to_every_decode_step():
     _, _, sync_c = priced("h200", vllm_scheduler="sync")
     steps, _ = decode_schedule(gen(), 256, concurrency(cost, spec, gen()))
     assert "decode_host_sync" not in async_c.terms_s
+    assert "decode_host_gap" not in sync_c.terms_s
     assert sync_c.terms_s["decode_host_sync"] == pytest.approx(steps * VLLM_SYNC_STEP_S)
-    assert sync_c.time_s - async_c.time_s == pytest.approx(steps * VLLM_SYNC_STEP_S)
+    assert sync_c.time_s - async_c.time_s == pytest.approx(
+        steps * (VLLM_SYNC_STEP_S - VLLM_ASYNC_STEP_GAP_S))
