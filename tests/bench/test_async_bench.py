@@ -58,9 +58,10 @@ def test_speedups_and_final_rewards():
 
 def test_max_staleness_is_checked():
     from realign.config.experiment import AlgorithmSection
+    grpo = {"name": "grpo", "samples_per_prompt": 4}       # GRPO's groups: 2 or more
     with pytest.raises(ValidationError, match="max_staleness"):
-        AlgorithmSection(name="grpo", max_staleness=-1)
-    assert AlgorithmSection(name="grpo").max_staleness == 0
+        AlgorithmSection(**grpo, max_staleness=-1)
+    assert AlgorithmSection(**grpo).max_staleness == 0
     # the bound is no part of the batch shape (the planner's graph takes it apart)
-    assert AlgorithmSection(name="grpo", max_staleness=2).shape() == \
-        AlgorithmSection(name="grpo").shape()
+    assert AlgorithmSection(**grpo, max_staleness=2).shape() == \
+        AlgorithmSection(**grpo).shape()
