@@ -76,6 +76,20 @@ def train_ep(ctx, path, tp, dp, ep, forward, zero1, steps=2, micro=2):
             change(".local_experts."), change(".mlp.router."))
 
 
+def budget_refused(ctx, path):
+    """The error a train engine with a token budget raises at DP2·EP2: (field, text)."""
+    from realign.errors import UserError
+    from realign.runtime.engines.train import TrainConfig, TrainEngine
+
+    shard = ep_replica(path, 1, 2, 2)
+    try:
+        TrainEngine(shard, TrainConfig(lr=1e-3, packing=True, forward="plain"),
+                    token_budget=64)
+    except UserError as e:
+        return e.field, str(e)
+    return None, "no error"
+
+
 # ---- tests ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -142,3 +156,11 @@ def test_tp2_dp2_ep2_step_equals_tp2_dp2_ep1(moe_path):
         ep2 = w.run("test_moe_ep_train:train_ep", moe_path, 2, 2, 2, "plain", True)
     assert [r[2] for r in ep2] == [0, 0, 1, 1]
     assert_same_training(ep1, ep2)
+
+
+@pytest.mark.cpu_dist
+def test_a_token_budget_is_refused_at_ep2(world2, moe_path):
+    """A budget's bins are each rank's own count, the EP group needs one: refused
+    before any step, naming the field."""
+    for field, text in world2.run("test_moe_ep_train:budget_refused", moe_path):
+        assert field == "plan.token_budget" and "ep 2" in text, text
