@@ -28,16 +28,21 @@ def run(exp: Path, run_dir: Path, timeout: float = 120) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=timeout)
 
 
-def bad(tiny_assets, tmp_path, name="tiny-grpo-cpu", **changes) -> str:
-    """``realign run`` of the changed experiment, in this process (a refusal starts no
-    worker, and the imports are paid once per test process, not once per case): its
-    stderr, after checking it exited 2 before any worker started."""
+def cli(*args: str) -> tuple[int, str, str]:
+    """``realign ARGS`` in this process (no worker starts here, and the imports are paid
+    once per test process, not once per command): exit code, stdout and stderr."""
     from realign.cli.main import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
+def bad(tiny_assets, tmp_path, name="tiny-grpo-cpu", **changes) -> str:
+    """``realign run`` of the changed experiment, in this process: its stderr, after
+    checking it exited 2 before any worker started."""
     exp = experiment(tiny_assets, name, tmp_path, **changes)
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(["run", str(exp), "--run-dir", str(tmp_path / "run")])
-    text = err.getvalue()
+    code, _, text = cli("run", str(exp), "--run-dir", str(tmp_path / "run"))
     assert code == 2, (code, text[-2000:])
     assert "Traceback" not in text
     assert not (tmp_path / "run" / "logs").exists(), "no worker may start on bad input"
@@ -80,9 +85,8 @@ def test_preset_without_weights(tiny_assets, tmp_path):
 def test_plan_for_another_cluster(tiny_assets, tmp_path):
     other = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, cluster__gpus_per_node=1)
     plan = tmp_path / "other-plan.json"
-    r = subprocess.run([*REALIGN, "plan", str(other), "--out", str(plan)], capture_output=True,
-                       text=True)
-    assert r.returncode == 0, r.stderr
+    code, _, err = cli("plan", str(other), "--out", str(plan))
+    assert code == 0, err
     err = bad(tiny_assets, tmp_path, plan__file=str(plan))
     assert "plan.file" in err and "1x1 cpu" in err and "1x2 cpu" in err
 
@@ -178,9 +182,8 @@ def test_train_micro_batches_constrain_the_plan(tiny_assets, tmp_path):
     assert "plan.manual.actor.train" in err and "train.micro_batches" in err
     exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, train__micro_batches=4)
     plan = tmp_path / "p.json"
-    r = subprocess.run([*REALIGN, "plan", str(exp), "--out", str(plan)], capture_output=True,
-                       text=True)
-    assert r.returncode == 0, r.stderr
+    code, _, err = cli("plan", str(exp), "--out", str(plan))
+    assert code == 0, err
     allocs = {a["mfc"]: a for a in json.loads(plan.read_text())["allocations"]}
     assert allocs["actor.train"]["micro_batches"] == 4
     # the same plan file with another count is for another graph
@@ -192,9 +195,9 @@ def test_train_micro_batches_constrain_the_plan(tiny_assets, tmp_path):
 def test_submit_dry_run_of_a_cuda_run_asks_slurm_for_gpus(tiny_assets, tmp_path):
     exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, device="cuda",
                      cluster__device="a100-80g")
-    r = subprocess.run([*REALIGN, "submit", str(exp), "--launcher", "slurm", "--dry-run",
-                        "--run-dir", str(tmp_path / "run")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "#SBATCH --gpus-per-node=2" in r.stdout.splitlines()
+    code, out, err = cli("submit", str(exp), "--launcher", "slurm", "--dry-run",
+                         "--run-dir", str(tmp_path / "run"))
+    assert code == 0, err[-2000:]
+    assert "#SBATCH --gpus-per-node=2" in out.splitlines()
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert plan["cost_config"]["param_dtype_bytes"] == 2          # bf16 on cuda
