@@ -94,6 +94,9 @@ class MoeMLP(torch.nn.Module):
         self.tp_group, self.ep_group = tp_group, ep_group
         #: where a training forward records its routing (:func:`recording`); None: nowhere
         self.record: RouterRecord | None = None
+        #: the experts to route to instead of the router's top-k (rollout routing replay,
+        #: :func:`realign.runtime.router_replay.replaying`); None: the router's own
+        self.replay: torch.Tensor | None = None
         tensors = expert_tensors(spec, layer)
         router, fc = tensors[0], tensors[1:]
         mine = local_experts(self.n_experts, ep, ep_rank)
@@ -141,7 +144,7 @@ class MoeMLP(torch.nn.Module):
         ``reduce``: the TP mappings of a column- and a row-parallel layer)."""
         return moe_forward(y, self.router.weight, self.fc1s(), self.fc2s(), self.top_k,
                            self.norm_topk_prob, copy, reduce, self.record, self.ep_group,
-                           self.n_experts)
+                           self.n_experts, replay=self.replay)
 
     def join_exchange(self) -> None:
         """This layer's token exchange with none of this rank's own tokens: the tokens
@@ -209,6 +212,25 @@ def top_k_of(probs: torch.Tensor, top_k: int, norm_topk_prob: bool
     return weights, experts
 
 
+def replayed_top_k(probs: torch.Tensor, forced: torch.Tensor, top_k: int,
+                   norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rollout routing replay's top-k (:mod:`realign.runtime.router_replay`):
+    (weights [T, k] fp32, experts [T, k]) of tokens whose router probabilities are
+    ``probs`` [T, E], their experts forced to ``forced`` [T, k] (a row holding a -1:
+    the router's own top-k); weights are ``probs`` at the experts, renormalised to sum
+    to 1 when ``norm_topk_prob``.
+
+    Example: probs [[0.5, 0.3, 0.2]], forced [[2, 1]], top 2, renormalised ->
+    experts [[2, 1]], weights [[0.4, 0.6]]."""
+    own = torch.topk(probs, top_k, dim=-1).indices
+    f = forced.reshape(-1, top_k).to(device=probs.device, dtype=torch.long)
+    experts = torch.where((f >= 0).all(dim=-1, keepdim=True), f, own)
+    weights = probs.gather(-1, experts)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
 def route(y: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in ``y``'s dtype, experts [T, k]) of tokens ``y`` [T, h]: softmax
@@ -221,7 +243,8 @@ def moe_forward(y: torch.Tensor, router: torch.Tensor, fc1s: dict[int, torch.Ten
                 fc2s: dict[int, torch.Tensor], top_k: int, norm_topk_prob: bool,
                 copy: Mapping = _same, reduce: Mapping = _same,
                 record: RouterRecord | None = None, ep_group=None,
-                n_experts: int = 0, dense: bool | None = None) -> torch.Tensor:
+                n_experts: int = 0, dense: bool | None = None,
+                replay: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts' output for ``y`` [..., h] (the module docstring); ``record``
     keeps the router's probabilities and choices. ``fc1s``, ``fc2s``: the experts this
     rank holds by global index (all of them when ``ep_group`` is None; else their
@@ -230,11 +253,15 @@ def moe_forward(y: torch.Tensor, router: torch.Tensor, fc1s: dict[int, torch.Ten
     :func:`experts_dense`, False :func:`experts_sorted`, None chosen by the tokens'
     count (:func:`dense_experts`); without EP, a call of at most
     :data:`~realign.runtime.moe_experts.DENSE_MAX_TOKENS` tokens reads nothing on the
-    host (a decode step, capturable)."""
+    host (a decode step, capturable). ``replay``: the experts to use instead of the
+    top-k, [..., top_k] (:func:`replayed_top_k`)."""
     shape = y.shape
     flat = y.reshape(-1, shape[-1])
     probs = router_probs(flat, router)
-    weights, experts = top_k_of(probs, top_k, norm_topk_prob)
+    if replay is not None:
+        weights, experts = replayed_top_k(probs, replay, top_k, norm_topk_prob)
+    else:
+        weights, experts = top_k_of(probs, top_k, norm_topk_prob)
     if record is not None:
         record.add(probs.reshape(*shape[:-1], -1), experts.reshape(*shape[:-1], top_k))
     # used by TP-split experts: gradient summed over TP

@@ -35,6 +35,9 @@ join). The worker is the engine's only client; nothing else manages it.
   its index in the call. The log-probs are vLLM's raw ones (``logprobs_mode``
   ``raw_logprobs``): the model's own distribution at temperature 1, what realign's
   engine returns and the training forward computes.
+* **Routing** (``moe_top_k`` > 0, a mixture of experts): the experts vLLM's routers
+  chose for every token of each sequence, kept in ``routing.last`` after each call
+  (:mod:`realign.runtime.engines.vllm_routing`), for rollout routing replay.
 * **Records**: tokens padded with ``pad_id`` after the end, log-probs 0 there, lengths
   with the stop token: :class:`~realign.runtime.engines.generate.Generation`, as
   realign's engine returns, gathered over the data-parallel ranks.
@@ -59,6 +62,7 @@ import torch
 from realign.runtime.engines.base import gather_dp
 from realign.runtime.engines.generate import Generation
 from realign.runtime.engines.vllm_lora import VLLMAdapters, lora_engine_args
+from realign.runtime.engines.vllm_routing import VLLMRouting
 from realign.runtime.engines.vllm_weights import (
     BUCKET_BYTES,
     SharedMemoryTransport,
@@ -185,7 +189,7 @@ class VLLMEngine:
                  max_model_len: int, device_kind: str = "cpu", device_index: int = 0,
                  seed: int = 0, tp: int = 1, host: bool = True,
                  devices: list[int] | None = None,
-                 bucket_bytes: int = BUCKET_BYTES, lora=None):
+                 bucket_bytes: int = BUCKET_BYTES, lora=None, moe_top_k: int = 0):
         self.kv_cache_bytes = int(settings.kv_cache_gib * GIB)
         self.device_kind, self.tp, self.bucket_bytes = device_kind, tp, bucket_bytes
         self.devices = devices if devices is not None else [device_index + i for i in range(tp)]
@@ -194,6 +198,8 @@ class VLLMEngine:
         self.transport: WeightTransport | None = None
         self._folder: Path | None = None
         self.adapters: VLLMAdapters | None = None
+        #: the experts vLLM routed each token to (a mixture of experts, ``moe_top_k`` > 0)
+        self.routing: VLLMRouting | None = None
         config = peft_config(lora, "lm", str(model_dir)) if lora is not None else {}
         if not host:
             if lora is not None:
@@ -228,6 +234,8 @@ class VLLMEngine:
         torch.set_num_threads(threads)          # vLLM lowers the caller's threads
         if lora is not None:
             self.adapters = VLLMAdapters(self.llm.collective_rpc, config)
+        if moe_top_k > 0:
+            self.routing = VLLMRouting(self.llm, moe_top_k)
 
     # ---- weights -----------------------------------------------------------------------
     def _transport(self, shard: ModelShard | None) -> WeightTransport:
@@ -286,6 +294,7 @@ class VLLMEngine:
                 prefix="realign-vllm-", dir=SHARED_MEMORY if SHARED_MEMORY.is_dir() else None))
         save_file(hf, str(self._folder / "model.safetensors"))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._folder)})
+        self.llm.collective_rpc("realign_repack_experts")   # a mixture of experts on CPU
         self.llm.reset_prefix_cache()
         return sum(v.numel() * v.element_size() for v in hf.values())
 
@@ -321,6 +330,8 @@ class VLLMEngine:
         outs = self.llm.generate([{"prompt_token_ids": q} for q in mine],
                                  vllm_sampling(p, len(mine), first), use_tqdm=False,
                                  lora_request=lora)
+        if self.routing is not None:
+            self.routing.take(outs, mine)
         n = p.max_new_tokens
         tokens = torch.full((len(mine), n), pad_id, dtype=torch.float64)
         logprobs = torch.zeros(len(mine), n, dtype=torch.float64)

@@ -132,15 +132,18 @@ def group_bytes(shard: "ModelShard", group: list[LogicalTensor], elem_bytes: int
 def group_tensors(shard: "ModelShard", group: list[LogicalTensor],
                   local: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """``group``'s whole tensors under Hugging Face names, on this rank's device.
-    Collective over the replica's TP group at TP > 1 (every TP rank calls it)."""
+    Collective over the replica's TP group at TP > 1 (every TP rank calls it), and over
+    its EP group at EP > 1 (each expert from the rank holding it)."""
+    from realign.runtime.engines.vllm_moe import expert_shard
     from realign.runtime.hf_checkpoint import gather_full, to_hf
 
     g = shard.groups
     out: list[tuple[str, torch.Tensor]] = []
     with torch.no_grad():
         for t in group:
-            full = gather_full(t, local[t.name], g.pgs.tp, g.layout.tp) \
-                if g.layout.tp > 1 else local[t.name].detach()
+            # an expert another EP rank holds comes from it (vllm_moe.expert_shard)
+            mine = expert_shard(shard, t.name, local, t.shard_shape(g.layout.tp))
+            full = gather_full(t, mine, g.pgs.tp, g.layout.tp) if g.layout.tp > 1 else mine
             out += list(to_hf(t, full, shard.spec).items())
     return out
 

@@ -15,9 +15,12 @@ the segment (vLLM's own packed IPC consumer copies for the same reason).
 """
 from __future__ import annotations
 
+from realign.runtime.engines.vllm_routing import RoutingCaptureExtension
 
-class RealignWorkerExtension:
-    """Mixed into vLLM's worker (``self`` is the worker)."""
+
+class RealignWorkerExtension(RoutingCaptureExtension):
+    """Mixed into vLLM's worker (``self`` is the worker); the MoE routing record's
+    methods come from :class:`~realign.runtime.engines.vllm_routing.RoutingCaptureExtension`."""
 
     def realign_begin_update(self) -> None:
         from vllm.config import set_current_vllm_config
@@ -93,9 +96,17 @@ class RealignWorkerExtension:
         model = self.model_runner.get_model()                       # type: ignore[attr-defined]
         with set_current_vllm_config(self.vllm_config):              # type: ignore[attr-defined]
             finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
+        self.realign_repack_experts()
         importer = getattr(self, "_realign_importer", None)
         if importer is not None:        # the replica may reclaim its IPC buffer
             importer.close()
+
+    def realign_repack_experts(self) -> int:
+        """Put a mixture of experts' updated weights back into the layout vLLM's CPU
+        kernel reads (:mod:`realign.runtime.engines.vllm_moe`); the layers repacked."""
+        from realign.runtime.engines.vllm_moe import repack_cpu_experts
+
+        return repack_cpu_experts(self.model_runner.get_model())    # type: ignore[attr-defined]
 
     def realign_add_lora(self, name: str, entries: list[list], lora_id: int,
                          config: dict) -> int:

@@ -1,0 +1,75 @@
+"""A mixture of experts on vLLM's CPU build: its experts' weights after an in-memory
+update put back into the layout its CPU kernel reads.
+
+vLLM 0.32's CPU MoE experts (``vllm/model_executor/layers/fused_moe/experts/cpu_moe.py``,
+``CPUUnquantizedExperts.process_weights_after_loading``) prepack ``w13_weight`` and
+``w2_weight`` into the grouped GEMM's layout when the model is first loaded. On a
+weight update (layerwise reload, or ``reload_weights`` from a folder) the checkpoint's
+experts are loaded into those parameters in checkpoint layout, and the unquantized MoE
+method skips the prepack (``fused_moe/unquantized_fused_moe_method.py``,
+``_setup_kernel``: with ``moe_kernel`` already set, ``is_weight_update`` is true and
+``fused_experts.process_weights_after_loading`` is not called), so the kernel reads
+unpacked weights: a tiny Qwen3-MoE reloaded with its own checkpoint generated other
+tokens than before. :func:`repack_cpu_experts` runs the prepack again, in place, after
+every update realign makes (:mod:`realign.runtime.engines.vllm_worker_ext`). On CUDA
+the experts' kernels read the checkpoint layout (the method's shuffle is copied into the
+parameters on every update) and nothing is done.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Prepack, in place, the expert weights of every MoE layer of ``model`` whose
+    kernel is vLLM's CPU unquantized one; the layers repacked (0 elsewhere)."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    n = 0
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
+            continue
+        cfg = experts.moe_config
+        if experts._padded_intermediate_size(cfg) != cfg.intermediate_size_per_partition:
+            raise ValueError(
+                f"vLLM's CPU experts pad their intermediate size "
+                f"{cfg.intermediate_size_per_partition} to "
+                f"{experts._padded_intermediate_size(cfg)}: an in-memory weight update of "
+                "such a model is not supported on CPU")
+        with torch.no_grad():
+            for name in ("w13_weight", "w2_weight"):
+                w = getattr(layer, name)
+                w.data.copy_(ops.cpu_prepack_moe_weight(w.data, experts.isa))
+        n += 1
+    return n
+
+
+def expert_shard(shard, name: str, local: dict[str, torch.Tensor], shape: tuple[int, ...]
+                 ) -> torch.Tensor:
+    """This rank's TP shard of logical tensor ``name`` for the weight update: its own
+    (``local``), or, with expert parallelism, an expert another rank of its EP group
+    holds, broadcast from that rank. vLLM's engine of each data-parallel rank holds
+    every expert, so at EP > 1 each expert of a bucket goes from its owner to the rest
+    of the EP group; every rank of the group calls this for the same tensors in the
+    same order (:func:`realign.runtime.engines.vllm_weights.group_tensors`).
+    ``shape``: the tensor's TP shard shape."""
+    g = shard.groups
+    if g.ep == 1 or ".mlp.experts.local_experts." not in name:
+        return local[name].detach()
+    import torch.distributed as dist
+
+    from realign.runtime.ep_groups import expert_owner
+
+    expert = int(name.split(".mlp.experts.local_experts.", 1)[1].split(".", 1)[0])
+    assert shard.spec.moe is not None
+    owner = expert_owner(expert, shard.spec.moe.n_experts, g.ep)
+    if owner == g.ep_rank:
+        buf = local[name].detach().contiguous()
+    else:
+        ref = next(iter(local.values()))
+        buf = torch.empty(shape, dtype=ref.dtype, device=ref.device)
+    dist.broadcast(buf, group_src=owner, group=g.ep_group)
+    return buf
