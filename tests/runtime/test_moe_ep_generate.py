@@ -82,6 +82,23 @@ def route_alike_ep(ctx, path):
     return calls, sparse * 4 * seen, differ, float((scored - gen.logprobs).abs().max())
 
 
+def capture_on_refused(ctx, path):
+    """The error of a generate call at DP2·EP2 told to capture its decode steps."""
+    from cases_moe_ep import replica_ep
+
+    from realign.errors import UserError
+    from realign.runtime.engines.generate import GenerateEngine
+    from realign.runtime.sampling import SamplingParams
+
+    shard = replica_ep(ctx, path, 1, 2, 2)
+    try:
+        GenerateEngine(shard).generate([[5, 6, 7]] * 2, SamplingParams(max_new_tokens=2),
+                                       capture="on")
+    except UserError as e:
+        return e.field, str(e)
+    return None, "no error"
+
+
 # ---- tests ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -154,3 +171,9 @@ def test_tp2_dp2_ep2_greedy_equals_tp2_dp2_ep1_one_rank_finishing_first(moe_path
     assert int(lengths[:4].max()) < N and int(lengths[4:].min()) == N
     steps = [r[3] for r in got[2]]
     assert [r[4] for r in got[2]] == [0, 0, 1, 1] and steps[0] == steps[1] < steps[2] == steps[3]
+
+
+def test_captured_decode_steps_are_refused_at_ep2(world2, moe_path):
+    """rollout.capture: on at EP 2 is an error naming the field (auto runs eagerly)."""
+    for field, text in world2.run("test_moe_ep_generate:capture_on_refused", moe_path):
+        assert field == "rollout.capture" and "ep 2" in text, text

@@ -83,6 +83,11 @@ class GenerateEngine:
         # benchmarks/step/README.md). What
         # leaves it is concatenated below, outside, into an ordinary tensor.
         # expert parallelism reads the exchange's split sizes on the host: eager steps
+        if g.ep > 1 and capture == "on":
+            raise UserError(
+                f"decode steps at expert parallelism (ep {g.ep}) read the token exchange's "
+                "split sizes on the host and cannot be captured; set rollout.capture to "
+                "auto or off, or plan the generate call at ep 1", field="rollout.capture")
         mode = capture_mode(capture, self.shard.device.kind) if g.ep == 1 else None
         with torch.inference_mode():
             decode = decode_refill if refill else decode_waves
