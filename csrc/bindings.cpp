@@ -20,7 +20,10 @@ namespace {
 using IntLists = std::vector<std::vector<i64>>;
 using FloatLists = std::vector<std::vector<double>>;
 using PlaceTuple = std::vector<i64>;           // (first_gpu, n_gpus, tp, pp, dp[, ep])
-using ReallocModelTuple = std::array<i64, 8>;  // planner.cost.realloc_cost.ReallocModel fields
+// planner.cost.realloc_cost.ReallocModel's fields: its ten numbers (n_layers ..
+// layer_expert_bytes, dense_layer_sharded_bytes, dense_layer_replicated_bytes), then
+// its dense_layers
+using ReallocModelTuple = std::vector<i64>;
 
 Place place_of(const PlaceTuple& t) {
     if (t.size() != 5 && t.size() != 6)
@@ -29,6 +32,8 @@ Place place_of(const PlaceTuple& t) {
 }
 
 ReallocModel realloc_model_of(const ReallocModelTuple& t) {
+    if (t.size() < 10)
+        throw std::invalid_argument("realloc_models: need ten numbers, then the dense layers");
     ReallocModel m;
     m.n_layers = t[0];
     m.layer_sharded_bytes = t[1];
@@ -38,6 +43,9 @@ ReallocModel realloc_model_of(const ReallocModelTuple& t) {
     m.head_kind = static_cast<int>(t[5]);
     m.head_bytes = t[6];
     m.layer_expert_bytes = t[7];
+    m.dense_layer_sharded_bytes = t[8];
+    m.dense_layer_replicated_bytes = t[9];
+    m.dense_layers.assign(t.begin() + 10, t.end());
     return m;
 }
 

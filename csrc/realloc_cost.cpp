@@ -224,11 +224,17 @@ void realloc_recv_send(Acc& acc, const ReallocModel& m, const Place& src, const 
         if (j == 0) sharded(acc, src, dst, d, m.embedding_bytes, embedding_stages(m, src.pp), gpn);
         const i64 d_lo = j * per_d, d_hi = (j + 1) * per_d;
         for (i64 js = d_lo / per_s; js < floordiv(d_hi - 1, per_s) + 1; ++js) {
-            const i64 c = std::min(d_hi, (js + 1) * per_s) - std::max(d_lo, js * per_s);
-            sharded(acc, src, dst, d, m.layer_sharded_bytes * c, Stages::one(js), gpn);
-            if (m.layer_expert_bytes != 0)
+            const i64 lo = std::max(d_lo, js * per_s), hi = std::min(d_hi, (js + 1) * per_s);
+            const i64 n_dense = m.dense_in(lo, hi);
+            const i64 c = hi - lo - n_dense;  // sparse layers (every layer of a dense model)
+            sharded(acc, src, dst, d,
+                    m.layer_sharded_bytes * c + m.dense_layer_sharded_bytes * n_dense,
+                    Stages::one(js), gpn);
+            if (m.layer_expert_bytes != 0 && c != 0)
                 experts(acc, src, dst, d, m.layer_expert_bytes * c, Stages::one(js), gpn);
-            replicated(acc, src, d, m.layer_replicated_bytes * c, Stages::one(js), gpn);
+            replicated(acc, src, d,
+                       m.layer_replicated_bytes * c + m.dense_layer_replicated_bytes * n_dense,
+                       Stages::one(js), gpn);
         }
         if (j == dst.pp - 1) {
             const Stages last = Stages::one(src.pp - 1);

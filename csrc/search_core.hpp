@@ -48,6 +48,16 @@ struct ReallocModel {
     int head_kind = kHeadLmUntied;
     i64 head_bytes = 0;
     i64 layer_expert_bytes = 0;  // every expert of one layer (split over TP and EP)
+    std::vector<i64> dense_layers;  // a mixture of experts' dense-MLP layers (increasing)
+    i64 dense_layer_sharded_bytes = 0;
+    i64 dense_layer_replicated_bytes = 0;
+
+    // planner.cost.realloc_cost.ReallocModel.dense_in
+    i64 dense_in(i64 lo, i64 hi) const {
+        i64 n = 0;
+        for (i64 x : dense_layers) n += lo <= x && x < hi;
+        return n;
+    }
 };
 
 // planner.cost.realloc_cost.Place: (first_gpu, n_gpus, tp, pp, dp, ep)

@@ -13,7 +13,9 @@ A destination GPU needs its TP shard of its EP rank's experts; what overlaps wit
 source (tp rank, EP rank)'s shard comes from the GPU itself when it held that shard,
 else from the source GPUs holding it (the ranks of that tp rank whose dp rank is that EP
 rank modulo the source's ep). So every destination receives exactly the bytes it needs
-and does not hold: the byte lower bound, expert shards included.
+and does not hold: the byte lower bound, expert shards included. Each layer is priced at
+its own kind's size: a sparse layer with its experts and router, a dense-MLP layer of the
+same model (Qwen3-MoE's ``mlp_only_layers``) with its MLP (``ReallocModel.dense_layers``).
 
 Time model (receiver- and sender-bound, links full duplex): a GPU receiving
 ``intra`` bytes from its own node and ``inter`` bytes from other nodes is busy
@@ -42,8 +44,10 @@ class ReallocModel:
     """A model's parameter bytes by kind, the numbers the closed form needs."""
 
     n_layers: int
-    layer_sharded_bytes: int      #: TP-split bytes of one layer (full, unsharded)
-    layer_replicated_bytes: int   #: bytes every TP rank of a stage holds per layer
+    #: TP-split bytes of one layer (full, unsharded; a mixture of experts: of a sparse
+    #: layer, its experts aside)
+    layer_sharded_bytes: int
+    layer_replicated_bytes: int   #: bytes every TP rank of a stage holds per (sparse) layer
     embedding_bytes: int          #: vocab-parallel embedding (full)
     final_norm_bytes: int
     head_kind: int                #: HEAD_LM_UNTIED | HEAD_LM_TIED | HEAD_VALUE
@@ -51,6 +55,16 @@ class ReallocModel:
     #: the experts of one layer (full: every expert, unsharded; split over TP and EP),
     #: not among ``layer_sharded_bytes``; 0 for a dense model
     layer_expert_bytes: int = 0
+    #: the layers of a mixture of experts that keep the dense MLP (increasing); they hold
+    #: ``dense_layer_sharded_bytes`` and ``dense_layer_replicated_bytes`` and no experts,
+    #: the other layers the three ``layer_*`` sizes; empty for a dense model
+    dense_layers: tuple[int, ...] = ()
+    dense_layer_sharded_bytes: int = 0     #: TP-split bytes of one dense layer (full)
+    dense_layer_replicated_bytes: int = 0  #: bytes every TP rank holds per dense layer
+
+    def dense_in(self, lo: int, hi: int) -> int:
+        """How many of the layers ``lo .. hi - 1`` are dense layers."""
+        return sum(1 for x in self.dense_layers if lo <= x < hi)
 
     @staticmethod
     def of(spec: ModelSpec, head: str, dtype_bytes: int,
@@ -67,16 +81,24 @@ class ReallocModel:
                 head_bytes=spec.head_params(head) * dtype_bytes if head == "value" else 0)
         kind = (HEAD_VALUE if head == "value"
                 else HEAD_LM_TIED if spec.tied_embeddings else HEAD_LM_UNTIED)
+        # each layer kind at its own size: a sparse layer (when there is one) with its
+        # experts and router, the dense layers with their MLP
+        dense = tuple(x for x in range(spec.n_layers) if not spec.is_sparse(x))
+        one = next((x for x in range(spec.n_layers) if spec.is_sparse(x)), 0)
+        d = dense[0] if dense and spec.sparse_layers() else one
         return ReallocModel(
             n_layers=spec.n_layers,
-            layer_sharded_bytes=(spec.layer_sharded_params() - spec.layer_expert_params())
+            layer_sharded_bytes=(spec.layer_sharded_params(one) - spec.layer_expert_params(one))
             * dtype_bytes,
-            layer_replicated_bytes=spec.layer_replicated_params() * dtype_bytes,
+            layer_replicated_bytes=spec.layer_replicated_params(one) * dtype_bytes,
             embedding_bytes=spec.embedding_params() * dtype_bytes,
             final_norm_bytes=spec.hidden * dtype_bytes,
             head_kind=kind,
             head_bytes=(spec.head_params(head) * dtype_bytes if kind != HEAD_LM_TIED else 0),
-            layer_expert_bytes=spec.layer_expert_params() * dtype_bytes,
+            layer_expert_bytes=spec.layer_expert_params(one) * dtype_bytes,
+            dense_layers=dense if spec.sparse_layers() else (),
+            dense_layer_sharded_bytes=spec.layer_sharded_params(d) * dtype_bytes,
+            dense_layer_replicated_bytes=spec.layer_replicated_params(d) * dtype_bytes,
         )
 
 
@@ -214,11 +236,14 @@ def realloc_recv_send(m: ReallocModel, src: Place, dst: Place, gpn: int) -> _Acc
         d_lo, d_hi = j * (L // pp_d), (j + 1) * (L // pp_d)
         per_s = L // pp_s
         for js in range(d_lo // per_s, (d_hi - 1) // per_s + 1):
-            c = min(d_hi, (js + 1) * per_s) - max(d_lo, js * per_s)
-            sharded(m.layer_sharded_bytes * c, [js])
-            if m.layer_expert_bytes:
+            lo, hi = max(d_lo, js * per_s), min(d_hi, (js + 1) * per_s)
+            n_dense = m.dense_in(lo, hi)
+            c = hi - lo - n_dense   # sparse layers (every layer of a dense model)
+            sharded(m.layer_sharded_bytes * c + m.dense_layer_sharded_bytes * n_dense, [js])
+            if m.layer_expert_bytes and c:
                 experts(m.layer_expert_bytes * c, [js])
-            replicated(m.layer_replicated_bytes * c, [js])
+            replicated(m.layer_replicated_bytes * c + m.dense_layer_replicated_bytes * n_dense,
+                       [js])
         if j == pp_d - 1:
             replicated(m.final_norm_bytes, [pp_s - 1])
             if m.head_kind == HEAD_LM_UNTIED:

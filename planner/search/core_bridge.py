@@ -61,7 +61,8 @@ def to_core(prob: Problem) -> Any:
         mfc_base=[bool(x) for x in (prob.mfc_base or [False] * len(prob.mfc_model))],
         realloc_models=[(m.n_layers, m.layer_sharded_bytes, m.layer_replicated_bytes,
                          m.embedding_bytes, m.final_norm_bytes, m.head_kind, m.head_bytes,
-                         m.layer_expert_bytes)
+                         m.layer_expert_bytes, m.dense_layer_sharded_bytes,
+                         m.dense_layer_replicated_bytes, *m.dense_layers)
                         for m in prob.realloc_models],
         cand_first_gpu=column(0),
         cand_n_gpus=column(1),
