@@ -82,7 +82,7 @@ class AlgorithmSection(BatchShape):
     name: Algorithm = Field(description="ppo | grpo | remax | reinforce_pp | rloo | dpo | sft | "
                             "rm | rejection_sampling | online_dpo | dapo | gspo | dr_grpo")
     params: AnyParams = Field(
-        default_factory=dict, validate_default=True,  # type: ignore[arg-type]
+        default_factory=dict, validate_default=True,
         description="Hyper-parameters of the algorithm (e.g. kl_coef, clip_ratio), typed by "
                     "name when the YAML is loaded: the keys of its algorithm.params section "
                     "below. Batch-shape fields are set above, not here.")

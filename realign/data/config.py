@@ -55,11 +55,11 @@ class DatasetConfig(BaseModel):
 
     @model_validator(mode="after")
     def _distinct_keys(self) -> "DatasetConfig":
-        named: list[str | None] = {
+        named: dict[str, list[str | None]] = {
             "prompts": [self.prompt_key, self.answer_key],
             "preferences": [self.prompt_key, self.chosen_key, self.rejected_key],
-            "sft": [self.prompt_key, self.response_key, self.messages_key]}[self.kind]
-        used = [k for k in named if k is not None]
+            "sft": [self.prompt_key, self.response_key, self.messages_key]}
+        used = [k for k in named[self.kind] if k is not None]
         if len(set(used)) != len(used):
             raise ValueError(f"the keys of a {self.kind} dataset must differ, got {used}")
         return self

@@ -129,8 +129,9 @@ def load_dataset(config: DatasetConfig, tokenizer, field: str = "data") -> Datas
         raise lines.error("the dataset is empty (no non-blank lines)")
     if tokenizer.eos_token_id is None and config.kind != "prompts":
         raise lines.error("the tokenizer has no end-of-sequence token to end responses with")
-    build: Callable[[DatasetConfig, Any, list[Any], _Lines], Sequence[Example]] = {
-        "prompts": _prompts, "preferences": _preferences, "sft": _sft}[config.kind]
+    builders: dict[str, Callable[[DatasetConfig, Any, list[Any], _Lines], Sequence[Example]]] = {
+        "prompts": _prompts, "preferences": _preferences, "sft": _sft}
+    build = builders[config.kind]
     return Dataset(config, path, tuple(build(config, tokenizer, rows, lines)))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,9 @@ from planner.specs.layout import Layout
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
 from realign.profile.micro import device_of, sync
+
+if TYPE_CHECKING:
+    from realign.runtime.device import DeviceInfo, DeviceKind
 
 #: (layers, hidden, vocabulary) of the probe models; head size 16, two query heads per
 #: KV head, FFN twice the width
@@ -57,13 +61,13 @@ def probe_spec(layers: int, hidden: int, vocab: int) -> ModelSpec:
                      vocab_size=vocab, max_seq_len=256)
 
 
-def _device(kind: str, dtype: str, rank: int):
+def _device(kind: DeviceKind, dtype: str, rank: int) -> DeviceInfo:
     from realign.runtime.device import init_device
     device_of(kind, rank)
     return init_device(kind, local_rank=rank, dtype=dtype)
 
 
-def build_probes(ctx, kind: str, dtype: str) -> int:
+def build_probes(ctx, kind: DeviceKind, dtype: str) -> int:
     """Prepare this worker's device; replicas are built on first use (every worker
     takes part in creating every replica's process groups). On CPU, collective waits
     poll from now on, as a worker's do (:mod:`realign.runtime.polled_wait`)."""

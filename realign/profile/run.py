@@ -262,6 +262,7 @@ def fit_engines(base: ProfileTable, s: ProfileSettings, kind: str, cases: list,
     # the fit solves the linear model: fixed costs summed with the device's work
     linear = cluster.model_copy(update={"device": cluster.device.model_copy(
         update={"async_kernels": False})})
+    fields: tuple[str, ...]
     if overlap:
         analytic = Rates(cluster, cfg, base.model_copy(update={"engines": {}}))
         zero = {k: analytic.engine(k).model_copy(update={f: 0.0 for f in HOST_FIXED})

@@ -58,7 +58,9 @@ def _write_model(folder: Path, spec: ModelSpec, dtype: str) -> Path:
                          max_position_embeddings=spec.max_seq_len, tie_word_embeddings=False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+        dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+        # transformers types PreTrainedModel.to through a decorator that drops self
+        model = tf.LlamaForCausalLM(cfg).to(dt)  # type: ignore[arg-type]
     model.save_pretrained(str(folder))
     return folder
 
@@ -104,6 +106,7 @@ def time_vllm(device: str, dtype: str, threads: int
                     times = []
                     for rep in range(VLLM_REPS + 1):
                         t0 = time.perf_counter()
+                        assert engine.llm is not None, "a VLLMEngine starts its LLM when built"
                         engine.llm.generate(prompts, sampling, use_tqdm=False)
                         if rep:
                             times.append(time.perf_counter() - t0)
