@@ -96,3 +96,36 @@ def logical_shards_check(ctx, path, tp):
             got[n].zero_()
     after = eng.inference(batch)["logprobs"]
     return worst, float((before - after).abs().max())
+
+
+def megatron_schedule_matches_decoder(ctx, path, tp, pp, micro_batches):
+    """Max |the decoder's scoring log-probs - megatron GPTModel's through megatron's own
+    pipeline schedule| (at PP > 1 each stage runs its own layers, sparse or dense)."""
+    from realign.runtime.engines.base import (
+        from_last_stage,
+        gather_dp,
+        local_batch,
+        position_ids,
+        run_schedule,
+        split,
+    )
+    from realign.runtime.engines.inference import head_outputs
+
+    shard = replica(ctx, path, "lm", tp, pp, 1)
+    if shard is None:
+        return None
+    batch = batch_of(shard, n=8)
+    ours = InferenceEngine(shard, micro_batches=micro_batches).inference(batch)["logprobs"]
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        out = model(mb["tokens"], position_ids(mb["tokens"]), None)
+        return out, lambda output, non_loss_data=True: head_outputs(shard, output, mb).float()
+
+    micro = split(local_batch(batch, shard), micro_batches)
+    with torch.no_grad():
+        res = run_schedule(shard, shard.module, forward_step, micro, forward_only=True,
+                           collect_non_loss_data=True)
+    mine = torch.cat(res) if shard.groups.is_last_stage else None
+    theirs = gather_dp(shard, from_last_stage(shard, mine, tuple(ours.shape), torch.float32))
+    return float((ours - theirs).abs().max())
