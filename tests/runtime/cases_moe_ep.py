@@ -16,16 +16,16 @@ from realign.runtime.hf_checkpoint import HFReader, check_checkpoint, load_hf_we
 from realign.runtime.model import build_model, logical_shards
 
 
-def replica_ep(ctx, path, tp, dp, ep):
-    """A replica at tp x dp (pp 1) with experts over EP groups of ``ep``, loaded from
-    ``path`` (each rank reading its own experts only); None off-mesh."""
-    key = ("replica_ep", str(path), tp, dp, ep)
+def replica_ep(ctx, path, tp, dp, ep, pp=1):
+    """A replica at tp x dp x pp with experts over EP groups of ``ep``, loaded from
+    ``path`` (each rank reading its own stage's experts only); None off-mesh."""
+    key = ("replica_ep", str(path), tp, dp, ep, pp)
     if key not in ctx.store:
         spec = spec_from_hf(path)
         reader = HFReader(path)
         check_checkpoint(reader, spec, "lm")
-        groups = build_replica_groups(spec, DeviceMesh(first_gpu=0, n_gpus=tp * dp),
-                                      Layout(tp=tp, dp=dp, ep=ep))
+        groups = build_replica_groups(spec, DeviceMesh(first_gpu=0, n_gpus=tp * dp * pp),
+                                      Layout(tp=tp, pp=pp, dp=dp, ep=ep))
         shard = None
         if groups.member:
             shard = build_model(spec, "lm", groups, init_device("cpu", dtype="fp32"),
@@ -35,12 +35,12 @@ def replica_ep(ctx, path, tp, dp, ep):
     return ctx.store[key]
 
 
-def logits_parity(ctx, path, tp, dp, ep, n):
+def logits_parity(ctx, path, tp, dp, ep, n, pp=1):
     """(max |logits - transformers'|, max |log-probs - transformers'|, the experts this
-    rank holds in its first sparse layer, its EP rank) of a batch of ``n`` rows (each
-    data-parallel rank scores its own ``n / dp`` of them, exchanging tokens with the
-    other ranks of its EP group)."""
-    shard = replica_ep(ctx, path, tp, dp, ep)
+    rank holds in its stage's first sparse layer (none: a stage of dense layers only), its
+    EP rank) of a batch of ``n`` rows (each data-parallel rank scores its own ``n / dp``
+    of them, exchanging tokens with the other ranks of its EP group)."""
+    shard = replica_ep(ctx, path, tp, dp, ep, pp)
     if shard is None:
         return None
     g = shard.groups
@@ -53,8 +53,12 @@ def logits_parity(ctx, path, tp, dp, ep, n):
     valid = torch.arange(batch["tokens"].shape[1]) < batch["lengths"][:, None]
     ref_lp = torch.log_softmax(ref, -1)[:, :-1].gather(-1, batch["tokens"][:, 1:, None])[..., 0]
     lp_valid = torch.arange(1, batch["tokens"].shape[1]) < batch["lengths"][:, None]
-    layer = next(i for i in range(shard.spec.n_layers) if shard.spec.is_sparse(i))
-    held = sorted(int(e) for e in shard.module.decoder.layers[layer].mlp.experts.local_experts)
+    held = []
+    for layer in shard.module.decoder.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            held = sorted(int(e) for e in experts.local_experts)
+            break
     return (float((ours - ref).abs()[valid].max()),
             float((lp - ref_lp * lp_valid).abs().max()), held, g.ep_rank)
 
