@@ -147,6 +147,15 @@ class Calls:
             seqs, logprobs = sequences_from_generation(prompts, gen.tokens, gen.logprobs,
                                                        gen.lengths, self.pad_id)
             gen_lengths = gen.lengths
+            if op.engine == "vllm" and h.shard.spec.moe is not None:
+                # tokens whose experts differ between vLLM and the training forward
+                from realign.runtime.engines.vllm_moe import rollout_routing_mismatch
+
+                share, compared = rollout_routing_mismatch(
+                    h.shard, self.vllm_engines[op.replica].routing, prompts, gen,
+                    self.pad_id)
+                metrics[f"{prefix}moe.routing_mismatch"] = share
+                metrics[f"{prefix}moe.routing_tokens"] = float(compared)
         # the policy version that sampled them: a step reallocates the weights after
         # ``step`` updates; an ahead call on the trained copy itself runs after the
         # step's update

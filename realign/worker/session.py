@@ -153,7 +153,9 @@ class Session:
                     a.prompt_len + a.gen_len, device_kind=self.dev.kind,
                     device_index=local, seed=self.cfg.run.seed, tp=g.layout.tp,
                     host=g.tp_rank == 0, devices=tp_devices(g, local),
-                    lora=self.hosted[op.replica].shard.lora)
+                    lora=self.hosted[op.replica].shard.lora,
+                    moe_top_k=moe.top_k if (moe := self.hosted[op.replica].shard.spec.moe)
+                    else 0)
 
     # ---- data of a step --------------------------------------------------------------
     def dataset_record(self, step: int) -> dict:

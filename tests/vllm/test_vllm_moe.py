@@ -196,3 +196,50 @@ def test_replay_forces_the_experts_given(shard):
     assert torch.equal(got[keep], forced[keep])
     free_lp, _ = training_forward(shard, tokens)
     assert float((lp - free_lp).abs().max()) > 1e-3
+
+
+def test_grpo_run_logs_the_routing_mismatch(tiny_assets, tmp_path):
+    """A 2-step GRPO run of the tiny Qwen3-MoE with rollout.engine vllm: every step logs
+    the share of rollout tokens whose experts differ between vLLM and the training
+    forward, small in fp32, and the rollout's log-probs stay the training forward's."""
+    import json
+
+    from realign.assets.tiny_cmd import make_moe_actor
+    from realign.cli.main import main
+    from tests.run.conftest import experiment
+
+    if not (tiny_assets / "tiny" / "moe_actor").is_dir():
+        make_moe_actor(tiny_assets / "tiny")
+    exp = experiment(tiny_assets, "tiny-grpo-vllm-cpu", tmp_path, run__steps=2,
+                     models__actor="tiny/moe_actor")
+    assert main(["run", str(exp), "--run-dir", str(tmp_path / "run")]) == 0
+    rows = [json.loads(line)
+            for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert 0.0 <= row["moe.routing_mismatch"] < 0.05
+        # every rollout token vLLM ran forward: 64 sequences of 4 new tokens and more
+        assert row["moe.routing_tokens"] >= 64 * 4
+        assert row["actor.rollout_logprob_diff_max"] < 1e-3
+
+
+def test_tp2_engine_fed_from_a_tp2_replica(model_dir, engine, shard, tmp_path):
+    """TP 2: a TP 2 replica (each expert split over TP) feeds vLLM at TP 2 in memory:
+    greedy tokens equal the TP 1 engine's, after a weight change those of realign's own
+    engine at TP 2 (log-probs within 1e-4), and again the first after restoring."""
+    import json
+
+    from realign.runtime.settings import SamplingParams
+    from tests.vllm.cases_vllm_tp import PROMPTS as TP_PROMPTS
+    from tests.vllm.cases_vllm_tp import N as TP_N
+    from tests.vllm.cases_vllm_tp import spawn, tp_parity
+
+    spawn(tp_parity, 2, str(model_dir), str(tmp_path))
+    tp2 = json.loads((tmp_path / "rank0.json").read_text())
+    assert tp2["changed"] == tp2["own_changed"] != tp2["before"]
+    assert tp2["changed_logprob_diff"] < 1e-4
+    assert tp2["restored"] == tp2["before"]
+    engine.load(shard)
+    tp1 = engine.generate(shard, TP_PROMPTS, SamplingParams(max_new_tokens=TP_N, greedy=True),
+                          pad_id=0)
+    assert tp2["before"] == tp1.tokens.tolist()

@@ -73,3 +73,45 @@ def expert_shard(shard, name: str, local: dict[str, torch.Tensor], shape: tuple[
         buf = torch.empty(shape, dtype=ref.dtype, device=ref.device)
     dist.broadcast(buf, group_src=owner, group=g.ep_group)
     return buf
+
+
+def rollout_routing_mismatch(shard, routing, prompts: list[list[int]], gen, pad_id: int
+                             ) -> tuple[float, int]:
+    """(share, tokens compared): the share of rollout tokens whose experts differ, at some sparse layer, between
+    vLLM (``routing``: the engine's :class:`~realign.runtime.engines.vllm_routing.VLLMRouting`
+    after the call, on the hosting rank; None elsewhere) and realign's forward of the
+    replica that fed it, over the whole call (``moe.routing_mismatch``). Every rank of
+    the replica calls it (the forward is collective over TP and EP): each data-parallel
+    rank scores the sequences its engine generated, and the counts are summed over the
+    data-parallel ranks (share 0 when no token was compared)."""
+    import torch.distributed as dist
+
+    from realign.runtime.engines.decoder import StageDecoder
+    from realign.runtime.moe import recording
+    from realign.runtime.router_replay import routing_mismatch
+
+    g = shard.groups
+    per = len(prompts) // g.layout.dp
+    first = g.dp_rank * per
+    seqs = [q + gen.tokens[first + i, :int(gen.lengths[first + i])].tolist()
+            for i, q in enumerate(prompts[first:first + per])]
+    width = max(len(s) for s in seqs)
+    dev = shard.device.device
+    tokens = torch.full((per, width), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)] = torch.tensor(s)
+    with torch.no_grad(), recording(shard.module) as rec:
+        StageDecoder(shard, max_len=width).score(tokens.to(dev))
+    trained = torch.stack(rec.experts, dim=2)            # [rows, width, layers, k]
+    counts = torch.zeros(2, dtype=torch.float64, device=dev)
+    if routing is not None:
+        rolled = torch.full(trained.shape, -1, dtype=torch.long)
+        for i, r in enumerate(routing.last):
+            rolled[i, :r.shape[0]] = r
+        differ, compared = routing_mismatch(rolled, trained.cpu())
+        counts += torch.tensor([differ, compared], dtype=torch.float64, device=dev)
+    if g.layout.dp > 1:
+        dist.all_reduce(counts, group=g.pgs.dp)
+    if g.layout.tp > 1:      # the host's counts to its TP ranks
+        dist.all_reduce(counts, group=g.pgs.tp)
+    return (float(counts[0] / counts[1]) if counts[1] > 0 else 0.0), int(counts[1])
