@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from realign.bench.lengths_check import compare as compare_lengths
 from realign.bench.plans import emit, run_plan, spread
@@ -180,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
                     transform=_seeded(seed, one_device=plans[name] is one)))
     modes = {name: summarize_mode(plans[name].iteration_time_s, runs[name], args.warmup,
                                   args.final_window) for name in plans}
-    record = {
+    record: dict[str, Any] = {
         "study": "async", "experiment": str(args.experiment),
         "config": {"steps": steps, "warmup": args.warmup, "seeds": args.seeds,
                    "final_window": args.final_window, "profile": profile_src,

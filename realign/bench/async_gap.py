@@ -21,6 +21,7 @@ start, end, gpus], ...]}``) and metrics rows.
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 
 def step_sides(events: list[list], gen_gpus: set[int]) -> dict[str, float] | None:
@@ -72,7 +73,7 @@ def breakdown(timelines: list[list[dict]], rows: list[list[dict]], gen_gpus: set
         return statistics.fmean(s[key] for s in sides)
 
     slower = statistics.fmean(max(s["gen_s"], s["train_s"]) for s in sides)
-    out = {"steps": len(sides),
+    out: dict[str, Any] = {"steps": len(sides),
            "prefix_s": mean("prefix_s"), "gen_s": mean("gen_s"), "train_s": mean("train_s"),
            "slower_side_s": slower,
            "slower_side_excess_s": slower - max(mean("gen_s"), mean("train_s")),

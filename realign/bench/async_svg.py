@@ -9,6 +9,7 @@ final rewards. Pure: record in, text out.
 from __future__ import annotations
 
 from html import escape
+from typing import Any
 
 from planner.svg import PALETTE, finite, head
 
@@ -16,11 +17,11 @@ COLORS = {"synchronous": PALETTE[0], "asynchronous": PALETTE[1]}
 W, H, LEFT, RIGHT, TOP, BOTTOM = 760, 440, 60, 20, 86, 50
 
 
-def _mean_curve(curves: list[list]) -> list[float | None]:
+def _mean_curve(curves: list[list[object]]) -> list[float | None]:
     n = max((len(c) for c in curves), default=0)
-    out = []
+    out: list[float | None] = []
     for i in range(n):
-        vals = [finite(c[i]) for c in curves if i < len(c) and finite(c[i]) is not None]
+        vals = [v for c in curves if i < len(c) and (v := finite(c[i])) is not None]
         out.append(sum(vals) / len(vals) if vals else None)
     return out
 
@@ -29,10 +30,9 @@ def _path(points: list[tuple[float, float]]) -> str:
     return " ".join(f"{'M' if k == 0 else 'L'}{x:.1f},{y:.1f}" for k, (x, y) in enumerate(points))
 
 
-def render(rec: dict) -> str:
+def render(rec: dict[str, Any]) -> str:
     curves = {m: [c for c in rec.get("curves", {}).get(m, []) if c] for m in COLORS}
-    values = [finite(v) for cs in curves.values() for c in cs for v in c]
-    values = [v for v in values if v is not None]
+    values = [v for cs in curves.values() for c in cs for x in c if (v := finite(x)) is not None]
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
     if hi - lo < 1e-9:
         lo, hi = lo - 0.5, hi + 0.5
@@ -74,7 +74,7 @@ def render(rec: dict) -> str:
                f'text-anchor="middle">reward mean</text>')
     for ly, (m, color) in enumerate(COLORS.items()):
         for c in curves[m]:
-            pts = [xy(i, finite(v)) for i, v in enumerate(c) if finite(v) is not None]
+            pts = [xy(i, f) for i, v in enumerate(c) if (f := finite(v)) is not None]
             out.append(f'<path d="{_path(pts)}" fill="none" stroke="{color}" '
                        f'stroke-opacity="0.35" stroke-width="1"/>')
         mean = _mean_curve(curves[m])

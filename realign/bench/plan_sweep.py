@@ -58,8 +58,8 @@ def run_sweep(sweep: dict, limit: int | None = None, progress=None) -> dict:
         heur = {h.name: h.iteration_time_s for h in plan.heuristics}
         row = {"actor": actor, "critic": critic, "gpus": n_gpus, "gen_len": gen,
                "iteration_time_s": plan.iteration_time_s, "heuristics": heur,
-               "speedup_vs_megatron": (heur["megatron"] / plan.iteration_time_s
-                                       if heur.get("megatron") else None),
+               "speedup_vs_megatron": (megatron_s / plan.iteration_time_s
+                                       if (megatron_s := heur.get("megatron")) else None),
                "never_slower_than_heuristics": all(
                    t is None or plan.iteration_time_s <= t for t in heur.values()),
                "search_time_s": plan.search.search_time_s, "wall_s": wall,

@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from planner.cost.transfer import Placement
 from planner.specs.layout import Layout
@@ -109,7 +110,7 @@ def _rank_case(ctx, src_t: tuple, dst_t: tuple, warmup: int, repeats: int) -> di
     def naive(b):
         return naive_reallocate(spec, head, src, dst, a, b, dtype=torch.float32)
 
-    out = {"gpu": gpu}
+    out: dict[str, Any] = {"gpu": gpu}
     for name, fn in (("planned", planned), ("naive", naive)):
         b = allocate_shards(spec, head, dst, gpu, torch.float32)
         times, received = [], None
@@ -187,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
             row["at_lower_bound"] = row["planned"]["bytes_moved"] == bound == row["planner_bytes"]
             rows.append(row)
     changes = [r for r in rows if r["tp_change"] or r["pp_change"]]
-    result = {
+    result: dict[str, Any] = {
         "study": "realloc",
         "config": {"model": spec.model_dump(), "head": args.head, "dtype": "float32",
                    "params": sum(t.numel for t in all_tensors(spec, args.head)),

@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from realign.algorithms.params import GRPOConfig
 from realign.bench.machine import (
     STEAL_LIMIT,
     clean_rounds,
@@ -88,8 +89,8 @@ def summarize_realign(rows: list[dict], plan: dict, warmup: int) -> dict:
             "micro_batches": a["micro_batches"], "estimated_s": a["time_s"],
             "measured_mean_s": mean,
             "measured_over_estimated": mean / a["time_s"] if mean and a["time_s"] else None,
-            "share_of_step": (mean / mean_or_none([r["step_time_s"] for r in kept])
-                              if mean and kept else None),
+            "share_of_step": (mean / step_mean_s if mean and kept and (
+                step_mean_s := mean_or_none([r["step_time_s"] for r in kept])) else None),
         })
     step_s = [r["step_time_s"] for r in kept]
     tokens = [r.get("gen_tokens", 0.0) for r in kept]
@@ -175,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
             threads = rnd["realign"]["total_threads"]
             has_ref = any(a["mfc"].startswith("ref.")
                           for a in rnd["realign"]["plan"]["allocations"])
+            assert isinstance(spec.params, GRPOConfig), "the TRL comparison is GRPO only (above)"
             kl = spec.params.kl_coef
             variants = {"same-work": kl if kl > 0 or not has_ref else SAME_WORK_BETA,
                         "experiment-beta": kl}
@@ -243,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
             mine = [p for i in clean for p in kept_realign(rounds[i])]
             theirs = [(x["gen_tokens"], x["step_time_s"])
                       for i in clean for x in rounds[i]["trl"][name]["steps"][args.warmup:]]
-            return _pooled_tokens_per_s(mine) / _pooled_tokens_per_s(theirs)
+            ours, peer = _pooled_tokens_per_s(mine), _pooled_tokens_per_s(theirs)
+            return ours / peer if ours is not None and peer else None
 
         summary["comparison"] = {
             "headline_variant": head,
