@@ -48,6 +48,7 @@ from realign.runtime.engines.packed_attention import kernel_for
 from realign.runtime.engines.train_state import StateParking
 from realign.runtime.model import ModelShard
 from realign.runtime.moe import recording, router_terms
+from realign.runtime.moe_stages import attach_loss, stage_aux_weight, sum_stage_metric
 from realign.runtime.optimizer_state import torch_optimizers
 from realign.runtime.settings import TrainConfig
 
@@ -188,6 +189,9 @@ class TrainEngine:
         packs = train_packs(micro, kernel_for(shard.device.kind)) if self.packing else None
         cols = s - (shard.head == "lm")
 
+        g = shard.groups
+        stage_aux: list[torch.Tensor] = []    #: this stage's logged router loss per mb
+
         def forward_step(data_iterator, model):
             mb, pack, (scale, share) = next(data_iterator)
             with (recording(shard.module) if self.router_coef is not None
@@ -198,15 +202,25 @@ class TrainEngine:
                     out = forward(mb["tokens"])
                 else:
                     out = forward(pack.tokens, pack)
+            aux, routed = None, {}
+            if record is not None and record.probs and self.router_coef is not None:
+                # this stage's sparse layers, weighted by their share (moe_stages)
+                w = stage_aux_weight(shard.spec, g.layout.pp, g.pp_rank)
+                aux, routed = router_terms(record, token_mask(mb, pack, forward is None),
+                                           self.router_coef)
+                aux, routed["router_aux_loss"] = aux * w, routed["router_aux_loss"] * w
+                if not g.is_last_stage:    # megatron's schedule divides the loss by mbs
+                    out = attach_loss(out, aux * scale / len(micro))
+                    stage_aux.append(routed["router_aux_loss"] * share)
 
             def loss_func(output):
                 outputs = (head_outputs(shard, output, mb) if pack is None
                            else packed_head_outputs(shard, output, pack, cols))
                 loss, metrics = loss_fn(outputs, mb)
-                if record is not None and self.router_coef is not None:
-                    aux, routed = router_terms(record, token_mask(mb, pack, forward is None),
-                                               self.router_coef)
+                if aux is not None:
                     loss, metrics = loss + aux, {**metrics, **routed}
+                elif self.router_coef is not None:    # a last stage of dense layers only
+                    metrics = {**metrics, "router_aux_loss": torch.zeros(())}
                 loss = loss * scale     # its share of the mini-batch's mean
                 return loss, {"loss": loss.detach().clone(),
                               **{k: torch.as_tensor(v).detach() * share
@@ -217,6 +231,9 @@ class TrainEngine:
                                list(zip(micro, packs or [None] * len(micro), scales)),
                                forward_only=False, collect_non_loss_data=False,
                                shape=packs[0].shape if packs else micro[0]["tokens"].shape)
+        if self.router_coef is not None and g.layout.pp > 1:
+            sum_stage_metric(reduced, "router_aux_loss", stage_aux, len(micro), g.pgs.pp,
+                             shard.device.device)
         with cuda_tensor_type_names(self.shard.device):
             update_ok, grad_norm = checked_step(self.optimizer)
         metrics = self._reduce_metrics(reduced) if dp_mean else _local_means(reduced)
@@ -280,27 +297,19 @@ class TrainEngine:
 
 def _router_coef(shard: ModelShard, cfg: TrainConfig, recompute: bool) -> float | None:
     """The router's load-balancing loss coefficient of a mixture of experts (None: a
-    dense model). Its loss pools every sparse layer's routing, so they must sit on one
-    pipeline stage; megatron's recomputed layers run their first forward without
-    gradients, which the loss needs."""
+    dense model); at PP > 1 summed over the stages (:mod:`realign.runtime.moe_stages`).
+    Megatron's recomputed layers run their first forward without gradients, which the
+    loss needs."""
     moe = shard.spec.moe
     if moe is None:
         return None
-    pp = shard.groups.layout.pp
-    if moe.router_aux_loss_coef > 0 and pp > 1:
-        raise UserError(
-            f"the router's load-balancing loss (router_aux_loss_coef "
-            f"{moe.router_aux_loss_coef}) pools every sparse layer's routing, which this "
-            f"train call splits over {pp} pipeline stages; plan it with pp 1 "
-            "(plan.manual) or set router_aux_loss_coef to 0 in the model's config.json",
-            field="plan")
     if moe.router_aux_loss_coef > 0 and recompute and cfg.forward == "megatron":
         raise UserError(
             "megatron's recomputed layers run their forward without gradients, so the "
             "router's load-balancing loss would not train the router; use train.forward "
             "plain (it recomputes with gradients) or plan.cost.recompute never",
             field="train.forward")
-    return moe.router_aux_loss_coef if pp == 1 else None
+    return moe.router_aux_loss_coef
 
 
 def token_mask(mb: Batch, pack: Pack | None, megatron: bool) -> torch.Tensor:
