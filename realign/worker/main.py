@@ -19,9 +19,11 @@ from realign.worker.watchdog import Position, stall_hook, tracked_waits, watch
 
 def serve(conn, rank: int, world: int, position: Position) -> None:
     from realign.run.spec import RunSpec
+    from realign.runtime.megatron_import import import_megatron
     from realign.runtime.polled_wait import polled_waits
     from realign.worker.rendezvous import join_store
     from realign.worker.session import Session
+    import_megatron()         # before any other import of it: see megatron_import.py
     msg = conn.recv()
     assert msg[0] == "setup", msg
     spec = RunSpec.model_validate_json(msg[1])
