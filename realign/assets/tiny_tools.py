@@ -37,7 +37,7 @@ from realign.agents.tool_calls import (
     format_call,
     format_response,
 )
-from realign.assets.tiny import TINY_LLAMA
+from realign.assets.tiny_base import TINY_LLAMA, build_tokenizer, make_model, write_jsonl
 
 TOOL_SYMBOLS = "{}_"
 TOOL_WORDS = (CALL_OPEN, CALL_CLOSE, RESPONSE_OPEN, RESPONSE_CLOSE, "arguments", "name",
@@ -49,8 +49,6 @@ TOOL_LLAMA = dict(TINY_LLAMA, hidden_size=128, intermediate_size=256, num_hidden
 
 
 def build_tool_tokenizer():
-    from realign.assets.tiny import build_tokenizer
-
     return build_tokenizer(TOOL_SYMBOLS, TOOL_WORDS)
 
 
@@ -98,8 +96,6 @@ def sft_rows(problems: list[dict], call_share: float, seed: int = 0) -> list[dic
 
 def make_tool_assets(out_dir: str | Path, seed: int = 0, call_share: float = 0.3
                      ) -> dict[str, Path]:
-    from realign.assets.tiny import make_model, write_jsonl
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tool_tokenizer()
