@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from tests.run.conftest import REPO
+from tests.run.run_records import metrics
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -30,7 +31,7 @@ def test_tiny_grpo_runs_on_one_gpu(tmp_path):
     r = subprocess.run([sys.executable, "-m", "realign.cli.main", "run", str(exp), "--run-dir",
                         str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(tmp_path / "run")
     assert [row["step"] for row in rows] == [0, 1, 2]
     assert all(torch.isfinite(torch.tensor(row["actor.loss"])) for row in rows)
     final = json.loads((tmp_path / "run" / "final" / "actor" / "config.json").read_text())

@@ -21,6 +21,7 @@ import pytest
 
 from tests.ray.head import free_port
 from tests.run.conftest import experiment
+from tests.run.run_records import metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -45,10 +46,6 @@ def controller(run_dir: Path, head, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "realign.controller.main", str(run_dir),
                              "--launcher", "ray"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_learned(run_dir: Path, steps: int = STEPS) -> None:

@@ -11,7 +11,8 @@ import torch
 
 from realign.run.checkpoint import committed
 from tests.run.conftest import experiment, kill_after
-from tests.run.test_run_controller import final_weights, kill_a_worker, metrics, run
+from tests.run.run_records import final_weights, metrics
+from tests.run.test_run_controller import kill_a_worker, run
 
 pytestmark = pytest.mark.cpu_dist
 

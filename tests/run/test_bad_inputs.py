@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from tests.run.conftest import experiment
+from tests.run.run_records import metrics
 
 pytestmark = pytest.mark.cpu_dist
 
@@ -326,7 +327,7 @@ def test_a_truncated_newest_checkpoint_falls_back_and_is_kept(finished_run, tmp_
     assert "resuming from" in text and "step_000002" in text
     assert (rd / "checkpoints" / "step_000004.damaged").is_dir()
     assert (rd / "checkpoints" / "step_000002.bak").is_dir()
-    rows = [json.loads(ln) for ln in (rd / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(rd)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert (rd / "final" / "actor" / "config.json").is_file()
 

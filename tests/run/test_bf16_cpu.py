@@ -16,6 +16,7 @@ import torch
 
 from realign.run.checkpoint import committed
 from tests.run.conftest import experiment, kill_after
+from tests.run.run_records import final_weights, metrics
 
 pytestmark = [pytest.mark.cpu_dist, pytest.mark.slow]
 
@@ -25,18 +26,6 @@ REALIGN = [sys.executable, "-m", "realign.cli.main"]
 def run(exp: Path, run_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run([*REALIGN, "run", str(exp), "--run-dir", str(run_dir)],
                           capture_output=True, text=True, timeout=400)
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def final(run_dir: Path, role: str = "actor") -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-    out = {}
-    for f in sorted((run_dir / "final" / role).glob("*.safetensors")):
-        out.update(load(f.read_bytes()))
-    return out
 
 
 def resumed_after_kill(exp: Path, cut: Path, n_rows: int, checkpoint: str
@@ -51,7 +40,7 @@ def resumed_after_kill(exp: Path, cut: Path, n_rows: int, checkpoint: str
     r = run(exp, cut)
     assert r.returncode == 0 and "resuming from" in r.stdout, r.stderr[-3000:]
     assert found[-1][1].name in r.stdout, r.stdout
-    return final(cut)
+    return final_weights(cut)
 
 
 def mean(xs) -> float:
@@ -65,9 +54,9 @@ def test_bf16_grpo_learns_and_resumes_bit_identically(tiny_assets, tmp_path, zer
     whole = tmp_path / "whole"
     r = run(exp, whole)
     assert r.returncode == 0, r.stderr[-3000:]
-    rewards = [row["reward_mean"] for row in rows(whole)]
+    rewards = [row["reward_mean"] for row in metrics(whole)]
     assert mean(rewards[-3:]) > mean(rewards[:3]) + 0.05, rewards
-    weights = final(whole)
+    weights = final_weights(whole)
     assert all(t.dtype == torch.bfloat16 for t in weights.values())
     config = json.loads((whole / "final" / "actor" / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16"
@@ -76,7 +65,7 @@ def test_bf16_grpo_learns_and_resumes_bit_identically(tiny_assets, tmp_path, zer
     again = resumed_after_kill(exp, cut, 7, "step_000005")
     assert again.keys() == weights.keys()
     assert all(torch.equal(again[k], weights[k]) for k in weights)
-    assert [row["reward_mean"] for row in rows(cut)] == rewards
+    assert [row["reward_mean"] for row in metrics(cut)] == rewards
 
 
 @pytest.mark.parametrize("zero1", [False, True])
@@ -85,7 +74,7 @@ def test_bf16_ppo_learns(tiny_assets, tmp_path, zero1):
                      train__distributed_optimizer=zero1)
     r = run(exp, tmp_path / "run")
     assert r.returncode == 0, r.stderr[-3000:]
-    got = rows(tmp_path / "run")
+    got = metrics(tmp_path / "run")
     for row in got:
         for key in ("critic.loss", "actor.loss", "actor.grad_norm", "reward_mean"):
             assert math.isfinite(row[key]), (key, row)

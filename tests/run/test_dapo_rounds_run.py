@@ -8,7 +8,8 @@ import torch
 
 from realign.run.checkpoint import committed
 from tests.run.conftest import experiment, kill_after
-from tests.run.test_run_controller import final_weights, metrics, run
+from tests.run.run_records import final_weights, metrics
+from tests.run.test_run_controller import run
 
 pytestmark = pytest.mark.cpu_dist
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.run.conftest import experiment
+from tests.run.run_records import metrics
 
 pytestmark = pytest.mark.cpu_dist
 
@@ -24,15 +25,11 @@ def run(exp: Path, run_dir: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=400)
 
 
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_evaluation_runs_on_its_steps_and_reaches_the_metrics(tiny_assets, tmp_path):
     exp = experiment(tiny_assets, "tiny-grpo-cpu", tmp_path, run__steps=5, eval=EVAL)
     r = run(exp, tmp_path / "run")
     assert r.returncode == 0, r.stderr[-3000:]
-    got = rows(tmp_path / "run")
+    got = metrics(tmp_path / "run")
     evaluated = [row["step"] for row in got if "eval.greedy_accuracy" in row]
     assert evaluated == [0, 1, 3, 4]          # after the first, every 2nd, and the last step
     for row in got:
@@ -83,7 +80,7 @@ def test_evaluation_at_interval_one_runs_every_step(tiny_assets, tmp_path):
                      eval={**EVAL, "interval": 1})
     r = run(exp, tmp_path / "run")
     assert r.returncode == 0, r.stderr[-3000:]
-    got = rows(tmp_path / "run")
+    got = metrics(tmp_path / "run")
     assert [row["step"] for row in got] == [0, 1, 2]
     eval_rows_are_prefixed(got, 64)
 
@@ -103,11 +100,11 @@ def test_the_demo_learns_its_task(tiny_assets, tmp_path):
     # rates, seeds; benchmarks/demo/README.md): GRPO's greedy 0.81-0.93 against 0.6, its
     # gain over SFT +0.36 to +0.43 greedy and +0.28 to +0.37 sampled against 0.15.
     def last5(run: str, key: str) -> float:
-        got = [row[key] for row in rows(tmp_path / run) if key in row]
+        got = [row[key] for row in metrics(tmp_path / run) if key in row]
         assert len(got) >= 10, got
         return sum(got[-5:]) / 5
 
-    untrained = rows(tmp_path / "sft")[0]
+    untrained = metrics(tmp_path / "sft")[0]
     assert untrained["eval.greedy_accuracy"] <= 0.1, untrained     # random: near 0
     sft, grpo = last5("sft", "eval.greedy_accuracy"), last5("grpo", "eval.greedy_accuracy")
     assert grpo >= 0.6, grpo                    # learned, on held-out problems

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from realign.run.checkpoint import committed
 from tests.run.conftest import experiment, kill_after
+from tests.run.run_records import metrics
 
 pytestmark = pytest.mark.cpu_dist
 
@@ -46,8 +47,7 @@ def lora_exp(assets: Path, tmp: Path, **changes) -> Path:
 
 
 def rewards(run_dir: Path) -> list[float]:
-    return [json.loads(ln)["reward_mean"]
-            for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["reward_mean"] for row in metrics(run_dir)]
 
 
 @pytest.mark.slow
@@ -119,7 +119,7 @@ def test_reallocation_moves_only_the_adapters(tiny_assets, tmp_path):
         return sum(sum(v) for v in acc.recv.values())
     assert moved == closed(LoraSpec(rank=8)) > 0
     assert moved * 9 < closed(None)       # 36,864 against 360,448 bytes (rank 8 of a width 64)
-    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(tmp_path / "run")
     got = sum(v for k, v in rows[-1].items() if k.startswith("realloc_bytes.actor.generate"))
     assert got == moved
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.run.conftest import experiment
+from tests.run.run_records import metrics
 
 REALIGN = [sys.executable, "-m", "realign.cli.main"]
 
@@ -23,10 +24,6 @@ def moe_assets(tiny_assets) -> Path:
 
     make_moe_actor(tiny_assets / "tiny", seed=0)
     return tiny_assets
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.torch
@@ -60,7 +57,7 @@ def test_the_moe_demo_first_steps_run(moe_assets, tmp_path):
                        capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     for stage in ("sft", "grpo"):
-        (row,) = rows(tmp_path / stage)
+        (row,) = metrics(tmp_path / stage)
         # top 2 of 8 experts: 2 under uniform routing, more when unbalanced, 4 at worst
         assert 1.5 < row["actor.router_aux_loss"] < 8, row
         assert 1.0 <= row["actor.expert_load_max_over_mean"] <= row[
@@ -69,8 +66,8 @@ def test_the_moe_demo_first_steps_run(moe_assets, tmp_path):
         plan = json.loads((tmp_path / stage / "plan.json").read_text())
         assert {a["mfc"] for a in plan["allocations"]} >= {"actor.train", "actor.eval_greedy"}
         assert all(a["mesh"]["n_gpus"] <= 2 for a in plan["allocations"])
-    assert rows(tmp_path / "sft")[0]["eval.greedy_accuracy"] <= 0.1     # random: near 0
-    assert 0.0 <= rows(tmp_path / "grpo")[0]["reward_mean"] <= 1.0
+    assert metrics(tmp_path / "sft")[0]["eval.greedy_accuracy"] <= 0.1     # random: near 0
+    assert 0.0 <= metrics(tmp_path / "grpo")[0]["reward_mean"] <= 1.0
     # GRPO started from SFT's weights, not make-tiny's
     cfg = json.loads((tmp_path / "grpo" / "final" / "actor" / "config.json").read_text())
     assert cfg["model_type"] == "qwen3_moe"

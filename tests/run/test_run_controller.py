@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from realign.run.checkpoint import committed
 from tests.run.conftest import experiment, kill_after, wait_for_rows
+from tests.run.run_records import final_weights, metrics
 
 pytestmark = pytest.mark.cpu_dist
 
@@ -26,17 +27,6 @@ REALIGN = [sys.executable, "-m", "realign.cli.main"]
 def run(exp: Path, run_dir: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([*REALIGN, "run", str(exp), "--run-dir", str(run_dir), *extra],
                           capture_output=True, text=True, timeout=timeout)
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted((run_dir / "final" / "actor").glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 LEARN_STEPS = 24

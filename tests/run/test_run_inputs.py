@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.run.conftest import experiment
+from tests.run.run_records import metrics
 
 REALIGN = [sys.executable, "-m", "realign.cli.main"]
 
@@ -118,7 +119,7 @@ def test_a_reallocating_plan_really_reallocates_and_learns(tiny_assets, tmp_path
     assert [x["role"] for x in plan["reallocations"]] == ["actor"]
     assert "realloc actor" in (tmp_path / "run" / "plan.svg").read_text()
     planned = plan["reallocations"][0]["bytes"]
-    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(tmp_path / "run")
     assert all(row["realloc_bytes"] > 0 for row in rows)
     # the planner prices the run's own dtype (fp32 on CPU): exactly the bytes it moves
     assert plan["cost_config"]["param_dtype_bytes"] == 4

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.run.conftest import experiment
+from tests.run.run_records import metrics
 
 pytestmark = pytest.mark.cpu_dist
 
@@ -28,7 +29,7 @@ def run(exp: Path, run_dir: Path) -> list[dict]:
     r = subprocess.run([*REALIGN, "run", str(exp), "--run-dir", str(run_dir)],
                        capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
-    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return metrics(run_dir)
 
 
 def compared(rows: list[dict]) -> list[dict]:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.run.conftest import experiment
-from tests.run.test_bf16_cpu import final, resumed_after_kill, rows, run
+from tests.run.run_records import final_weights, metrics
+from tests.run.test_bf16_cpu import resumed_after_kill, run
 
 pytestmark = [pytest.mark.cpu_dist, pytest.mark.slow]
 
@@ -26,7 +27,7 @@ def test_training_state_offload_runs_resumes_and_changes_nothing(tiny_assets, tm
         assert r.returncode == 0, r.stderr[-3000:]
         plan = json.loads((tmp_path / mode / "plan.json").read_text())
         plans[mode] = {a["mfc"]: a for a in plan["allocations"]}
-        weights[mode] = final(tmp_path / mode)
+        weights[mode] = final_weights(tmp_path / mode)
     for name, a in plans["always"].items():
         assert a["train_state_offload"] == (a["kind"] == "train"), name
         b = plans["never"][name]
@@ -44,8 +45,8 @@ def test_training_state_offload_runs_resumes_and_changes_nothing(tiny_assets, tm
     # would find a finished run, nothing to resume)
     again = resumed_after_kill(exp, cut, 5, "step_000003")
     assert all(torch.equal(again[k], off[k]) for k in off)
-    assert [row["reward_mean"] for row in rows(cut)] == [
-        row["reward_mean"] for row in rows(tmp_path / "always")]
+    assert [row["reward_mean"] for row in metrics(cut)] == [
+        row["reward_mean"] for row in metrics(tmp_path / "always")]
 
 
 def sharing(allocations: dict) -> set[frozenset[str]]:

@@ -8,7 +8,6 @@ on how long things take are liveness bounds, never timings.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from realign.controller.stopping import EXIT_PREEMPTED
 from realign.run.checkpoint import committed, problems
 from realign.worker.watchdog import STALL_ENV
 from tests.run.conftest import experiment
+from tests.run.run_records import final_weights, metrics
 
 pytestmark = pytest.mark.cpu_dist
 
@@ -82,17 +81,6 @@ def gone_within(run_dir: Path, bound_s: float) -> bool:
             return True
         time.sleep(0.2)
     return False
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted((run_dir / "final" / "actor").glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_resumes_bit_identically(tiny_assets,

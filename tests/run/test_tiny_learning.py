@@ -10,7 +10,6 @@ PPO (10 steps) critic loss 0.08 -> 0.013.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from tests.run.conftest import experiment
+from tests.run.run_records import metrics
 
 pytestmark = [pytest.mark.cpu_dist, pytest.mark.slow]
 
@@ -36,7 +36,7 @@ def realign_run(assets: Path, name: str, tmp_path: Path, **changes) -> list[dict
                         "--run-dir", str(run_dir)], capture_output=True, text=True,
                        timeout=RUN_TIMEOUT_S, env=env)
     assert r.returncode == 0, f"realign run {name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(run_dir)
     steps = experiment_steps(exp)
     assert [row["step"] for row in rows] == list(range(steps))
     return rows

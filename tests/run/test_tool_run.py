@@ -4,17 +4,16 @@ metrics reach metrics.jsonl and the progress line, and a SIGKILL plus a resume i
 identical with a deterministic environment."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from realign.run.checkpoint import committed
 from tests.run.conftest import experiment, kill_after
+from tests.run.run_records import final_weights, metrics
 
 pytestmark = pytest.mark.cpu_dist
 
@@ -39,17 +38,6 @@ def run(exp: Path, run_dir: Path) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted((run_dir / "final" / "actor").glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def test_an_environment_run_resumes_bit_identically(tiny_assets, tmp_path):
     (tiny_assets / "count_env.py").write_text(ENV)
     exp = experiment(tiny_assets, "tiny-tool-cpu", tmp_path, models__actor="tiny/tool_actor",
@@ -60,7 +48,7 @@ def test_an_environment_run_resumes_bit_identically(tiny_assets, tmp_path):
     whole = tmp_path / "whole"
     r = run(exp, whole)
     assert r.returncode == 0, r.stderr[-3000:]
-    got = rows(whole)
+    got = metrics(whole)
     assert [row["step"] for row in got] == list(range(8))
     for row in got:
         assert row["rollout.turns"] == 2.0           # the environment ends every episode
@@ -78,9 +66,9 @@ def test_an_environment_run_resumes_bit_identically(tiny_assets, tmp_path):
     r = run(exp, cut)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from" in r.stdout
-    again = rows(cut)
+    again = metrics(cut)
     assert [row["step"] for row in again] == list(range(8))
     keys = ("reward_mean", "rollout.masked_share", "rollout.env_reward", "rollout.turn2_reward")
     assert [[row[k] for k in keys] for row in got] == [[row[k] for k in keys] for row in again]
-    a, b = weights(whole), weights(cut)
+    a, b = final_weights(whole), final_weights(cut)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tests.run.conftest import experiment
+from tests.run.run_records import metrics
 
 
 def _run(assets, tmp, capsys, **changes):
@@ -66,8 +67,7 @@ def test_own_engine_log_probs_match_training_and_tis_weights_are_one(tiny_assets
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert [a["mfc"] for a in plan["allocations"]] == ["actor.generate",
                                                       "actor.prox_inference", "actor.train"]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
-            .splitlines()]
+    rows = metrics(tmp_path / "run")
     assert len(rows) == 2
     for row in rows:
         assert 0 <= row["actor.rollout_logprob_diff_mean"] <= row["actor.rollout_logprob_diff_max"]

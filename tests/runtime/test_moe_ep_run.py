@@ -36,6 +36,8 @@ def assets(tmp_path_factory) -> Path:
 def run_at(assets: Path, ep: int) -> tuple[list[dict], dict]:
     """Two steps of the MoE GRPO demo (evaluating after the second) with every call at
     DP2·EP``ep``: (metrics rows, the run's plan)."""
+    from tests.run.run_records import metrics
+
     cfg = yaml.safe_load((REPO / "experiments" / "demo-moe-grpo.yaml").read_text())
     cfg["models"]["actor"] = str(assets / "tiny" / "moe_actor")
     cfg["run"].update(steps=2, checkpoint_interval=100)
@@ -48,7 +50,7 @@ def run_at(assets: Path, ep: int) -> tuple[list[dict], dict]:
     r = subprocess.run([sys.executable, "-m", "realign.cli.main", "run", str(exp),
                         "--run-dir", str(rd)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines() if x]
+    rows = metrics(rd)
     return rows, json.loads((rd / "plan.json").read_text())
 
 

@@ -5,7 +5,6 @@ and TP2), it is in the actor's loss with the config's coefficient and trains the
 a short GRPO run logs it and the expert load in metrics.jsonl and the report."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -153,6 +152,7 @@ def test_grpo_run_logs_router_loss_and_expert_load(tmp_path, moe_path):
 
     from realign.assets.tiny import make_tiny_assets
     from tests.run.conftest import REPO
+    from tests.run.run_records import metrics
 
     make_tiny_assets(tmp_path / "tiny", seed=0, qwen2=False)
     shutil.copy(REPO / "experiments" / "tiny_reward.py", tmp_path / "tiny_reward.py")
@@ -167,7 +167,7 @@ def test_grpo_run_logs_router_loss_and_expert_load(tmp_path, moe_path):
     r = subprocess.run([*cli, "run", str(exp), "--run-dir", str(rd)], capture_output=True,
                        text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines() if x]
+    rows = metrics(rd)
     assert len(rows) == 2
     for row in rows:
         # top 2 of 8 experts: 2 under uniform routing, more when unbalanced

@@ -18,6 +18,7 @@ import torch
 
 from realign.run import checkpoint
 from tests.run.conftest import experiment
+from tests.run.run_records import metrics
 
 pytestmark = pytest.mark.slurm
 
@@ -57,10 +58,6 @@ def wait_for(job: str, cond, timeout: float = JOB_TIMEOUT_S, what: str = "") -> 
 
 def finished(s: dict) -> bool:
     return s["state"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def worker_pids(run_dir: Path) -> list[int]:

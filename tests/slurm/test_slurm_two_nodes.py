@@ -15,6 +15,7 @@ import time
 import pytest
 
 from tests.run.conftest import experiment
+from tests.run.run_records import metrics
 from tests.slurm.cluster import IFNAME, LocalSlurm, install
 
 pytestmark = pytest.mark.slurm
@@ -82,7 +83,7 @@ def test_workers_on_two_nodes_reallocate_across_them(two_nodes, tiny_assets, tmp
     plan = json.loads((run_dir / "plan.json").read_text())
     assert [(x["src_layout"]["pp"], x["dst_layout"]["dp"]) for x in plan["reallocations"]] \
         == [(2, 2)]
-    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(run_dir)
     assert [row["step"] for row in rows] == list(range(STEPS))
     assert all(row["realloc_bytes"] > 0 for row in rows)
     moved = sum(row["realloc_bytes"] for row in rows)

@@ -110,13 +110,14 @@ def test_grpo_with_a_lora_actor_on_vllm(tiny_assets, tmp_path):
     from realign.cli.main import main
     from realign.runtime.hf_checkpoint import spec_from_hf
     from tests.run.conftest import experiment
+    from tests.run.run_records import metrics
 
     lora = {"rank": 8, "alpha": 16, "target_modules": ["all-linear"]}
     exp = experiment(tiny_assets, "tiny-grpo-vllm-cpu", tmp_path, run__steps=2,
                      models__actor="tiny/small_actor", lora={"actor": lora})
     assert main(["run", str(exp), "--run-dir", str(tmp_path / "run")]) == 0
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(tmp_path / "run")
     assert [a["engine"] for a in plan["allocations"] if a["kind"] == "generate"] == ["vllm"]
     assert [row["step"] for row in rows] == [0, 1]
     from planner.specs.lora import LoraSpec

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tests.run.conftest import experiment
+from tests.run.run_records import metrics
 
 pytestmark = pytest.mark.vllm
 
@@ -22,7 +23,7 @@ def run(assets, tmp, name="tiny-grpo-vllm-cpu", **changes):
     exp = experiment(assets, name, tmp, run__steps=3, **changes)
     assert main(["run", str(exp), "--run-dir", str(tmp / "run")]) == 0
     plan = json.loads((tmp / "run" / "plan.json").read_text())
-    rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(tmp / "run")
     return plan, rows
 
 

@@ -17,6 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.run.conftest import experiment
+from tests.run.run_records import metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -34,7 +35,7 @@ def run(assets, tmp, name, steps=2, **changes):
     exp = experiment(assets, name, tmp, run__steps=steps, **changes)
     assert main(["run", str(exp), "--run-dir", str(tmp / "run")]) == 0
     plan = json.loads((tmp / "run" / "plan.json").read_text())
-    rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(tmp / "run")
     assert [row["step"] for row in rows] == list(range(steps))
     for row in rows:
         bad = {k: v for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
