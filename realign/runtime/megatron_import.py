@@ -4,9 +4,10 @@ megatron-core wraps its fused kernels (bias-GeLU, SwiGLU, cross entropy, dropout
 in ``megatron.core.jit.jit_fuser``, which is ``torch.compile`` on torch >= 2.2. Applying
 ``torch.compile`` as a decorator imports TorchDynamo and TorchInductor at once (about
 2 CPU seconds a process, most of what importing megatron-core costs beyond torch),
-although realign's models call none of these kernels (``runtime/model.py`` turns the
-fusions off). :func:`import_megatron` imports the megatron-core modules realign uses
-while ``torch.compile`` returns a wrapper that compiles, with the same arguments, on the
+although realign's models call none of these kernels on the local layer spec
+(``runtime/model.py`` turns the fusions off; with ``train.transformer_engine`` on CUDA,
+bias-dropout-add runs fused). :func:`import_megatron` imports the megatron-core modules
+realign uses while ``torch.compile`` returns a wrapper that compiles, with the same arguments, on the
 wrapped function's first call: a kernel that runs is compiled as before, one that never
 runs costs nothing. ``torch.compile`` is restored before the function returns.
 """
