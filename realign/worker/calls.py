@@ -94,6 +94,8 @@ class Calls:
 
     # ---- generate ------------------------------------------------------------------
     def generate(self, op: Call, h: Hosted, store, step, sampling_round: int = 0):
+        shard = h.shard
+        assert shard is not None, f"{op.name} runs on its replica's ranks"
         prompts_rec = store[op.inputs[0]]
         rows = [prompts_rec["tokens"][i, :int(n)].tolist()
                 for i, n in enumerate(prompts_rec["lengths"])]
@@ -118,14 +120,14 @@ class Calls:
             # the replica's weights (trained, or just reallocated) into vLLM's storage
             vllm = self.vllm_engines[op.replica]
             t0 = time.perf_counter()
-            loaded = vllm.load(h.shard)
+            loaded = vllm.load(shard)
             metrics[f"time.vllm_load.{op.name}"] = time.perf_counter() - t0
             metrics[f"vllm_load_bytes.{op.name}"] = float(loaded)
 
             def engine(rows, p):
-                return peak(vllm.generate(h.shard, rows, p, self.pad_id))
+                return peak(vllm.generate(shard, rows, p, self.pad_id))
         else:
-            own = GenerateEngine(h.shard, pad_id=self.pad_id)
+            own = GenerateEngine(shard, pad_id=self.pad_id)
 
             def engine(rows, p):
                 return peak(own.generate(rows, p, waves=op.micro_batches,
@@ -138,7 +140,7 @@ class Calls:
                 self.multi_turn, self.make_env, self.tokenizer, prompts, prompts_rec, engine,
                 params.model_copy(update={"stop_token_ids": stop_ids(self.tokenizer,
                                                                      self.eos_id)}),
-                h.shard.groups.layout.dp, op.mfc.gen_len, h.shard.spec.max_seq_len,
+                shard.groups.layout.dp, op.mfc.gen_len, shard.spec.max_seq_len,
                 self.pad_id, prefix + "rollout.")
             metrics.update(turn_metrics)
             gen_lengths = response_lengths(seqs)
@@ -147,12 +149,12 @@ class Calls:
             seqs, logprobs = sequences_from_generation(prompts, gen.tokens, gen.logprobs,
                                                        gen.lengths, self.pad_id)
             gen_lengths = gen.lengths
-            if op.engine == "vllm" and h.shard.spec.moe is not None:
+            if op.engine == "vllm" and shard.spec.moe is not None:
                 # tokens whose experts differ between vLLM and the training forward
                 from realign.runtime.engines.vllm_moe import rollout_routing_mismatch
 
                 share, compared = rollout_routing_mismatch(
-                    h.shard, self.vllm_engines[op.replica].routing, prompts, gen,
+                    shard, self.vllm_engines[op.replica].routing, prompts, gen,
                     self.pad_id)
                 metrics[f"{prefix}moe.routing_mismatch"] = share
                 metrics[f"{prefix}moe.routing_tokens"] = float(compared)
@@ -175,16 +177,18 @@ class Calls:
 
     # ---- inference -----------------------------------------------------------------
     def inference(self, op: Call, h: Hosted, store, step):
+        shard = h.shard
+        assert shard is not None, f"{op.name} runs on its replica's ranks"
         rec = store[op.inputs[0]]
         batch = {"tokens": rec["tokens"], "lengths": rec["lengths"]}
         # a frozen role scored as a LoRA model's base: that model with its adapters off
-        with adapters_disabled(h.shard) if op.mfc.adapters_off else contextlib.nullcontext():
-            res = InferenceEngine(h.shard, micro_batches=op.micro_batches,
+        with adapters_disabled(shard) if op.mfc.adapters_off else contextlib.nullcontext():
+            res = InferenceEngine(shard, micro_batches=op.micro_batches,
                                   packing=self.train_cfg.packing,
                                   token_budget=op.token_budget).inference(batch)
         key = op.outputs[0]
         pad = {f"padded_tokens.{op.name}": float(call_padding(
-            batch["lengths"], batch["tokens"].shape[1], h.shard.groups.layout.dp,
+            batch["lengths"], batch["tokens"].shape[1], shard.groups.layout.dp,
             op.micro_batches, "inference", self.train_cfg.packing, op.token_budget))}
         if h.replica.head == "lm":
             return {key: {key: res["logprobs"]}}, pad
@@ -228,8 +232,11 @@ class Calls:
 
     # ---- train ---------------------------------------------------------------------
     def train(self, op: Call, h: Hosted, store, step):
-        records = [{k: v for k, v in store[key].items() if isinstance(v, torch.Tensor)}
-                   for key in op.inputs]
+        shard = h.shard
+        assert shard is not None, f"{op.name} runs on its replica's ranks"
+        records: list[dict[str, torch.Tensor]] = [
+            {k: v for k, v in store[key].items() if isinstance(v, torch.Tensor)}
+            for key in op.inputs]
         merged = merge(records)
         staleness = check_staleness(merged, step, self.max_staleness, op.name)
         mismatch = rollout_mismatch(merged, self.logprob_diff_threshold)
@@ -243,7 +250,7 @@ class Calls:
         assert rows == op.mfc.n_seqs, f"{op.name}: prepare made {rows} rows, the plan " \
             f"trains {op.mfc.n_seqs}"
         engine = self.train_engine(op, h)
-        seed_dropout(h.shard, self.seed, step, op.role)     # LoRA dropout's masks
+        seed_dropout(shard, self.seed, step, op.role)     # LoRA dropout's masks
         loss_fn = self.algorithm.loss_fn(op.role, self.algo_params)
         n_mb = op.mfc.n_minibatches
         totals: dict[str, float] = {}
@@ -254,7 +261,7 @@ class Calls:
                 for m in range(n_mb):
                     sub = minibatch(batch, m, n_mb)
                     padded += call_padding(sub["lengths"], sub["tokens"].shape[1],
-                                           h.shard.groups.layout.dp, op.micro_batches,
+                                           shard.groups.layout.dp, op.micro_batches,
                                            "train", engine.packing, op.token_budget,
                                            op.mfc.group_size)
                     # the loss metrics are averaged over DP by the controller (no
@@ -279,7 +286,7 @@ class Calls:
         shared.update(mismatch)
         shared.update(stats)
         shared["padded_tokens"] = float(padded)
-        g = h.shard.groups
+        g = shard.groups
         parts = {}
         if g.is_last_stage and g.tp_rank == 0:
             parts = {f"{op.role}.{k}": v for k, v in means.items()}
@@ -295,8 +302,10 @@ class Calls:
 
     def train_engine(self, op: Call, h: Hosted) -> TrainEngine:
         if op.replica not in self.train_engines:
+            shard = h.shard
+            assert shard is not None, f"{op.name} runs on its replica's ranks"
             self.train_engines[op.replica] = TrainEngine(
-                h.shard, self.train_cfg, micro_batches=op.micro_batches,
+                shard, self.train_cfg, micro_batches=op.micro_batches,
                 optimizer_offload=op.optimizer_offload, recompute=op.activation_recompute,
                 state_offload=op.train_state_offload, token_budget=op.token_budget,
                 group_size=op.mfc.group_size)

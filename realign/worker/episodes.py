@@ -3,7 +3,7 @@ loop of :mod:`realign.agents.rollout` driven by the call's engine, realign's own
 vLLM, one generate per turn and episode group."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -13,8 +13,11 @@ from realign.agents.rollout import EpisodeLoop, TurnGenerator, episode_records
 from realign.agents.tool_calls import CALL_CLOSE
 from realign.runtime.settings import SamplingParams
 
+if TYPE_CHECKING:
+    from realign.runtime.engines.generate import Generation
+
 #: ``engine(prompts, params) -> Generation`` (GenerateEngine or VLLMEngine, bound)
-Engine = Callable[[list[list[int]], SamplingParams], object]
+Engine = Callable[[list[list[int]], SamplingParams], "Generation"]
 
 
 def stop_ids(tokenizer, eos_id: int | None) -> tuple[int, ...]:

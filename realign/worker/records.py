@@ -13,6 +13,8 @@ world group's CPU backend: gloo, which a CUDA run's world group has beside NCCL
 """
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import torch
 import torch.distributed as dist
 
@@ -37,7 +39,7 @@ def sequences_from_generation(prompts: list[list[int]], gen_tokens: torch.Tensor
     tokens[rows, cols] = gen_tokens.cpu()[valid]
     logprobs = torch.zeros(b, s - 1, dtype=torch.float32)
     logprobs[rows, cols - 1] = gen_logprobs.cpu().float()[valid]
-    seqs = {"tokens": tokens, "lengths": plen + glen, "prompt_lengths": plen}
+    seqs: Record = {"tokens": tokens, "lengths": plen + glen, "prompt_lengths": plen}
     return seqs, {"logprobs": logprobs}
 
 
@@ -53,10 +55,12 @@ def send_record(rec: Record, dst: int) -> None:
 
 def recv_record(src: int) -> Record:
     """A record from ``src`` (:func:`send_record`), its tensors on the CPU."""
-    box = [None]
+    box: list[dict[str, tuple[Any, ...]] | None] = [None]     # unpickled: send_record's header
     dist.recv_object_list(box, src=src, device=torch.device("cpu"))
+    header = box[0]
+    assert header is not None, "recv_object_list fills the box"
     out: Record = {}
-    for k, (kind, *rest) in box[0].items():
+    for k, (kind, *rest) in header.items():
         if kind == "object":
             out[k] = rest[0]
         else:
@@ -67,12 +71,17 @@ def recv_record(src: int) -> Record:
     return out
 
 
-def merge(records: list[Record]) -> Record:
+V = TypeVar("V")
+
+
+def merge(records: list[dict[str, V]]) -> dict[str, V]:
     """One batch from several records (names are unique across them)."""
-    out: Record = {}
+    out: dict[str, V] = {}
     for r in records:
         for k, v in r.items():
-            if k in out and not (isinstance(v, torch.Tensor) and torch.equal(out[k], v)):
+            prev = out.get(k)
+            if k in out and not (isinstance(v, torch.Tensor) and isinstance(prev, torch.Tensor)
+                                 and torch.equal(prev, v)):
                 raise ValueError(f"records disagree on {k!r}")
             out[k] = v
     return out

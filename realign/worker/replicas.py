@@ -20,7 +20,7 @@ from realign.runtime.groups import ReplicaGroups, build_replica_groups
 from realign.runtime.hf_checkpoint import HFReader, load_hf_weights
 from realign.runtime.lora import attach_lora
 from realign.runtime.lora_peft import load_peft_adapter
-from realign.runtime.model import ModelShard, build_model, check_te
+from realign.runtime.model import Head, ModelShard, build_model, check_te
 
 
 @dataclass
@@ -29,6 +29,14 @@ class Hosted:
     groups: ReplicaGroups
     shard: ModelShard | None            #: None on ranks outside the replica's mesh
     released: offload.Released | None = None
+
+
+def head_of(replica: Replica) -> Head:
+    """The replica's output head: ``"lm"`` or ``"value"`` (the only ones a program names)."""
+    if replica.head == "value":
+        return "value"
+    assert replica.head == "lm", f"{replica.key}: head {replica.head!r}"
+    return "lm"
 
 
 def build_replicas(program: Program, specs: dict[str, ModelSpec], paths: dict[str, str],
@@ -53,7 +61,7 @@ def build_replicas(program: Program, specs: dict[str, ModelSpec], paths: dict[st
         shard = None
         released = None
         if groups.member:
-            shard = build_model(spec, r.head, groups, device, seed=seed, init_weights=False,
+            shard = build_model(spec, head_of(r), groups, device, seed=seed, init_weights=False,
                                 use_te=use_te)
             lora = loras.get(r.role)
             if r.reallocated and lora is None:

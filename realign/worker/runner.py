@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import assert_never
+from typing import TypedDict, assert_never
 
 import torch
 
@@ -37,9 +37,18 @@ from realign.realloc import offload
 from realign.run.program import Call, Evaluate, Op, Program, Realloc, Release, RuleReward, Send
 from realign.runtime.realloc_glue import reallocate_replica, release_copy
 from realign.worker.records import Record, recv_record, send_record
-from realign.worker.replicas import Hosted
+from realign.worker.replicas import Hosted, head_of
 from realign.worker.sampling_loop import SamplingLoop, merge_round_metrics
 from realign.worker.watchdog import STALL_ENV, Position
+
+
+class StepReport(TypedDict):
+    """One rank's report of a step (:func:`realign.controller.step_report.merge_metrics`)."""
+
+    metrics: dict[str, float]
+    dp_parts: dict[str, float]
+    ops: list[list[object]]      #: ``[index, label, detail, ranks, timed metric]`` (first rank)
+    spans: list[list[object]]    #: ``[index, wall start, wall end]`` of each op
 
 
 class StepRunner:
@@ -62,7 +71,7 @@ class StepRunner:
 
     def run(self, step: int, dataset: dict[str, Record], evaluate: bool = False,
             next_dataset: dict[str, Record] | None = None, prologue: bool = False,
-            rounds: SamplingLoop | None = None) -> dict[str, dict[str, float]]:
+            rounds: SamplingLoop | None = None) -> StepReport:
         """``{"metrics": ..., "dp_parts": ...}``: this rank's report of the step (see
         :func:`realign.controller.step_report.merge_metrics`); ``evaluate``: the step ends
         with the evaluation's ops. Asynchronous programs: ``next_dataset`` is the next
@@ -77,8 +86,8 @@ class StepRunner:
         ahead_metrics: dict[str, float] = {}
         self.carried, self.carried_metrics = {}, {}
         dp_parts: dict[str, float] = {}
-        ops: list[list] = []
-        spans: list[list] = []
+        ops: list[list[object]] = []
+        spans: list[list[object]] = []
         me = self.rank
         plan_ops = self.program.ops_for(evaluate, prologue=prologue, last=next_dataset is None)
         walk = rounds.walk(plan_ops, store, metrics) if rounds else enumerate(plan_ops)
@@ -145,7 +154,7 @@ class StepRunner:
         if dst.released is not None:
             offload.restore(dst.released)
             dst.released = None
-        spec, head = self.calls.specs[op.role], src.replica.head
+        spec, head = self.calls.specs[op.role], head_of(src.replica)
         return reallocate_replica(spec, head, src.groups, dst.groups, src.shard, dst.shard,
                                   dtype=self.dtype, gpus_per_node=self.gpn,
                                   planned=(op.bytes, op.dtype_bytes),

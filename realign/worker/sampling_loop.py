@@ -21,7 +21,7 @@ Metrics (from the deciding rank): ``<role>.sampling_rounds``, ``<role>.batch_ful
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, cast
 
 import torch
 import torch.distributed as dist
@@ -67,12 +67,14 @@ def concat_records(recs: list[Record], pad_id: int) -> Record:
     for k, first in recs[0].items():
         vals = [r[k] for r in recs]
         if isinstance(first, torch.Tensor) and first.dim() > 0:
-            width = max(v.shape[1] for v in vals) if first.dim() > 1 else 0
+            tensors = cast(list[torch.Tensor], vals)    # a name holds one kind in every record
+            width = max(v.shape[1] for v in tensors) if first.dim() > 1 else 0
             fill = pad_id if k == "tokens" else 0
             out[k] = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1]), value=fill)
-                                if v.dim() > 1 else v for v in vals])
+                                if v.dim() > 1 else v for v in tensors])
         elif isinstance(first, list):
-            out[k] = [x for v in vals for x in v]
+            lists = cast(list[list[object]], vals)     # a name holds one kind in every record
+            out[k] = [x for v in lists for x in v]
         else:
             out[k] = first
     return out
@@ -148,6 +150,7 @@ class SamplingLoop:
         flags = torch.zeros(s.groups_per_round, dtype=torch.uint8)
         if self.rank == s.decider:
             rewards = store[s.rewards_key][s.rewards_key]
+            assert isinstance(rewards, torch.Tensor), "a rewards record holds a tensor"
             flags = constant_groups(rewards, s.group_size, "algorithm.samples_per_prompt"
                                     ).to(torch.uint8)
         dist.broadcast(flags, src=s.decider)

@@ -11,13 +11,16 @@ import io
 import os
 import shutil
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
+from planner.specs.lora import LoraSpec
 from realign.algorithms import registry
 from realign.algorithms.params import max_sampling_rounds
-from realign.data.datasets import load_dataset
+from realign.config.experiment import LoraConfig
+from realign.data.datasets import PromptExample, load_dataset
 from realign.data.sampler import PromptSampler
 from realign.data.step_batch import prompts_record, step_batch
 from realign.data.tokenizer import load_tokenizer, pad_id
@@ -32,7 +35,7 @@ from realign.runtime.lora_peft import save_merged_checkpoint, save_peft_adapter
 from realign.runtime.optimizer_state import load_optimizer_state, optimizer_state, torch_optimizers
 from realign.worker.calls import Calls
 from realign.worker.replicas import build_replicas
-from realign.worker.runner import StepRunner
+from realign.worker.runner import StepReport, StepRunner
 from realign.worker.sampling_loop import SamplingLoop
 
 #: a rank file's entry of the rollout generated ahead and not yet trained on
@@ -86,11 +89,14 @@ class Session:
         torch.manual_seed(cfg.run.seed)
         self.tokenizer = load_tokenizer(self.paths[spec.tokenizer_role])
         self.pad = pad_id(self.tokenizer)
+        assert cfg.data is not None, "prepare refuses a run without data"
         self.dataset = load_dataset(cfg.data.train, self.tokenizer)
         self.eval_record = None
         if cfg.eval is not None:
             held = load_dataset(cfg.eval.data, self.tokenizer, field="eval.data")
-            self.eval_record = prompts_record(held.examples[:spec.eval_prompts], self.pad)
+            # prepare checks that eval.data is of kind prompts
+            held_prompts = cast(tuple[PromptExample, ...], held.examples)
+            self.eval_record = prompts_record(held_prompts[:spec.eval_prompts], self.pad)
         self.algo = registry.get(cfg.algorithm.name)
         from realign.rewards.registry import load_reward_fn
         reward_fn = verifier = None
@@ -103,7 +109,7 @@ class Session:
             from realign.agents.loading import env_factory
             make_env = env_factory(cfg.rollout)
         self.specs = {r: spec_from_hf(p) for r, p in self.paths.items()}
-        self.loras = {role: lc.spec() for role, lc in cfg.lora.items()}
+        self.loras: dict[str, LoraSpec] = {role: lc.spec() for role, lc in cfg.lora.items()}
         self.hosted = build_replicas(
             self.program, self.specs, self.paths, self.dev, cfg.run.seed,
             use_te=cfg.train.transformer_engine, loras=self.loras,
@@ -146,15 +152,17 @@ class Session:
         for op in self.program.ops:
             if (isinstance(op, Call) and op.engine == "vllm" and rank in op.ranks
                     and op.replica not in self.calls.vllm_engines):
-                g = self.hosted[op.replica].shard.groups
+                shard = self.hosted[op.replica].shard
+                assert shard is not None, f"rank {rank} is in {op.name}'s ranks"
+                g = shard.groups
                 local = int(os.environ.get("LOCAL_RANK", rank))
                 self.calls.vllm_engines[op.replica] = VLLMEngine(
                     self.paths[op.role], self.cfg.rollout.vllm, self.dev.dtype,
                     a.prompt_len + a.gen_len, device_kind=self.dev.kind,
                     device_index=local, seed=self.cfg.run.seed, tp=g.layout.tp,
                     host=g.tp_rank == 0, devices=tp_devices(g, local),
-                    lora=self.hosted[op.replica].shard.lora,
-                    moe_top_k=moe.top_k if (moe := self.hosted[op.replica].shard.spec.moe)
+                    lora=shard.lora,
+                    moe_top_k=moe.top_k if (moe := shard.spec.moe)
                     else 0)
 
     # ---- data of a step --------------------------------------------------------------
@@ -180,7 +188,9 @@ class Session:
         sampler = PromptSampler(len(self.dataset), n,
                                 seed=c.seed + ROUND_DATA_SEED * sampling_round, shuffle=True)
         sampler.consumed = step * n
-        batch = prompts_record(self.dataset.take(sampler.next_batch()), self.pad)
+        # sampling rounds resample prompts: the dataset is of kind prompts
+        examples = cast(list[PromptExample], self.dataset.take(sampler.next_batch()))
+        batch = prompts_record(examples, self.pad)
         return {self.algo.spec.dataset_key: batch}
 
     def sampling_loop(self, step: int) -> SamplingLoop | None:
@@ -198,7 +208,7 @@ class Session:
         return (self.program.evaluates and ev is not None
                 and (step == 0 or (step + 1) % ev.interval == 0 or step + 1 == self.spec.steps))
 
-    def step(self, step: int) -> dict:
+    def step(self, step: int) -> StepReport:
         ahead = self.program.asynchronous and step + 1 < self.spec.steps
         report = self.runner.run(step, self.dataset_record(step), self.evaluates_at(step),
                                  next_dataset=self.dataset_record(step + 1) if ahead else None,
@@ -261,12 +271,13 @@ class Session:
     def save_final(self, folder: str) -> None:
         """The trained actor (or reward model under ``rm``) as a HF checkpoint."""
         role = self.spec.final_role
+        loras: dict[str, LoraConfig] = dict(self.cfg.lora.items())
         for _key, h in self.hosted.items():
             if h.replica.role == role and h.replica.trained:
                 if h.shard is not None and h.shard.lora is not None:
                     # the adapters in PEFT's format; the merged model on request
                     save_peft_adapter(h.shard, folder, self.paths[role])
-                    if self.cfg.lora[role].merged:
+                    if loras[role].merged:
                         save_merged_checkpoint(h.shard, Path(folder) / "merged",
                                                read_hf_config(self.paths[role]))
                 elif h.shard is not None:
@@ -279,7 +290,7 @@ class Session:
                 if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges",
                                       "chat_template")):
                     shutil.copy(f, Path(folder) / f.name)
-                    lora = self.cfg.lora.get(role)
+                    lora = loras.get(role)
                     if lora is not None and lora.merged:
                         shutil.copy(f, Path(folder) / "merged" / f.name)
 

@@ -27,6 +27,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from realign.run.program import Op
 
 #: seconds between heartbeats
 BEAT_S = 1.0
@@ -45,7 +49,7 @@ class Position:
     ``waiting_since``: ``time.monotonic()`` when the current collective wait began.
     """
 
-    timeout_of: Callable[[object], float] = field(default=lambda op: 0.0)
+    timeout_of: Callable[[Op], float] = field(default=lambda op: 0.0)
     step: int | None = None
     op: int | None = None
     label: str = ""
@@ -55,7 +59,7 @@ class Position:
     since: float = 0.0
     waiting_since: float | None = None
 
-    def enter(self, step: int, index: int, label: str, op) -> None:
+    def enter(self, step: int, index: int, label: str, op: Op) -> None:
         self.label, self.ranks, self.bound_s = label, tuple(op.ranks), self.timeout_of(op)
         self.since, self.waiting_since = time.monotonic(), None
         self.step, self.op, self.in_op = step, index, True
@@ -81,18 +85,19 @@ def tracked_waits(position: Position) -> Iterator[None]:
     work_cls = dist.Work
     inner = work_cls.wait
 
-    def wait(self, *args, **kwargs):
+    def wait(self: dist.Work, *args: Any, **kwargs: Any) -> bool:      # Work.wait's own
         position.waiting_since = time.monotonic()
         try:
             return inner(self, *args, **kwargs)
         finally:
             position.waiting_since = None
 
-    work_cls.wait = wait
+    # torch's stubs declare Work.wait a method: patching it is the point here
+    work_cls.wait = wait  # type: ignore[method-assign]
     try:
         yield
     finally:
-        work_cls.wait = inner
+        work_cls.wait = inner  # type: ignore[method-assign]
 
 
 def _gone(rank: int) -> None:
