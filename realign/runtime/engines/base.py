@@ -74,7 +74,7 @@ def position_ids(tokens: torch.Tensor) -> torch.Tensor:
 
 def run_schedule(shard: ModelShard, model, forward_step: Callable, micro: list,
                  forward_only: bool, collect_non_loss_data: bool,
-                 shape: tuple[int, int] | None = None) -> list:
+                 shape: tuple[int, int] | torch.Size | None = None) -> list:
     """Run megatron's schedule (1F1B when pp > 1) over the micro-batches with the
     replica's groups; returns what the last stage's loss function produced. ``shape``:
     the [rows, seq] every micro-batch's forward runs on (default: the first batch's
@@ -100,6 +100,7 @@ def from_last_stage(shard: ModelShard, tensor: torch.Tensor | None, shape, dtype
     """Broadcast a tensor computed on the last stage to every stage of this pp group."""
     g = shard.groups
     if g.layout.pp == 1:
+        assert tensor is not None           # the only stage is the last
         return tensor
     if tensor is None:
         tensor = torch.empty(shape, dtype=dtype, device=shard.device.device)

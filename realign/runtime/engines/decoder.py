@@ -25,7 +25,7 @@ tokens, 8 keys took about twice as long as 16: benchmarks/step/README.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -102,20 +102,24 @@ class StageWeights:
 
 def stage_weights(shard: ModelShard) -> StageWeights:
     """The shard's :class:`StageWeights`, made once and kept on the shard."""
-    if shard.decoder_weights is None:
-        m, g = shard.module, shard.groups
+    w = shard.decoder_weights
+    if w is None:
+        # megatron's ``GPTModel``: its submodules resolve through ``nn.Module.__getattr__``
+        m: Any = shard.module
+        g = shard.groups
         head = None
         if g.is_last_stage:
             head = (m.shared_embedding_or_output_weight()
                     if m.share_embeddings_and_output_weights else m.output_layer.weight)
         freqs = m.rotary_pos_emb(shard.spec.max_seq_len)[:, 0, 0, :]   # [len, rot_dim] fp32
         dtype = shard.device.dtype
-        shard.decoder_weights = StageWeights(
+        w = shard.decoder_weights = StageWeights(
             layers=[layer_weights(layer) for layer in m.decoder.layers],
             emb=m.embedding.word_embeddings.weight if g.is_first_stage else None,
             final_norm=m.decoder.final_layernorm.weight if g.is_last_stage else None,
             head=head, cos=freqs.cos().to(dtype), sin=freqs.sin().to(dtype))
-    return shard.decoder_weights
+    assert isinstance(w, StageWeights)
+    return w
 
 
 def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -144,7 +148,8 @@ class StageDecoder:
 
     def __init__(self, shard: ModelShard, max_len: int, cache_rows: int = 0,
                  recompute: bool = False):
-        m, spec, g = shard.module, shard.spec, shard.groups
+        m: Any = shard.module           # megatron's ``GPTModel`` (see stage_weights)
+        spec, g = shard.spec, shard.groups
         self.shard, self.spec, self.groups = shard, spec, g
         #: score() under autograd keeps only each layer's input and recomputes the
         #: layer in the backward (the plan's activation_recompute)
@@ -155,7 +160,7 @@ class StageDecoder:
         self.per_group = spec.n_heads // spec.n_kv_heads
         self.d = spec.kv_channels
         scale = m.config.softmax_scale
-        self.scale = scale if scale is not None else self.d ** -0.5
+        self.scale: float = scale if scale is not None else self.d ** -0.5
         w = stage_weights(shard)
         self.layers, self.emb, self.final_norm, self.head = w.layers, w.emb, w.final_norm, w.head
         dtype, dev = shard.device.dtype, shard.device.device
@@ -293,6 +298,7 @@ class StageDecoder:
         y = F.rms_norm(x, (h,), w.ln2, eps)
         if w.moe is not None:           # routed experts (their TP sum inside)
             return x + w.moe.mlp(y, self._copy, self._reduce)
+        assert w.fc1 is not None and w.fc2 is not None     # a dense layer
         gate, up = self._adapt(w, "linear_fc1", y, F.linear(self._copy(y), w.fc1)).chunk(2, dim=-1)
         act = F.silu(gate) * up
         return x + self._adapt(w, "linear_fc2", act, self._reduce(F.linear(act, w.fc2)))
@@ -308,6 +314,7 @@ class StageDecoder:
         return out + lora_delta(mod, x)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        assert self.emb is not None, "token ids reach only the first stage"
         if self.tp_group is None:
             return F.embedding(ids, self.emb)
         rows = self.emb.shape[0]

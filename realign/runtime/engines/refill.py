@@ -220,7 +220,7 @@ def decode_refill(shard: ModelShard, prompts: list[list[int]], p: SamplingParams
             run.iterate(grp)
     run.links.wait_all()
     for grp in groups:
-        grp.dec = None                 # the caches go with their decoders
+        del grp.dec                    # the caches go with their decoders
     return DecodeResult(out.tokens[:rows, :n], out.logprobs[:rows, :n], out.lengths[:rows], peak,
                         max(grp.steps for grp in groups))
 

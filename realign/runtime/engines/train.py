@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -153,14 +153,14 @@ class TrainEngine:
     def state_on_device(self) -> Iterator[None]:
         """The training state on the device while a checkpoint reads or writes it; parked
         again after when the plan offloads it (and it was parked before)."""
-        was = self.parking is not None and self.parking.parked
-        if was:
-            self.parking.unpark()
+        parked = self.parking if self.parking is not None and self.parking.parked else None
+        if parked is not None:
+            parked.unpark()
         try:
             yield
         finally:
-            if was:
-                self.parking.park()
+            if parked is not None:
+                parked.park()
 
     def train_step(self, batch: Batch, loss_fn: LossFn | TrainLoss, dp_mean: bool = True
                    ) -> dict[str, float]:
@@ -227,8 +227,9 @@ class TrainEngine:
                                  for k, v in metrics.items()}}
             return out, loss_func
 
+        pack_of: list[Pack | None] = list(packs) if packs else [None] * len(micro)
         reduced = run_schedule(shard, self.model, forward_step,
-                               list(zip(micro, packs or [None] * len(micro), scales)),
+                               list(zip(micro, pack_of, scales)),
                                forward_only=False, collect_non_loss_data=False,
                                shape=packs[0].shape if packs else micro[0]["tokens"].shape)
         if self.router_coef is not None and g.layout.pp > 1:
@@ -263,7 +264,8 @@ class TrainEngine:
         sends) on the others. A later
         stage's input is what the schedule set with ``set_input_tensor``."""
         shard = self.shard
-        g, decoder = shard.groups, shard.module.decoder
+        g = shard.groups
+        decoder: Any = shard.module.decoder     # megatron's TransformerBlock
         dec = StageDecoder(shard, max_len=seq_len, recompute=self.recompute)
 
         def forward(tokens: torch.Tensor, pack: Pack | None = None) -> torch.Tensor:
@@ -276,12 +278,12 @@ class TrainEngine:
         """Mean over micro-batches (last stage), then over DP; broadcast over PP."""
         g = self.shard.groups
         dev = self.shard.device.device
-        keys = sorted(reduced[0]) if reduced else None
-        names = [keys]
+        names: list[list[str] | None] = [sorted(reduced[0]) if reduced else None]
         if g.layout.pp > 1:
             src = g.world_rank(g.tp_rank, g.dp_rank, g.layout.pp - 1)
             dist.broadcast_object_list(names, src=src, group=g.pgs.pp)
         keys = names[0]
+        assert keys is not None             # the last stage's metric names
         if g.is_last_stage:
             vals = torch.stack([torch.stack([r[k].float().to(dev) for r in reduced]).mean()
                                 for k in keys])
@@ -401,17 +403,17 @@ def use_fused_adam(optimizer) -> bool:
 
 
 @contextlib.contextmanager
-def _world_is_replica(group) -> Iterator[None]:
+def _world_is_replica(replica_group) -> Iterator[None]:
     """While megatron builds the optimizer, make its group-less ``all_gather_object``
     (aligning parameter groups "across all ranks") span the replica, not the world:
     a replica's optimizer is built by the replica's ranks only."""
     gather, size = dist.all_gather_object, dist.get_world_size
 
-    def all_gather_object(out, obj, group_=None, **kw):
-        return gather(out, obj, group=group_ if group_ is not None else group, **kw)
+    def all_gather_object(object_list, obj, group=None, **kw):
+        return gather(object_list, obj, group=group if group is not None else replica_group, **kw)
 
-    def get_world_size(group_=None):
-        return size(group_ if group_ is not None else group)
+    def get_world_size(group=None):
+        return size(group if group is not None else replica_group)
 
     dist.all_gather_object, dist.get_world_size = all_gather_object, get_world_size
     try:

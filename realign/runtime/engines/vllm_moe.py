@@ -77,13 +77,14 @@ def expert_shard(shard, name: str, local: dict[str, torch.Tensor], shape: tuple[
 
 def rollout_routing_mismatch(shard, routing, prompts: list[list[int]], gen, pad_id: int
                              ) -> tuple[float, int]:
-    """(share, tokens compared): the share of rollout tokens whose experts differ, at some sparse layer, between
-    vLLM (``routing``: the engine's :class:`~realign.runtime.engines.vllm_routing.VLLMRouting`
-    after the call, on the hosting rank; None elsewhere) and realign's forward of the
-    replica that fed it, over the whole call (``moe.routing_mismatch``). Every rank of
-    the replica calls it (the forward is collective over TP and EP): each data-parallel
-    rank scores the sequences its engine generated, and the counts are summed over the
-    data-parallel ranks (share 0 when no token was compared)."""
+    """(share, tokens compared): the share of rollout tokens whose experts differ, at
+    some sparse layer, between vLLM (``routing``: the engine's
+    :class:`~realign.runtime.engines.vllm_routing.VLLMRouting` after the call, on the
+    hosting rank; None elsewhere) and realign's forward of the replica that fed it, over
+    the whole call (``moe.routing_mismatch``). Every rank of the replica calls it (the
+    forward is collective over TP and EP): each data-parallel rank scores the sequences
+    its engine generated, and the counts are summed over the data-parallel ranks (share
+    0 when no token was compared)."""
     import torch.distributed as dist
 
     from realign.runtime.engines.decoder import StageDecoder

@@ -51,8 +51,8 @@ class RealignWorkerExtension(RoutingCaptureExtension):
             # copied out: vLLM keeps what it is handed until it processes a layer, some
             # only when the update ends, and the next bucket overwrites the segment
             weights = [(n, t.clone()) for n, t in unpack(buffer, packed)]
-            with set_current_vllm_config(self.vllm_config), \
-                    disable_mtp_completeness_check():               # type: ignore[attr-defined]
+            with (set_current_vllm_config(self.vllm_config),       # type: ignore[attr-defined]
+                  disable_mtp_completeness_check()):
                 self.model_runner.get_model().load_weights(weights)  # type: ignore[attr-defined]
             del weights, buffer
             return sum(e.nbytes for e in packed)
@@ -84,8 +84,8 @@ class RealignWorkerExtension(RoutingCaptureExtension):
             shapes=shapes, dtype_names=dtype_names, tensor_sizes=sizes,
             device_index=self.device.index,                         # type: ignore[attr-defined]
             importer=self._realign_importer)
-        with set_current_vllm_config(self.vllm_config), \
-                disable_mtp_completeness_check():                   # type: ignore[attr-defined]
+        with (set_current_vllm_config(self.vllm_config),           # type: ignore[attr-defined]
+              disable_mtp_completeness_check()):
             self.model_runner.get_model().load_weights(weights)      # type: ignore[attr-defined]
         return sum(sizes)
 

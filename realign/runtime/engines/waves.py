@@ -58,7 +58,8 @@ class _NoiseBlocks:
     def __init__(self, p: SamplingParams, seq_ids: torch.Tensor, n: int, vocab: int):
         self.p, self.seq_ids, self.n, self.vocab = p, seq_ids, n, vocab
         self.per_block = max(1, NOISE_BLOCK // max(1, seq_ids.shape[0] * vocab))
-        self.start, self.block = 0, None
+        self.start = 0
+        self.block: torch.Tensor | None = None
 
     def at(self, t: int) -> torch.Tensor | None:
         """Noise [b, vocab] of position ``t`` (None when greedy)."""
@@ -172,7 +173,7 @@ def decode_waves(shard: ModelShard, prompts: list[list[int]], p: SamplingParams,
         peak = max(peak, sum(w.dec.cache_bytes for w in group))
         steps += _run_group(shard, group, p, stops, pad_id)
         for w in group:
-            w.dec = None                   # the wave's KV cache goes with its decoder
+            del w.dec                      # the wave's KV cache goes with its decoder
         done_waves += group
     return DecodeResult(torch.cat([w.out_tok for w in done_waves]),
                         torch.cat([w.out_lp for w in done_waves]),
@@ -223,8 +224,11 @@ def _run_group(shard: ModelShard, group: list[_Wave], p: SamplingParams,
                 w.record(t - 1, choice, logp, stops, pad_id, n)
                 if w.finished:
                     continue
-            if g.is_first_stage:
-                x = w.tokens if t == 0 else w.choice.unsqueeze(1)
+            if g.is_first_stage and t == 0:
+                x = w.tokens
+            elif g.is_first_stage:
+                assert w.choice is not None          # recorded at t - 1
+                x = w.choice.unsqueeze(1)
             else:
                 x = links.recv_hidden(w.rows, w.longest if t == 0 else 1)
             if t == 0:
