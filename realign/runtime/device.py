@@ -76,33 +76,36 @@ def enable_cpu_compat() -> None:
     assert not torch.cuda.is_available(), "the CPU compatibility layer is for CPU-only processes"
     cuda = torch.cuda
     cpu = torch.device("cpu")
-    cuda.current_device = lambda: cpu
+    # the stand-ins' types differ from torch's CUDA API (a CPU device, no streams): the
+    # `type: ignore`s below mark the deliberate patches
+    cuda.current_device = lambda: cpu  # type: ignore[assignment,return-value]
     cuda.synchronize = lambda *a, **k: None
     cuda.empty_cache = lambda: None
     cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator
-    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed = (lambda seed:  # type: ignore[assignment]
+                        torch.default_generator.manual_seed(int(seed)))
     cuda.memory_allocated = lambda *a, **k: 0
     cuda.max_memory_allocated = lambda *a, **k: 0
-    cuda.current_stream = lambda *a, **k: _NullStream()
-    cuda.default_stream = lambda *a, **k: _NullStream()
-    cuda.Stream = _NullStream
-    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
+    cuda.default_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
+    cuda.Stream = _NullStream  # type: ignore[misc,assignment]
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
     # megatron's RNG tracker sets the state through this private helper
     import megatron.core.tensor_parallel.random as mrandom
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     cuda.random.get_rng_state = cuda.get_rng_state
     cuda.random.set_rng_state = cuda.set_rng_state
-    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     # torch's device context (used by transformers' loading) recognises constructors
     # by identity from a cached set: fill the cache with the originals first
     from torch.utils import _device
     _device._device_constructors()
     for name in _FACTORIES:             # device="cuda" literals in megatron-core
         setattr(torch, name, _cpu_factory(getattr(torch, name)))
-    torch.nn.Module.cuda = lambda self, *a, **k: self
+    torch.nn.Module.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     _CPU_COMPAT_ON = True
 
 
@@ -160,8 +163,8 @@ def cuda_tensor_type_names(info: DeviceInfo) -> Iterator[None]:
         name = original(self)
         return name.replace("torch.", "torch.cuda.", 1) if not self.is_cuda else name
 
-    torch.Tensor.type = type_
+    torch.Tensor.type = type_  # type: ignore[method-assign]  # the patch, undone below
     try:
         yield
     finally:
-        torch.Tensor.type = original
+        torch.Tensor.type = original  # type: ignore[method-assign]

@@ -15,6 +15,7 @@ and no rank is left waiting in a collective.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -29,6 +30,9 @@ from realign.runtime.ep_groups import (
     tp_ep_groups,
 )
 
+if TYPE_CHECKING:     # megatron-core ships no type information: this names an Any
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
 
 @dataclass
 class ReplicaGroups:
@@ -41,7 +45,7 @@ class ReplicaGroups:
     tp_rank: int = -1
     dp_rank: int = -1
     pp_rank: int = -1
-    pgs: object = None               #: megatron ``ProcessGroupCollection`` (members only)
+    pgs: ProcessGroupCollection = None   #: megatron's process groups (members only)
     model_group: object = None       #: all tp*pp*dp ranks of the replica
     ep: int = 1                      #: expert-parallel degree (:mod:`realign.runtime.ep_groups`)
     ep_rank: int = 0                 #: this rank's place in its EP group

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +37,9 @@ from planner.specs.families.base import MODEL_NAMES
 from planner.specs.model_spec import ModelSpec, model_spec_from_hf_config
 from planner.specs.param_layout import LogicalTensor, stage_tensors
 from realign.errors import UserError
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -116,7 +120,7 @@ class HFReader:
                             field="model.path")
         from safetensors import safe_open
 
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, safe_open] = {}
         self._where: dict[str, str] = {}
         for f in files:
             try:
@@ -277,7 +281,8 @@ def save_hf_checkpoint(shard, path: str | Path, hf_config: dict) -> None:
     sizes: dict[int, dict[str, int]] = {}
     mine = ({k: v.numel() * v.element_size() for k, v in hf.items()}
             if g.dp_rank == 0 and g.tp_rank == 0 else {})
-    gathered = [None] * dist.get_world_size(g.model_group)
+    # all_gather_object fills it with every rank's (pp_rank, mine)
+    gathered: list[Any] = [None] * dist.get_world_size(g.model_group)
     dist.all_gather_object(gathered, (g.pp_rank, mine), group=g.model_group)
     for stage, stage_sizes in gathered:
         if stage_sizes:
@@ -300,10 +305,11 @@ def save_hf_checkpoint(shard, path: str | Path, hf_config: dict) -> None:
 
 
 def _config_numbers(spec: ModelSpec, hf_config: dict | None = None) -> dict:
-    out = {"num_hidden_layers": spec.n_layers, "hidden_size": spec.hidden,
-           "num_attention_heads": spec.n_heads, "num_key_value_heads": spec.n_kv_heads,
-           "intermediate_size": spec.ffn_hidden, "vocab_size": spec.vocab_size,
-           "tie_word_embeddings": spec.tied_embeddings}
+    out: dict[str, Any] = {
+        "num_hidden_layers": spec.n_layers, "hidden_size": spec.hidden,
+        "num_attention_heads": spec.n_heads, "num_key_value_heads": spec.n_kv_heads,
+        "intermediate_size": spec.ffn_hidden, "vocab_size": spec.vocab_size,
+        "tie_word_embeddings": spec.tied_embeddings}
     if spec.moe is not None:
         # the experts' count under the key the source config used (transformers 5 writes
         # num_local_experts, the published configs num_experts)

@@ -57,6 +57,7 @@ import contextlib
 import math
 import zlib
 from collections.abc import Iterator
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,33 @@ import torch.nn.functional as F
 from planner.specs.lora import COLUMN, HF_NAMES, MODULE_OF, LoraSpec, part_rows, target_dims
 
 LORA_PARAMS = ("lora_A", "lora_B")
+
+#: :func:`part_plan`'s output: (groups, ``(rows, block)`` per part of a group)
+Parts = tuple[int, tuple[tuple[int, int | None], ...]]
+
+
+class AdaptedLayer(Protocol):
+    """The attributes :func:`attach_lora` gives an adapted megatron linear layer."""
+
+    weight: torch.Tensor                #: the frozen base weight
+    lora_A: torch.nn.Parameter
+    lora_B: torch.nn.Parameter
+    lora_parts: Parts
+    lora_column: bool                   #: column-parallel (else row-parallel)
+    lora_off: bool                      #: adapter skipped (:func:`adapters_disabled`)
+    lora_scale: float
+    lora_rank: int
+    lora_dropout: float
+    lora_tp_group: dist.ProcessGroup | None
+    lora_tp: int
+    lora_tp_rank: int
+    lora_hooked: bool                   #: :func:`_megatron_hook` registered
+
+
+def adapter(mod: torch.nn.Module) -> AdaptedLayer:
+    """``mod`` (a layer :func:`attach_lora` adapted) through its adapter attributes."""
+    # torch types a module's dynamic attributes Tensor | Module: these are attach_lora's
+    return cast(AdaptedLayer, mod)
 
 
 def is_lora_name(name: str) -> bool:
@@ -90,8 +118,7 @@ def initial_a(lora: LoraSpec, spec, layer: int, target: str, seed: int) -> torch
             ).mul(bound).float()
 
 
-def part_plan(lora: LoraSpec, spec, target: str, tp: int
-              ) -> tuple[int, tuple[tuple[int, int | None], ...]]:
+def part_plan(lora: LoraSpec, spec, target: str, tp: int) -> Parts:
     """How a column-parallel target's local output is made from ``x A^T``: (groups,
     ``(rows, block)`` per part of a group in megatron's order), ``block`` the part's
     rank-wide block of ``x A^T`` (0 for every part with ``shared_a``), None for a part
@@ -139,31 +166,32 @@ def attach_lora(shard, lora: LoraSpec, seed: int) -> None:
         glob = layers[local]
         for target in lora.targets:
             mod = target_module(layer, target)
+            ad = adapter(mod)
             k, _n = target_dims(spec, target)
             a_full = initial_a(lora, spec, glob, target, seed)
             if target in COLUMN:
                 a = a_full
                 b = torch.zeros(lora.b_rows(spec, target, tp), lora.rank)
-                mod.lora_parts = part_plan(lora, spec, target, tp)
+                ad.lora_parts = part_plan(lora, spec, target, tp)
             else:
                 a = a_full[:, tp_rank * k // tp:(tp_rank + 1) * k // tp]
                 b = torch.zeros(lora.b_rows(spec, target), lora.rank)
-                mod.lora_parts = (1, ((b.shape[0], 0),))
-            mod.lora_A = torch.nn.Parameter(a.to(device=device, dtype=dtype).contiguous())
-            mod.lora_B = torch.nn.Parameter(b.to(device=device, dtype=dtype))
+                ad.lora_parts = (1, ((b.shape[0], 0),))
+            ad.lora_A = torch.nn.Parameter(a.to(device=device, dtype=dtype).contiguous())
+            ad.lora_B = torch.nn.Parameter(b.to(device=device, dtype=dtype))
             if target in COLUMN:
-                set_tensor_model_parallel_attributes(mod.lora_B, True, 0, 1)
+                set_tensor_model_parallel_attributes(ad.lora_B, True, 0, 1)
             else:
-                set_tensor_model_parallel_attributes(mod.lora_A, True, 1, 1)
-            mod.lora_column = target in COLUMN
-            mod.lora_off = False
-            mod.lora_scale, mod.lora_rank = lora.scale, lora.rank
-            mod.lora_dropout = lora.dropout
-            mod.lora_tp_group = g.pgs.tp if tp > 1 else None
-            mod.lora_tp, mod.lora_tp_rank = tp, tp_rank
+                set_tensor_model_parallel_attributes(ad.lora_A, True, 1, 1)
+            ad.lora_column = target in COLUMN
+            ad.lora_off = False
+            ad.lora_scale, ad.lora_rank = lora.scale, lora.rank
+            ad.lora_dropout = lora.dropout
+            ad.lora_tp_group = g.pgs.tp if tp > 1 else None
+            ad.lora_tp, ad.lora_tp_rank = tp, tp_rank
             if not getattr(mod, "lora_hooked", False):
                 mod.register_forward_hook(_megatron_hook)
-                mod.lora_hooked = True
+                ad.lora_hooked = True
     if g.is_first_stage and not getattr(shard.module.embedding, "lora_hooked", False):
         # megatron's full-layer recomputation is a reentrant checkpoint: a layer whose
         # inputs need no gradient (the frozen embedding's output) would lose its
@@ -180,10 +208,11 @@ def _input_needs_grad(mod, args, output):
     return output
 
 
-def lora_delta(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def lora_delta(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``scale * B A dropout(x)`` of one adapted layer, on this TP rank: its output slice
     for a column-parallel layer, the full output for a row-parallel one (``x``: the
     layer's input on this rank, any leading dimensions)."""
+    mod = adapter(layer)
     group = mod.lora_tp_group
     grad = torch.is_grad_enabled()
     if mod.lora_dropout > 0 and grad:
@@ -204,7 +233,7 @@ def lora_delta(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return fused_out(z, mod.lora_B, mod.lora_parts, mod.lora_rank) * mod.lora_scale
 
 
-def fused_out(z: torch.Tensor, b: torch.Tensor, parts, rank: int) -> torch.Tensor:
+def fused_out(z: torch.Tensor, b: torch.Tensor, parts: Parts, rank: int) -> torch.Tensor:
     """``B``'s output of ``z = x A^T`` (any leading dimensions) on one TP rank, ``parts``
     as :func:`part_plan` gives them: each adapted part's rows of ``B`` times its block of
     ``z``, zeros for a part without adapter, laid out in megatron's row order. One GEMM
@@ -226,14 +255,15 @@ def fused_out(z: torch.Tensor, b: torch.Tensor, parts, rank: int) -> torch.Tenso
     return torch.cat(outs, -1).reshape(*lead, -1)
 
 
-def delta_weight(mod: torch.nn.Module) -> torch.Tensor:
+def delta_weight(layer: torch.nn.Module) -> torch.Tensor:
     """``scale * B A`` of one adapted layer on this TP rank (fp32), shaped like the
     rank's base weight: what merging adds to it."""
+    mod = adapter(layer)
     a, b = mod.lora_A.float(), mod.lora_B.float()
     return fused_out(a.t(), b, mod.lora_parts, mod.lora_rank).t() * mod.lora_scale
 
 
-def _dropout(x: torch.Tensor, mod: torch.nn.Module) -> torch.Tensor:
+def _dropout(x: torch.Tensor, mod: AdaptedLayer) -> torch.Tensor:
     """Inverted dropout on an adapter's input with the masks TP 1 would draw: a
     row-parallel layer draws its whole input's and keeps its own columns."""
     p, tp = mod.lora_dropout, mod.lora_tp
@@ -272,7 +302,8 @@ def adapters_disabled(shard) -> Iterator[None]:
     if getattr(shard, "lora", None) is None:
         yield
         return
-    mods = [m for layer in shard.module.decoder.layers for m in adapted(layer).values()]
+    mods = [adapter(m) for layer in shard.module.decoder.layers
+            for m in adapted(layer).values()]
     base_head = getattr(shard, "base_head", None)
     head = shard.module.output_layer.weight if base_head is not None else None
     trained = head.data if head is not None else None

@@ -104,6 +104,7 @@ def full_adapters(shard) -> dict[str, torch.Tensor]:
         if t.content == "value_head":
             out[f"{PREFIX}score.weight"] = full
             continue
+        assert t.layer is not None, name        # the value head is the one layer-less tensor
         target, factor = name.split(".")[-2], name.split(".")[-1][-1]
         parts = a_to_hf(lora, target, full) if factor == "A" else b_to_hf(spec, lora, target,
                                                                            full)
@@ -155,13 +156,13 @@ def save_merged_checkpoint(shard, folder: str | Path, hf_config: dict) -> None:
     Each TP rank merges its own slice (a column-parallel layer's rows, a row-parallel
     layer's columns); the base weights are restored afterwards."""
     from realign.runtime.hf_checkpoint import save_hf_checkpoint
-    from realign.runtime.lora import adapted, delta_weight
+    from realign.runtime.lora import adapted, adapter, delta_weight
 
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     with torch.no_grad():
         for layer in shard.module.decoder.layers:
             for mod in adapted(layer).values():
-                w = mod.weight
+                w = adapter(mod).weight
                 kept.append((w, w.detach().clone()))
                 w.add_(delta_weight(mod).to(w.dtype))
         try:
@@ -260,7 +261,7 @@ def load_peft_adapter(shard, folder: str | Path) -> None:
     """Copy this rank's slices of a PEFT adapter (checked with
     :func:`check_peft_adapter`) into ``shard``'s adapters. No collectives."""
     from planner.specs.layout import stage_layers
-    from realign.runtime.lora import adapted
+    from realign.runtime.lora import adapted, adapter
 
     _cfg, tensors = read_peft_adapter(folder)
     g, spec, lora = shard.groups, shard.spec, shard.lora
@@ -281,7 +282,7 @@ def load_peft_adapter(shard, folder: str | Path) -> None:
                 else:
                     k = a.shape[1]
                     a = a[:, tp_rank * k // tp:(tp_rank + 1) * k // tp]
-                mod.lora_A.copy_(a)
-                mod.lora_B.copy_(b)
+                adapter(mod).lora_A.copy_(a)
+                adapter(mod).lora_B.copy_(b)
         if shard.head == "value" and g.is_last_stage:
             shard.module.output_layer.weight.copy_(tensors[f"{PREFIX}score.weight"])

@@ -57,11 +57,11 @@ def compile_deferred() -> Iterator[None]:
     import torch
 
     eager = torch.compile
-    torch.compile = deferred(eager)            # type: ignore[assignment]
+    torch.compile = deferred(eager)
     try:
         yield
     finally:
-        torch.compile = eager                  # type: ignore[assignment]
+        torch.compile = eager
 
 
 def import_megatron() -> None:

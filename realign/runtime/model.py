@@ -11,7 +11,7 @@ mixture of experts' sparse layers (Qwen3-MoE) hold realign's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,9 @@ from planner.specs.param_layout import stage_tensors
 from realign.runtime.device import DeviceInfo
 from realign.runtime.ep_groups import holds_tensor
 from realign.runtime.groups import ReplicaGroups
+
+if TYPE_CHECKING:     # megatron-core ships no type information: this names an Any
+    from megatron.core.models.gpt import GPTModel
 
 Head = Literal["lm", "value"]
 
@@ -214,7 +217,7 @@ def build_model(spec: ModelSpec, head: Head, groups: ReplicaGroups, device: Devi
     return shard
 
 
-def _add_experts(model: torch.nn.Module, spec: ModelSpec, groups: ReplicaGroups,
+def _add_experts(model: GPTModel, spec: ModelSpec, groups: ReplicaGroups,
                  device: DeviceInfo, seed: int | None, std: float) -> None:
     """Each sparse layer of the stage gets its router and experts (random from ``seed``,
     or zeros to load into)."""
@@ -264,7 +267,7 @@ def global_name(local_name: str, spec: ModelSpec, pp: int, pp_rank: int) -> str:
     return f"decoder.layers.{layer}.{rest}"
 
 
-def logical_shards(model: torch.nn.Module, layout, pp_rank: int,
+def logical_shards(model: ModelShard | torch.nn.Module, layout, pp_rank: int,
                    spec: ModelSpec | None = None, head: Head | None = None,
                    moved: bool = False) -> dict[str, torch.Tensor]:
     """Each local parameter of a stage's megatron model under the planner's logical

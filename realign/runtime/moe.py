@@ -117,14 +117,14 @@ class MoeMLP(torch.nn.Module):
         for e, ex in self.held().items():
             params.update({1 + 2 * e: ex.linear_fc1.weight, 2 + 2 * e: ex.linear_fc2.weight})
         with torch.no_grad():
-            for i, p in params.items():
+            for i, w in params.items():
                 t = tensors[i]
                 g = torch.Generator().manual_seed(init_seed * 1_000_003 + layer * 10_007 + i)
                 full = torch.randn(t.shape, generator=g) * std
                 if t.shard_dim is not None:
                     full = torch.cat([full.narrow(t.shard_dim, a, b - a)
                                       for a, b in t.shard_ranges(tp_rank, tp)], t.shard_dim)
-                p.copy_(full.to(dtype))
+                w.copy_(full.to(dtype))
 
     def held(self) -> dict[int, _Expert]:
         """This rank's experts by global expert index."""

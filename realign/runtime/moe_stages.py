@@ -31,12 +31,12 @@ class _AttachLoss(torch.autograd.Function):
     """Identity on ``out``; its backward also gives ``loss`` the gradient 1."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(loss)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         (loss,) = ctx.saved_tensors
         return grad, torch.ones_like(loss)
 

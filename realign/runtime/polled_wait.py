@@ -73,8 +73,8 @@ def polled_waits(budget_s: float = DEFAULT_BUDGET_S) -> Iterator[None]:
     def wait(self, *args, **kwargs):
         return poll_then_wait(self, blocking_wait, budget_s, *args, **kwargs)
 
-    work_cls.wait = wait
+    work_cls.wait = wait  # type: ignore[method-assign]  # the patch, undone below
     try:
         yield
     finally:
-        work_cls.wait = blocking_wait
+        work_cls.wait = blocking_wait  # type: ignore[method-assign]
