@@ -14,17 +14,6 @@ N = 24
 
 
 @pytest.fixture(scope="module")
-def world():
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        store = dist.HashStore()
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from realign.assets.tiny import SMALL_LLAMA, make_model
 

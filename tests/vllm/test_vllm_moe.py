@@ -16,17 +16,6 @@ N = 16
 
 
 @pytest.fixture(scope="module")
-def world():
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        store = dist.HashStore()
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from realign.assets.tiny import TINY_QWEN3_MOE, make_model
 

@@ -20,16 +20,6 @@ TURN = 8             # tokens of a model turn
 
 
 @pytest.fixture(scope="module")
-def world():
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
 def actor(world, tiny_assets):
     """(shard, tokenizer, folder) of the tool task's actor (the tool tokenizer: its tags
     are one token each; heads of 32 channels), fp32, TP 1."""
