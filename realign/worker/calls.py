@@ -149,8 +149,10 @@ class Calls:
             seqs, logprobs = sequences_from_generation(prompts, gen.tokens, gen.logprobs,
                                                        gen.lengths, self.pad_id)
             gen_lengths = gen.lengths
-            if op.engine == "vllm" and shard.spec.moe is not None:
+            if (op.engine == "vllm" and shard.spec.moe is not None
+                    and self.vllm_engines[op.replica].records_routing):
                 # tokens whose experts differ between vLLM and the training forward
+                # (recorded only where vLLM runs eagerly: nothing logged on CUDA)
                 from realign.runtime.engines.vllm_moe import rollout_routing_mismatch
 
                 share, compared = rollout_routing_mismatch(

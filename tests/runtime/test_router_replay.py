@@ -8,8 +8,10 @@ import torch
 
 from realign.runtime.engines.vllm_routing import (
     external_id,
+    records_routing,
     routing_by_request,
     routing_tensor,
+    vllm_eager,
 )
 from realign.runtime.moe import replayed_top_k
 from realign.runtime.router_replay import routing_mismatch
@@ -31,6 +33,14 @@ def test_calls_become_each_requests_experts_by_position_and_layer():
     t = routing_tensor(got["b"], 3, 2, 2)
     assert t.tolist() == [[[5, 6], [15, 16]], [[7, 0], [17, 10]], [[-1, -1], [-1, -1]]]
     assert external_id("12-9d446ee4") == "12" and external_id("a-b-c") == "a-b"
+
+
+def test_routing_is_recorded_only_where_vllm_runs_eagerly():
+    # the capture function is Python inside vLLM's forward: CUDA graphs would skip it
+    assert vllm_eager("cpu") and not vllm_eager("cuda")
+    assert records_routing(2, vllm_eager("cpu"))
+    assert not records_routing(2, vllm_eager("cuda"))
+    assert not records_routing(0, vllm_eager("cpu"))
 
 
 def test_a_position_missing_a_layer_is_left_out():

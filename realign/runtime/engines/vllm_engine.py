@@ -35,9 +35,11 @@ join). The worker is the engine's only client; nothing else manages it.
   its index in the call. The log-probs are vLLM's raw ones (``logprobs_mode``
   ``raw_logprobs``): the model's own distribution at temperature 1, what realign's
   engine returns and the training forward computes.
-* **Routing** (``moe_top_k`` > 0, a mixture of experts): the experts vLLM's routers
-  chose for every token of each sequence, kept in ``routing.last`` after each call
-  (:mod:`realign.runtime.engines.vllm_routing`), for rollout routing replay.
+* **Routing** (``moe_top_k`` > 0, a mixture of experts, on an engine that runs
+  eagerly: CPU): the experts vLLM's routers chose for every token of each sequence,
+  kept in ``routing.last`` after each call
+  (:mod:`realign.runtime.engines.vllm_routing`), for rollout routing replay; on CUDA
+  (CUDA graphs) none is recorded (``records_routing`` False on every rank).
 * **Records**: tokens padded with ``pad_id`` after the end, log-probs 0 there, lengths
   with the stop token: :class:`~realign.runtime.engines.generate.Generation`, as
   realign's engine returns, gathered over the data-parallel ranks.
@@ -62,7 +64,7 @@ import torch
 from realign.runtime.engines.base import gather_dp
 from realign.runtime.engines.generate import Generation
 from realign.runtime.engines.vllm_lora import VLLMAdapters, lora_engine_args
-from realign.runtime.engines.vllm_routing import VLLMRouting
+from realign.runtime.engines.vllm_routing import VLLMRouting, records_routing, vllm_eager
 from realign.runtime.engines.vllm_weights import (
     BUCKET_BYTES,
     SharedMemoryTransport,
@@ -198,7 +200,10 @@ class VLLMEngine:
         self.transport: WeightTransport | None = None
         self._folder: Path | None = None
         self.adapters: VLLMAdapters | None = None
-        #: the experts vLLM routed each token to (a mixture of experts, ``moe_top_k`` > 0)
+        self.enforce_eager = vllm_eager(device_kind)
+        #: whether the engine records its routing (the same on every rank of the replica)
+        self.records_routing = records_routing(moe_top_k, self.enforce_eager)
+        #: the experts vLLM routed each token to (:attr:`records_routing`, on the host)
         self.routing: VLLMRouting | None = None
         config = peft_config(lora, "lm", str(model_dir)) if lora is not None else {}
         if not host:
@@ -227,14 +232,14 @@ class VLLMEngine:
                            tensor_parallel_size=tp,
                            distributed_executor_backend="uni" if tp == 1 else "mp",
                            worker_extension_cls=WORKER_EXTENSION,
-                           enforce_eager=device_kind == "cpu", skip_tokenizer_init=True,
+                           enforce_eager=self.enforce_eager, skip_tokenizer_init=True,
                            max_model_len=max_model_len, max_num_seqs=settings.max_num_seqs,
                            kv_cache_memory_bytes=self.kv_cache_bytes,
                            enable_prefix_caching=False, **lora_engine_args(lora), **extra)
         torch.set_num_threads(threads)          # vLLM lowers the caller's threads
         if lora is not None:
             self.adapters = VLLMAdapters(self.llm.collective_rpc, config)
-        if moe_top_k > 0:
+        if self.records_routing:
             self.routing = VLLMRouting(self.llm, moe_top_k)
 
     # ---- weights -----------------------------------------------------------------------

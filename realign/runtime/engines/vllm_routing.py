@@ -18,6 +18,14 @@ before they are used. realign's worker extension sets that function on each laye
 layout (the requests in batch order, their rows ``query_start_loc`` and each row's
 position), and :func:`routing_by_request` turns the calls into each request's experts
 per (position, layer). The ids are the ones vLLM's kernels used, not recomputed.
+
+The capture function is Python run inside vLLM's model forward (it appends to a list
+and reads the ids with ``.tolist()``), so it records only where vLLM runs the forward
+eagerly (``enforce_eager``: realign's engine on CPU). Under CUDA graphs or
+torch.compile (realign's engine on CUDA) the function is either refused by the compiler
+or runs only while a step is traced, so the decode steps would go unrecorded and a
+mismatch would count prefill tokens alone: there nothing is recorded
+(:func:`records_routing`) and no ``moe.routing_mismatch`` is logged.
 """
 from __future__ import annotations
 
@@ -27,6 +35,23 @@ import torch
 
 #: a captured call on the wire: (layer, request ids, query_start_loc, positions, topk_ids)
 Call = tuple[int, list[str], list[int], list[int], list[list[int]]]
+
+
+def vllm_eager(device_kind: str) -> bool:
+    """Whether realign's vLLM engine on ``device_kind`` runs its forward eagerly (vLLM's
+    ``enforce_eager``): on CPU; on CUDA decode runs as CUDA graphs.
+
+    Example: ``"cpu"`` -> True, ``"cuda"`` -> False."""
+    return device_kind == "cpu"
+
+
+def records_routing(moe_top_k: int, enforce_eager: bool) -> bool:
+    """Whether a vLLM engine records its routing: a mixture of experts (``moe_top_k`` >
+    0) on an engine that runs eagerly (the capture function cannot run inside a CUDA
+    graph or a compiled forward; see the module docstring).
+
+    Example: (2, True) -> True; (2, False) -> False; (0, True) -> False."""
+    return moe_top_k > 0 and enforce_eager
 
 
 class RoutingCaptureExtension:
