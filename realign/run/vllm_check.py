@@ -12,7 +12,11 @@ with ``rollout.engine: vllm``, where the search chose it under ``auto``). Then:
   gen_len`` tokens (:func:`planner.cost.vllm_cost.kv_bytes_per_seq`, what the plan
   prices);
 * on the cpu device, a call at TP ``t`` has ``t`` cores (one per vLLM worker). vLLM's
-  TP is the plan's (any TP, PP 1: :mod:`planner.plan` refuses the rest).
+  TP is the plan's (any TP, PP 1: :mod:`planner.plan` refuses the rest);
+* on the cpu device, a mixture of experts' per-TP-rank expert width
+  (``moe_intermediate_size / t``) is a multiple of :data:`CPU_EXPERT_ALIGN`: vLLM's CPU
+  experts pad it to one, and an in-memory weight update of padded experts stops inside
+  vLLM's worker (docs/vllm.md, "A mixture of experts on vLLM").
 
 Each failure is a :class:`~realign.errors.UserError` naming the setting to change.
 """
@@ -31,6 +35,10 @@ if TYPE_CHECKING:
 
 #: vLLM's CPU attention needs heads of at least this many channels
 CPU_MIN_HEAD_DIM = 32
+
+#: vLLM's CPU experts pad their per-TP-rank intermediate size to a multiple of this
+#: (``CPUUnquantizedExperts.output_alignment``), which an in-memory update cannot fill
+CPU_EXPERT_ALIGN = 32
 
 GIB = 2 ** 30
 
@@ -76,11 +84,40 @@ def cpu_tp_problem(cfg: "ExperimentConfig", mfc: str, tp: int,
                      field=f"plan.manual.{mfc}")
 
 
+def cpu_moe_problem(cfg: "ExperimentConfig", spec: ModelSpec, mfc: str,
+                    tp: int) -> UserError | None:
+    """Why vLLM on the cpu device cannot take in-memory updates of the mixture of
+    experts ``spec`` at TP ``tp`` for the call ``mfc`` (None: it can): each TP rank's
+    share of an expert's intermediate size must be a multiple of
+    :data:`CPU_EXPERT_ALIGN`.
+
+    Example: experts of 64 -> TP 1 and 2 pass; TP 4 (16 per rank) is refused, naming
+    ``plan.manual.<mfc>`` and TP 1 and 2; experts of 48 are refused at every TP."""
+    if cfg.device != "cpu" or spec.moe is None:
+        return None
+    width = spec.moe.expert_ffn_hidden
+    if width % tp == 0 and (width // tp) % CPU_EXPERT_ALIGN == 0:
+        return None
+    allowed = [t for t in range(1, width // CPU_EXPERT_ALIGN + 1)
+               if width % (t * CPU_EXPERT_ALIGN) == 0]
+    why = (f"{spec.name}'s experts of {width} (moe_intermediate_size) at tp {tp} give "
+           f"{width / tp:g} per TP rank; vLLM's cpu experts need a multiple of "
+           f"{CPU_EXPERT_ALIGN} per rank (it pads the rest, and a padded expert cannot "
+           "take realign's in-memory weight update)")
+    if not allowed:
+        return UserError(f"{why}: use a model whose moe_intermediate_size is a multiple of "
+                         f"{CPU_EXPERT_ALIGN}, or set rollout.engine to own",
+                         field="models.actor")
+    return UserError(f"{why}: give {mfc} tp {' or '.join(map(str, allowed))} in "
+                     "plan.manual, or set rollout.engine to own", field=f"plan.manual.{mfc}")
+
+
 def check_vllm(cfg: "ExperimentConfig", spec: ModelSpec, calls: list[MFC],
                dtype_bytes: int, block_tokens: int,
                tps: dict[str, int] | None = None) -> None:
     """Raise the first :func:`vllm_problem` of ``calls`` (the generate calls that run on
-    vLLM), then the first :func:`cpu_tp_problem` of their TP (``tps``, by call)."""
+    vLLM), then the first :func:`cpu_tp_problem` and :func:`cpu_moe_problem` of their TP
+    (``tps``, by call)."""
     import os
 
     for m in calls:
@@ -89,6 +126,6 @@ def check_vllm(cfg: "ExperimentConfig", spec: ModelSpec, calls: list[MFC],
             raise problem
     cores = len(os.sched_getaffinity(0))
     for name, tp in (tps or {}).items():
-        problem = cpu_tp_problem(cfg, name, tp, cores)
+        problem = cpu_tp_problem(cfg, name, tp, cores) or cpu_moe_problem(cfg, spec, name, tp)
         if problem is not None:
             raise problem

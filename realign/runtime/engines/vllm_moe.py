@@ -38,7 +38,8 @@ def repack_cpu_experts(model: torch.nn.Module) -> int:
                 f"vLLM's CPU experts pad their intermediate size "
                 f"{cfg.intermediate_size_per_partition} to "
                 f"{experts._padded_intermediate_size(cfg)}: an in-memory weight update of "
-                "such a model is not supported on CPU")
+                "such a model is not supported on CPU (realign run refuses it before "
+                "starting: realign.run.vllm_check.cpu_moe_problem)")
         with torch.no_grad():
             for name in ("w13_weight", "w2_weight"):
                 w = getattr(layer, name)
