@@ -76,8 +76,22 @@ def expert_shard(shard, name: str, local: dict[str, torch.Tensor], shape: tuple[
     return buf
 
 
-def rollout_routing_mismatch(shard, routing, prompts: list[list[int]], gen, pad_id: int
-                             ) -> tuple[float, int]:
+#: the most tokens (rows x width) :func:`rollout_routing_mismatch` scores in one forward:
+#: its logits are [tokens, vocabulary] (about 2.5 GB in fp32 at a vocabulary of 152k)
+SCORE_TOKENS = 4096
+
+
+def row_chunks(rows: int, width: int, max_tokens: int = SCORE_TOKENS) -> list[range]:
+    """``rows`` rows of ``width`` tokens in consecutive chunks of at most ``max_tokens``
+    tokens (at least one row each).
+
+    Example: 5 rows of 3 tokens, at most 6 -> [range(0, 2), range(2, 4), range(4, 5)]."""
+    step = max(1, max_tokens // max(1, width))
+    return [range(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def rollout_routing_mismatch(shard, routing, prompts: list[list[int]], gen, pad_id: int,
+                             max_tokens: int = SCORE_TOKENS) -> tuple[float, int]:
     """(share, tokens compared): the share of rollout tokens whose experts differ, at
     some sparse layer, between vLLM (``routing``: the engine's
     :class:`~realign.runtime.engines.vllm_routing.VLLMRouting` after the call, on the
@@ -85,7 +99,10 @@ def rollout_routing_mismatch(shard, routing, prompts: list[list[int]], gen, pad_
     the whole call (``moe.routing_mismatch``). Every rank of the replica calls it (the
     forward is collective over TP and EP): each data-parallel rank scores the sequences
     its engine generated, and the counts are summed over the data-parallel ranks (share
-    0 when no token was compared)."""
+    0 when no token was compared). The share is scored in chunks of rows of at most
+    ``max_tokens`` tokens (:func:`row_chunks`), so the forward's full-vocabulary logits
+    stay bounded beside vLLM's KV cache; every rank makes as many chunks (their rows
+    come from the whole call's longest sequence), as the forward's EP collectives need."""
     import torch.distributed as dist
 
     from realign.runtime.engines.decoder import StageDecoder
@@ -98,20 +115,26 @@ def rollout_routing_mismatch(shard, routing, prompts: list[list[int]], gen, pad_
     seqs = [q + gen.tokens[first + i, :int(gen.lengths[first + i])].tolist()
             for i, q in enumerate(prompts[first:first + per])]
     width = max(len(s) for s in seqs)
+    # the whole call's longest sequence: the same chunks on every rank
+    longest = max(len(q) + int(n) for q, n in zip(prompts, gen.lengths))
     dev = shard.device.device
     tokens = torch.full((per, width), pad_id, dtype=torch.long)
     for i, s in enumerate(seqs):
         tokens[i, :len(s)] = torch.tensor(s)
-    with torch.no_grad(), recording(shard.module) as rec:
-        StageDecoder(shard, max_len=width).score(tokens.to(dev))
-    trained = torch.stack(rec.experts, dim=2)            # [rows, width, layers, k]
+    decoder = StageDecoder(shard, max_len=width)
     counts = torch.zeros(2, dtype=torch.float64, device=dev)
-    if routing is not None:
-        rolled = torch.full(trained.shape, -1, dtype=torch.long)
-        for i, r in enumerate(routing.last):
-            rolled[i, :r.shape[0]] = r
-        differ, compared = routing_mismatch(rolled, trained.cpu())
-        counts += torch.tensor([differ, compared], dtype=torch.float64, device=dev)
+    for rows in row_chunks(per, longest, max_tokens):
+        with torch.no_grad(), recording(shard.module) as rec:
+            decoder.score(tokens[rows.start:rows.stop].to(dev))
+        trained = torch.stack(rec.experts, dim=2)        # [rows, width, layers, k]
+        del rec
+        if routing is not None:
+            rolled = torch.full(trained.shape, -1, dtype=torch.long)
+            for i in rows:
+                r = routing.last[i]
+                rolled[i - rows.start, :r.shape[0]] = r
+            differ, compared = routing_mismatch(rolled, trained.cpu())
+            counts += torch.tensor([differ, compared], dtype=torch.float64, device=dev)
     if g.layout.dp > 1:
         dist.all_reduce(counts, group=g.pgs.dp)
     if g.layout.tp > 1:      # the host's counts to its TP ranks
