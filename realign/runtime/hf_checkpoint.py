@@ -270,10 +270,13 @@ def save_hf_checkpoint(shard, path: str | Path, hf_config: dict) -> None:
             continue                         # tied: the first stage writes the embedding
         full = gather_full(t, local, g.pgs.tp, g.layout.tp)
         hf.update({k: v.cpu() for k, v in to_hf(t, full, spec).items()})
-    if g.ep > 1:            # each EP rank holds its experts: the writer gathers them all
-        parts: list = [None] * g.ep
-        dist.all_gather_object(parts, hf, group=g.ep_group)
-        hf = {k: v for part in parts for k, v in part.items()}
+    # each EP rank holds its experts: the writer's EP group (TP rank 0, data-parallel
+    # ranks 0 .. ep - 1) sends them to the writer, its EP rank 0, alone
+    if g.ep > 1 and g.tp_rank == 0 and g.dp_rank < g.ep:
+        parts: list | None = [None] * g.ep if g.ep_rank == 0 else None
+        dist.gather_object(hf, parts, group=g.ep_group, group_dst=0)
+        if parts is not None:
+            hf = {k: v for part in parts for k, v in part.items()}
     fname = f"model-{g.pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     if g.dp_rank == 0 and g.tp_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
