@@ -15,14 +15,6 @@ tp-dp-pp 2-4-1 with ep 2 (mesh rank = tp_rank + 2 * dp_rank): EP groups
 from __future__ import annotations
 
 from planner.specs.layout import Layout, coords_of_rank, rank_of_coords
-from planner.specs.layout import ep_problems as planner_ep_problems
-from planner.specs.model_spec import ModelSpec
-
-
-def ep_problems(spec: ModelSpec, layout: Layout, ep: int) -> list[str]:
-    """Why ``spec`` cannot run expert-parallel at ``ep`` with ``layout`` (empty: it can):
-    the planner's one rule (:func:`planner.specs.layout.ep_problems`) at ``layout.dp``."""
-    return planner_ep_problems(spec, layout.dp, ep)
 
 
 def ep_coords(dp_rank: int, ep: int) -> tuple[int, int]:

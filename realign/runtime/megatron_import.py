@@ -7,9 +7,10 @@ in ``megatron.core.jit.jit_fuser``, which is ``torch.compile`` on torch >= 2.2. 
 although realign's models call none of these kernels on the local layer spec
 (``runtime/model.py`` turns the fusions off; with ``train.transformer_engine`` on CUDA,
 bias-dropout-add runs fused). :func:`import_megatron` imports the megatron-core modules
-realign uses while ``torch.compile`` returns a wrapper that compiles, with the same arguments, on the
-wrapped function's first call: a kernel that runs is compiled as before, one that never
-runs costs nothing. ``torch.compile`` is restored before the function returns.
+realign uses while ``torch.compile`` returns a wrapper that compiles, with the same
+arguments, on the wrapped function's first call: a kernel that runs is compiled with the
+arguments megatron-core gave, one that never runs costs nothing. ``torch.compile`` is
+restored before the function returns.
 """
 from __future__ import annotations
 

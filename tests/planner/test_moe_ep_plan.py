@@ -64,14 +64,6 @@ def test_invalid_ep_is_refused_naming_the_field(model, ep, dp, words):
     assert e.value.field == "plan.manual.actor_train"
 
 
-def test_the_runtime_reads_the_planners_rule():
-    from planner.specs.layout import ep_problems
-    from realign.runtime.ep_groups import ep_problems as runtime_rule
-    for model in (MOE, DENSE):
-        for dp, ep in ((4, 2), (2, 4), (6, 3), (4, 1)):
-            assert runtime_rule(model, Layout(dp=dp), ep) == ep_problems(model, dp, ep)
-
-
 def test_enumerated_layouts_offer_ep_only_for_experts_and_up_to_max_ep():
     graph = _grpo()
     gen = graph.mfcs[0]

@@ -62,7 +62,7 @@ def test_cpu_call_moves_the_adapters_not_the_weights():
     for k, v in full.terms_s.items():
         if k != "weight_load":
             assert lora.terms_s[k] == pytest.approx(v)
-    # the cost model's entry point prices the same (it refused LoRA on vLLM before)
+    # the cost model's entry point prices LoRA on vLLM the same
     via = cm.mfc_cost(gen(), SMALL, "lm", mesh, lay, 1, engine="vllm", lora=LORA)
     assert via.terms_s == lora.terms_s and via.adapter_bytes > 0
 

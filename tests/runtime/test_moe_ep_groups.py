@@ -1,5 +1,6 @@
 """Expert parallelism's rank arithmetic (realign.runtime.ep_groups), pure: the groups
-megatron's definition gives, which experts each rank holds, and the refusals."""
+megatron's definition gives and which experts each rank holds (the refusals are the
+planner's rule: tests/planner/test_moe_ep)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,6 @@ import pytest
 from planner.specs.layout import Layout
 from realign.runtime.ep_groups import (
     ep_coords,
-    ep_problems,
     ep_rank_groups,
     expert_dp_groups,
     expert_owner,
@@ -45,16 +45,3 @@ def test_experts_split_evenly_over_ep_ranks():
     assert not holds_tensor(name, 8, 2, 0) and holds_tensor(name, 8, 2, 1)
     assert holds_tensor("decoder.layers.1.mlp.router.weight", 8, 2, 0)
     assert holds_tensor(name, 8, 1, 0)
-
-
-def test_refusals_name_the_rule():
-    from planner.specs.model_spec import model_presets
-
-    presets = model_presets()
-    moe = next(s for s in presets.values() if s.moe is not None)
-    dense = next(s for s in presets.values() if s.moe is None)
-    assert ep_problems(moe, Layout(dp=4), 2) == [] and ep_problems(dense, Layout(dp=4), 1) == []
-    assert "has none" in ep_problems(dense, Layout(dp=2), 2)[0]
-    assert any("must divide dp=2" in p for p in ep_problems(moe, Layout(dp=2), 4))
-    assert any(f"divide the {moe.moe.n_experts} experts" in p
-               for p in ep_problems(moe, Layout(dp=6), 3))
