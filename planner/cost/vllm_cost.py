@@ -90,8 +90,10 @@ VLLM_SYNC_STEP_S = 0.004
 #: down from "5-6ms" without asynchronous scheduling, "gpu-util continued to be 100%"
 #: (vllm-project/vllm PR #11133, V1; the midpoint; docs/gpu-terms.md)
 VLLM_ASYNC_STEP_GAP_S = 160e-6
-#: the largest LoRA rank vLLM 0.32 takes (``max_lora_rank``: 1, 8, ... 320, 512)
-VLLM_MAX_LORA_RANK = 512
+#: the ranks vLLM 0.32 accepts as ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: the largest LoRA rank vLLM takes
+VLLM_MAX_LORA_RANK = max(VLLM_LORA_RANKS)
 
 
 def peft_adapter_params(spec: ModelSpec, lora: LoraSpec) -> int:

@@ -29,10 +29,9 @@ from multiprocessing import shared_memory
 
 import torch
 
+from planner.cost.vllm_cost import VLLM_LORA_RANKS
 from realign.runtime.engines.vllm_weights import entry_to_wire, pack_into
 
-#: the ranks vLLM 0.32 accepts as ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``)
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: the worker extension's method that registers an adapter from shared memory
 EXT_ADD_LORA = "realign_add_lora"
 #: the path a request of a registered adapter names (never read: see the module docstring)
