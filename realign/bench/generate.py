@@ -110,9 +110,7 @@ def _identity(shard, engine, folder: Path, prompts, n: int) -> dict:
     same_hf = 0
     for i, q in enumerate(prompts):
         ids = torch.tensor([q])
-        # transformers types generate's self as a GenerativePreTrainedModel, a type
-        # from_pretrained's return type is not
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids),  # type: ignore[misc]
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids),
                           max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
         same_hf += out[0, len(q):].tolist() == v.tokens[i].tolist()
     return {"sequences": len(prompts), "tokens_each": n,

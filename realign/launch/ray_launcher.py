@@ -177,8 +177,7 @@ class RayLauncher(Launcher):
         res = dict(self.resources)
         cpus, gpus = res.pop("CPU", 0.0), res.pop("GPU", 0.0)
         # max_concurrency 2: node_ip still answers while run() works
-        # ray's stub of remote() lacks the actor options it takes (max_concurrency)
-        cls = ray.remote(max_restarts=0, max_concurrency=2)(RealignWorker)  # type: ignore[call-overload]
+        cls = ray.remote(max_restarts=0, max_concurrency=2)(RealignWorker)
         self.actors = [
             cls.options(num_cpus=cpus, num_gpus=gpus, resources=res or None,
                         runtime_env=runtime_env,

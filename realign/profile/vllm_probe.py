@@ -59,8 +59,7 @@ def _write_model(folder: Path, spec: ModelSpec, dtype: str) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         dt = torch.bfloat16 if dtype == "bf16" else torch.float32
-        # transformers types PreTrainedModel.to through a decorator that drops self
-        model = tf.LlamaForCausalLM(cfg).to(dt)  # type: ignore[arg-type]
+        model = tf.LlamaForCausalLM(cfg).to(dt)
     model.save_pretrained(str(folder))
     return folder
 
