@@ -24,6 +24,7 @@ from planner.specs.layout import Layout, layout_problems, shard_placement
 from planner.specs.lora import LoraSpec
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
+from planner.specs.streaming_plan import StreamingPlan
 
 #: 2: rule rewards in the graph, exact train inputs, fixed micro-batches, waves.
 #: 3: optimizer offload per train call, the profile planned with, cost sources.
@@ -41,7 +42,9 @@ from planner.specs.model_spec import ModelSpec
 #: 13: calls that run a LoRA model's base with its adapters off (the graph's
 #:     MFC.adapters_off: the reference scored as the actor's base, one base in the plan).
 #: 14: expert parallelism in each layout (Layout.ep, carved out of the data-parallel ranks).
-PLAN_SCHEMA_VERSION = 14
+#: 15: streaming plans (ExecutionPlan.streaming: the split, the stream's schedule and its
+#:     predicted steady state); the streaming mode beside the other two in modes.
+PLAN_SCHEMA_VERSION = 15
 
 
 class _Frozen(BaseModel):
@@ -149,7 +152,7 @@ class ModeResult(_Frozen):
     """The best plan of one execution mode, when the experiment allows both
     (``algorithm.max_staleness`` >= 1): planning compares them and keeps the faster."""
 
-    mode: str = Field(description="synchronous | asynchronous")
+    mode: str = Field(description="synchronous | asynchronous | streaming")
     iteration_time_s: float | None = Field(description="None: no plan of this mode fits.")
     chosen: bool
     allocations: dict[str, str] = Field(default_factory=dict,
@@ -198,7 +201,12 @@ class ExecutionPlan(_Frozen):
         "the device preset it came from.")
     modes: tuple[ModeResult, ...] = Field(
         (), description="The best synchronous and asynchronous plans side by side (empty "
-        "unless algorithm.max_staleness >= 1).")
+        "unless algorithm.max_staleness >= 1), and the streaming one where "
+        "rollout.mode is streaming.")
+    streaming: StreamingPlan | None = Field(
+        None, description="The generator streams into a rollout buffer on its own GPUs "
+        "while the trainer trains (rollout.mode: streaming): the split, the schedule and "
+        "its predicted steady state; None: the plan runs step by step.")
 
     @property
     def asynchronous(self) -> bool:
@@ -285,6 +293,32 @@ def budget_problems(a: MFCAllocation, m: MFC, where: str) -> list[str]:
     return []
 
 
+def streaming_problems(plan: ExecutionPlan) -> list[str]:
+    """Why ``plan``'s stream cannot run on its allocations (empty when it can, or has
+    none): the two sides cover the cluster, the rollout's generate calls lie on the
+    generation side and every other call of a step on the training side."""
+    st = plan.streaming
+    if st is None:
+        return []
+    if st.gen_gpus + st.train_gpus != plan.cluster.n_gpus:
+        return [f"streaming: gen_gpus {st.gen_gpus} + train_gpus {st.train_gpus} is not the "
+                f"cluster's {plan.cluster.n_gpus} GPUs"]
+    out = []
+    for a in plan.allocations:
+        m = plan.graph.mfc(a.mfc)
+        if m.is_eval:
+            continue
+        rollout = m.kind == "generate"
+        end = a.mesh.first_gpu + a.mesh.n_gpus
+        if rollout and end > st.gen_gpus:
+            out.append(f"streaming: {a.mfc} runs on {a.mesh_name}, outside the generation "
+                       f"side's GPUs 0..{st.gen_gpus - 1}")
+        elif not rollout and a.mesh.first_gpu < st.gen_gpus:
+            out.append(f"streaming: {a.mfc} runs on {a.mesh_name}, inside the generation "
+                       f"side's GPUs 0..{st.gen_gpus - 1}")
+    return out
+
+
 def plan_problems(plan: ExecutionPlan) -> list[str]:
     """Why ``plan`` cannot be executed as it is (empty when it can): allocations that
     do not match its graph, meshes outside its cluster, layouts its models or batches
@@ -337,6 +371,7 @@ def plan_problems(plan: ExecutionPlan) -> list[str]:
                        f"{a.kind} call")
     if out:
         return out
+    out += streaming_problems(plan)
     train = {a.role: a for a in plan.allocations if a.kind == "train"}
     want = expected_reallocations(plan)
     have = [(r.role, r.to_mfc) for r in plan.reallocations]

@@ -3,11 +3,10 @@ buffer, :mod:`planner.graph.streaming`): a validator of the experiment schema
 (:class:`~realign.config.experiment.ExperimentConfig` runs it on every config it
 builds), so before anything is planned or started.
 
-Every combination the streaming schedule does not cover is named with its field, and
-the mode itself is refused last, naming ``rollout.mode``: its buffer, staleness bound
-and update schedule are defined and simulated (``planner/graph/streaming.py``), but
-neither the planner's search nor the runtime executes them (docs/async.md says what
-exists). A refused mode exits 2 before any worker starts.
+Every combination the streaming schedule does not cover is named with its field; the
+others are planned (``realign plan``: ``plan.streaming``). Running the mode is refused
+while a run is prepared (:mod:`realign.run.streaming_check`), since no runtime executes
+its schedule yet. A refused combination exits 2 before any worker starts.
 """
 from __future__ import annotations
 
@@ -24,8 +23,8 @@ GENERATE_MFC, TRAIN_MFC = "actor.generate", "actor.train"
 
 
 def check_streaming(cfg: ExperimentConfig) -> None:
-    """Refuse ``rollout.mode: streaming`` (and ``rollout.on_update`` without it), naming
-    the field at fault: the first unsupported combination, else the mode itself."""
+    """Refuse the combinations ``rollout.mode: streaming`` does not cover (and
+    ``rollout.on_update`` without it), naming the field at fault: the first one found."""
     r, a = cfg.rollout, cfg.algorithm
     if r.mode != "streaming":
         if r.on_update != "continue":
@@ -61,9 +60,3 @@ def check_streaming(cfg: ExperimentConfig) -> None:
                 f"and {TRAIN_MFC} on {t.first_gpu}..{t.first_gpu + t.n_gpus - 1}: a generator that "
                 "streams needs GPUs of its own, disjoint from training's",
                 field=f"plan.manual.{GENERATE_MFC}.mesh")
-    raise UserError(
-        "rollout.mode: streaming is not executed yet: its rollout buffer, staleness bound "
-        "and update schedule are defined and simulated (planner/graph/streaming.py), but "
-        "the planner does not search it and no runtime runs it (docs/async.md); use "
-        "rollout.mode: step, which generates one step ahead with algorithm.max_staleness "
-        ">= 1", field="rollout.mode")

@@ -179,11 +179,13 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     from realign.data.tokenizer import load_tokenizer
     from realign.run.loading import load_experiment
     from realign.run.planning import resolve_models, resolve_plan
+    from realign.run.streaming_check import check_streaming_runs
 
     cfg = load_experiment(experiment)
     cfg = _with_overrides(cfg, steps, launcher, plan_file)
     if transform is not None:
         cfg = transform(cfg)
+    check_streaming_runs(cfg)                    # planned, not executed
     cfg.cluster.spec()                           # a known device (cluster.device)
     if cfg.data is None:
         raise UserError("realign run needs a data section with a train dataset", field="data")

@@ -1,6 +1,7 @@
 """`rollout.mode: streaming` and `rollout.on_update`: each unsupported combination
-exits 2 naming its field, and the mode itself is refused (not executed yet) before
-any planning or worker, by `realign plan` and `realign run` alike."""
+exits 2 naming its field, by `realign plan` and `realign run` alike; a supported one
+is planned by `realign plan` and refused by `realign run` (not executed yet) before
+any worker starts."""
 from __future__ import annotations
 
 import json
@@ -52,8 +53,6 @@ TWO = {"mesh": {"first_gpu": 0, "n_gpus": 2}, "layout": {"tp": 1, "pp": 1, "dp":
      "plan.manual.actor.generate.mesh", "disjoint"),
     (_with("rollout.mode", "step") | {"rollout": {"on_update": "finish"}},
      "rollout.on_update", "only with rollout.mode: streaming"),
-    (GRPO, "rollout.mode", "not executed yet"),
-    (_with("rollout.on_update", "finish"), "rollout.mode", "not executed yet"),
 ])
 @pytest.mark.parametrize("command", ["plan", "run"])
 def test_streaming_combinations_exit_2_naming_the_field(tmp_path, capsys, cfg, field,
@@ -62,6 +61,16 @@ def test_streaming_combinations_exit_2_naming_the_field(tmp_path, capsys, cfg, f
     err = capsys.readouterr().err
     assert rc == 2, err
     assert field in err and needle in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("cfg", [GRPO, _with("rollout.on_update", "finish")])
+def test_run_refuses_a_supported_streaming_experiment_naming_rollout_mode(tmp_path, capsys,
+                                                                         cfg):
+    rc = main(["run", _exp(tmp_path, cfg)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "rollout.mode" in err and "not executed yet" in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists()
 
 

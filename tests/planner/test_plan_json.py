@@ -72,13 +72,13 @@ def test_round_trip_with_reallocations():
 
 def test_schema_version_is_in_the_file(plan):
     raw = json.loads(plan.to_json())
-    assert raw["schema_version"] == PLAN_SCHEMA_VERSION == 14
+    assert raw["schema_version"] == PLAN_SCHEMA_VERSION == 15
 
 
 def test_a_wrong_version_is_rejected(plan):
     raw = json.loads(plan.to_json())
     raw["schema_version"] = 1
-    with pytest.raises(PlanError, match="has schema_version 1; this realign reads 14") as e:
+    with pytest.raises(PlanError, match="has schema_version 1; this realign reads 15") as e:
         ExecutionPlan.from_json(json.dumps(raw), source="old.json")
     assert e.value.field == "plan" and "old.json" in str(e.value)
 
