@@ -64,7 +64,7 @@ def _world() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def _model(folder: Path) -> Path:
+def bench_model(folder: Path) -> Path:
     from realign.assets.tiny import make_model
 
     return make_model(folder, "llama", "lm", seed=11, arch=BENCH_ARCH)
@@ -86,7 +86,7 @@ def _shard(folder: Path):
     return shard
 
 
-def _prompts(folder: Path, n: int) -> list[list[int]]:
+def task_prompts(folder: Path, n: int) -> list[list[int]]:
     from realign.assets.tiny import math_problems
     from realign.data.tokenizer import load_tokenizer
 
@@ -278,10 +278,10 @@ def _engines(args: argparse.Namespace, tmp: Path) -> dict:
 
     _world()
     rec: dict = {}
-    folder = _model(tmp / "bench")
+    folder = bench_model(tmp / "bench")
     shard = _shard(folder)
     rec["params"] = sum(p.numel() for p in shard.module.parameters())
-    prompts = _prompts(folder, args.prompts)
+    prompts = task_prompts(folder, args.prompts)
     engine = VLLMEngine(folder, VLLMSettings(kv_cache_gib=2, max_num_seqs=256),
                         torch.float32, max_model_len=args.gen_len + 32)
     try:

@@ -155,7 +155,7 @@ def cpu_bind(cores: list[int], tp: int) -> str:
 
 
 @contextlib.contextmanager
-def _child_env(device_kind: str, devices: list[int], tp: int):
+def child_env(device_kind: str, devices: list[int], tp: int):
     """The environment vLLM's child processes start with (restored after)."""
     threads = torch.get_num_threads()
     bind = cpu_bind(sorted(os.sched_getaffinity(0)), tp) if device_kind == "cpu" else "nobind"
@@ -227,7 +227,7 @@ class VLLMEngine:
             self.backend = cuda_backend(self.devices, self.devices)
             if self.backend == "nccl":
                 extra["weight_transfer_config"] = WeightTransferConfig(backend="nccl")
-        with _child_env(device_kind, self.devices, tp):
+        with child_env(device_kind, self.devices, tp):
             self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed,
                            tensor_parallel_size=tp,
                            distributed_executor_backend="uni" if tp == 1 else "mp",
