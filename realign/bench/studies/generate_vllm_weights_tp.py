@@ -28,8 +28,13 @@ from pathlib import Path
 
 from realign.bench.plans import spread
 
+#: the vLLM engines' settings (``VLLMSettings``): each engine's KV cache, its concurrency
+KV_CACHE_GIB = 1
+MAX_NUM_SEQS = 256
 
-def _world(rank: int, world: int, port: int) -> None:
+
+def init_world(rank: int, world: int, port: int) -> None:
+    """This process as ``rank`` of a gloo world of ``world`` ranks (its store on ``port``)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
@@ -38,7 +43,8 @@ def _world(rank: int, world: int, port: int) -> None:
                             timeout=datetime.timedelta(seconds=900))
 
 
-def _replica(model_dir: str, tp: int):
+def bench_replica(model_dir: str, tp: int):
+    """This rank's shard of a realign replica of ``model_dir`` at TP ``tp`` (PP 1, DP 1)."""
     from planner.specs.layout import Layout
     from planner.specs.mesh import DeviceMesh
     from realign.runtime.device import init_device
@@ -54,15 +60,17 @@ def _replica(model_dir: str, tp: int):
     return shard
 
 
-def _engine(shard, model_dir: str, max_model_len: int):
+def bench_engine(shard, model_dir: str, max_model_len: int):
+    """realign's vLLM engine for ``shard``'s replica (hosted by its TP rank 0)."""
     import torch
 
     from realign.runtime.engines.vllm_engine import VLLMEngine
     from realign.runtime.settings import VLLMSettings
 
     g = shard.groups
-    return VLLMEngine(model_dir, VLLMSettings(kv_cache_gib=1, max_num_seqs=256), torch.float32,
-                      max_model_len=max_model_len, tp=g.layout.tp, host=g.tp_rank == 0)
+    return VLLMEngine(model_dir, VLLMSettings(kv_cache_gib=KV_CACHE_GIB, max_num_seqs=MAX_NUM_SEQS),
+                      torch.float32, max_model_len=max_model_len, tp=g.layout.tp,
+                      host=g.tp_rank == 0)
 
 
 def _hf_of(shard) -> dict:
@@ -80,9 +88,9 @@ def weight_update(rank: int, world: int, port: int, model_dir: str, out: str,
     import torch
 
     torch.set_num_threads(1)
-    _world(rank, world, port)
-    shard = _replica(model_dir, 1)
-    engine = _engine(shard, model_dir, 128)
+    init_world(rank, world, port)
+    shard = bench_replica(model_dir, 1)
+    engine = bench_engine(shard, model_dir, 128)
     res: dict = {"file_s": [], "memory_s": [], "order": []}
     try:
         engine.load(shard)
@@ -109,9 +117,9 @@ def timed_generate(rank: int, world: int, port: int, model_dir: str, out: str,
     from realign.runtime.settings import SamplingParams
 
     torch.set_num_threads(1)
-    _world(rank, world, port)
-    shard = _replica(model_dir, world)
-    engine = _engine(shard, model_dir, 128)
+    init_world(rank, world, port)
+    shard = bench_replica(model_dir, world)
+    engine = bench_engine(shard, model_dir, 128)
     g = torch.Generator().manual_seed(7)
     rows = [[1, *r] for r in torch.randint(3, 70, (prompts, 6), generator=g).tolist()]
     p = SamplingParams(max_new_tokens=gen_len, greedy=True)
@@ -132,7 +140,8 @@ def timed_generate(rank: int, world: int, port: int, model_dir: str, out: str,
         Path(out, f"tp{world}.json").write_text(json.dumps(res))
 
 
-def _spawn(fn, world: int, *args) -> None:
+def spawn_world(fn, world: int, *args) -> None:
+    """``fn(rank, world, port, *args)`` in ``world`` spawned processes; returns when all end."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -168,7 +177,7 @@ def main() -> None:
         model = str(make_model(Path(tmp) / "bench", "llama", "lm", seed=11, arch=BENCH_ARCH))
         parts = args.parts.split(",")
         if "weights" in parts:
-            _spawn(weight_update, 1, model, tmp, args.rounds)
+            spawn_world(weight_update, 1, model, tmp, args.rounds)
             w = json.loads((Path(tmp) / "weights.json").read_text())
             rec["weight_update"] = {"bytes": w["bytes"], "file": _summary(w["file_s"]),
                                     "memory": _summary(w["memory_s"]), "order": w["order"],
@@ -178,8 +187,8 @@ def main() -> None:
         if "tp" in parts:
             runs: dict[int, list[dict]] = {}
             for tp in (1, 2, 1, 2):                # interleaved: TP 1, TP 2, twice
-                _spawn(timed_generate, tp, model, tmp, args.prompts, args.gen_len,
-                       args.gen_rounds)
+                spawn_world(timed_generate, tp, model, tmp, args.prompts, args.gen_len,
+                            args.gen_rounds)
                 r = json.loads((Path(tmp) / f"tp{tp}.json").read_text())
                 runs.setdefault(tp, []).append(r)
             rec["tp"] = {}
