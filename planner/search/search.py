@@ -186,6 +186,17 @@ def search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluste
     return best
 
 
+def search_split(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
+                 cluster: ClusterSpec, split: int, cost_config: CostModelConfig | None = None,
+                 profile: ProfileTable | None = None,
+                 settings: SearchSettings | None = None) -> ExecutionPlan:
+    """The best plan of an asynchronous ``graph`` with its rollout generation on the GPUs
+    below ``split`` and the rest of each step on the others (one of
+    :func:`~planner.search.problem.async_splits`); :class:`InfeasibleError` where none
+    fits. The streaming search prices each split's sides from it."""
+    return _search(name, graph, models, cluster, cost_config, profile, settings, split)
+
+
 def _search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
             cost_config: CostModelConfig | None = None, profile: ProfileTable | None = None,
             settings: SearchSettings | None = None, split: int | None = None) -> ExecutionPlan:
