@@ -54,7 +54,7 @@ from planner.cost.memory import (
     stage_params,
     trainable_params,
 )
-from planner.cost.mfc_cost import MFCCost
+from planner.cost.mfc_cost import MFCBytes, MFCCost
 from planner.cost.passes import (
     messages,
     micro_batch_tokens,
@@ -97,6 +97,8 @@ class CostModel:
         #: a packed call's bins per (call, rows per rank, budget): the same for every
         #: layout of one dp (expert parallelism's candidates among them)
         self._budget_memo: dict[tuple[MFC, float, int], tuple[int, float, float]] = {}
+        #: a call's memory by everything it depends on (:meth:`_own_bytes`)
+        self._bytes_memo: dict[tuple[object, ...], MFCBytes] = {}
 
     @property
     def mem_limit_bytes(self) -> float:
@@ -267,21 +269,59 @@ class CostModel:
         else:
             terms = self._inference_terms(mfc, spec, head, mesh, layout, micro_batches, lora,
                                           token_budget)
-        weights, resident, act, host = mfc_memory(self.config, mfc, spec, head, layout, micro_batches,
-                                                    offload, recompute, lora, token_budget)
+        b = self._own_bytes(mfc, spec, head, layout, micro_batches, offload, state_offload,
+                            recompute, lora, token_budget)
+        if state_offload:
+            terms["state_offload"] = self.state_transfer_s(b.kept_bytes)
+        return MFCCost(time_s=sum(terms.values()), terms_s=terms, weights_bytes=b.weights_bytes,
+                       resident_bytes=b.resident_bytes, activation_bytes=b.activation_bytes,
+                       host_bytes=b.host_bytes, adapter_bytes=b.adapter_bytes)
+
+    def mfc_bytes(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
+                  layout: Layout, micro_batches: int, offload: bool = False,
+                  state_offload: bool = False, recompute: bool = False,
+                  engine: str = "own", lora: LoraSpec | None = None,
+                  token_budget: int | None = None) -> MFCBytes | MFCCost:
+        """The memory of :meth:`mfc_cost` with the same arguments, its fields equal to
+        that cost's, without pricing the time where the memory does not need it: realign's
+        own engines' calls (the search drops what does not fit before it prices the time).
+        A vLLM or multi-turn call's memory comes from its whole price: that
+        :class:`MFCCost` is returned (its time with it)."""
+        if engine == "vllm" or mfc.turns is not None:
+            return self.mfc_cost(mfc, spec, head, mesh, layout, micro_batches, offload,
+                                 state_offload, recompute, engine, lora, token_budget)
+        # DAPO's sampling rounds scale the time only (mfc_cost prices one round)
+        one = mfc if mfc.sampling_rounds == 1.0 else mfc.model_copy(
+            update={"sampling_rounds": 1.0})
+        return self._own_bytes(one, spec, head, layout, micro_batches, offload, state_offload,
+                               recompute, lora, token_budget)
+
+    def _own_bytes(self, mfc: MFC, spec: ModelSpec, head: str, layout: Layout,
+                   micro_batches: int, offload: bool, state_offload: bool, recompute: bool,
+                   lora: LoraSpec | None, token_budget: int | None) -> MFCBytes:
+        """Memory per GPU of a call on realign's own engines (:func:`planner.cost.memory.
+        mfc_memory`, the adapters among the weights, training-state offload's moves),
+        computed once per argument: it depends on the layout, not on the mesh."""
+        key = (mfc, spec, head, layout, micro_batches, offload, state_offload, recompute, lora,
+               token_budget)
+        hit = self._bytes_memo.get(key)
+        if hit is not None:
+            return hit
+        weights, resident, act, host = mfc_memory(self.config, mfc, spec, head, layout,
+                                                  micro_batches, offload, recompute, lora,
+                                                  token_budget)
         adapters = self.config.param_dtype_bytes * self.lora_params(spec, head, layout, lora)
+        kept = 0.0
         if state_offload:
             # everything but the weights is there only while the call runs; what is
             # kept (not the gradients: zeroed each step anyway) goes down and up again
             kept = resident - weights - self.trainable_params(spec, head, layout, lora) * (
                 self.config.grad_dtype_bytes)
-            terms["state_offload"] = self.state_transfer_s(kept)
             act += resident - weights
             resident = weights
             host += kept
-        return MFCCost(time_s=sum(terms.values()), terms_s=terms, weights_bytes=weights,
-                       resident_bytes=resident, activation_bytes=act, host_bytes=host,
-                       adapter_bytes=adapters)
+        hit = self._bytes_memo[key] = MFCBytes(weights, resident, act, host, adapters, kept)
+        return hit
 
     def _budget_shape(self, mfc: MFC, rows: float, budget: int) -> tuple[int, float, float]:
         """:func:`planner.graph.packing.budget_shape`, computed once per argument."""

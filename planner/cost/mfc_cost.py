@@ -21,3 +21,20 @@ class MFCCost:
     #: the LoRA adapters among ``weights_bytes`` (what a reallocation moves once the
     #: frozen base is in place; 0 without LoRA)
     adapter_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class MFCBytes:
+    """The memory per GPU of one MFC under one allocation, without its time: the
+    fields of :class:`MFCCost` of the same name (:meth:`planner.cost.cost_model.CostModel.
+    mfc_bytes` gives them alike), so a caller that drops what does not fit prices the
+    time of what does only."""
+
+    weights_bytes: float
+    resident_bytes: float
+    activation_bytes: float
+    host_bytes: float
+    adapter_bytes: float
+    #: a train call with training-state offload: the state the GPU keeps during the call
+    #: that comes up from host memory before it and goes down after (0 otherwise)
+    kept_bytes: float = 0.0

@@ -11,7 +11,7 @@ from typing import Callable
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.cost_model import CostModel
-from planner.cost.mfc_cost import MFCCost
+from planner.cost.mfc_cost import MFCBytes, MFCCost
 from planner.cost.profile import ProfileTable
 from planner.cost.realloc_cost import Links, ReallocModel
 from planner.cost.step_spread import call_time_sd
@@ -39,7 +39,7 @@ class RoleModel:
     lora: LoraSpec | None = None
 
 
-def held_bytes(c: MFCCost, rm: RoleModel, mfc: MFC) -> tuple[float, float]:
+def held_bytes(c: MFCCost | MFCBytes, rm: RoleModel, mfc: MFC) -> tuple[float, float]:
     """(resident, weights) bytes of a priced call as the simulator reads them. A LoRA
     model's call other than its training keeps the frozen base where it runs (resident,
     placed once) and receives only the adapters from training (the reallocated copy);
@@ -273,16 +273,20 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                         if (eng == "vllm" and rm.lora is not None
                                 and rm.lora.rank > VLLM_MAX_LORA_RANK):
                             continue        # beyond vLLM's LoRA ranks
-                        c = cost.mfc_cost(mfc, rm.spec, rm.head, proto, lay, mb, off, state_off,
-                                          rc, eng, lora, budget)
-                        resident, weights = held_bytes(c, rm, mfc)
-                        own = c.activation_bytes + (
+                        # memory first: the time of what does not fit is never priced
+                        b = cost.mfc_bytes(mfc, rm.spec, rm.head, proto, lay, mb, off,
+                                           state_off, rc, eng, lora, budget)
+                        resident, weights = held_bytes(b, rm, mfc)
+                        own = b.activation_bytes + (
                             resident if (mfc.kind == "train" or not trained
                                          or rm.lora is not None) else 0.0)
-                        if own <= limit and c.host_bytes > host_limit:
+                        if own <= limit and b.host_bytes > host_limit:
                             host_bound = True
-                        if own > limit or c.host_bytes > host_limit:
+                        if own > limit or b.host_bytes > host_limit:
                             continue
+                        c = b if isinstance(b, MFCCost) else cost.mfc_cost(
+                            mfc, rm.spec, rm.head, proto, lay, mb, off, state_off, rc, eng,
+                            lora, budget)
                         sd = call_time_sd(cost, graph, mfc, rm.spec, rm.head, proto, lay, mb,
                                           off, state_off, rc, eng, lora, budget)
                         group.append(Candidate(0, size, lay.tp, lay.pp, lay.dp, mb,
