@@ -65,6 +65,15 @@ class _Slot:
     segments: list[list[int]]            #: [version, tokens] in order
 
 
+@dataclass(frozen=True)
+class Iteration:
+    """What :meth:`StreamSchedule.begin_iteration` tells the runtime."""
+
+    applied_update: bool           #: the generator's version just went up by one
+    admitted: tuple[int, ...]      #: samples (data order) that took a free slot
+    decodes: bool                  #: the slots decode one token this iteration
+
+
 @dataclass
 class StepRecord:
     """One training step of the schedule: its metrics (``metrics.jsonl``'s ``stream.*``)
@@ -109,8 +118,21 @@ class StreamSchedule:
         return len({sl.sample // self.settings.group_size for sl in self.slots})
 
     def _generator(self) -> None:
+        """One iteration of the list-of-lengths simulation: :meth:`begin_iteration`,
+        then the slots whose sample has generated its ``lengths`` entry end."""
+        if self.begin_iteration().decodes:
+            self.end_iteration({sl.sample for sl in self.slots if sl.left == 1})
+
+    # ---- the online form: one iteration fed by the real end-of-sequence events ------
+    def begin_iteration(self) -> Iteration:
+        """The generator's side of iteration :attr:`it` up to its decode: an update due
+        is applied (``on_update: finish``: once the slots have drained), a copy's pause
+        is counted, free slots take the next samples. The runtime then decodes one
+        token for every slot in :attr:`slots` and reports which samples ended to
+        :meth:`end_iteration` (only when :attr:`Iteration.decodes`)."""
         s, buf = self.settings, self.buffer
         assert buf is not None
+        applied = False
         if self.updates and self.updates[0] <= self.it and self.pause_left == 0:
             if s.on_update == "finish" and self.slots:
                 self.draining = True
@@ -119,11 +141,13 @@ class StreamSchedule:
                 self.draining = False
                 self.gen_version += 1
                 self.pause_left = s.update_iters
+                applied = True
         if self.pause_left > 0:
             self.pause_left -= 1
             self.gen_copy += 1
-            return
+            return Iteration(applied, (), False)
         g = s.group_size
+        admitted: list[int] = []
         while not self.draining and len(self.slots) < s.slots:
             i = self.next_sample
             if i >= len(self.lengths):
@@ -131,22 +155,32 @@ class StreamSchedule:
             if i % g == 0 and not buf.has_room(self._in_flight_groups()):
                 break
             self.slots.append(_Slot(i, max(1, self.lengths[i]), []))
+            admitted.append(i)
             self.next_sample += 1
         if not self.slots:
             self.gen_idle += 1
-            return
-        ended = []
+            return Iteration(applied, tuple(admitted), False)
+        return Iteration(applied, tuple(admitted), True)
+
+    def end_iteration(self, ended: set[int]) -> tuple[int, ...]:
+        """Every slot made one token under :attr:`gen_version`; the samples in
+        ``ended`` have generated their last. Groups whose samples have all ended enter
+        the buffer (by group id); their ids are returned."""
+        buf = self.buffer
+        assert buf is not None
+        g = self.settings.group_size
+        done = []
         for sl in self.slots:
             if sl.segments and sl.segments[-1][0] == self.gen_version:
                 sl.segments[-1][1] += 1
             else:
                 sl.segments.append([self.gen_version, 1])
             sl.left -= 1
-            if sl.left == 0:
-                ended.append(sl)
-        self.slots = [sl for sl in self.slots if sl.left > 0]
+            if sl.sample in ended:
+                done.append(sl)
+        self.slots = [sl for sl in self.slots if sl.sample not in ended]
         finished: list[int] = []
-        for sl in ended:
+        for sl in done:
             self.segments[sl.sample] = sl.segments
             gid = sl.sample // g
             got = self.done_samples.setdefault(gid, [])
@@ -157,6 +191,14 @@ class StreamSchedule:
             del self.done_samples[gid]
             vs = [v for i in range(gid * g, gid * g + g) for v, _ in self.segments[i]]
             buf.put(FinishedGroup(gid, min(vs), max(vs)))
+        return tuple(sorted(finished))
+
+    def take_iteration(self) -> StepRecord | None:
+        """The trainer's side of iteration :attr:`it` (an update it finished, a batch it
+        takes), then the clock advances: the online form's last call per iteration."""
+        rec = self._trainer()
+        self.it += 1
+        return rec
 
     def _trainer(self) -> StepRecord | None:
         s, buf = self.settings, self.buffer
