@@ -158,6 +158,14 @@ class ModeResult(_Frozen):
     allocations: dict[str, str] = Field(default_factory=dict,
                                         description="MFC -> 'mesh layout xMB' summary.")
     slower_side_s: float = Field(0.0, ge=0, description="The plan's slower_side_s.")
+    gen_gpus: int | None = Field(None, description="GPUs of the generation side (the rest "
+                                 "train); None: every call may use every GPU.")
+    staleness_mean: float = Field(0.0, ge=0, description="Expected versions between a "
+                                  "trained sample's weights and the trainer's.")
+    gen_idle_share: float | None = Field(None, description="Share of a step the generation "
+                                         "side waits; None: no side of its own.")
+    train_idle_share: float | None = Field(None, description="Share of a step the training "
+                                           "side waits; None: no side of its own.")
 
 
 class ProfileRef(_Frozen):
