@@ -138,13 +138,16 @@ class MoeMLP(torch.nn.Module):
         """This rank's experts' fc2 weights by global expert index."""
         return {e: ex.linear_fc2.weight for e, ex in self.held().items()}
 
-    def mlp(self, y: torch.Tensor, copy: Mapping = _same, reduce: Mapping = _same
-            ) -> torch.Tensor:
+    def mlp(self, y: torch.Tensor, copy: Mapping = _same, reduce: Mapping = _same,
+            replay: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's MLP output for its normed input ``y`` [..., h] (``copy``,
-        ``reduce``: the TP mappings of a column- and a row-parallel layer)."""
+        ``reduce``: the TP mappings of a column- and a row-parallel layer; ``replay``:
+        experts to force, read by the caller from :attr:`replay` when the forward ran,
+        so a recomputation in the backward forces the same; None: :attr:`replay`)."""
         return moe_forward(y, self.router.weight, self.fc1s(), self.fc2s(), self.top_k,
                            self.norm_topk_prob, copy, reduce, self.record, self.ep_group,
-                           self.n_experts, replay=self.replay)
+                           self.n_experts,
+                           replay=replay if replay is not None else self.replay)
 
     def join_exchange(self) -> None:
         """This layer's token exchange with none of this rank's own tokens: the tokens

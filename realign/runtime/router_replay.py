@@ -64,3 +64,87 @@ def routing_mismatch(rollout: torch.Tensor, training: torch.Tensor) -> tuple[int
     known = (rollout >= 0).all(dim=-1).all(dim=-1)
     differ = expert_sets_differ(rollout, training.to(rollout.device)) & known
     return int(differ.sum()), int(known.sum())
+
+
+#: the batch key of the rollout's experts, [rows, seq, sparse layers, top_k] (int32; -1
+#: where the rollout recorded none), carried by the sequences record of a generate call
+#: on vLLM (:func:`realign.runtime.engines.vllm_moe.gathered_routing`) to the actor's
+#: scoring and train calls; its sequence axis is the record's ``tokens``'
+ROUTED_EXPERTS = "routed_experts"
+
+
+def stage_sparse_layers(spec, pp: int, pp_rank: int) -> list[int]:
+    """The positions, on the routing's layer axis (every sparse layer of the model, in
+    order), of the sparse layers pipeline stage ``pp_rank`` of ``pp`` holds.
+
+    Example: 4 layers all sparse, PP2: stage 1 -> [2, 3]; 4 layers of which 0 and 2 are
+    sparse (``decoder_sparse_step`` 2), PP2: stage 1 -> [1]."""
+    from planner.specs.layout import stage_layers
+
+    sparse = [x for x in range(spec.n_layers) if spec.is_sparse(x)]
+    mine = set(stage_layers(spec.n_layers, pp, pp_rank))
+    return [j for j, x in enumerate(sparse) if x in mine]
+
+
+def packed_routing(routed: torch.Tensor, pack) -> torch.Tensor:
+    """Rows' experts [n, seq, layers, k] laid out as a pack's tokens
+    (:class:`realign.data.packing.Pack` over these rows): [bins, width, layers, k], -1
+    at the positions that hold no row's token."""
+    bins, width = pack.tokens.shape
+    lead = routed.shape[2:]
+    out = torch.full((bins * width, *lead), -1, dtype=routed.dtype, device=routed.device)
+    s = pack.index.shape[1]
+    valid = torch.arange(s, device=pack.index.device) < pack.lengths.unsqueeze(1)
+    rows = routed[pack.rows.to(routed.device)][:, :s]
+    out[pack.index[valid].to(routed.device)] = rows[valid.to(routed.device)]
+    return out.view(bins, width, *lead)
+
+
+@contextlib.contextmanager
+def replaying_batch(shard, routed: torch.Tensor | None, pack=None, seq_first: bool = False
+                    ) -> Iterator[None]:
+    """While the block runs, the sparse layers of ``shard``'s stage replay ``routed``
+    ([rows, seq, layers, k] of the micro-batch, every sparse layer of the model; None:
+    nothing replayed), laid out as the forward's tokens: the ``pack``'s when packed, else
+    [rows, seq] (``seq_first``: megatron's layers, [seq, rows])."""
+    if routed is None:
+        yield
+        return
+    grid = packed_routing(routed, pack) if pack is not None else routed
+    if seq_first:
+        grid = grid.transpose(0, 1)
+    g = shard.groups
+    layers = stage_sparse_layers(shard.spec, g.layout.pp, g.pp_rank)
+    grid = grid.to(shard.device.device)
+    with replaying(shard.module, [grid[..., j, :] for j in layers]):
+        yield
+
+
+def replay_mismatch(record, routed: torch.Tensor, shard, pack=None, seq_first: bool = False
+                    ) -> tuple[int, int]:
+    """(tokens whose experts differ, tokens compared) between the experts a replayed
+    forward's sparse layers used (``record``: :class:`realign.runtime.moe.RouterRecord`
+    of this stage's layers) and the rollout's ``routed`` (as :func:`replaying_batch`
+    takes it): 0 differ when the replay reached every layer."""
+    grid = packed_routing(routed, pack) if pack is not None else routed
+    if seq_first:
+        grid = grid.transpose(0, 1)
+    g = shard.groups
+    layers = stage_sparse_layers(shard.spec, g.layout.pp, g.pp_rank)
+    if not layers or not record.experts:
+        return 0, 0
+    used = torch.stack(record.experts, dim=-2)
+    return routing_mismatch(grid[..., layers, :].cpu(), used.cpu())
+
+
+def replayed_share(routed: torch.Tensor, lengths: torch.Tensor) -> float:
+    """The share of the rows' scored tokens (each row's positions before its last: the
+    tokens whose output predicts a next one) that carry the rollout's experts.
+
+    Example: one row of length 3 whose positions 0 and 1 hold experts and position 2
+    none -> 1.0; positions 0 and 2 only -> 0.5."""
+    s = routed.shape[1]
+    scored = torch.arange(s) < (lengths.cpu() - 1).unsqueeze(1)
+    known = (routed.cpu() >= 0).all(dim=-1).all(dim=-1)
+    n = int(scored.sum())
+    return float((known & scored).sum()) / n if n else 0.0

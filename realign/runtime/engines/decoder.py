@@ -259,11 +259,13 @@ class StageDecoder:
         cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
         checkpoint = self.recompute and attend is _no_cache and torch.is_grad_enabled()
         for i, w in enumerate(self.layers):
+            # rollout routing replay's experts, read now: a recomputation replays alike
+            replay = w.moe.replay if w.moe is not None else None
             if checkpoint:      # no cache writes in the layer: recomputing it is exact
                 x = torch.utils.checkpoint.checkpoint(
-                    self._layer, i, w, x, cos, sin, mask, attend, use_reentrant=False)
+                    self._layer, i, w, x, cos, sin, mask, attend, replay, use_reentrant=False)
             else:
-                x = self._layer(i, w, x, cos, sin, mask, attend)
+                x = self._layer(i, w, x, cos, sin, mask, attend, replay)
         if not self.groups.is_last_stage:
             return x
         every = isinstance(out, str) and out == "all"
@@ -274,7 +276,7 @@ class StageDecoder:
         x = F.linear(self._copy(x) if self.shard.head == "lm" else x, self.head)
         return x if every else gather_vocab(x, self.tp_group)
 
-    def _layer(self, i, w: LayerWeights, x, cos, sin, mask, attend):
+    def _layer(self, i, w: LayerWeights, x, cos, sin, mask, attend, replay=None):
         b, s, h = x.shape
         eps, d, ng, r = self.spec.norm_eps, self.d, self.n_groups, self.per_group
         y = F.rms_norm(x, (h,), w.ln1, eps)
@@ -297,7 +299,7 @@ class StageDecoder:
         x = x + self._adapt(w, "linear_proj", o, self._reduce(F.linear(o, w.proj)))
         y = F.rms_norm(x, (h,), w.ln2, eps)
         if w.moe is not None:           # routed experts (their TP sum inside)
-            return x + w.moe.mlp(y, self._copy, self._reduce)
+            return x + w.moe.mlp(y, self._copy, self._reduce, replay)
         assert w.fc1 is not None and w.fc2 is not None     # a dense layer
         gate, up = self._adapt(w, "linear_fc1", y, F.linear(self._copy(y), w.fc1)).chunk(2, dim=-1)
         act = F.silu(gate) * up

@@ -27,6 +27,7 @@ from realign.runtime.engines.decoder import StageDecoder, gather_vocab, run_stag
 from realign.runtime.engines.ep_lockstep import announce_forward, drain
 from realign.runtime.engines.packed_attention import kernel_for
 from realign.runtime.model import ModelShard
+from realign.runtime.router_replay import ROUTED_EXPERTS, replaying_batch
 from realign.runtime.vocab_parallel import token_logprobs
 
 
@@ -79,7 +80,9 @@ class InferenceEngine:
 
     def inference(self, batch: Batch) -> dict[str, torch.Tensor]:
         """LM head: ``{"logprobs": [b, s-1]}``. Value head: ``{"values": [b, s],
-        "scores": [b]}`` (the score is the value at each sequence's last token)."""
+        "scores": [b]}`` (the score is the value at each sequence's last token). A batch
+        holding ``routed_experts`` (:data:`~realign.runtime.router_replay.ROUTED_EXPERTS`)
+        is scored with those experts forced (rollout routing replay)."""
         b, s = batch["tokens"].shape
         shape = (b // self.shard.groups.layout.dp, s - (self.shard.head == "lm"))
         if self.packing:
@@ -113,7 +116,8 @@ class InferenceEngine:
         # outside by the concatenation below, an ordinary tensor
         with torch.inference_mode():
             for mb in micro:        # stages pass micro-batches on as they finish them
-                out = run_stage(shard, dec.score, mb["tokens"])
+                with replaying_batch(shard, mb.get(ROUTED_EXPERTS)):
+                    out = run_stage(shard, dec.score, mb["tokens"])
                 if out is not None:
                     results.append(fn(out, mb).float())
         mine = torch.cat(results) if shard.groups.is_last_stage else None
@@ -136,7 +140,9 @@ class InferenceEngine:
                 # data-parallel ranks may run different pack counts: with expert
                 # parallelism the EP group keeps in step (ep_lockstep; nothing at EP 1)
                 announce_forward(shard)
-                out = run_stage(shard, functools.partial(dec.score, pack=pack), pack.tokens)
+                with replaying_batch(shard, local.get(ROUTED_EXPERTS), pack):
+                    out = run_stage(shard, functools.partial(dec.score, pack=pack),
+                                    pack.tokens)
                 if out is not None:
                     results.append(packed_head_outputs(shard, out, pack, local_shape[1]))
             drain(shard)

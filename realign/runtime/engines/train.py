@@ -50,6 +50,7 @@ from realign.runtime.model import ModelShard
 from realign.runtime.moe import recording, router_terms
 from realign.runtime.moe_stages import attach_loss, stage_aux_weight, sum_stage_metric
 from realign.runtime.optimizer_state import torch_optimizers
+from realign.runtime.router_replay import ROUTED_EXPERTS, replay_mismatch, replaying_batch
 from realign.runtime.settings import TrainConfig
 
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -174,6 +175,12 @@ class TrainEngine:
         report)."""
         shard = self.shard
         check_batch(batch, shard, self.micro_batches if self.token_budget is None else 1)
+        if ROUTED_EXPERTS in batch and self.recompute and not self.plain:
+            raise UserError(
+                "megatron's recomputed layers rerun their forward in the backward, after "
+                "the rollout's experts are no longer set, so routing replay cannot hold "
+                "there; use train.forward plain (its recomputation replays) or "
+                "rollout.routing_replay off", field="rollout.routing_replay")
         local = local_batch(batch, shard)
         parts = self.micro_rows(local["lengths"])
         micro = [{k: v[rows] for k, v in local.items()} for rows in parts]
@@ -194,8 +201,10 @@ class TrainEngine:
 
         def forward_step(data_iterator, model):
             mb, pack, (scale, share) = next(data_iterator)
+            mb_routed = mb.get(ROUTED_EXPERTS)       # rollout routing replay
             with (recording(shard.module) if self.router_coef is not None
-                  else contextlib.nullcontext()) as record:
+                  else contextlib.nullcontext()) as record, \
+                    replaying_batch(shard, mb_routed, pack, seq_first=forward is None):
                 if forward is None:
                     out = model(mb["tokens"], position_ids(mb["tokens"]), None)
                 elif pack is None:
@@ -209,6 +218,10 @@ class TrainEngine:
                 aux, routed = router_terms(record, token_mask(mb, pack, forward is None),
                                            self.router_coef)
                 aux, routed["router_aux_loss"] = aux * w, routed["router_aux_loss"] * w
+                if mb_routed is not None:   # experts the replay forced, against the rollout's
+                    differ, compared = replay_mismatch(record, mb_routed, shard, pack,
+                                                       seq_first=forward is None)
+                    routed["moe.replay_mismatch"] = torch.tensor(differ / max(1, compared))
                 if not g.is_last_stage:    # megatron's schedule divides the loss by mbs
                     out = attach_loss(out, aux * scale / len(micro))
                     stage_aux.append(routed["router_aux_loss"] * share)
