@@ -97,8 +97,8 @@ class CostModel:
         #: a packed call's bins per (call, rows per rank, budget): the same for every
         #: layout of one dp (expert parallelism's candidates among them)
         self._budget_memo: dict[tuple[MFC, float, int], tuple[int, float, float]] = {}
-        #: a call's memory by everything it depends on (:meth:`_own_bytes`)
-        self._bytes_memo: dict[tuple[object, ...], MFCBytes] = {}
+        #: a train call's terms by everything they depend on (:meth:`mfc_cost`)
+        self._train_memo: dict[tuple[object, ...], dict[str, float]] = {}
 
     @property
     def mem_limit_bytes(self) -> float:
@@ -237,12 +237,14 @@ class CostModel:
                  layout: Layout, micro_batches: int, offload: bool = False,
                  state_offload: bool = False, recompute: bool = False,
                  engine: str = "own", lora: LoraSpec | None = None,
-                 token_budget: int | None = None) -> MFCCost:
+                 token_budget: int | None = None,
+                 memory: MFCBytes | None = None) -> MFCCost:
         """``lora``: the role trains (and runs) LoRA adapters on a frozen base.
         ``token_budget``: a packed scoring or training call packs each data-parallel
         rank's rows (a training call: those of one optimizer step) into bins of at most
         that many tokens (:func:`planner.graph.packing.budget_shape` prices them;
-        ``micro_batches`` is then not read)."""
+        ``micro_batches`` is then not read). ``memory``: :meth:`mfc_bytes` of the same
+        arguments where the caller has it already (not computed again)."""
         if token_budget is not None and not (mfc.kind in ("inference", "train")
                                              and mfc.packed):
             raise ValueError(f"a token budget applies to packed scoring and training calls "
@@ -253,7 +255,7 @@ class CostModel:
         if mfc.sampling_rounds != 1.0:     # DAPO's sampling rounds: that many passes
             one = self.mfc_cost(mfc.model_copy(update={"sampling_rounds": 1.0}), spec, head,
                                 mesh, layout, micro_batches, offload, state_offload,
-                                recompute, engine, lora, token_budget)
+                                recompute, engine, lora, token_budget, memory)
             return replace(one, time_s=one.time_s * mfc.sampling_rounds,
                            terms_s={k: v * mfc.sampling_rounds for k, v in one.terms_s.items()})
         if mfc.turns is not None:          # multi-turn episodes: priced turn by turn
@@ -264,13 +266,22 @@ class CostModel:
         if mfc.kind == "generate":
             terms = self._generate_terms(mfc, spec, head, mesh, layout, micro_batches, lora)
         elif mfc.kind == "train":
-            terms = self._train_terms(mfc, spec, head, mesh, layout, micro_batches, offload,
-                                      recompute, lora, token_budget)
+            # the same with and without training-state offload (which adds its own term):
+            # computed once for both
+            key = (mfc, spec, head, mesh.first_gpu, mesh.n_gpus, layout, micro_batches,
+                   offload, recompute, lora, token_budget)
+            hit = self._train_memo.get(key)
+            if hit is None:
+                hit = self._train_memo[key] = self._train_terms(
+                    mfc, spec, head, mesh, layout, micro_batches, offload, recompute, lora,
+                    token_budget)
+            terms = dict(hit)
         else:
             terms = self._inference_terms(mfc, spec, head, mesh, layout, micro_batches, lora,
                                           token_budget)
-        b = self._own_bytes(mfc, spec, head, layout, micro_batches, offload, state_offload,
-                            recompute, lora, token_budget)
+        b = memory if memory is not None else self._own_bytes(
+            mfc, spec, head, layout, micro_batches, offload, state_offload, recompute, lora,
+            token_budget)
         if state_offload:
             terms["state_offload"] = self.state_transfer_s(b.kept_bytes)
         return MFCCost(time_s=sum(terms.values()), terms_s=terms, weights_bytes=b.weights_bytes,
@@ -284,7 +295,8 @@ class CostModel:
                   token_budget: int | None = None) -> MFCBytes | MFCCost:
         """The memory of :meth:`mfc_cost` with the same arguments, its fields equal to
         that cost's, without pricing the time where the memory does not need it: realign's
-        own engines' calls (the search drops what does not fit before it prices the time).
+        own engines' calls (the search drops what does not fit before it prices the time,
+        passing this as ``mfc_cost``'s ``memory``).
         A vLLM or multi-turn call's memory comes from its whole price: that
         :class:`MFCCost` is returned (its time with it)."""
         if engine == "vllm" or mfc.turns is not None:
@@ -300,13 +312,7 @@ class CostModel:
                    micro_batches: int, offload: bool, state_offload: bool, recompute: bool,
                    lora: LoraSpec | None, token_budget: int | None) -> MFCBytes:
         """Memory per GPU of a call on realign's own engines (:func:`planner.cost.memory.
-        mfc_memory`, the adapters among the weights, training-state offload's moves),
-        computed once per argument: it depends on the layout, not on the mesh."""
-        key = (mfc, spec, head, layout, micro_batches, offload, state_offload, recompute, lora,
-               token_budget)
-        hit = self._bytes_memo.get(key)
-        if hit is not None:
-            return hit
+        mfc_memory`, the adapters among the weights, training-state offload's moves)."""
         weights, resident, act, host = mfc_memory(self.config, mfc, spec, head, layout,
                                                   micro_batches, offload, recompute, lora,
                                                   token_budget)
@@ -320,8 +326,7 @@ class CostModel:
             act += resident - weights
             resident = weights
             host += kept
-        hit = self._bytes_memo[key] = MFCBytes(weights, resident, act, host, adapters, kept)
-        return hit
+        return MFCBytes(weights, resident, act, host, adapters, kept)
 
     def _budget_shape(self, mfc: MFC, rows: float, budget: int) -> tuple[int, float, float]:
         """:func:`planner.graph.packing.budget_shape`, computed once per argument."""

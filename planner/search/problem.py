@@ -286,7 +286,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                             continue
                         c = b if isinstance(b, MFCCost) else cost.mfc_cost(
                             mfc, rm.spec, rm.head, proto, lay, mb, off, state_off, rc, eng,
-                            lora, budget)
+                            lora, budget, b)
                         sd = call_time_sd(cost, graph, mfc, rm.spec, rm.head, proto, lay, mb,
                                           off, state_off, rc, eng, lora, budget)
                         group.append(Candidate(0, size, lay.tp, lay.pp, lay.dp, mb,
