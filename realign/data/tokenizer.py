@@ -8,8 +8,15 @@ from realign.errors import UserError
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def load_tokenizer(folder: str | Path, field: str = "models.actor"):
-    """``transformers.AutoTokenizer`` from ``folder`` without touching the network.
+def load_tokenizer(folder: str | Path, field: str = "models.actor", cls: str | None = None):
+    """``transformers.AutoTokenizer`` from ``folder`` without touching the network; with
+    ``cls`` (:func:`tokenizer_class` of the tokenizer AutoTokenizer chose for the same
+    folder), that class of ``transformers`` built directly, which is the same tokenizer.
+
+    AutoTokenizer imports the folder's model configuration class to choose the tokenizer
+    class; for LLaMA's, that import pulls transformers' activations and kernels and with
+    them TorchDynamo and TorchInductor (about 2 CPU-s a process). ``realign run`` chooses
+    once, in ``prepare`` (``RunSpec.tokenizer_class``), and its workers build that class.
 
     Raises :class:`UserError` (at ``field``) when the folder is missing, holds no
     tokenizer files, or the tokenizer cannot be built from them."""
@@ -20,14 +27,25 @@ def load_tokenizer(folder: str | Path, field: str = "models.actor"):
     if not any((p / f).is_file() for f in TOKENIZER_FILES):
         raise UserError(f"{str(p)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
                         f"save one there with tokenizer.save_pretrained(folder)", field=field)
-    from transformers import AutoTokenizer
+    import transformers
 
     try:
-        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        loader = transformers.AutoTokenizer if cls is None else getattr(transformers, cls)
+        return loader.from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # noqa: BLE001 (transformers raises OSError, ValueError,
         # KeyError ... for files it cannot read: each is the folder's problem)
         raise UserError(f"cannot load the tokenizer of {str(p)!r}: {type(e).__name__}: {e}",
                         field=field) from None
+
+
+def tokenizer_class(tokenizer) -> str | None:
+    """The name under which ``transformers`` exports ``tokenizer``'s class (for
+    :func:`load_tokenizer`'s ``cls``); None when it exports no such class (a
+    tokenizer of remote code), which leaves the choice to AutoTokenizer."""
+    import transformers
+
+    name = type(tokenizer).__name__
+    return name if getattr(transformers, name, None) is type(tokenizer) else None
 
 
 def model_tokenizer(ref: str, field: str):

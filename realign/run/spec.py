@@ -54,6 +54,10 @@ class RunSpec(BaseModel):
     # ---- resolved by prepare() ----
     tokenizer_role: str = Field(description="The model role whose folder holds the "
                                 "tokenizer every process uses.")
+    tokenizer_class: str | None = Field(None, description="The transformers class "
+                                        "AutoTokenizer chose for that folder, which the "
+                                        "workers build directly (realign.data.tokenizer."
+                                        "load_tokenizer); None: AutoTokenizer chooses again.")
     reward_fn: str | None = Field(description="The reward function the rule rewards call "
                                   "(reward.fn or its default); None: no rule reward (a "
                                   "reward model scores, or nothing is generated).")
