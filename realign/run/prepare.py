@@ -176,7 +176,7 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     from planner.timeline_svg import render
     from realign.algorithms import registry
     from realign.data.datasets import load_dataset
-    from realign.data.tokenizer import load_tokenizer
+    from realign.data.tokenizer import load_tokenizer, tokenizer_class
     from realign.run.loading import load_experiment
     from realign.run.planning import resolve_models, resolve_plan
     from realign.run.streaming_check import check_streaming_runs
@@ -241,7 +241,8 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
                    {a.mfc: a.layout.tp for a in plan.allocations if a.engine == "vllm"})
     spec = RunSpec(config=cfg, plan=plan, paths=paths,
                    run_dir=_run_folder(cfg, run_dir),
-                   tokenizer_role=cfg.tokenizer_role(), reward_fn=reward_fn,
+                   tokenizer_role=cfg.tokenizer_role(), tokenizer_class=tokenizer_class(tok),
+                   reward_fn=reward_fn,
                    verifier=cfg.eval.verifier if cfg.eval is not None else None,
                    eval_prompts=eval_prompts)
     spec.program()                               # the plan compiles (before any write)

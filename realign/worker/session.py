@@ -87,7 +87,8 @@ class Session:
                                 timeout=timeout,
                                 device_id=self.dev.device if self.dev.kind == "cuda" else None)
         torch.manual_seed(cfg.run.seed)
-        self.tokenizer = load_tokenizer(self.paths[spec.tokenizer_role])
+        self.tokenizer = load_tokenizer(self.paths[spec.tokenizer_role],
+                                        cls=spec.tokenizer_class)
         self.pad = pad_id(self.tokenizer)
         assert cfg.data is not None, "prepare refuses a run without data"
         self.dataset = load_dataset(cfg.data.train, self.tokenizer)
