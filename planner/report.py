@@ -50,6 +50,8 @@ def summary(plan: ExecutionPlan) -> dict[str, Any]:
         "max_staleness": plan.graph.max_staleness,
         "modes": [m.model_dump() for m in plan.modes],
         "async_speedup": async_speedup(plan),
+        "stream_speedup": stream_speedup(plan),
+        "streaming": plan.streaming.model_dump() if plan.streaming else None,
         "lengths": priced_lengths(plan),
     }
 
@@ -63,7 +65,8 @@ def async_speedup(plan: ExecutionPlan) -> float | None:
 
 
 def modes_lines(plan: ExecutionPlan) -> list[str]:
-    """The best synchronous and asynchronous plans side by side, with the speed-up."""
+    """The best plan of each mode side by side (estimate, split, staleness, idle shares,
+    allocations), with the speed-ups."""
     if not plan.modes:
         return []
     names = list(max(plan.modes, key=lambda m: len(m.allocations)).allocations)
@@ -74,17 +77,51 @@ def modes_lines(plan: ExecutionPlan) -> list[str]:
         rows.append(("slower side per step", *(f"+{m.slower_side_s:.3f} s"
                                                if m.slower_side_s > 0 else "-"
                                                for m in plan.modes)))
-    for n in names:
-        rows.append((n, *(m.allocations.get(n, "-") for m in plan.modes)))
-    w = [max(len(r[i]) for r in rows) for i in range(3)]
-    out = ["", f"synchronous vs asynchronous (algorithm.max_staleness "
-               f"{plan.graph.max_staleness}: generation one step ahead, on its own GPUs):"]
+    n = plan.cluster.n_gpus
+    streams = any(m.mode == "streaming" for m in plan.modes)
+    if streams:
+        rows.append(("split gen+train GPUs", *(
+            f"{m.gen_gpus}+{n - m.gen_gpus}" if m.gen_gpus is not None
+            else ("shared" if m.iteration_time_s is not None else "-") for m in plan.modes)))
+        rows.append(("staleness mean", *(f"{m.staleness_mean:.2f}"
+                                         if m.iteration_time_s is not None else "-"
+                                         for m in plan.modes)))
+        for label, key in (("gen idle", "gen_idle_share"), ("train idle", "train_idle_share")):
+            rows.append((label, *(f"{100 * v:.1f} %" if (v := getattr(m, key)) is not None
+                                  else "-" for m in plan.modes)))
+    for name in names:
+        rows.append((name, *(m.allocations.get(name, "-") for m in plan.modes)))
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    title = ("synchronous vs asynchronous vs streaming" if streams
+             else "synchronous vs asynchronous")
+    out = ["", f"{title} (algorithm.max_staleness {plan.graph.max_staleness}: generation "
+               "ahead, on its own GPUs):"]
     out += ["  " + "  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
     sp = async_speedup(plan)
+    running = ("streaming" if plan.streaming is not None else
+               "asynchronous" if plan.asynchronous else "synchronous")
     if sp is not None:
         out.append(f"  asynchronous speed-up: {sp:.2f}x (estimated); running the "
-                   f"{'asynchronous' if plan.asynchronous else 'synchronous'} plan")
+                   f"{running} plan")
+    ss = stream_speedup(plan)
+    if ss is not None:
+        out.append(f"  streaming speed-up: {ss:.2f}x over synchronous (estimated)")
+    st = plan.streaming
+    if st is not None:
+        out.append(f"  stream: {st.slots} slots, staleness bound {st.max_staleness}, buffer "
+                   f"{st.capacity_groups} groups of {st.group_size}, a step "
+                   f"{st.train_iters} and a weights' copy {st.update_iters} decode "
+                   f"iterations of {st.iter_s * 1e3:.2f} ms; {st.samples_per_s:.1f} "
+                   f"samples/s, {100 * st.dropped_share:.1f} % of groups dropped as stale")
     return out
+
+
+def stream_speedup(plan: ExecutionPlan) -> float | None:
+    """Best synchronous over best streaming estimated iteration time (None unless both
+    were planned and fit)."""
+    t = {m.mode: m.iteration_time_s for m in plan.modes}
+    sync, st = t.get("synchronous"), t.get("streaming")
+    return sync / st if sync and st else None
 
 
 def lora_lines(plan: ExecutionPlan) -> list[str]:

@@ -14,9 +14,11 @@ from planner.graph.lengths import GenLengths
 from planner.graph.packing import packed_graph
 from planner.graph.refill import refill_graph
 from planner.graph.turns import Turns
-from planner.plan import ExecutionPlan, ModeResult
+from planner.plan import ExecutionPlan
+from planner.search.modes import MODES, choose_mode
 from planner.search.problem import RoleModel, head_of
 from planner.search.search import SearchSettings, search
+from planner.search.stream_search import search_ahead
 from planner.specs.model_spec import model_presets, model_spec_from_hf_config
 from realign.algorithms.params import ClippedPGParams, max_sampling_rounds
 from realign.config.experiment import ExperimentConfig, LoraConfig
@@ -255,10 +257,13 @@ def load_profile(cfg: ExperimentConfig) -> ProfileTable | None:
 def plan_experiment(cfg: ExperimentConfig, overrides: dict[str, Any] | None = None) -> ExecutionPlan:
     """Search the execution plan of an experiment (``overrides``: search settings).
     With ``algorithm.max_staleness`` >= 1 both modes are searched (each with half of
-    ``plan.time_limit_s``) and the faster estimate wins (the synchronous on a tie);
-    the plan lists both (:attr:`~planner.plan.ExecutionPlan.modes`)."""
+    ``plan.time_limit_s``), with ``rollout.mode: streaming`` the streaming one too (from
+    the asynchronous mode's split plans), and the fastest estimate wins (the synchronous
+    on a tie); the plan lists them (:attr:`~planner.plan.ExecutionPlan.modes`)."""
     if not allows_async(cfg):
         return plan_mode(cfg, False, overrides)
+    if cfg.rollout.mode == "streaming":
+        return choose_mode(searched_modes(cfg, MODES, overrides)[0])
     sync, asyn, _why = both_modes(cfg, overrides)
     return compare_modes(sync, asyn)
 
@@ -275,39 +280,62 @@ def plan_mode(cfg: ExperimentConfig, asynchronous: bool,
                   load_profile(cfg), search_settings(cfg, overrides))
 
 
+def plan_ahead(cfg: ExperimentConfig, overrides: dict[str, Any] | None = None,
+               lengths: tuple[GenLengths | None, GenLengths | None] | None = None
+               ) -> tuple[ExecutionPlan, ExecutionPlan]:
+    """(the one-step-ahead plan, the streaming plan), from the same search of each split
+    (:func:`planner.search.stream_search.search_ahead`): the split, each side's layouts
+    and the staleness bound, by the stream's predicted steady state."""
+    models = resolve_models(cfg)
+    graph = experiment_graph(cfg, models, True, lengths)
+    return search_ahead(cfg.name, graph, models, cfg.cluster.spec(),
+                        cfg.algorithm.shape().samples_per_prompt, cfg.rollout.on_update,
+                        cost_config(cfg, host_work=True), load_profile(cfg),
+                        search_settings(cfg, overrides))
+
+
 def both_modes(cfg: ExperimentConfig, overrides: dict[str, Any] | None = None
                ) -> tuple[ExecutionPlan | None, ExecutionPlan | None, str]:
     """(best synchronous plan, best asynchronous plan, why one is missing): each is
     None when no plan of that mode fits."""
+    plans, why = searched_modes(cfg, MODES[:2], overrides)
+    return plans["synchronous"], plans["asynchronous"], why
+
+
+def searched_modes(cfg: ExperimentConfig, modes: tuple[str, ...],
+                   overrides: dict[str, Any] | None = None
+                   ) -> tuple[dict[str, ExecutionPlan | None], str]:
+    """(mode -> its best plan, why one is missing) for ``modes`` of
+    :data:`~planner.search.modes.MODES`: the synchronous and the asynchronous search
+    each with half of ``plan.time_limit_s`` (streaming read from the asynchronous
+    one's); None where none of a mode fits (an :class:`InfeasibleError` where none of
+    any does)."""
     settings = search_settings(cfg, overrides)
-    cfg = with_host_work(cfg)          # timed once for both modes
+    cfg = with_host_work(cfg)          # timed once for every mode
     lengths = graph_lengths(cfg)       # and the data read once
     half = {**(overrides or {}), "time_limit_s": settings.time_limit_s / 2}
-    plans: list[ExecutionPlan | None] = []
+    plans: dict[str, ExecutionPlan | None] = {m: None for m in modes}
     why = ""
-    for asynchronous in (False, True):
-        try:
-            plans.append(plan_mode(cfg, asynchronous, half, lengths))
-        except InfeasibleError as e:
-            plans.append(None)
-            why = e.message
-    if plans[0] is None and plans[1] is None:
+    try:
+        plans["synchronous"] = plan_mode(cfg, False, half, lengths)
+    except InfeasibleError as e:
+        why = e.message
+    try:
+        if "streaming" in modes:
+            plans["asynchronous"], plans["streaming"] = plan_ahead(cfg, half, lengths)
+        else:
+            plans["asynchronous"] = plan_mode(cfg, True, half, lengths)
+    except InfeasibleError as e:
+        why = e.message
+    if all(p is None for p in plans.values()):
         raise InfeasibleError(why, field="cluster")
-    return plans[0], plans[1], why
+    return plans, why
 
 
 def compare_modes(sync: ExecutionPlan | None, asyn: ExecutionPlan | None) -> ExecutionPlan:
     """The faster of the two (the synchronous on a tie), listing both; at least one is
     a plan (:func:`both_modes` raises where neither fits)."""
-    chosen = asyn if sync is None or (
-        asyn is not None and asyn.iteration_time_s < sync.iteration_time_s) else sync
-    assert chosen is not None
-    modes = tuple(ModeResult(mode=name, iteration_time_s=p.iteration_time_s if p else None,
-                             chosen=p is chosen, slower_side_s=p.slower_side_s if p else 0.0,
-                             allocations={a.mfc: f"{a.mesh_name} {a.layout} x{a.micro_batches}mb"
-                                          for a in p.allocations} if p else {})
-                  for name, p in (("synchronous", sync), ("asynchronous", asyn)))
-    return chosen.model_copy(update={"modes": modes})
+    return choose_mode({"synchronous": sync, "asynchronous": asyn})
 
 
 def search_settings(cfg: ExperimentConfig, overrides: dict[str, Any] | None = None) -> SearchSettings:

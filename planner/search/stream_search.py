@@ -1,0 +1,196 @@
+"""The streaming search (``rollout.mode: streaming``): the split of the cluster between a
+generator that decodes continuously and a trainer, each side's layouts, and the
+staleness bound, chosen by the predicted steady state of the stream.
+
+For every split of :func:`~planner.search.problem.async_splits` the asynchronous search
+of that split (:func:`~planner.search.search.search_split`: generation on the GPUs
+below it, scoring and training on the rest) places and prices each side's calls. From
+that plan, on the generator's clock (:func:`price_sides`):
+
+* one decode iteration of the generation side, ``iter_s``: the rollout calls' priced
+  seconds over the decode iterations the cost model priced them with (a refilling
+  call's expected steps, :func:`~planner.graph.refill.refill_shape`; a call in waves,
+  its groups of waves times a group's expected longest row), prefills included;
+* the training side's step, ``train_iters``: the span of one step's calls on that side
+  in the plan's timeline (the sends of the batch, scoring, training), plus the host's
+  work between steps, in decode iterations (rounded up);
+* the weights' copy, ``update_iters``: the priced reallocation of the trained model to
+  the generation side, in decode iterations (rounded up): the generator pauses for it.
+
+The generator's slots are the rollout call's rows decoding at once over its
+data-parallel ranks, one pool. Then the schedule (:mod:`planner.graph.streaming`) is
+simulated over lengths drawn from the rollout call's distribution (``plan.lengths_from``
+or ``algorithm.gen_len_*``; seeded by the search seed) for each staleness bound
+``1 .. algorithm.max_staleness`` (the buffer holding ``k + 1`` batches), and the
+fastest step wins (the least stale on a tie). The best split is the one whose best
+bound streams the fastest. The one-step-ahead mode is read from the same split plans
+(:func:`search_ahead`), so streaming costs the search no second pass.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from planner.cost.cost_config import CostModelConfig
+from planner.cost.profile import ProfileTable
+from planner.errors import InfeasibleError
+from planner.graph.dataflow import MFC, DataflowGraph
+from planner.graph.lengths import expected_call_tokens
+from planner.graph.refill import refill_shape
+from planner.graph.stream_steady import (
+    draw_stream_lengths,
+    lengths_needed,
+    sim_scale,
+    steady_stream,
+)
+from planner.graph.streaming import OnUpdate, StreamSettings
+from planner.plan import ExecutionPlan, MFCAllocation
+from planner.search.problem import RoleModel, async_splits
+from planner.search.search import search_split
+from planner.search_settings import SearchSettings
+from planner.specs.cluster import ClusterSpec
+from planner.specs.streaming_plan import StreamingPlan
+
+#: training steps averaged for a steady state (after the buffer has filled)
+STEADY_STEPS = 16
+
+
+@dataclass(frozen=True)
+class Sides:
+    """A split's two sides, priced on the generator's clock."""
+
+    gen_gpus: int
+    train_gpus: int
+    slots: int              #: samples decoding at once on the generation side
+    iter_s: float           #: one decode iteration of the generation side
+    train_iters: int        #: the training side's step
+    update_iters: int       #: the weights' copy to the generation side
+
+
+def rollout_calls(graph: DataflowGraph) -> list[MFC]:
+    """The generate calls of every step (not an evaluation's), in graph order."""
+    return [m for m in graph.mfcs if m.kind == "generate" and not m.is_eval]
+
+
+def decode_shape(mfc: MFC, a: MFCAllocation) -> tuple[float, int]:
+    """(decode iterations the cost model prices the call with, rows decoding at once
+    over its data-parallel ranks), the prefill's iteration counted.
+
+    Example: 64 rows in 2 waves at DP2, PP1 (waves): 16 rows a wave, 32 slots; the
+    iterations are 2 x the expected longest of 16 rows (the slower rank's)."""
+    dp, pp, m = a.layout.dp, a.layout.pp, a.micro_batches
+    n_local = max(1, mfc.n_seqs // dp)
+    if mfc.refill:
+        slots = math.ceil(n_local / m)
+        g = min(m, pp, n_local)
+        steps, _admits = refill_shape(mfc, slots, math.ceil(n_local / g), dp)
+        return max(1.0, steps + 1.0), dp * g * slots
+    b = mfc.n_seqs / dp / m
+    g = min(m, pp)
+    groups = math.ceil(m / g)
+    return max(1.0, groups * expected_call_tokens(mfc, b, groups, dp)), max(1, round(dp * g * b))
+
+
+def train_side_s(plan: ExecutionPlan) -> float:
+    """One step of the training side in ``plan``'s timeline: from the first to the last
+    of a steady step's events that are neither a rollout nor a reallocation, plus the
+    host's work between steps."""
+    it = min(1, plan.n_iters - 1)
+    ev = [e for e in plan.timeline if e.iteration == it and e.kind not in ("generate", "realloc")]
+    span = max(e.end_s for e in ev) - min(e.start_s for e in ev) if ev else 0.0
+    return span + plan.step_overhead_s
+
+
+def price_sides(plan: ExecutionPlan, split: int) -> Sides:
+    """``plan``'s (generation below ``split``) two sides on the generator's clock (the
+    module docs)."""
+    calls = rollout_calls(plan.graph)
+    assert calls, "a streaming plan needs a rollout"
+    first = calls[0]
+    iters, slots = decode_shape(first, plan.allocation(first.name))
+    gen_s = sum(plan.allocation(m.name).time_s for m in calls)
+    iter_s = gen_s / iters
+    names = {m.name for m in calls}
+    update_s = sum(r.time_s for r in plan.reallocations if r.to_mfc in names)
+    return Sides(gen_gpus=split, train_gpus=plan.cluster.n_gpus - split, slots=slots,
+                 iter_s=iter_s, train_iters=math.ceil(train_side_s(plan) / iter_s),
+                 update_iters=math.ceil(update_s / iter_s))
+
+
+def stream_plan(plan: ExecutionPlan, sides: Sides, group_size: int, max_staleness: int,
+                on_update: OnUpdate, seed: int) -> StreamingPlan:
+    """The best staleness bound of one split, simulated (the module docs)."""
+    first = rollout_calls(plan.graph)[0]
+    if first.n_seqs % group_size:
+        raise InfeasibleError(f"{first.n_seqs} rollouts a step do not split into groups of "
+                              f"{group_size}", field="algorithm.samples_per_prompt")
+    batch_groups = first.n_seqs // group_size
+    best: tuple[float, int, StreamingPlan] | None = None
+    for k in range(1, max_staleness + 1):
+        s = StreamSettings(group_size=group_size, batch_groups=batch_groups,
+                           slots=sides.slots, train_iters=sides.train_iters,
+                           update_iters=sides.update_iters, max_staleness=k,
+                           on_update=on_update, capacity_groups=(k + 1) * batch_groups)
+        lengths = draw_stream_lengths(first.lengths, first.gen_len,
+                                      lengths_needed(s, STEADY_STEPS), seed)
+        q, f = sim_scale(s, first.gen_len)
+        est = steady_stream(s, lengths, STEADY_STEPS, q, f)
+        step_s = est.iters_per_step * sides.iter_s
+        cand = StreamingPlan(
+            gen_gpus=sides.gen_gpus, train_gpus=sides.train_gpus, group_size=group_size,
+            batch_groups=batch_groups, slots=sides.slots, train_iters=sides.train_iters,
+            update_iters=sides.update_iters, max_staleness=k, on_update=on_update,
+            capacity_groups=s.capacity(), iter_s=sides.iter_s, step_s=step_s,
+            samples_per_s=first.n_seqs / step_s, staleness_mean=est.staleness_mean,
+            gen_idle_share=est.gen_idle_share, train_idle_share=est.train_idle_share,
+            dropped_share=est.dropped_share)
+        if best is None or step_s < best[0] * (1 - 1e-9):
+            best = (step_s, k, cand)
+    assert best is not None
+    return best[2]
+
+
+def with_stream(plan: ExecutionPlan, st: StreamingPlan) -> ExecutionPlan:
+    """``plan`` streaming as ``st`` says: its estimate is the stream's step (checked
+    against its allocations: :func:`planner.plan.streaming_problems`)."""
+    return ExecutionPlan.model_validate({**plan.model_dump(), "streaming": st.model_dump(),
+                                         "iteration_time_s": st.step_s, "slower_side_s": 0.0})
+
+
+def search_ahead(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
+                 cluster: ClusterSpec, group_size: int, on_update: OnUpdate,
+                 cost_config: CostModelConfig | None = None,
+                 profile: ProfileTable | None = None, settings: SearchSettings | None = None
+                 ) -> tuple[ExecutionPlan, ExecutionPlan]:
+    """(the fastest one-step-ahead plan, the fastest streaming plan) of an asynchronous
+    ``graph`` (the module docs): each split searched once, with an equal share of the
+    time limit, and both modes read from the same split plans (one step ahead: the
+    split whose plan is estimated fastest, as :func:`~planner.search.search.search`
+    chooses; streaming: the split whose stream is)."""
+    assert graph.ahead_steps > 0, "the streaming search places an asynchronous graph"
+    s = settings or SearchSettings()
+    splits = async_splits(cluster)
+    if not splits:
+        raise InfeasibleError(f"a streaming plan generates and trains on separate GPUs; "
+                              f"{cluster.describe()} has one", field="cluster")
+    share = s.model_copy(update={"time_limit_s": s.time_limit_s / len(splits)})
+    ahead: ExecutionPlan | None = None
+    best: tuple[ExecutionPlan, StreamingPlan] | None = None
+    why = ""
+    for split in splits:
+        try:
+            plan = search_split(name, graph, models, cluster, split, cost_config, profile,
+                                share)
+        except InfeasibleError as e:
+            why = e.message
+            continue
+        if ahead is None or plan.iteration_time_s < ahead.iteration_time_s:
+            ahead = plan
+        st = stream_plan(plan, price_sides(plan, split), group_size, graph.max_staleness,
+                         on_update, s.seed)
+        if best is None or st.step_s < best[1].step_s:
+            best = (plan, st)
+    if ahead is None or best is None:
+        raise InfeasibleError(f"no plan that generates on GPUs of its own fits: {why}",
+                              field="cluster")
+    return ahead, with_stream(*best)
