@@ -1,7 +1,8 @@
 """Timeline pictures: one lane per GPU group, a bar per call and per parameter
 reallocation. :func:`render` draws a plan's simulated iterations (with the peak memory
-per GPU group); :func:`draw_lanes` is the drawing both it and the run report's measured
-timeline use.
+per GPU group), or a streaming plan's two sides running continuously
+(:func:`render_stream`); :func:`draw_lanes` is the drawing they and the run report's
+measured timeline use.
 
 GPU groups are the coarsest split of the cluster that every mesh of the plan is a
 union of, so each lane is a set of GPUs that always work together.
@@ -11,6 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from html import escape
 
+from planner.graph.stream_steady import (
+    draw_stream_lengths,
+    lengths_needed,
+    scaled_schedule,
+    sim_scale,
+)
 from planner.plan import ExecutionPlan
 from planner.report import sources_line, turns_lines
 from planner.svg import head, seconds
@@ -91,7 +98,74 @@ def engine_labels(plan: ExecutionPlan) -> dict[str, str]:
     return out
 
 
+#: training steps a streaming plan's picture shows (after the buffer has filled)
+STREAM_STEPS_SHOWN = 4
+
+
+def stream_bars(plan: ExecutionPlan) -> list[Bar]:
+    """A streaming plan's schedule over :data:`STREAM_STEPS_SHOWN` steps of its steady
+    state, simulated as the planner did: the generator decoding on its GPUs between the
+    weights' copies (a copy where an update reaches it), the trainer training each batch
+    from the iteration it takes it. Seconds from the first step shown."""
+    st = plan.streaming
+    assert st is not None
+    first = next(m for m in plan.graph.mfcs if m.kind == "generate" and not m.is_eval)
+    s = st.settings()
+    q, f = sim_scale(s, first.gen_len)
+    lengths = draw_stream_lengths(first.lengths, first.gen_len,
+                                  lengths_needed(s, STREAM_STEPS_SHOWN), plan.search.seed)
+    sch = scaled_schedule(s, lengths, q, f)
+    warm = st.max_staleness + 2
+    takes = [r.take_iter for r in sch.run_steps(warm + STREAM_STEPS_SHOWN)][warm - 1:]
+    t0, unit = takes[0], q * st.iter_s
+    gen = tuple(range(st.gen_gpus))
+    train = tuple(range(st.gen_gpus, st.gen_gpus + st.train_gpus))
+    train_s, copy_s = st.train_iters * st.iter_s, st.update_iters * st.iter_s
+    bars: list[Bar] = []
+    prev = 0.0
+    for k, take in enumerate(takes[:-1]):
+        start = (take - t0) * unit
+        bars.append(Bar(f"actor.train step {k + 1}", "train", start, start + train_s, train))
+        arrive = start + train_s
+        bars.append(Bar("actor.generate", "generate", prev, arrive, gen))
+        bars.append(Bar(f"weights v{k + 1}", "realloc", arrive, arrive + copy_s, gen + train))
+        prev = arrive + copy_s
+    end = (takes[-1] - t0) * unit
+    if prev < end:
+        bars.append(Bar("actor.generate", "generate", prev, end, gen))
+    return bars
+
+
+def render_stream(plan: ExecutionPlan) -> str:
+    """A streaming plan: the generator's lane decoding continuously, the trainer's lane
+    training batch after batch, a weights' copy (update mark) where each update reaches
+    the generator, and the predicted steady state in the title."""
+    st = plan.streaming
+    assert st is not None
+    bars = stream_bars(plan)
+    groups = [(0, st.gen_gpus - 1), (st.gen_gpus, plan.cluster.n_gpus - 1)]
+    end = max((b.end_s for b in bars), default=1.0) or 1.0
+    left, lane_h, gap, width, top = 150, 34, 8, 900, 84
+    gpus = "GPU 0" if st.gen_gpus == 1 else f"GPUs 0-{st.gen_gpus - 1}"
+    out = [*head(left + width + 40, top + 2 * (lane_h + gap) + 70),
+           f'<text x="10" y="20" font-size="15" font-weight="bold">{escape(plan.name)}: '
+           f'{seconds(st.step_s, st.step_s)} per step streaming on '
+           f'{escape(plan.cluster.describe())}</text>',
+           f'<text x="10" y="38" fill="#555">generation on {gpus} '
+           f'({100 * st.gen_idle_share:.1f} % idle), training on the other {st.train_gpus} '
+           f'({100 * st.train_idle_share:.1f} % idle); {st.samples_per_s:.1f} samples/s, '
+           f'staleness {st.staleness_mean:.2f} on average (bound {st.max_staleness})</text>',
+           f'<text x="10" y="54" fill="#555">{STREAM_STEPS_SHOWN} steps of the simulated '
+           'steady state; orange: the weights reach the generator. '
+           f'{escape(sources_line(plan))}</text>']
+    draw_lanes(out, groups, bars, end, left, top, width, lane_h, gap)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
 def render(plan: ExecutionPlan) -> str:
+    if plan.streaming is not None:
+        return render_stream(plan)
     groups = gpu_groups(plan.cluster.n_gpus,
                         [(a.mesh.first_gpu, a.mesh.n_gpus) for a in plan.allocations])
     end = max((e.end_s for e in plan.timeline), default=1.0) or 1.0

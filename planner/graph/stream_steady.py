@@ -90,12 +90,11 @@ def warmup_steps(settings: StreamSettings) -> int:
     return settings.max_staleness + 2
 
 
-def steady_stream(settings: StreamSettings, lengths: list[int], steps: int,
-                  quantum: int = 1, shrink: int = 1) -> StreamEstimate:
-    """Run the schedule for :func:`warmup_steps` and then ``steps`` steps on a clock of
-    ``quantum`` decode iterations a unit, ``shrink`` times narrower (:func:`sim_scale`),
-    and average the measured steps."""
-    assert steps >= 1 and quantum >= 1 and shrink >= 1
+def scaled_schedule(settings: StreamSettings, lengths: list[int], quantum: int = 1,
+                    shrink: int = 1) -> StreamSchedule:
+    """The schedule on a clock of ``quantum`` decode iterations a unit, ``shrink`` times
+    narrower (:func:`sim_scale`); its iterations times ``quantum`` are decode iterations."""
+    assert quantum >= 1 and shrink >= 1
     q, f = quantum, shrink
     assert settings.slots % f == 0 and settings.batch_groups % f == 0, (settings, f)
     cap = settings.capacity_groups
@@ -103,8 +102,17 @@ def steady_stream(settings: StreamSettings, lengths: list[int], steps: int,
                      update_iters=math.ceil(settings.update_iters / q),
                      slots=settings.slots // f, batch_groups=settings.batch_groups // f,
                      capacity_groups=None if cap is None else max(1, cap // f))
-    settings = coarse
-    sch = StreamSchedule(coarse, [math.ceil(max(1, n) / q) for n in lengths])
+    return StreamSchedule(coarse, [math.ceil(max(1, n) / q) for n in lengths])
+
+
+def steady_stream(settings: StreamSettings, lengths: list[int], steps: int,
+                  quantum: int = 1, shrink: int = 1) -> StreamEstimate:
+    """Run the schedule for :func:`warmup_steps` and then ``steps`` steps on a clock of
+    ``quantum`` decode iterations a unit, ``shrink`` times narrower (:func:`sim_scale`),
+    and average the measured steps."""
+    assert steps >= 1
+    q = quantum
+    sch = scaled_schedule(settings, lengths, quantum, shrink)
     warm = warmup_steps(settings)
     recs = sch.run_steps(warm + steps)
     body = recs[warm:]
