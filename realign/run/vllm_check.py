@@ -16,7 +16,8 @@ with ``rollout.engine: vllm``, where the search chose it under ``auto``). Then:
 * on the cpu device, a mixture of experts' per-TP-rank expert width
   (``moe_intermediate_size / t``) is a multiple of :data:`CPU_EXPERT_ALIGN`: vLLM's CPU
   experts pad it to one, and an in-memory weight update of padded experts stops inside
-  vLLM's worker (docs/vllm.md, "A mixture of experts on vLLM").
+  vLLM's worker (docs/vllm.md, "A mixture of experts on vLLM");
+* ``rollout.routing_replay: on`` can replay (:func:`routing_replay_problem`).
 
 Each failure is a :class:`~realign.errors.UserError` naming the setting to change.
 """
@@ -129,3 +130,33 @@ def check_vllm(cfg: "ExperimentConfig", spec: ModelSpec, calls: list[MFC],
         problem = cpu_tp_problem(cfg, name, tp, cores) or cpu_moe_problem(cfg, spec, name, tp)
         if problem is not None:
             raise problem
+
+
+def routing_replay_problem(cfg: "ExperimentConfig", spec: ModelSpec,
+                           rollout_on_vllm: bool) -> UserError | None:
+    """Why ``rollout.routing_replay: on`` cannot replay in this run (None: it can, or
+    the setting is not on): the actor (``spec``) has no experts; its rollout
+    (``rollout_on_vllm``: the plan's sampled generate call runs on vLLM) runs on
+    realign's own engine, whose generation is the training forward (same router, same
+    experts: nothing to replay); vLLM runs on CUDA (CUDA graphs: no routing recorded,
+    :func:`realign.runtime.engines.vllm_routing.records_routing`); or the rollout is
+    multi-turn (an episode's turns are not recorded as one sequence)."""
+    if cfg.rollout.routing_replay != "on":
+        return None
+    why = None
+    if spec.moe is None:
+        why = f"the actor {spec.name} is dense: it has no experts to replay"
+    elif not rollout_on_vllm:
+        why = ("the actor's rollout runs on realign's own engine, whose routing is the "
+               "training forward's (same router, same experts): there is nothing to replay; "
+               "set rollout.engine vllm")
+    elif cfg.device != "cpu":
+        why = ("vLLM on CUDA runs its decode steps as CUDA graphs, where realign cannot "
+               "record the experts it routes to (docs/vllm.md)")
+    elif cfg.rollout.multi_turn:
+        why = "a multi-turn rollout's routing is not recorded"
+    if why is None:
+        return None
+    return UserError(f"rollout.routing_replay is 'on' but {why}; use 'auto' (replay where "
+                     "the rollout's routing is recorded) or 'off'",
+                     field="rollout.routing_replay")

@@ -145,6 +145,16 @@ class Rollout(MultiTurn):
         0.01, gt=0, description="The train call logs the share of response tokens whose "
         "rollout log-prob differs from the training forward's by more than this (nats): "
         "actor.rollout_logprob_diff_frac, beside its mean and max.")
+    routing_replay: Literal["auto", "on", "off"] = Field(
+        "auto", description="Rollout routing replay (R3) of a mixture-of-experts actor "
+        "generating on vLLM: the experts vLLM routed each token to (prompt and response) "
+        "are forced in the actor's scoring (actor.prox_inference) and train calls, so the "
+        "trained policy's tokens go through the experts that sampled them (the reference "
+        "keeps its own routing; docs/vllm.md). 'auto': wherever vLLM records its routing "
+        "(it runs eagerly: device cpu), elsewhere nothing is replayed "
+        "(no actor.moe.replayed_frac logged); 'on': the same, and a run that cannot replay (a "
+        "dense actor, the own engine, vLLM on CUDA, a multi-turn rollout) exits 2 before "
+        "it starts; 'off': each forward routes with its own router.")
 
     def scores_rollout(self) -> bool:
         """Whether the actor's training forward scores the rollout before its update

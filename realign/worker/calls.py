@@ -35,6 +35,7 @@ from realign.runtime.engines.generate import GenerateEngine
 from realign.runtime.engines.inference import InferenceEngine
 from realign.runtime.engines.train import TrainEngine
 from realign.runtime.lora import adapters_disabled, seed_dropout
+from realign.runtime.router_replay import ROUTED_EXPERTS, replayed_share
 from realign.runtime.settings import Sampling, SamplingParams, TrainConfig
 from realign.worker.episodes import generate_episodes, response_lengths, stop_ids
 from realign.worker.records import Record, merge, sequences_from_generation
@@ -53,12 +54,13 @@ class Calls:
                  sampling: Sampling, tokenizer, pad_id: int, eos_id: int | None, reward_fn,
                  verifier, seed: int, max_staleness: int = 0, asynchronous: bool = False,
                  logprob_diff_threshold: float = 0.01, multi_turn=None, make_env=None,
-                 capture: CaptureSetting = "auto"):
+                 capture: CaptureSetting = "auto", routing_replay: str = "auto"):
         """``reward_fn``: the rule reward (None with a reward model); ``verifier``: what
         counts as correct in evaluations (None without an eval section);
         ``max_staleness``: the most policy versions a trained sample may lag;
         ``asynchronous``: the program runs generation ahead of training;
-        ``logprob_diff_threshold``: of the rollout's log-prob mismatch metrics."""
+        ``logprob_diff_threshold``: of the rollout's log-prob mismatch metrics;
+        ``routing_replay``: rollout.routing_replay (off: vLLM's routing is not carried)."""
         self.max_staleness = max_staleness
         #: rollout.env / rollout.tools (None: one response per prompt) and what makes
         #: one episode's environment
@@ -69,6 +71,7 @@ class Calls:
         self.logprob_diff_threshold = logprob_diff_threshold
         #: rollout.capture: the own engine's decode steps captured and replayed
         self.capture = capture
+        self.routing_replay = routing_replay
         #: replica key -> its vLLM engine on this rank (generate calls with engine vllm)
         self.vllm_engines: dict = {}
         self.specs = specs
@@ -160,6 +163,13 @@ class Calls:
                     self.pad_id)
                 metrics[f"{prefix}moe.routing_mismatch"] = share
                 metrics[f"{prefix}moe.routing_tokens"] = float(compared)
+                if self.routing_replay != "off" and not prefix:
+                    # the rollout's experts travel with its sequences (routing replay)
+                    from realign.runtime.engines.vllm_moe import gathered_routing
+
+                    seqs[ROUTED_EXPERTS] = gathered_routing(
+                        shard, self.vllm_engines[op.replica].routing, prompts, gen,
+                        seqs["tokens"].shape[1])
         # the policy version that sampled them: a step reallocates the weights after
         # ``step`` updates; an ahead call on the trained copy itself runs after the
         # step's update
@@ -183,6 +193,10 @@ class Calls:
         assert shard is not None, f"{op.name} runs on its replica's ranks"
         rec = store[op.inputs[0]]
         batch = {"tokens": rec["tokens"], "lengths": rec["lengths"]}
+        if ROUTED_EXPERTS in rec and op.role == "actor" and not op.mfc.adapters_off:
+            # the actor scoring its rollout (prox log-probs): vLLM's experts replayed; the
+            # reference (other weights, or the base without adapters) routes on its own
+            batch[ROUTED_EXPERTS] = rec[ROUTED_EXPERTS]
         # a frozen role scored as a LoRA model's base: that model with its adapters off
         with adapters_disabled(shard) if op.mfc.adapters_off else contextlib.nullcontext():
             res = InferenceEngine(shard, micro_batches=op.micro_batches,
@@ -240,6 +254,8 @@ class Calls:
             {k: v for k, v in store[key].items() if isinstance(v, torch.Tensor)}
             for key in op.inputs]
         merged = merge(records)
+        if op.role != "actor":      # the actor's rollout routing: its own calls alone
+            merged.pop(ROUTED_EXPERTS, None)
         staleness = check_staleness(merged, step, self.max_staleness, op.name)
         mismatch = rollout_mismatch(merged, self.logprob_diff_threshold)
         if "prox_logprobs" in merged and not (self.asynchronous or self.corrects()):
@@ -288,6 +304,10 @@ class Calls:
         shared.update(mismatch)
         shared.update(stats)
         shared["padded_tokens"] = float(padded)
+        if ROUTED_EXPERTS in batch:
+            # the share of trained tokens whose experts vLLM's rollout forced
+            shared["moe.replayed_frac"] = replayed_share(batch[ROUTED_EXPERTS],
+                                                         batch["lengths"])
         g = shard.groups
         parts = {}
         if g.is_last_stage and g.tp_rank == 0:

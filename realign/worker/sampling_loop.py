@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from realign.algorithms.selection import constant_groups
 from realign.run.program import Op, RoundSpan
+from realign.runtime.router_replay import ROUTED_EXPERTS
 from realign.worker.records import Record
 
 #: the metrics of a generate call that add up over rounds (the rest: the last round's)
@@ -60,7 +61,8 @@ def _row_count(rec: Record) -> int:
 
 def concat_records(recs: list[Record], pad_id: int) -> Record:
     """One record of the rows of ``recs`` in order; per-token tensors of different widths
-    are right-padded to the widest (``tokens`` with ``pad_id``, the rest with 0).
+    (their second dimension) are right-padded to the widest (``tokens`` with ``pad_id``,
+    the rollout's experts with -1, the rest with 0).
 
     Example: tokens [[5, 6]] and [[7, 8, 9]], pad 0 -> [[5, 6, 0], [7, 8, 9]]."""
     out: Record = {}
@@ -69,9 +71,10 @@ def concat_records(recs: list[Record], pad_id: int) -> Record:
         if isinstance(first, torch.Tensor) and first.dim() > 0:
             tensors = cast(list[torch.Tensor], vals)    # a name holds one kind in every record
             width = max(v.shape[1] for v in tensors) if first.dim() > 1 else 0
-            fill = pad_id if k == "tokens" else 0
-            out[k] = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1]), value=fill)
-                                if v.dim() > 1 else v for v in tensors])
+            fill = pad_id if k == "tokens" else -1 if k == ROUTED_EXPERTS else 0
+            out[k] = torch.cat([torch.nn.functional.pad(
+                v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1]), value=fill)
+                if v.dim() > 1 else v for v in tensors])
         elif isinstance(first, list):
             lists = cast(list[list[object]], vals)     # a name holds one kind in every record
             out[k] = [x for v in lists for x in v]

@@ -126,7 +126,8 @@ class Session:
                            asynchronous=self.program.asynchronous,
                            logprob_diff_threshold=cfg.rollout.logprob_diff_threshold,
                            multi_turn=cfg.rollout, make_env=make_env,
-                           capture=cfg.rollout.capture)
+                           capture=cfg.rollout.capture,
+                           routing_replay=cfg.rollout.routing_replay)
         self._start_vllm(rank)
         self.runner = StepRunner(self.program, self.hosted, self.calls, rank,
                                  self.dev.device, self.dev.dtype, spec.plan.cluster.gpus_per_node,

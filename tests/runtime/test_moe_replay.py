@@ -182,3 +182,55 @@ def test_routing_layout_helpers():
     assert stage_sparse_layers(Spec, 2, 0) == [0]
     assert stage_sparse_layers(Spec, 2, 1) == [1, 2]
     assert stage_sparse_layers(Spec, 1, 0) == [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from realign.assets.tiny import make_model, make_tiny_assets
+
+    out = tmp_path_factory.mktemp("replay_assets")
+    make_tiny_assets(out, qwen2=False, small=False, families=False, tools=False)
+    make_model(out / "moe", "qwen3_moe", seed=3)
+    return out
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("actor,why", [("actor", "is dense"), ("moe", "own engine")])
+def test_replay_on_where_it_cannot_replay_exits_2(assets, tmp_path, capsys, actor, why):
+    """rollout.routing_replay on with a dense actor, or with a mixture of experts whose
+    rollout runs on realign's own engine (its routing is the training forward's):
+    exit 2 naming the field, before any worker starts (no run folder)."""
+    from pathlib import Path
+
+    import yaml
+
+    from realign.cli.main import main
+
+    repo = Path(__file__).resolve().parents[2]
+    cfg = yaml.safe_load((repo / "experiments" / "tiny-grpo-cpu.yaml").read_text())
+    cfg["models"]["actor"] = str(assets / actor)
+    cfg["data"]["train"]["path"] = str(assets / "math_train.jsonl")
+    cfg["reward"]["fn"] = str(repo / "experiments" / "tiny_reward.py") + ":shaped"
+    cfg.setdefault("rollout", {})["routing_replay"] = "on"
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(yaml.safe_dump(cfg))
+    code = main(["run", str(exp), "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "rollout.routing_replay" in err and why in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.torch
+def test_sampling_rounds_pad_the_rollout_experts_along_the_sequence():
+    """DAPO's rounds of different widths: a round's experts are padded along the sequence
+    with -1 (no experts: the token's own routing), never along the top-k."""
+    from realign.worker.sampling_loop import concat_records
+
+    a = {"tokens": torch.tensor([[5, 6]]), "routed_experts": torch.zeros(1, 2, 3, 2,
+                                                                       dtype=torch.int32)}
+    b = {"tokens": torch.tensor([[7, 8, 9]]), "routed_experts": torch.ones(1, 3, 3, 2,
+                                                                         dtype=torch.int32)}
+    r = concat_records([a, b], pad_id=0)["routed_experts"]
+    assert r.shape == (2, 3, 3, 2)
+    assert (r[0, :2] == 0).all() and (r[0, 2] == -1).all() and (r[1] == 1).all()

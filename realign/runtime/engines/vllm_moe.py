@@ -140,3 +140,33 @@ def rollout_routing_mismatch(shard, routing, prompts: list[list[int]], gen, pad_
     if g.layout.tp > 1:      # the host's counts to its TP ranks
         dist.all_reduce(counts, group=g.pgs.tp)
     return (float(counts[0] / counts[1]) if counts[1] > 0 else 0.0), int(counts[1])
+
+
+def gathered_routing(shard, routing, prompts: list[list[int]], gen, width: int
+                     ) -> torch.Tensor:
+    """The experts vLLM routed every token of the call to, on every rank of the replica:
+    [sequences, ``width``, sparse layers, top_k] (int32; -1 where vLLM ran no forward
+    (each sequence's last token) and past each sequence's length), rows in the call's
+    order, positions as the sequences record's tokens (prompt, then response).
+    ``routing``: the engine's :class:`~realign.runtime.engines.vllm_routing.VLLMRouting`
+    after the call on the hosting rank of each data-parallel rank (None elsewhere);
+    ``width``: the sequences record's. Every rank of the replica calls it: the host sends
+    its rows over TP, then the data-parallel ranks' rows are gathered."""
+    import torch.distributed as dist
+
+    from realign.runtime.engines.base import gather_dp
+
+    g = shard.groups
+    moe = shard.spec.moe
+    assert moe is not None, "a mixture of experts"
+    per = len(prompts) // g.layout.dp
+    local = torch.full((per, width, shard.spec.sparse_layers(), moe.top_k), -1,
+                       dtype=torch.int32)
+    if routing is not None:
+        for i, r in enumerate(routing.last):
+            n = min(width, r.shape[0])
+            local[i, :n] = r[:n].to(torch.int32)
+    local = local.to(shard.device.device)
+    if g.layout.tp > 1:
+        dist.broadcast(local, src=g.world_rank(0, g.dp_rank, g.pp_rank), group=g.pgs.tp)
+    return gather_dp(shard, local).cpu()
