@@ -179,13 +179,13 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     from realign.data.tokenizer import load_tokenizer, tokenizer_class
     from realign.run.loading import load_experiment
     from realign.run.planning import resolve_models, resolve_plan
-    from realign.run.streaming_check import check_streaming_runs
+    from realign.run.streaming_check import check_streaming_plan, check_streaming_runs
 
     cfg = load_experiment(experiment)
     cfg = _with_overrides(cfg, steps, launcher, plan_file)
     if transform is not None:
         cfg = transform(cfg)
-    check_streaming_runs(cfg)                    # planned, not executed
+    check_streaming_runs(cfg)
     cfg.cluster.spec()                           # a known device (cluster.device)
     if cfg.data is None:
         raise UserError("realign run needs a data section with a train dataset", field="data")
@@ -232,6 +232,7 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
                         "machine that runs it)", field="cluster.device")
     cfg = _vllm_engine(cfg, models)
     plan = resolve_plan(cfg, models)
+    check_streaming_plan(cfg, plan)
     on_vllm = [plan.graph.mfc(a.mfc) for a in plan.allocations if a.engine == "vllm"]
     if on_vllm:                                  # a saved plan may name vLLM too
         from realign.run.planning import DTYPE_BYTES

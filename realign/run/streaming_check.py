@@ -1,11 +1,14 @@
-"""``rollout.mode: streaming`` at run time: planned, not executed.
+"""``rollout.mode: streaming`` at run time: what the streaming runtime
+(:mod:`realign.worker.stream_worker`) runs, checked while the run is prepared, before
+any worker starts (exit 2, naming the field).
 
-The experiment schema accepts a streaming experiment whose combination the streaming
-schedule covers (:func:`realign.config.streaming.check_streaming` refuses the others),
-and ``realign plan`` plans it (the split, the schedule and its predicted steady state:
-``plan.streaming``). No runtime runs that schedule, so ``realign run``, ``realign
-submit`` and ``realign bench`` refuse it while they prepare the run, before any worker
-starts (exit 2), naming ``rollout.mode``.
+The experiment schema refuses the combinations the streaming schedule does not cover
+(:func:`realign.config.streaming.check_streaming`: vLLM, multi-turn episodes, DAPO's
+rounds, a bound below 1, a plan.manual whose generation shares GPUs with training).
+Here, once the plan is made: its rollout must be one generate call on one GPU of its
+own, filled by a reallocation from the trained copy, with every other call of a step
+on the training side's GPUs (:func:`realign.run.stream_parts.stream_parts`); and the
+own engine's streamed decode steps run eagerly (``rollout.capture: on`` is refused).
 """
 from __future__ import annotations
 
@@ -14,17 +17,26 @@ from typing import TYPE_CHECKING
 from realign.errors import UserError
 
 if TYPE_CHECKING:
+    from planner.plan import ExecutionPlan
     from realign.config.experiment import ExperimentConfig
 
 
 def check_streaming_runs(cfg: ExperimentConfig) -> None:
-    """Refuse to run ``rollout.mode: streaming`` (its plan is made, its schedule is not
-    executed by any runtime)."""
+    """Refuse what the streaming runtime does not run, from the config alone."""
     if cfg.rollout.mode != "streaming":
         return
-    raise UserError(
-        "rollout.mode: streaming is not executed yet: realign plan plans it (the split of "
-        "the GPUs, the rollout buffer's schedule and its predicted steady state: "
-        "plan.streaming), but no runtime runs it (docs/async.md); use rollout.mode: step, "
-        "which generates one step ahead with algorithm.max_staleness >= 1",
-        field="rollout.mode")
+    if cfg.rollout.capture == "on":
+        raise UserError("rollout.capture is 'on', but rollout.mode: streaming decodes its "
+                        "slots eagerly (their rows change every iteration); allowed: auto "
+                        "or off", field="rollout.capture")
+
+
+def check_streaming_plan(cfg: ExperimentConfig, plan: ExecutionPlan) -> None:
+    """Refuse a plan whose placement the stream cannot run (UserError naming
+    ``plan.manual.<call>``)."""
+    if cfg.rollout.mode != "streaming":
+        return
+    from realign.run.program import compile_program
+    from realign.run.stream_parts import stream_parts
+
+    stream_parts(compile_program(plan))

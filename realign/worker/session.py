@@ -40,6 +40,8 @@ from realign.worker.sampling_loop import SamplingLoop
 
 #: a rank file's entry of the rollout generated ahead and not yet trained on
 IN_FLIGHT = "in_flight"
+#: a rank file's entry of a streaming run's generator: its schedule and samples
+STREAM = "stream"
 #: how far apart the data seeds of DAPO's sampling rounds are
 ROUND_DATA_SEED = 7919
 
@@ -123,7 +125,8 @@ class Session:
                            eos_id=self.tokenizer.eos_token_id, reward_fn=reward_fn,
                            verifier=verifier, seed=cfg.run.seed,
                            max_staleness=self.program.max_staleness,
-                           asynchronous=self.program.asynchronous,
+                           asynchronous=self.program.asynchronous
+                           or cfg.rollout.mode == "streaming",
                            logprob_diff_threshold=cfg.rollout.logprob_diff_threshold,
                            multi_turn=cfg.rollout, make_env=make_env,
                            capture=cfg.rollout.capture,
@@ -139,6 +142,11 @@ class Session:
         #: asynchronous programs: the next step run still has to generate its own
         #: rollout (none was made ahead, or the checkpoint's cannot be used)
         self.needs_prologue = self.program.asynchronous
+        #: rollout.mode streaming: this worker's side of the stream
+        self.stream = None
+        if cfg.rollout.mode == "streaming":
+            from realign.worker.stream_setup import StreamSide
+            self.stream = StreamSide(self)
         if resume_dir:
             self.load(Path(resume_dir))
 
@@ -211,6 +219,8 @@ class Session:
                 and (step == 0 or (step + 1) % ev.interval == 0 or step + 1 == self.spec.steps))
 
     def step(self, step: int) -> StepReport:
+        if self.stream is not None:
+            return self.stream.step(step)
         ahead = self.program.asynchronous and step + 1 < self.spec.steps
         report = self.runner.run(step, self.dataset_record(step), self.evaluates_at(step),
                                  next_dataset=self.dataset_record(step + 1) if ahead else None,
@@ -240,6 +250,8 @@ class Session:
                 state[key] = {"module": trained_state(h.shard),
                               "optimizer": optimizer_state(eng.optimizer),
                               "distributed_optimizer": eng.zero1}
+            if self.stream is not None:
+                state[STREAM] = self.stream.state()
             if self.runner.carried:     # the samples in flight: generated, not yet trained
                 state[IN_FLIGHT] = {"records": self.runner.carried,
                                     "metrics": self.runner.carried_metrics}
@@ -257,6 +269,8 @@ class Session:
             flight = state.get(IN_FLIGHT, {"records": {}, "metrics": {}})
             self.runner.carried = flight["records"]
             self.runner.carried_metrics = flight["metrics"]
+        if self.stream is not None:
+            self.stream.load(state.get(STREAM))
         for key, h in self._trained_here():
             eng = self.calls.train_engines[key]
             check_optimizer_layout(state[key], eng.zero1, folder.name)

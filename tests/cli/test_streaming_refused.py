@@ -1,7 +1,6 @@
 """`rollout.mode: streaming` and `rollout.on_update`: each unsupported combination
-exits 2 naming its field, by `realign plan` and `realign run` alike; a supported one
-is planned by `realign plan` and refused by `realign run` (not executed yet) before
-any worker starts."""
+exits 2 naming its field, by `realign plan` and `realign run` alike, before any worker
+starts; what `realign run` alone refuses (the streamed decode steps are not captured)."""
 from __future__ import annotations
 
 import json
@@ -64,13 +63,13 @@ def test_streaming_combinations_exit_2_naming_the_field(tmp_path, capsys, cfg, f
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("cfg", [GRPO, _with("rollout.on_update", "finish")])
-def test_run_refuses_a_supported_streaming_experiment_naming_rollout_mode(tmp_path, capsys,
-                                                                         cfg):
-    rc = main(["run", _exp(tmp_path, cfg)])
+def test_run_refuses_captured_streaming_decode_steps(tmp_path, capsys):
+    """The streamed slots decode eagerly: rollout.capture on is refused before any worker
+    starts (the placements a stream cannot run: tests/run/test_stream_run.py)."""
+    rc = main(["run", _exp(tmp_path, _with("rollout.capture", "on"))])
     err = capsys.readouterr().err
     assert rc == 2, err
-    assert "rollout.mode" in err and "not executed yet" in err and "Traceback" not in err
+    assert "rollout.capture" in err and "eagerly" in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists()
 
 

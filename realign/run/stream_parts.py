@@ -1,0 +1,133 @@
+"""What a compiled program says about a stream (``rollout.mode: streaming``), pure:
+the rollout's generate call and the ranks that stream it, the reallocation that brings
+the trained weights to them, the rule rewards scored on its samples, and the program of
+every other op of a step, which the training side runs on each batch it takes.
+
+The training side's program is the step's ops without the rollout (its generate call
+and rule rewards, not made ahead nor in a prologue), without the reallocation into the
+rollout's copy and its release (the weights move when the stream's schedule says), and
+without the sends of what the generator streams (it sends each batch to every rank of
+the training side itself). Every op left must lie on the training side's ranks.
+
+The stream's numbers (:class:`planner.graph.streaming.StreamSettings`) come from the
+plan's ``streaming`` section; a plan without one (``plan.manual``) gets them from its
+estimates (:func:`stream_settings`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from planner.graph.streaming import StreamSettings
+from planner.plan import ExecutionPlan
+from realign.errors import UserError
+from realign.run.program import Call, Op, Program, Realloc, Release, RuleReward, Send
+
+
+@dataclass(frozen=True)
+class StreamParts:
+    gen: Call                        #: the rollout's generate call (on the generator)
+    realloc: Realloc                 #: trained copy -> the generator's copy
+    rewards: tuple[RuleReward, ...]  #: rule rewards of its samples (scored by the generator)
+    train: Program                   #: every other op of a step (the training side)
+    train_ranks: tuple[int, ...]     #: every rank outside the generator, ascending
+
+    @property
+    def gen_rank(self) -> int:
+        return self.gen.ranks[0]
+
+    @property
+    def streamed_keys(self) -> tuple[str, ...]:
+        """The records each batch carries, in the order they are sent: the prompts,
+        the generate call's outputs, the rule rewards."""
+        return (self.gen.inputs[0], *self.gen.outputs, *(r.out_key for r in self.rewards))
+
+
+def _rollout(program: Program) -> Call:
+    ops = [op for op in program.ops + program.prologue
+           if isinstance(op, Call) and op.kind == "generate" and not op.mfc.is_eval]
+    names = sorted({op.name for op in ops})
+    if len(names) != 1:
+        raise UserError(f"rollout.mode: streaming streams one generate call; the plan's "
+                        f"graph has {names or 'none'} (an algorithm with a second rollout, "
+                        "e.g. remax's greedy baseline, is not supported); use rollout.mode: "
+                        "step", field="rollout.mode")
+    return ops[0]
+
+
+def stream_parts(program: Program) -> StreamParts:
+    """The stream's parts of ``program`` (module docs); a placement the stream cannot
+    run is a UserError naming ``plan.manual.<call>``."""
+    gen = _rollout(program)
+    where = f"plan.manual.{gen.name}"
+    if len(gen.ranks) != 1:
+        raise UserError(f"{gen.name} generates on {len(gen.ranks)} GPUs; rollout.mode: "
+                        "streaming runs its generator on one GPU (tp 1, pp 1, dp 1)",
+                        field=f"{where}.mesh")
+    reallocs = [op for op in program.ops if isinstance(op, Realloc) and op.to_mfc == gen.name]
+    if not reallocs:
+        raise UserError(f"{gen.name} runs on the trained copy itself; rollout.mode: "
+                        "streaming generates on GPUs of its own, disjoint from training's",
+                        field=f"{where}.mesh")
+    rewards = tuple({op.out_key: op for op in program.ops + program.prologue
+                     if isinstance(op, RuleReward) and op.seqs_key in gen.outputs}.values())
+    streamed = {*gen.outputs, gen.inputs[0], *(r.out_key for r in rewards)}
+    gen_ranks = set(gen.ranks)
+
+    def kept(op: Op) -> bool:
+        match op:
+            case Call() if op.name == gen.name:
+                return False
+            case RuleReward() if op.seqs_key in gen.outputs:
+                return False
+            case Realloc() if op.to_mfc == gen.name:
+                return False
+            case Release() if op.replica == gen.replica:
+                return False
+            case Send() if op.key in streamed:
+                return False
+        return True
+    ops = tuple(op for op in program.ops if kept(op))
+    for op in ops:
+        if gen_ranks & set(op.ranks):
+            name = op.name if isinstance(op, Call) else type(op).__name__
+            raise UserError(f"{name} runs on GPU {sorted(gen_ranks & set(op.ranks))[0]}, the "
+                            f"generator's; rollout.mode: streaming keeps every call other "
+                            f"than {gen.name} on the training side's GPUs",
+                            field=f"plan.manual.{name}.mesh")
+    train = replace(program, ops=ops, head=0, prologue=())
+    train_ranks = tuple(r for r in range(program.n_ranks) if r not in gen_ranks)
+    return StreamParts(gen, reallocs[0], rewards, train, train_ranks)
+
+
+#: a training step's length on the generator's clock when the plan prices neither side
+#: (decode iterations)
+DEFAULT_TRAIN_ITERS = 8
+
+
+def stream_settings(plan: ExecutionPlan, parts: StreamParts, group_size: int,
+                    batch_groups: int, max_staleness: int, on_update: str) -> StreamSettings:
+    """The stream's numbers: the plan's ``streaming`` section where it has one; else
+    (a ``plan.manual``) ``slots`` the rows of one of the rollout call's waves, and the
+    training step and the weights' copy in decode iterations of the plan's estimates:
+    one iteration is the rollout call's estimate over its ``gen_len`` iterations per
+    wave, the training step the estimates of the training side's calls
+    (:data:`DEFAULT_TRAIN_ITERS` where they are 0), the copy its reallocation's."""
+    st = getattr(plan, "streaming", None)
+    if st is not None:
+        return st.settings()
+    gen = parts.gen
+    slots = max(1, gen.mfc.n_seqs // max(1, gen.micro_batches))
+    iter_s = gen.estimate_s / max(1, gen.mfc.gen_len * gen.micro_batches)
+    train_s = sum(op.estimate_s for op in parts.train.ops if isinstance(op, Call)
+                  and op.every == 1)
+    if iter_s > 0 and train_s > 0:
+        train_iters = max(1, math.ceil(train_s / iter_s))
+        update_iters = math.ceil(parts.realloc.estimate_s / iter_s)
+    else:
+        train_iters, update_iters = DEFAULT_TRAIN_ITERS, 0
+    assert on_update in ("continue", "finish"), on_update
+    return StreamSettings(group_size=group_size, batch_groups=batch_groups, slots=slots,
+                          train_iters=train_iters, update_iters=update_iters,
+                          max_staleness=max_staleness,
+                          on_update="finish" if on_update == "finish" else "continue")

@@ -1,0 +1,60 @@
+"""Streaming runs end to end on CPU (``rollout.mode: streaming``, 1x2: GPU 0 streams the
+rollout into the buffer while GPU 1 trains): GRPO trains on samples at most
+``max_staleness`` versions old, with each token's policy version recorded, under both
+update policies; the same run twice gives the same metrics row for row (the schedule
+counts decode iterations, not seconds)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.run.conftest import experiment
+from tests.run.run_records import metrics
+from tests.run.test_async_run import ASYNC_MANUAL
+from tests.run.test_run_controller import run
+
+pytestmark = pytest.mark.cpu_dist
+
+#: metrics that depend on the wall clock (seconds), left out of the comparisons
+TIMED = ("time", "stream.generator_wait_s", "stream.trainer_wait_s",
+         "stream.generator_step_s", "step_time_s", "tokens_per_s")
+
+
+def stream_experiment(assets, tmp, on_update, **changes):
+    return experiment(assets, "tiny-grpo-async-cpu", tmp, plan__manual=ASYNC_MANUAL,
+                      rollout__mode="streaming", rollout__on_update=on_update,
+                      algorithm__max_staleness=1, algorithm__gen_len=8,
+                      sampling__temperature=1.0, **changes)
+
+
+def untimed(rows):
+    return [{k: v for k, v in row.items() if not k.startswith(TIMED)} for row in rows]
+
+
+@pytest.mark.parametrize("on_update", ["finish", "continue"])
+def test_a_streaming_run_trains_on_bounded_stale_samples_and_repeats(tiny_assets, tmp_path,
+                                                                      on_update):
+    exp = stream_experiment(tiny_assets, tmp_path, on_update, run__steps=5)
+    rows = []
+    for name in ("a", "b"):
+        r = run(exp, tmp_path / name, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows.append(metrics(tmp_path / name))
+    got = rows[0]
+    assert [row["step"] for row in got] == list(range(5))
+    for row in got:
+        assert math.isfinite(row["loss"]) and math.isfinite(row["actor.grad_norm"])
+        # every trained sample within the bound (the train call checks each row too)
+        assert 0 <= row["stream.staleness_max"] <= 1
+        assert 0 <= row["actor.staleness"] <= row["stream.staleness_max"]
+        assert row["stream.buffer_depth"] >= 0 and row["stream.dropped_stale"] >= 0
+        assert "stream.trainer_wait_s" in row and "stream.generator_wait_s" in row
+    # the generator streamed ahead of the trainer: later steps train older samples
+    assert got[0]["actor.staleness"] == 0.0
+    assert any(row["actor.staleness"] > 0 for row in got[1:])
+    if on_update == "continue":      # a sample's tokens made by two versions
+        assert any(row["stream.token_version_span"] == 2.0 for row in got)
+    else:                            # finish: one version per sample
+        assert all(row["stream.token_version_span"] == 1.0 for row in got)
+    assert untimed(rows[0]) == untimed(rows[1])
