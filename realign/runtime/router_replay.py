@@ -16,6 +16,12 @@ The forced ids are set per layer on realign's :class:`~realign.runtime.moe.MoeML
 (:func:`replaying`), which both realign's decoder and megatron's ``TransformerLayer``
 run, so one mechanism serves both forwards; the replayed top-k itself is
 :func:`realign.runtime.moe.replayed_top_k`.
+
+In a run (``rollout.routing_replay``) the rollout's experts travel in the batch as
+:data:`ROUTED_EXPERTS` [rows, seq, sparse layers, k]; the scoring and train engines
+force them per micro-batch with :func:`replaying_batch`, which lays them out as the
+forward's tokens (a pack's: :func:`packed_routing`; megatron's sequence-first layers)
+and gives each pipeline stage its own sparse layers (:func:`stage_sparse_layers`).
 """
 from __future__ import annotations
 

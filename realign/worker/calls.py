@@ -169,7 +169,7 @@ class Calls:
 
                     seqs[ROUTED_EXPERTS] = gathered_routing(
                         shard, self.vllm_engines[op.replica].routing, prompts, gen,
-                        seqs["tokens"].shape[1])
+                        max(len(q) + int(n) for q, n in zip(prompts, gen.lengths)))
         # the policy version that sampled them: a step reallocates the weights after
         # ``step`` updates; an ahead call on the trained copy itself runs after the
         # step's update

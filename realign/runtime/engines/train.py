@@ -19,6 +19,11 @@ share of the mini-batch's total weight (times the micro-batches and data-paralle
 ranks that megatron's schedule and DDP average over), so the gradient is exactly that
 of the loss's mean over the whole mini-batch: a token mean over all its tokens, a
 sequence mean over all its rows, whatever the split. Metrics are weighted by rows.
+
+A batch holding the rollout's experts (``routed_experts``: rollout routing replay,
+:mod:`realign.runtime.router_replay`) trains with them forced in every sparse layer,
+and logs ``moe.replay_mismatch``, the share of tokens whose experts in the forward
+differ from them (0 where the replay holds).
 """
 from __future__ import annotations
 
