@@ -165,8 +165,23 @@ double memory(const Problem& prob, const std::vector<i64>& assign,
     const i64 n = prob.n_gpus;
     thread_local std::vector<double> resident, transient;   // scratch, as in simulate()
     thread_local std::vector<std::array<i64, 6>> seen;      // (model, first_gpu, n_gpus, tp, pp, ep)
-    resident.assign(n, 0.0);
-    transient.assign(n, 0.0);
+    // the plan's meshes cut the cluster into runs of GPUs that hold the same calls, so
+    // the same bytes: one entry per run (run k: GPUs [cuts[k], cuts[k + 1]))
+    thread_local std::vector<i64> cuts;
+    cuts.assign({0, n});
+    for (i64 i = 0; i < prob.n_mfcs(); ++i) {
+        const Place& p = prob.cands[i][assign[i]].place;
+        cuts.push_back(p.first_gpu);
+        cuts.push_back(p.first_gpu + p.n_gpus);
+    }
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    const auto run = [&](i64 g) {
+        return static_cast<size_t>(std::lower_bound(cuts.begin(), cuts.end(), g) - cuts.begin());
+    };
+    const size_t n_runs = cuts.size() - 1;
+    resident.assign(n_runs, 0.0);
+    transient.assign(n_runs, 0.0);
     seen.clear();
     for (i64 i = 0; i < prob.n_mfcs(); ++i) {
         const Candidate& c = prob.cands[i][assign[i]];
@@ -207,30 +222,82 @@ double memory(const Problem& prob, const std::vector<i64>& assign,
             else
                 tr = tr + c.weights_bytes;
         }
-        for (i64 g = c.place.first_gpu; g < c.place.first_gpu + c.place.n_gpus; ++g) {
-            resident[g] += add_res;
-            if (tr > transient[g]) transient[g] = tr;
+        const size_t hi = run(c.place.first_gpu + c.place.n_gpus);
+        for (size_t k = run(c.place.first_gpu); k < hi; ++k) {
+            resident[k] += add_res;
+            if (tr > transient[k]) transient[k] = tr;
         }
     }
     peak_bytes.assign(n, 0.0);
-    for (i64 g = 0; g < n; ++g) peak_bytes[g] = resident[g] + transient[g];
     double over = 0.0;
-    for (i64 g = 0; g < n; ++g)
-        if (peak_bytes[g] - prob.mem_limit_bytes > over) over = peak_bytes[g] - prob.mem_limit_bytes;
+    for (size_t k = 0; k < n_runs; ++k) {
+        const double peak = resident[k] + transient[k];
+        std::fill(peak_bytes.begin() + cuts[k], peak_bytes.begin() + cuts[k + 1], peak);
+        if (peak - prob.mem_limit_bytes > over) over = peak - prob.mem_limit_bytes;
+    }
     return over;
 }
 
 namespace {
 
+// When each GPU is next free, held as runs of GPUs that are free at the same time: a
+// plan's meshes and sends cut the cluster into a few runs, so reading and setting a
+// mesh's GPUs costs the runs it spans, not its GPUs (at 1024 GPUs, most of a step's
+// time was per-GPU loops). Every GPU's time is the one a per-GPU array would hold.
+class FreeTimes {
+public:
+    // every GPU of [0, n) free at `t`
+    void reset(i64 n, double t) {
+        start_.assign(1, 0);
+        time_.assign(1, t);
+        n_ = n;
+    }
+    // the latest time a GPU of [lo, hi) is busy until, at least `t`
+    double latest(i64 lo, i64 hi, double t) const {
+        for (size_t k = run_of(lo); k < start_.size() && start_[k] < hi; ++k)
+            if (time_[k] > t) t = time_[k];
+        return t;
+    }
+    // every GPU of [lo, hi) busy until `t`
+    void set(i64 lo, i64 hi, double t) {
+        if (lo >= hi) return;
+        if (hi < n_) split_at(hi);
+        const size_t k = split_at(lo);
+        size_t e = k + 1;
+        while (e < start_.size() && start_[e] < hi) ++e;
+        start_.erase(start_.begin() + static_cast<std::ptrdiff_t>(k + 1),
+                     start_.begin() + static_cast<std::ptrdiff_t>(e));
+        time_.erase(time_.begin() + static_cast<std::ptrdiff_t>(k + 1),
+                    time_.begin() + static_cast<std::ptrdiff_t>(e));
+        time_[k] = t;
+    }
+
+private:
+    // the run that holds GPU g
+    size_t run_of(i64 g) const {
+        const auto it = std::upper_bound(start_.begin(), start_.end(), g);
+        return static_cast<size_t>(it - start_.begin()) - 1;
+    }
+    // a run starts at g (splitting the run that held it); its index
+    size_t split_at(i64 g) {
+        const size_t k = run_of(g);
+        if (start_[k] == g) return k;
+        start_.insert(start_.begin() + static_cast<std::ptrdiff_t>(k + 1), g);
+        time_.insert(time_.begin() + static_cast<std::ptrdiff_t>(k + 1), time_[k]);
+        return k + 1;
+    }
+    std::vector<i64> start_;   // run k: GPUs [start_[k], start_[k + 1]) (the last to n_)
+    std::vector<double> time_;
+    i64 n_ = 0;
+};
+
 // The latest time any GPU of [first, first + n) is busy until, at least `t`.
-double latest_free(const std::vector<double>& free, const Place& p, double t) {
-    for (i64 g = p.first_gpu; g < p.first_gpu + p.n_gpus; ++g)
-        if (free[g] > t) t = free[g];
-    return t;
+double latest_free(const FreeTimes& free, const Place& p, double t) {
+    return free.latest(p.first_gpu, p.first_gpu + p.n_gpus, t);
 }
 
-void occupy_until(std::vector<double>& free, const Place& p, double t) {
-    for (i64 g = p.first_gpu; g < p.first_gpu + p.n_gpus; ++g) free[g] = t;
+void occupy_until(FreeTimes& free, const Place& p, double t) {
+    free.set(p.first_gpu, p.first_gpu + p.n_gpus, t);
 }
 
 // planner.cost.step_spread.expected_max: Clark's E[max] of two independent normals
@@ -325,12 +392,13 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
     const i64 gpn = prob.links.gpus_per_node;
     // Scratch buffers, kept per thread from call to call: a call is a few microseconds,
     // and a dozen allocations a call were a fifth of it. Each is reset before use.
-    thread_local std::vector<double> free, prev_finish, finish, ahead_ready;
+    thread_local FreeTimes free;
+    thread_local std::vector<double> prev_finish, finish, ahead_ready;
     thread_local std::vector<Spans> holders;
     thread_local std::vector<bool> held;
     thread_local Spans lack, first, occ, merged;
     thread_local std::vector<i64> order, ahead;
-    free.assign(prob.n_gpus, 0.0);
+    free.reset(prob.n_gpus, 0.0);
     prev_finish.assign(n_mfc, 0.0);
     finish.assign(n_mfc, 0.0);
     holders.resize(n_keys);
@@ -373,11 +441,9 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
         const double dur = (inter ? prob.key_send_inter_s[key] : prob.key_send_intra_s[key]) /
                            static_cast<double>(prob.mfc_every[i]);
         double s_start = 0.0;
-        for (const auto& [a, b] : occ)
-            for (i64 g = a; g < b; ++g)
-                if (free[g] > s_start) s_start = free[g];
+        for (const auto& [a, b] : occ) s_start = free.latest(a, b, s_start);
         const double s_end = s_start + dur;
-        for (const auto& [a, b] : occ) std::fill(free.begin() + a, free.begin() + b, s_end);
+        for (const auto& [a, b] : occ) free.set(a, b, s_end);
         if (prob.mfc_every[i] == 1) {
             span_union(have, lack, merged);
             holders[key].swap(merged);
@@ -386,7 +452,7 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
     };
     for (i64 it = 0; it < prob.n_iters; ++it) {
         makespan += prob.step_overhead_s;                // between steps: controller, batches
-        std::fill(free.begin(), free.end(), makespan);  // the step barrier
+        free.reset(prob.n_gpus, makespan);              // the step barrier
         std::fill(finish.begin(), finish.end(), 0.0);
         std::fill(held.begin(), held.end(), false);
         std::fill(ahead_ready.begin(), ahead_ready.end(), 0.0);
