@@ -10,15 +10,17 @@ price it; it only adds the key it writes). One builder per algorithm lives in
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.errors import PlanError
 from planner.graph.lengths import GenLengths
 from planner.graph.sampling_rounds import MAX_SAMPLING_ROUNDS
 from planner.graph.turns import Turns
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 Kind = Literal["generate", "inference", "train"]
 #: what a call is for: ``step``, the training step (its rollout, scoring and training);
@@ -194,11 +196,11 @@ class DataflowGraph(BaseModel):
             if m.name in ahead and any(producers.get(k) for k in m.input_keys):
                 raise PlanError(f"{m.name} runs ahead of training, so it may read only the "
                                 "dataset", field="graph")
-        g = self.to_networkx()
-        if not nx.is_directed_acyclic_graph(g):
+        edges = self.edges()
+        if _has_cycle(names, edges):
             raise PlanError("the dataflow graph has a cycle", field="graph")
         order = {n: i for i, n in enumerate(names)}
-        for a, b in g.edges:
+        for a, b in sorted(edges, key=lambda e: order[e[0]]):      # by producer
             if order[a] > order[b]:
                 raise PlanError(f"MFCs must be listed in dataflow order: {a} feeds {b}",
                                 field="graph")
@@ -235,27 +237,32 @@ class DataflowGraph(BaseModel):
     def mfc(self, name: str) -> MFC:
         return next(m for m in self.mfcs if m.name == name)
 
-    def to_networkx(self) -> nx.DiGraph:
-        """Nodes are MFC names; an edge a->b carries the keys b reads from a."""
-        g = nx.DiGraph()
+    def edges(self) -> dict[tuple[str, str], list[str]]:
+        """(a, b) -> the keys MFC b reads from MFC a, in the order b reads them."""
         prod = self.producer_of()
-        for m in self.mfcs:
-            g.add_node(m.name)
+        out: dict[tuple[str, str], list[str]] = {}
         for m in self.mfcs:
             for k in m.input_keys:
                 if k in prod:
-                    src = prod[k]
-                    if g.has_edge(src, m.name):
-                        g.edges[src, m.name]["keys"].append(k)
-                    else:
-                        g.add_edge(src, m.name, keys=[k])
+                    out.setdefault((prod[k], m.name), []).append(k)
+        return out
+
+    def to_networkx(self) -> nx.DiGraph:
+        """Nodes are MFC names; an edge a->b carries the keys b reads from a."""
+        # imported here: a worker validates its run's graph (edges()) without networkx
+        import networkx as nx
+
+        g = nx.DiGraph()
+        g.add_nodes_from(m.name for m in self.mfcs)
+        for (a, b), keys in self.edges().items():
+            g.add_edge(a, b, keys=keys)
         return g
 
     def deps(self) -> list[list[int]]:
         """For each MFC (by index), the indices of the MFCs it reads from."""
         idx = {m.name: i for i, m in enumerate(self.mfcs)}
-        g = self.to_networkx()
-        return [sorted(idx[p] for p in g.predecessors(m.name)) for m in self.mfcs]
+        edges = self.edges()
+        return [sorted(idx[a] for a, b in edges if b == m.name) for m in self.mfcs]
 
     def roles(self) -> list[str]:
         seen: list[str] = []
@@ -266,3 +273,24 @@ class DataflowGraph(BaseModel):
 
     def trainable_roles(self) -> set[str]:
         return {m.role for m in self.mfcs if m.kind == "train"}
+
+
+def _has_cycle(nodes: list[str], edges: dict[tuple[str, str], list[str]]) -> bool:
+    """Whether the directed graph of ``nodes`` and ``edges`` has a cycle (a self-loop
+    counts): Kahn's order reaches every node exactly when there is none.
+
+    Example: a->b, b->c: no cycle; a->b, b->a: a cycle."""
+    indegree = dict.fromkeys(nodes, 0)
+    for _, b in edges:
+        indegree[b] += 1
+    ready = [n for n in nodes if indegree[n] == 0]
+    reached = 0
+    while ready:
+        n = ready.pop()
+        reached += 1
+        for a, b in edges:
+            if a == n:
+                indegree[b] -= 1
+                if indegree[b] == 0:
+                    ready.append(b)
+    return reached < len(nodes)

@@ -224,6 +224,26 @@ def test_cycles_are_rejected():
     assert e.value.field == "graph"
 
 
+def test_a_call_reading_its_own_output_and_longer_cycles_are_rejected():
+    for mfcs in ((call("a.x", ("d", "k1"), ("k1",)),),
+                 (call("a.x", ("k3",), ("k1",)), call("b.x", ("k1",), ("k2",)),
+                  call("c.x", ("k2",), ("k3",)))):
+        with pytest.raises(PlanError, match="has a cycle"):
+            DataflowGraph(algorithm="custom", mfcs=mfcs)
+
+
+def test_edges_are_networkxs():
+    for name, spec in ALGORITHMS.items():
+        roles = set(spec.required_roles) | set(spec.optional_roles)
+        g = build_graph(name, SHAPE, roles - ({"reward"} if name in ("dpo", "sft") else set()))
+        nxg = g.to_networkx()
+        assert list(nxg.nodes) == [m.name for m in g.mfcs]
+        assert {e: nxg.edges[e]["keys"] for e in nxg.edges} == g.edges()
+        names = [m.name for m in g.mfcs]
+        assert g.deps() == [sorted(names.index(p) for p in nxg.predecessors(n))
+                            for n in names]
+
+
 def test_mfcs_out_of_dataflow_order_are_rejected():
     with pytest.raises(PlanError, match="dataflow order: a.x feeds b.x") as e:
         DataflowGraph(algorithm="custom", mfcs=(call("b.x", ("k1",), ("k2",)),
