@@ -88,9 +88,11 @@ def stream_parts(program: Program) -> StreamParts:
                 return False
         return True
     ops = tuple(op for op in program.ops if kept(op))
-    for op in ops:
+    # calls first: a reallocation or send on the generator's GPU serves one of them
+    for op in sorted(ops, key=lambda op: not isinstance(op, Call)):
         if gen_ranks & set(op.ranks):
-            name = op.name if isinstance(op, Call) else type(op).__name__
+            name = (op.name if isinstance(op, Call) else op.to_mfc if isinstance(op, Realloc)
+                    else type(op).__name__.lower())
             raise UserError(f"{name} runs on GPU {sorted(gen_ranks & set(op.ranks))[0]}, the "
                             f"generator's; rollout.mode: streaming keeps every call other "
                             f"than {gen.name} on the training side's GPUs",
@@ -113,9 +115,8 @@ def stream_settings(plan: ExecutionPlan, parts: StreamParts, group_size: int,
     one iteration is the rollout call's estimate over its ``gen_len`` iterations per
     wave, the training step the estimates of the training side's calls
     (:data:`DEFAULT_TRAIN_ITERS` where they are 0), the copy its reallocation's."""
-    st = getattr(plan, "streaming", None)
-    if st is not None:
-        return st.settings()
+    if plan.streaming is not None:
+        return plan.streaming.settings()
     gen = parts.gen
     slots = max(1, gen.mfc.n_seqs // max(1, gen.micro_batches))
     iter_s = gen.estimate_s / max(1, gen.mfc.gen_len * gen.micro_batches)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 from realign.data.datasets import Dataset, PromptExample
 from realign.data.sampler import PromptSampler
 from realign.data.step_batch import prompts_record
+from realign.run.program import Call
 from realign.run.stream_parts import stream_parts, stream_settings
 from realign.runtime.settings import SamplingParams
 from realign.worker.records import Record
@@ -53,7 +54,7 @@ class StreamSide:
         shape = a.shape()
         group_size = parts.gen.mfc.n_seqs // shape.prompts_generated
         train = next(op for op in parts.train.ops
-                     if getattr(op, "kind", None) == "train" and getattr(op, "role", "") == "actor")
+                     if isinstance(op, Call) and op.kind == "train" and op.role == "actor")
         settings = stream_settings(spec.plan, parts, group_size,
                                    train.mfc.n_seqs // group_size, a.max_staleness,
                                    cfg.rollout.on_update)
@@ -86,9 +87,9 @@ class StreamSide:
         s = self.session
         return self.trainer.step(step, s.dataset_record(step), s.evaluates_at(step))
 
-    def state(self) -> dict[str, Any] | None:
-        return self.generator.state() if self.generator is not None else None
+    def state(self) -> dict[str, Any]:
+        return self.generator.state() if self.generator is not None else {}
 
     def load(self, st: dict[str, Any] | None) -> None:
-        if self.generator is not None and st is not None:
+        if self.generator is not None and st:
             self.generator.load(st)

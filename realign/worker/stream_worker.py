@@ -124,7 +124,9 @@ class StreamGenerator:
         gid = sample // self.settings.group_size
         if gid not in self.prompt_cache:
             rec = self.prompts_of([gid])
-            self.prompt_cache = {gid: rec["tokens"][0, :int(rec["lengths"][0])].tolist()}
+            tokens, lengths = rec["tokens"], rec["lengths"]
+            assert isinstance(tokens, torch.Tensor) and isinstance(lengths, torch.Tensor)
+            self.prompt_cache = {gid: tokens[0, :int(lengths[0])].tolist()}
         return self.prompt_cache[gid]
 
     def _update(self) -> float:
@@ -201,7 +203,7 @@ class StreamGenerator:
         """The schedule (buffer and slots), the samples in flight and those ended but
         not yet trained, the batches taken and not yet sent (plain values)."""
         return {"schedule": self.schedule.state(),
-                "in_flight": [q.state() for q in self.decoder.in_flight()],
+                "decoder": self.decoder.state(),
                 "ended": [q.state() for q in self.ended.values()],
                 "taken": {str(k): [r.step, r.take_iter, list(r.group_ids), r.metrics]
                           for k, r in self.taken.items()},
@@ -211,8 +213,7 @@ class StreamGenerator:
         n = len(self.schedule.lengths)
         self.schedule = StreamSchedule.from_state(self.settings, [self.sampling.max_new_tokens] * n,
                                                   st["schedule"])
-        for q in st["in_flight"]:
-            self.decoder.admit(StreamedSample.from_state(q))
+        self.decoder.load(st["decoder"])
         self.ended = {int(q[0]): StreamedSample.from_state(q) for q in st["ended"]}
         self.taken = {int(k): StepRecord(a, b, tuple(c), d) for k, (a, b, c, d)
                       in st["taken"].items()}

@@ -8,9 +8,11 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-from tests.run.conftest import experiment
-from tests.run.run_records import metrics
+from realign.run.checkpoint import committed
+from tests.run.conftest import experiment, kill_after
+from tests.run.run_records import final_weights, metrics
 from tests.run.test_async_run import ASYNC_MANUAL
 from tests.run.test_run_controller import run
 
@@ -21,8 +23,14 @@ TIMED = ("time", "stream.generator_wait_s", "stream.trainer_wait_s",
          "stream.generator_step_s", "step_time_s", "tokens_per_s")
 
 
+#: the generator's slots a quarter of a step's samples (its call's 4 waves), so samples
+#: begin while others decode and an update meets sequences in flight
+STREAM_MANUAL = {**ASYNC_MANUAL,
+                 "actor.generate": {**ASYNC_MANUAL["actor.generate"], "micro_batches": 4}}
+
+
 def stream_experiment(assets, tmp, on_update, **changes):
-    return experiment(assets, "tiny-grpo-async-cpu", tmp, plan__manual=ASYNC_MANUAL,
+    return experiment(assets, "tiny-grpo-async-cpu", tmp, plan__manual=STREAM_MANUAL,
                       rollout__mode="streaming", rollout__on_update=on_update,
                       algorithm__max_staleness=1, algorithm__gen_len=8,
                       sampling__temperature=1.0, **changes)
@@ -58,3 +66,39 @@ def test_a_streaming_run_trains_on_bounded_stale_samples_and_repeats(tiny_assets
     else:                            # finish: one version per sample
         assert all(row["stream.token_version_span"] == 1.0 for row in got)
     assert untimed(rows[0]) == untimed(rows[1])
+
+
+@pytest.mark.slow
+def test_a_killed_streaming_run_resumes_as_if_uninterrupted(tiny_assets, tmp_path):
+    """kill -9 some steps in, resume from the newest checkpoint: the buffer, the
+    sequences in flight (their cache included) and the schedule come back, so the
+    same samples are trained and the final weights are bit for bit the same."""
+    exp = stream_experiment(tiny_assets, tmp_path, "continue", run__steps=10,
+                            run__checkpoint_interval=2)
+    whole = tmp_path / "whole"
+    r = run(exp, whole, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cut = tmp_path / "cut"
+    kill_after(exp, cut, 3)
+    found = committed(cut)
+    assert found, "no committed checkpoint before the kill"
+    done, newest = found[-1]
+    assert 2 <= done < 10, found
+    state = torch.load(newest / "rank0.pt", weights_only=False)
+    assert state["stream"]["decoder"]["slots"], "the generator's state is saved"
+    r = run(exp, cut, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from" in r.stdout, r.stdout
+    a, b = final_weights(whole), final_weights(cut)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert untimed(metrics(whole)) == untimed(metrics(cut))
+
+
+def test_a_call_on_the_generators_gpu_is_refused_before_any_worker(tiny_assets, tmp_path):
+    on_gpu0 = {"mesh": {"first_gpu": 0, "n_gpus": 1}, "layout": {"tp": 1, "pp": 1, "dp": 1}}
+    exp = experiment(tiny_assets, "tiny-grpo-async-cpu", tmp_path, rollout__mode="streaming",
+                     plan__manual={**ASYNC_MANUAL, "actor.prox_inference": on_gpu0})
+    r = run(exp, tmp_path / "run")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "plan.manual.actor.prox_inference.mesh" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

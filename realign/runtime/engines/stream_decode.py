@@ -24,6 +24,7 @@ compute the same logits).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -72,8 +73,9 @@ class StreamDecoder:
         return sum(s is not None for s in self.slot)
 
     def admit(self, sample: StreamedSample) -> None:
-        """``sample`` takes the first free slot (prefilled at the next iteration; one
-        restored from a checkpoint with tokens is recomputed there)."""
+        """``sample`` (no tokens yet) takes the first free slot; prefilled at the next
+        iteration."""
+        assert not sample.tokens, "a sample in flight comes back with load()"
         if len(sample.prompt) > self.max_prompt_len:
             raise ValueError(f"a prompt of {len(sample.prompt)} tokens is longer than "
                              f"the stream's {self.max_prompt_len}")
@@ -92,11 +94,7 @@ class StreamDecoder:
 
     def iterate(self, version: int) -> list[StreamedSample]:
         """One iteration (module docs); the samples that ended, their slots freed."""
-        new = [s for s in self.fresh if not self._at(s).tokens]
-        resumed = [s for s in self.fresh if s not in new]
-        self.fresh = []
-        if resumed:                 # restored with tokens: their cache from those tokens
-            self._prefill(resumed, [self._seq(s)[:-1] for s in resumed])
+        new, self.fresh = self.fresh, []
         going = [s for s, x in enumerate(self.slot) if x is not None and s not in new]
         chosen: dict[int, tuple[int, float]] = {}
         if new:
@@ -126,6 +124,24 @@ class StreamDecoder:
     def in_flight(self) -> list[StreamedSample]:
         """The samples in the slots, by slot."""
         return [x for x in self.slot if x is not None]
+
+    # ---- checkpoints -----------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """The slots (their samples, by slot), those admitted and not yet prefilled, and
+        the cache itself, so a resumed stream continues bit for bit (a cache rebuilt
+        from the tokens would round differently from the one built step by step)."""
+        return {"slots": [None if q is None else q.state() for q in self.slot],
+                "fresh": list(self.fresh),
+                "k": [t.cpu().clone() for t in self.dec.k],
+                "v": [t.cpu().clone() for t in self.dec.v]}
+
+    def load(self, st: dict[str, Any]) -> None:
+        """Back to :meth:`state` (a decoder of the same slots and lengths)."""
+        assert len(st["slots"]) == len(self.slot), "a stream of other slots"
+        self.slot = [None if q is None else StreamedSample.from_state(q) for q in st["slots"]]
+        self.fresh = list(st["fresh"])
+        for mine, saved in zip(self.dec.k + self.dec.v, st["k"] + st["v"]):
+            mine.copy_(saved)
 
     # ---- helpers ---------------------------------------------------------------------
     def _at(self, s: int) -> StreamedSample:
