@@ -4,9 +4,10 @@ buffer, :mod:`planner.graph.streaming`): a validator of the experiment schema
 builds), so before anything is planned or started.
 
 Every combination the streaming schedule does not cover is named with its field; the
-others are planned (``realign plan``: ``plan.streaming``). Running the mode is refused
-while a run is prepared (:mod:`realign.run.streaming_check`), since no runtime executes
-its schedule yet. A refused combination exits 2 before any worker starts.
+others are planned (``realign plan``: ``plan.streaming``) and run
+(:mod:`realign.worker.stream_worker`; what the runtime refuses beyond these, once the
+plan is made: :mod:`realign.run.streaming_check`). A refused combination exits 2 before
+any worker starts.
 """
 from __future__ import annotations
 

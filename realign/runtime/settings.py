@@ -134,8 +134,8 @@ class Rollout(MultiTurn):
         "step", description="How generation meets training: 'step' (each step generates "
         "its rollout, or the next step's one step ahead with algorithm.max_staleness >= 1) "
         "or 'streaming' (a generator decoding continuously on its own GPUs into a rollout "
-        "buffer, samples up to algorithm.max_staleness versions old; docs/async.md: its "
-        "schedule is defined and simulated, realign plan and run refuse it, exit 2).")
+        "buffer, samples up to algorithm.max_staleness versions old; docs/async.md says "
+        "what it runs and refuses).")
     on_update: Literal["continue", "finish"] = Field(
         "continue", description="rollout.mode streaming: when new weights reach the "
         "generator, the sequences in flight 'continue' under them (each token keeps the "
