@@ -106,6 +106,11 @@ def modes_lines(plan: ExecutionPlan) -> list[str]:
     ss = stream_speedup(plan)
     if ss is not None:
         out.append(f"  streaming speed-up: {ss:.2f}x over synchronous (estimated)")
+    fits = [m for m in plan.modes if m.iteration_time_s is not None]
+    fastest = min(fits, key=lambda m: m.iteration_time_s or 0.0, default=None)
+    if fastest is not None and not fastest.chosen and plan.streaming is not None:
+        out.append(f"  the {fastest.mode} plan is estimated faster; rollout.mode: step "
+                   "runs it")
     st = plan.streaming
     if st is not None:
         out.append(f"  stream: {st.slots} slots, staleness bound {st.max_staleness}, buffer "

@@ -1,7 +1,8 @@
 """The execution modes side by side: the best synchronous, one-step-ahead and streaming
 plans of one experiment, summarised as :class:`~planner.plan.ModeResult` rows, and the
-fastest chosen (the earlier mode on a tie: synchronous before asynchronous before
-streaming)."""
+one that runs: the mode the experiment asks for where it asks for one (``rollout.mode:
+streaming``), else the fastest (the earlier mode on a tie: synchronous before
+asynchronous)."""
 from __future__ import annotations
 
 from planner.plan import ExecutionPlan, ModeResult
@@ -43,14 +44,18 @@ def mode_result(mode: str, plan: ExecutionPlan | None, chosen: bool) -> ModeResu
                       train_idle_share=_share(train_side_s(plan), plan.iteration_time_s))
 
 
-def choose_mode(plans: dict[str, ExecutionPlan | None]) -> ExecutionPlan:
-    """The fastest of ``plans`` (mode -> its best plan, None where none fits; at least
-    one is a plan), listing every mode given."""
+def choose_mode(plans: dict[str, ExecutionPlan | None], run: str | None = None
+                ) -> ExecutionPlan:
+    """The plan of mode ``run`` where given (the experiment asks for it: a streaming
+    experiment runs its stream, however the others compare), else the fastest of
+    ``plans`` (mode -> its best plan, None where none fits; at least one is a plan),
+    listing every mode given."""
     given = [m for m in MODES if m in plans]
     fits = [m for m in given if plans[m] is not None]
-    assert fits, "no mode has a plan"
-    best = min(fits, key=lambda m: (plans[m].iteration_time_s,  # type: ignore[union-attr]
-                                    given.index(m)))
+    assert fits and (run is None or run in fits), (fits, run)
+    best = run if run is not None else min(
+        fits, key=lambda m: (plans[m].iteration_time_s,  # type: ignore[union-attr]
+                             given.index(m)))
     chosen = plans[best]
     assert chosen is not None
     rows = tuple(mode_result(m, plans[m], m == best) for m in given)

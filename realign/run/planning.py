@@ -257,13 +257,19 @@ def load_profile(cfg: ExperimentConfig) -> ProfileTable | None:
 def plan_experiment(cfg: ExperimentConfig, overrides: dict[str, Any] | None = None) -> ExecutionPlan:
     """Search the execution plan of an experiment (``overrides``: search settings).
     With ``algorithm.max_staleness`` >= 1 both modes are searched (each with half of
-    ``plan.time_limit_s``), with ``rollout.mode: streaming`` the streaming one too (from
-    the asynchronous mode's split plans), and the fastest estimate wins (the synchronous
-    on a tie); the plan lists them (:attr:`~planner.plan.ExecutionPlan.modes`)."""
+    ``plan.time_limit_s``) and the faster estimate wins (the synchronous on a tie); with
+    ``rollout.mode: streaming`` the streaming one too (from the asynchronous mode's
+    split plans), and it is the one that runs; the plan lists them
+    (:attr:`~planner.plan.ExecutionPlan.modes`)."""
     if not allows_async(cfg):
         return plan_mode(cfg, False, overrides)
-    if cfg.rollout.mode == "streaming":
-        return choose_mode(searched_modes(cfg, MODES, overrides)[0])
+    if cfg.rollout.mode == "streaming":         # the stream runs; the others compared
+        plans, why = searched_modes(cfg, MODES, overrides)
+        if plans["streaming"] is None:
+            raise InfeasibleError(f"no streaming plan fits ({why}); rollout.mode: step "
+                                  "runs the synchronous or one-step-ahead plan",
+                                  field="rollout.mode")
+        return choose_mode(plans, run="streaming")
     sync, asyn, _why = both_modes(cfg, overrides)
     return compare_modes(sync, asyn)
 

@@ -100,6 +100,10 @@ def test_the_modes_side_by_side_choose_the_fastest(ahead):
     text = "\n".join(modes_lines(plan))
     assert "split gen+train GPUs" in text and "streaming (chosen)" in text
     assert "staleness bound" in text
+    # an experiment that asks for a mode runs it, and the table says which is faster
+    asked = choose_mode({"asynchronous": asyn, "streaming": stream}, run="asynchronous")
+    assert asked is not plan and asked.streaming is None
+    assert [m.chosen for m in asked.modes] == [True, False]
 
 
 def test_a_streaming_plan_round_trips_through_json_and_is_checked(ahead):
