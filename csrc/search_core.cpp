@@ -124,7 +124,8 @@ void Problem::index_places() {
 
 // ---- planner.search.simulator.ReallocCache ----------------------------------------------
 
-ReallocCache::ReallocCache(const Problem& prob) : prob_(prob), tables_(prob.cands.size()) {}
+ReallocCache::ReallocCache(const Problem& prob)
+    : prob_(prob), tables_(prob.cands.size()), shapes_(prob.cands.size()) {}
 
 ReallocCost ReallocCache::get(i64 model, i64 train_mfc, i64 src, i64 mfc, i64 dst) {
     auto& table = tables_[mfc];
@@ -133,9 +134,19 @@ ReallocCost ReallocCache::get(i64 model, i64 train_mfc, i64 src, i64 mfc, i64 ds
                     static_cast<u64>(prob_.place_id[mfc][dst]);
     auto hit = table.find(key);
     if (hit != table.end()) return hit->second;
-    const ReallocCost cost = realloc_time(prob_.realloc_models[model],
-                                          prob_.cands[train_mfc][src].place,
-                                          prob_.cands[mfc][dst].place, prob_.links);
+    Place a = prob_.cands[train_mfc][src].place, b = prob_.cands[mfc][dst].place;
+    const i64 gpn = prob_.links.gpus_per_node;
+    const i64 down = std::min(a.first_gpu, b.first_gpu) / gpn * gpn;
+    a.first_gpu -= down;
+    b.first_gpu -= down;
+    const Shape shape{a.first_gpu, a.n_gpus, a.tp, a.pp, a.ep,
+                      b.first_gpu, b.n_gpus, b.tp, b.pp, b.ep};
+    auto& shapes = shapes_[mfc];
+    auto same = shapes.find(shape);
+    const ReallocCost cost = same != shapes.end()
+        ? same->second
+        : shapes.emplace(shape, realloc_time(prob_.realloc_models[model], a, b, prob_.links))
+              .first->second;
     table.emplace(key, cost);
     return cost;
 }

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <unordered_map>
@@ -132,7 +133,11 @@ ReallocCost realloc_time(const ReallocModel& m, const Place& src, const Place& d
 // planner.search.simulator.ReallocCache: memoised realloc_time keyed by
 // (model, source placement, destination placement): candidates that differ only in
 // micro-batches or offload share one entry. The model is fixed by the MFC, so there is
-// one table per MFC keyed by (source placement, destination placement).
+// one table per MFC keyed by (source placement, destination placement). Behind it, one
+// per MFC keyed by the two placements moved down together by whole nodes (the lower
+// first GPU to node 0): realloc_time reads GPU numbers only through their node and their
+// distance from the meshes' first GPUs, so such a pair costs exactly the same, and a
+// pair of meshes is priced once however far along the cluster it lies.
 class ReallocCache {
 public:
     explicit ReallocCache(const Problem& prob);
@@ -141,6 +146,16 @@ public:
 private:
     const Problem& prob_;
     std::vector<std::unordered_map<u64, ReallocCost>> tables_;  // per MFC
+    // (src first, n, tp, pp, ep, dst first, n, tp, pp, ep) moved down by whole nodes
+    using Shape = std::array<i64, 10>;
+    struct ShapeHash {
+        std::size_t operator()(const Shape& k) const {
+            u64 h = 1469598103934665603ULL;
+            for (i64 v : k) h = (h ^ static_cast<u64>(v)) * 1099511628211ULL;
+            return static_cast<std::size_t>(h);
+        }
+    };
+    std::vector<std::unordered_map<Shape, ReallocCost, ShapeHash>> shapes_;  // per MFC
 };
 
 // ---- simulator (planner/search/simulator.py) --------------------------------------------
