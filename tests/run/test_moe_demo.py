@@ -66,6 +66,8 @@ def test_the_moe_demo_first_steps_run(moe_assets, tmp_path):
         plan = json.loads((tmp_path / stage / "plan.json").read_text())
         assert {a["mfc"] for a in plan["allocations"]} >= {"actor.train", "actor.eval_greedy"}
         assert all(a["mesh"]["n_gpus"] <= 2 for a in plan["allocations"])
+        # GRPO ran its calls at DP2·EP2 (plan.manual), SFT at the search's EP 1
+        assert {a["layout"]["ep"] for a in plan["allocations"]} == {2 if stage == "grpo" else 1}
     assert metrics(tmp_path / "sft")[0]["eval.greedy_accuracy"] <= 0.1     # random: near 0
     assert 0.0 <= metrics(tmp_path / "grpo")[0]["reward_mean"] <= 1.0
     # GRPO started from SFT's weights, not make-tiny's
@@ -89,3 +91,27 @@ def test_the_moe_demo_plans(moe_assets, tmp_path, name, capsys):
     for m in s["mfcs"]:
         assert m["tp"] * m["pp"] * m["dp"] == m["n_gpus"] <= 2
 
+
+
+@pytest.mark.pure
+def test_the_moe_grpo_stage_runs_every_call_at_dp2_ep2(moe_assets, tmp_path):
+    """The plan ``realign run`` executes for the GRPO stage as shipped: its
+    ``plan.manual`` places every call of the graph at DP2·EP2 on the two CPU workers,
+    each holding half the experts (less expert memory a worker than at EP 1)."""
+    from realign.run.loading import load_experiment
+    from realign.run.planning import resolve_models, resolve_plan
+
+    exp = experiment(moe_assets, "demo-moe-grpo", tmp_path, models__actor="tiny/moe_actor")
+    cfg = load_experiment(exp)
+    models = resolve_models(cfg)
+    plan = resolve_plan(cfg, models)
+    assert {a.mfc for a in plan.allocations} == {
+        "actor.generate", "actor.train", "actor.eval_greedy", "actor.eval_sample"}
+    for a in plan.allocations:
+        assert (a.mesh.first_gpu, a.mesh.n_gpus) == (0, 2), a
+        assert (a.layout.tp, a.layout.pp, a.layout.dp, a.layout.ep) == (1, 1, 2, 2), a
+    ep1 = {k: v.model_copy(update={"layout": v.layout.model_copy(update={"ep": 1})})
+           for k, v in (cfg.plan.manual or {}).items()}
+    plan1 = resolve_plan(cfg.model_copy(update={"plan": cfg.plan.model_copy(
+        update={"manual": ep1})}), models)
+    assert max(plan.peak_mem_bytes) < max(plan1.peak_mem_bytes)
