@@ -1,8 +1,9 @@
 """Streaming runs end to end on CPU (``rollout.mode: streaming``, 1x2: GPU 0 streams the
 rollout into the buffer while GPU 1 trains): GRPO trains on samples at most
 ``max_staleness`` versions old, with each token's policy version recorded, under both
-update policies; the same run twice gives the same metrics row for row (the schedule
-counts decode iterations, not seconds)."""
+update policies, and PPO with a critic; the same run twice gives the same metrics row
+for row (the schedule counts decode iterations, not seconds), a killed run resumes
+bit for bit, a dead side fails the run naming its worker."""
 from __future__ import annotations
 
 import math
@@ -102,3 +103,35 @@ def test_a_call_on_the_generators_gpu_is_refused_before_any_worker(tiny_assets, 
     assert r.returncode == 2, r.stderr[-3000:]
     assert "plan.manual.actor.prox_inference.mesh" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["generator", "trainer"])
+def test_a_dead_side_fails_the_run_within_seconds_naming_it(tiny_assets, tmp_path, victim):
+    from tests.run.test_run_controller import kill_a_worker
+
+    exp = stream_experiment(tiny_assets, tmp_path, "continue", run__steps=400)
+    code, err, seconds = kill_a_worker(exp, tmp_path / "run", victim)
+    assert seconds < 30
+    assert code == 1
+    assert "failed" in err and f"worker {victim}" in err, err[-2000:]
+
+
+#: PPO's calls other than the rollout on GPU 1
+PPO_MANUAL = {name: ASYNC_MANUAL["actor.train"] for name in (
+    "ref.inference", "reward.inference", "critic.inference", "actor.prox_inference",
+    "actor.train", "critic.train")} | {"actor.generate": STREAM_MANUAL["actor.generate"]}
+
+
+def test_ppo_with_a_critic_streams(tiny_assets, tmp_path):
+    """The training side runs whatever the step's other calls are: the reference, the
+    reward model and the critic score each streamed batch, actor and critic train."""
+    exp = experiment(tiny_assets, "tiny-ppo-cpu", tmp_path, plan__manual=PPO_MANUAL,
+                     rollout__mode="streaming", algorithm__max_staleness=1, run__steps=4)
+    r = run(exp, tmp_path / "run", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = metrics(tmp_path / "run")
+    assert [row["step"] for row in got] == list(range(4))
+    for row in got:
+        assert math.isfinite(row["actor.loss"]) and math.isfinite(row["critic.loss"])
+        assert row["stream.staleness_max"] <= 1
+    assert any(row["actor.staleness"] > 0 for row in got[1:])
