@@ -21,9 +21,11 @@ The generator's slots are the rollout call's rows decoding at once over its
 data-parallel ranks, one pool. Then the schedule (:mod:`planner.graph.streaming`) is
 simulated over lengths drawn from the rollout call's distribution (``plan.lengths_from``
 or ``algorithm.gen_len_*``; seeded by the search seed) for each staleness bound
-``1 .. algorithm.max_staleness`` (the buffer holding ``k + 1`` batches), and the
-fastest step wins, a larger bound only where it is :data:`STALENESS_GAIN` faster. The
-best split is the one whose best bound streams the fastest. The one-step-ahead mode is
+``1 .. algorithm.max_staleness`` (the buffer holding ``k + 1`` batches); of the streams
+within :data:`STALENESS_GAIN` of the fastest, the one dropping the fewest groups, then
+the least stale, wins. The best split is the one whose best bound streams the fastest;
+for it, every smaller buffer of whole batches is simulated too (a trainer-bound stream
+with a buffer of one batch drops nothing where a larger one lets groups go stale). The one-step-ahead mode is
 read from the same split plans (:func:`search_ahead`), so streaming costs the search no
 second pass. Each side's layouts are the ones the one-step search chose for its split:
 the stream prices them, it does not search the sides again.
@@ -55,9 +57,9 @@ from planner.specs.streaming_plan import StreamingPlan
 
 #: training steps averaged for a steady state (after the buffer has filled)
 STEADY_STEPS = 16
-#: a larger staleness bound is kept only where it streams this much faster (less is
-#: within the simulation's spread over its drawn lengths, and staler samples cost
-#: learning what the estimate does not show)
+#: streams within this share of the fastest count as equally fast (the simulation's
+#: spread over its drawn lengths): of those, the fewest dropped groups, then the least
+#: stale bound, then the smallest buffer win (:func:`pick_stream`)
 STALENESS_GAIN = 0.01
 
 
@@ -123,37 +125,51 @@ def price_sides(plan: ExecutionPlan, split: int) -> Sides:
                  update_iters=math.ceil(update_s / iter_s))
 
 
-def stream_plan(plan: ExecutionPlan, sides: Sides, group_size: int, max_staleness: int,
-                on_update: OnUpdate, seed: int) -> StreamingPlan:
-    """The best staleness bound of one split, simulated (the module docs)."""
+def stream_candidate(plan: ExecutionPlan, sides: Sides, group_size: int, k: int,
+                     capacity_batches: int, on_update: OnUpdate, seed: int) -> StreamingPlan:
+    """One split's stream under staleness bound ``k`` with a buffer of
+    ``capacity_batches`` batches (the groups decoding included), simulated."""
     first = rollout_calls(plan.graph)[0]
     if first.n_seqs % group_size:
         raise InfeasibleError(f"{first.n_seqs} rollouts a step do not split into groups of "
                               f"{group_size}", field="algorithm.samples_per_prompt")
     batch_groups = first.n_seqs // group_size
-    best: tuple[float, int, StreamingPlan] | None = None
-    for k in range(1, max_staleness + 1):
-        s = StreamSettings(group_size=group_size, batch_groups=batch_groups,
-                           slots=sides.slots, train_iters=sides.train_iters,
-                           update_iters=sides.update_iters, max_staleness=k,
-                           on_update=on_update, capacity_groups=(k + 1) * batch_groups)
-        lengths = draw_stream_lengths(first.lengths, first.gen_len,
-                                      lengths_needed(s, STEADY_STEPS), seed)
-        q, f = sim_scale(s, first.gen_len)
-        est = steady_stream(s, lengths, STEADY_STEPS, q, f)
-        step_s = est.iters_per_step * sides.iter_s
-        cand = StreamingPlan(
-            gen_gpus=sides.gen_gpus, train_gpus=sides.train_gpus, group_size=group_size,
-            batch_groups=batch_groups, slots=sides.slots, train_iters=sides.train_iters,
-            update_iters=sides.update_iters, max_staleness=k, on_update=on_update,
-            capacity_groups=s.capacity(), iter_s=sides.iter_s, step_s=step_s,
-            samples_per_s=first.n_seqs / step_s, staleness_mean=est.staleness_mean,
-            gen_idle_share=est.gen_idle_share, train_idle_share=est.train_idle_share,
-            dropped_share=est.dropped_share)
-        if best is None or step_s < best[0] * (1 - STALENESS_GAIN):
-            best = (step_s, k, cand)
-    assert best is not None
-    return best[2]
+    s = StreamSettings(group_size=group_size, batch_groups=batch_groups, slots=sides.slots,
+                       train_iters=sides.train_iters, update_iters=sides.update_iters,
+                       max_staleness=k, on_update=on_update,
+                       capacity_groups=capacity_batches * batch_groups)
+    lengths = draw_stream_lengths(first.lengths, first.gen_len,
+                                  lengths_needed(s, STEADY_STEPS), seed)
+    q, f = sim_scale(s, first.gen_len)
+    est = steady_stream(s, lengths, STEADY_STEPS, q, f)
+    step_s = est.iters_per_step * sides.iter_s
+    return StreamingPlan(
+        gen_gpus=sides.gen_gpus, train_gpus=sides.train_gpus, group_size=group_size,
+        batch_groups=batch_groups, slots=sides.slots, train_iters=sides.train_iters,
+        update_iters=sides.update_iters, max_staleness=k, on_update=on_update,
+        capacity_groups=s.capacity(), iter_s=sides.iter_s, step_s=step_s,
+        samples_per_s=first.n_seqs / step_s, staleness_mean=est.staleness_mean,
+        gen_idle_share=est.gen_idle_share, train_idle_share=est.train_idle_share,
+        dropped_share=est.dropped_share)
+
+
+def pick_stream(cands: list[StreamingPlan]) -> StreamingPlan:
+    """Of streams within :data:`STALENESS_GAIN` of the fastest, the one that drops the
+    fewest groups (to 0.1 %), then the least stale bound, then the smallest buffer."""
+    fastest = min(c.step_s for c in cands)
+    near = [c for c in cands if c.step_s <= fastest * (1 + STALENESS_GAIN)]
+    return min(near, key=lambda c: (round(c.dropped_share, 3), c.max_staleness,
+                                    c.capacity_groups))
+
+
+def stream_plan(plan: ExecutionPlan, sides: Sides, group_size: int, max_staleness: int,
+                on_update: OnUpdate, seed: int, buffers: bool = False) -> StreamingPlan:
+    """One split's best stream (the module docs): each bound ``k`` with a buffer of
+    ``k + 1`` batches; ``buffers``: every smaller buffer of whole batches too."""
+    cands = [stream_candidate(plan, sides, group_size, k, j, on_update, seed)
+             for k in range(1, max_staleness + 1)
+             for j in (range(1, k + 2) if buffers else (k + 1,))]
+    return pick_stream(cands)
 
 
 def with_stream(plan: ExecutionPlan, st: StreamingPlan) -> ExecutionPlan:
@@ -181,7 +197,7 @@ def search_ahead(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
                               f"{cluster.describe()} has one", field="cluster")
     share = s.model_copy(update={"time_limit_s": s.time_limit_s / len(splits)})
     ahead: ExecutionPlan | None = None
-    best: tuple[ExecutionPlan, StreamingPlan] | None = None
+    best: tuple[ExecutionPlan, Sides, StreamingPlan] | None = None
     why = ""
     for split in splits:
         try:
@@ -192,11 +208,14 @@ def search_ahead(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
             continue
         if ahead is None or plan.iteration_time_s < ahead.iteration_time_s:
             ahead = plan
-        st = stream_plan(plan, price_sides(plan, split), group_size, graph.max_staleness,
-                         on_update, s.seed)
-        if best is None or st.step_s < best[1].step_s:
-            best = (plan, st)
+        sides = price_sides(plan, split)
+        st = stream_plan(plan, sides, group_size, graph.max_staleness, on_update, s.seed)
+        if best is None or st.step_s < best[2].step_s:
+            best = (plan, sides, st)
     if ahead is None or best is None:
         raise InfeasibleError(f"no plan that generates on GPUs of its own fits: {why}",
                               field="cluster")
-    return ahead, with_stream(*best)
+    plan, sides, _ = best            # the best split's buffer: every size of whole batches
+    return ahead, with_stream(plan, stream_plan(plan, sides, group_size,
+                                                graph.max_staleness, on_update, s.seed,
+                                                buffers=True))

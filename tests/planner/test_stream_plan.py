@@ -17,9 +17,10 @@ from planner.report import modes_lines
 from planner.search.modes import choose_mode
 from planner.search.problem import RoleModel, head_of
 from planner.search.search import SearchSettings
-from planner.search.stream_search import decode_shape, price_sides, search_ahead
+from planner.search.stream_search import decode_shape, pick_stream, price_sides, search_ahead
 from planner.specs.cluster import ClusterSpec, resolve_device
 from planner.specs.model_spec import model_presets
+from planner.specs.streaming_plan import StreamingPlan
 from planner.timeline_svg import render
 
 pytestmark = pytest.mark.pure
@@ -122,3 +123,33 @@ def test_a_streaming_plans_picture_shows_both_sides_and_the_updates(ahead):
     assert "per step streaming" in svg
     assert svg.count(">actor.train step") >= 3 and "weights v1" in svg
     assert "GPU 0" in svg and "GPU 1" in svg
+
+
+def test_a_trainer_bound_stream_with_one_batch_of_buffer_drops_nothing():
+    # training 21 iterations, a batch made in 8: a buffer of two batches lets a third of
+    # the groups wait past the bound of 1; a buffer of one batch, the same step, none
+    def est(cap):
+        s = StreamSettings(group_size=4, batch_groups=16, slots=64, train_iters=21,
+                           update_iters=1, max_staleness=1, capacity_groups=cap)
+        return steady_stream(s, [8] * 20000, steps=16)
+    one, two = est(16), est(32)
+    assert one.iters_per_step == two.iters_per_step == 21
+    assert one.dropped_share == 0.0 and two.dropped_share == pytest.approx(1 / 3)
+
+
+def _stream(step_s, dropped, k, cap):
+    return StreamingPlan(gen_gpus=1, train_gpus=1, group_size=4, batch_groups=16, slots=64,
+                         train_iters=21, update_iters=1, max_staleness=k,
+                         capacity_groups=cap, iter_s=0.01, step_s=step_s,
+                         samples_per_s=64 / step_s, staleness_mean=1.0, gen_idle_share=0.0,
+                         train_idle_share=0.0, dropped_share=dropped)
+
+
+def test_pick_stream_keeps_the_fewest_drops_among_the_equally_fast():
+    fast_dropping = _stream(1.000, 0.2, 1, 32)
+    near_clean = _stream(1.005, 0.0, 2, 48)          # within 1 %: no drops wins
+    assert pick_stream([fast_dropping, near_clean]) == near_clean
+    slow_clean = _stream(1.050, 0.0, 2, 48)          # 5 % slower: speed wins
+    assert pick_stream([fast_dropping, slow_clean]) == fast_dropping
+    small = _stream(1.0, 0.0, 1, 16)                 # ties: the smaller bound and buffer
+    assert pick_stream([_stream(1.0, 0.0, 2, 16), _stream(1.0, 0.0, 1, 32), small]) == small
