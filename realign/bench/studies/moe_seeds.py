@@ -8,6 +8,10 @@ the stages' wall-clock times.
     python -m realign.bench.studies.moe_seeds --seed 0 --seed 1 --seed 2 \
         --out benchmarks/moe/seeds_<date>.json
 
+``--grpo-ep 1`` runs the GRPO stage with its ``plan.manual`` calls at expert
+parallelism 1 instead of the experiment's EP (the same placements otherwise): the
+control against which the shipped DP2·EP2 is compared.
+
 Each seed runs in its own temporary folder (tiny assets made afresh, offline). Wall-clock
 times depend on what else runs on the machine: the record says what was measured, not
 what the machine can do.
@@ -56,7 +60,17 @@ def stage_summary(run_dir: Path) -> dict:
     return out
 
 
-def run_seed(seed: int) -> dict:
+def with_ep(cfg: dict, ep: int) -> dict:
+    """``cfg`` with every ``plan.manual`` call's layout at expert parallelism ``ep``."""
+    manual = cfg.get("plan", {}).get("manual")
+    if not manual:
+        raise SystemExit("--grpo-ep needs the GRPO experiment's plan.manual")
+    for alloc in manual.values():
+        alloc["layout"]["ep"] = ep
+    return cfg
+
+
+def run_seed(seed: int, grpo_ep: int | None = None) -> dict:
     from realign.assets.tiny import make_tiny_assets
     from realign.assets.tiny_cmd import make_moe_actor
 
@@ -71,6 +85,8 @@ def run_seed(seed: int) -> dict:
             cfg["run"]["seed"] = seed
             if stage == "grpo":
                 cfg["models"]["actor"] = str(root / "sft" / "final" / "actor")
+                if grpo_ep is not None:
+                    cfg = with_ep(cfg, grpo_ep)
             exp = root / f"demo-moe-{stage}.yaml"
             exp.write_text(yaml.safe_dump(cfg))
             t0 = time.perf_counter()
@@ -89,17 +105,21 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, action="append", default=[], help="repeatable")
+    ap.add_argument("--grpo-ep", type=int, default=None,
+                    help="run the GRPO stage's plan.manual calls at this expert "
+                    "parallelism (default: as the experiment places them)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
     record: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
               "experiments": ["experiments/demo-moe-sft.yaml", "experiments/demo-moe-grpo.yaml"],
+              "grpo_ep": args.grpo_ep,
               "machine": {**describe(), "torch_threads": torch.get_num_threads(),
                           "load_avg_at_start": os.getloadavg()},
               "seeds": {}}
     for seed in args.seed or [0]:
-        record["seeds"][str(seed)] = res = run_seed(seed)
+        record["seeds"][str(seed)] = res = run_seed(seed, args.grpo_ep)
         line = [f"seed {seed}"]
         for stage in ("sft", "grpo"):
             g, s = res[stage][KEYS[0]], res[stage][KEYS[1]]
