@@ -72,7 +72,8 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
                      const IntLists& cand_ep,
                      const FloatLists& cand_time_s, const FloatLists& cand_resident_bytes,
                      const FloatLists& cand_activation_bytes, const FloatLists& cand_weights_bytes,
-                     const std::vector<IntLists>& same_mesh, double realloc_fixed_s,
+                     const std::vector<IntLists>& mesh_groups, const IntLists& mesh_of,
+                     double realloc_fixed_s,
                      double copy_bytes_per_s,
                      const std::vector<std::vector<std::array<i64, 2>>>& inputs,
                      const IntLists& outputs, const std::vector<i64>& mfc_every,
@@ -132,7 +133,8 @@ Problem make_problem(i64 n_gpus, double mem_limit_bytes, i64 n_iters, i64 gpus_p
             p.cands[i].push_back(c);
         }
     }
-    p.same_mesh = same_mesh;
+    p.mesh_groups = mesh_groups;
+    p.mesh_of = mesh_of;
     p.validate();
     p.index_places();
     return p;
@@ -216,7 +218,8 @@ PYBIND11_MODULE(_core, m) {
              py::arg("cand_first_gpu"), py::arg("cand_n_gpus"), py::arg("cand_tp"),
              py::arg("cand_pp"), py::arg("cand_dp"), py::arg("cand_ep"), py::arg("cand_time_s"),
              py::arg("cand_resident_bytes"), py::arg("cand_activation_bytes"),
-             py::arg("cand_weights_bytes"), py::arg("same_mesh"), py::arg("realloc_fixed_s"),
+             py::arg("cand_weights_bytes"), py::arg("mesh_groups"), py::arg("mesh_of"),
+             py::arg("realloc_fixed_s"),
              py::arg("copy_bytes_per_s"), py::arg("inputs"), py::arg("outputs"),
              py::arg("mfc_every"), py::arg("ahead"), py::arg("key_send_intra_s"), py::arg("key_send_inter_s"),
              py::arg("step_overhead_s"), py::arg("cand_time_sd_s"),

@@ -34,8 +34,9 @@ void Problem::validate() const {
         fail("links", "bandwidths must be > 0");
     if (static_cast<i64>(mfc_model.size()) != n_mfc ||
         static_cast<i64>(mfc_is_train.size()) != n_mfc ||
-        static_cast<i64>(deps.size()) != n_mfc || static_cast<i64>(same_mesh.size()) != n_mfc)
-        fail("mfc_model/mfc_is_train/deps/same_mesh",
+        static_cast<i64>(deps.size()) != n_mfc || static_cast<i64>(mesh_groups.size()) != n_mfc ||
+        static_cast<i64>(mesh_of.size()) != n_mfc)
+        fail("mfc_model/mfc_is_train/deps/mesh_groups/mesh_of",
              "need one entry per MFC (" + std::to_string(n_mfc) + ")");
     if (static_cast<i64>(model_train_mfc.size()) != n_models)
         fail("model_train_mfc", "needs one entry per model (" + std::to_string(n_models) + ")");
@@ -59,8 +60,15 @@ void Problem::validate() const {
             if (d < 0 || d >= n_mfc) fail("deps" + at, std::to_string(d) + " is not an MFC index");
         const i64 n_c = static_cast<i64>(cands[i].size());
         if (n_c < 1) fail("cands" + at, "an MFC needs at least one candidate");
-        if (static_cast<i64>(same_mesh[i].size()) != n_c)
-            fail("same_mesh" + at, "needs one group per candidate");
+        if (static_cast<i64>(mesh_of[i].size()) != n_c)
+            fail("mesh_of" + at, "needs one group index per candidate");
+        const i64 n_g = static_cast<i64>(mesh_groups[i].size());
+        for (i64 q = 0; q < n_g; ++q) {
+            const std::string gat = at + "[" + std::to_string(q) + "]";
+            if (mesh_groups[i][q].empty()) fail("mesh_groups" + gat, "must not be empty");
+            for (i64 k : mesh_groups[i][q])
+                if (k < 0 || k >= n_c) fail("mesh_groups" + gat, std::to_string(k) + " is not a candidate index");
+        }
         const ReallocModel& rm = realloc_models[mfc_model[i]];
         for (i64 j = 0; j < n_c; ++j) {
             const std::string cat = at + "[" + std::to_string(j) + "]";
@@ -72,9 +80,8 @@ void Problem::validate() const {
                 fail("cands" + cat, "mesh lies outside the cluster's " + std::to_string(n_gpus) + " GPUs");
             // realloc_time divides n_layers // pp (Python would raise ZeroDivisionError).
             if (p.pp > rm.n_layers) fail("cands" + cat, "pp exceeds the model's n_layers");
-            if (same_mesh[i][j].empty()) fail("same_mesh" + cat, "must not be empty");
-            for (i64 k : same_mesh[i][j])
-                if (k < 0 || k >= n_c) fail("same_mesh" + cat, std::to_string(k) + " is not a candidate index");
+            if (mesh_of[i][j] < 0 || mesh_of[i][j] >= n_g)
+                fail("mesh_of" + cat, std::to_string(mesh_of[i][j]) + " is not a group index");
         }
     }
     const i64 n_keys = static_cast<i64>(key_send_intra_s.size());
@@ -541,7 +548,7 @@ struct Move {
 
 Move propose(const Problem& prob, const std::vector<i64>& cur, SplitMix64& rng) {
     const i64 i = static_cast<i64>(rng.next() % static_cast<u64>(prob.n_mfcs()));
-    const std::vector<i64>& same = prob.same_mesh[i][cur[i]];
+    const std::vector<i64>& same = prob.same_mesh(i, cur[i]);
     const bool layout_move = (rng.next() & 1) != 0;
     if (layout_move && same.size() > 1)
         return {i, same[rng.next() % static_cast<u64>(same.size())]};

@@ -97,7 +97,12 @@ struct Problem {
     std::vector<bool> mfc_base;                      // per MFC: its model's base, adapters off
     std::vector<ReallocModel> realloc_models;        // per model
     std::vector<std::vector<Candidate>> cands;       // per MFC: its candidates
-    std::vector<std::vector<std::vector<i64>>> same_mesh;  // per MFC, per cand
+    // per MFC: the groups of candidates on one mesh, and per candidate the index of its
+    // group (planner.search.problem.Problem.same_mesh, each group held once)
+    std::vector<std::vector<std::vector<i64>>> mesh_groups;
+    std::vector<std::vector<i64>> mesh_of;
+    // the candidates of MFC i on the mesh of its candidate j (j among them)
+    const std::vector<i64>& same_mesh(i64 i, i64 j) const { return mesh_groups[i][mesh_of[i][j]]; }
     // per MFC, per cand: the index of its placement (first_gpu, n_gpus, tp, pp, ep) among the
     // MFC's distinct placements, and their number (index_places() fills them)
     std::vector<std::vector<i64>> place_id;

@@ -44,6 +44,23 @@ def to_core(prob: Problem) -> Any:
     def column(k: int) -> list[list[float]]:
         return [list(col[k]) if col else [] for col in cols]
 
+    # each same-mesh group once, and per candidate its group's index: a group is one list
+    # shared by its candidates (assemble), so packing it per candidate copied it as often
+    mesh_groups: list[list[list[int]]] = []
+    mesh_of: list[list[int]] = []
+    for groups in prob.same_mesh:
+        index: dict[int, int] = {}
+        held: list[list[int]] = []
+        of = []
+        for g in groups:
+            k = index.get(id(g))
+            if k is None:
+                k = index[id(g)] = len(held)
+                held.append(g)
+            of.append(k)
+        mesh_groups.append(held)
+        mesh_of.append(of)
+
     return core.Problem(
         n_gpus=prob.n_gpus,
         mem_limit_bytes=float(prob.mem_limit_bytes),
@@ -74,7 +91,8 @@ def to_core(prob: Problem) -> Any:
         cand_resident_bytes=column(6),
         cand_activation_bytes=column(7),
         cand_weights_bytes=column(8),
-        same_mesh=prob.same_mesh,
+        mesh_groups=mesh_groups,
+        mesh_of=mesh_of,
         realloc_fixed_s=float(links.fixed_s),
         copy_bytes_per_s=float(links.copy_bytes_per_s),
         inputs=[[list(kp) for kp in ins] for ins in prob.inputs],
