@@ -181,11 +181,15 @@ bool off_training_placement(const Problem& prob, const std::vector<i64>& assign,
 double memory(const Problem& prob, const std::vector<i64>& assign,
               std::vector<double>& peak_bytes) {
     const i64 n = prob.n_gpus;
-    thread_local std::vector<double> resident, transient;   // scratch, as in simulate()
-    thread_local std::vector<std::array<i64, 6>> seen;      // (model, first_gpu, n_gpus, tp, pp, ep)
+    // scratch, as in simulate() (named once: see there)
+    thread_local std::vector<double> resident_tl, transient_tl;
+    thread_local std::vector<std::array<i64, 6>> seen_tl;
+    thread_local std::vector<i64> cuts_tl;
+    std::vector<double>&resident = resident_tl, &transient = transient_tl;
+    std::vector<std::array<i64, 6>>& seen = seen_tl;  // (model, first_gpu, n_gpus, tp, pp, ep)
     // the plan's meshes cut the cluster into runs of GPUs that hold the same calls, so
     // the same bytes: one entry per run (run k: GPUs [cuts[k], cuts[k + 1]))
-    thread_local std::vector<i64> cuts;
+    std::vector<i64>& cuts = cuts_tl;
     cuts.assign({0, n});
     for (i64 i = 0; i < prob.n_mfcs(); ++i) {
         const Place& p = prob.cands[i][assign[i]].place;
@@ -403,6 +407,20 @@ void span_union(const Spans& x, const Spans& y, Spans& out) {
 
 }  // namespace
 
+namespace {
+
+// simulate()'s scratch buffers, one set per thread
+struct Scratch {
+    FreeTimes free;
+    std::vector<double> prev_finish, finish, ahead_ready;
+    std::vector<Spans> holders;
+    std::vector<bool> held;
+    Spans lack, first, occ, merged;
+    std::vector<i64> order, ahead;
+};
+
+}  // namespace
+
 // planner.search.simulator.simulate (record=False; the realloc table is not kept)
 SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocCache& cache) {
     const i64 n_mfc = prob.n_mfcs();
@@ -410,12 +428,17 @@ SimResult simulate(const Problem& prob, const std::vector<i64>& assign, ReallocC
     const i64 gpn = prob.links.gpus_per_node;
     // Scratch buffers, kept per thread from call to call: a call is a few microseconds,
     // and a dozen allocations a call were a fifth of it. Each is reset before use.
-    thread_local FreeTimes free;
-    thread_local std::vector<double> prev_finish, finish, ahead_ready;
-    thread_local std::vector<Spans> holders;
-    thread_local std::vector<bool> held;
-    thread_local Spans lack, first, occ, merged;
-    thread_local std::vector<i64> order, ahead;
+    thread_local Scratch scratch;
+    // named once here: each use of a thread_local in a shared library is a call to
+    // __tls_get_addr, a twentieth of a step at 128 GPUs
+    FreeTimes& free = scratch.free;
+    std::vector<double>&prev_finish = scratch.prev_finish, &finish = scratch.finish,
+                       &ahead_ready = scratch.ahead_ready;
+    std::vector<Spans>& holders = scratch.holders;
+    std::vector<bool>& held = scratch.held;
+    Spans &lack = scratch.lack, &first = scratch.first, &occ = scratch.occ,
+          &merged = scratch.merged;
+    std::vector<i64>&order = scratch.order, &ahead = scratch.ahead;
     free.reset(prob.n_gpus, 0.0);
     prev_finish.assign(n_mfc, 0.0);
     finish.assign(n_mfc, 0.0);
