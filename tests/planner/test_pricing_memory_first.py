@@ -27,7 +27,7 @@ class CountingCost(CostModel):
 
     calls = 0
 
-    def mfc_cost(self, *a, **k):  # type: ignore[no-untyped-def]
+    def mfc_cost(self, *a, **k):
         self.calls += 1
         return super().mfc_cost(*a, **k)
 
@@ -35,7 +35,7 @@ class CountingCost(CostModel):
 class PriceEverything(CountingCost):
     """Memory from the whole price, as a search that prices every candidate does."""
 
-    def mfc_bytes(self, mfc, spec, head, mesh, layout, micro_batches, offload=False,  # type: ignore[no-untyped-def]
+    def mfc_bytes(self, mfc, spec, head, mesh, layout, micro_batches, offload=False,
                   state_offload=False, recompute=False, engine="own", lora=None,
                   token_budget=None):
         return self.mfc_cost(mfc, spec, head, mesh, layout, micro_batches, offload,
