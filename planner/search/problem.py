@@ -209,7 +209,8 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
     """Enumerate and price every allocation of every MFC of ``graph``.
 
     Candidates whose own memory already exceeds the limit are dropped (they can be
-    in no feasible plan), and for one placement only micro-batch counts on the
+    in no feasible plan; their memory is priced first, :meth:`CostModel.mfc_bytes`, and
+    their time never), and for one placement only micro-batch counts on the
     time/memory Pareto front are kept (a dominated one is never better). ``deadline``:
     a :class:`PlanError` once it has passed. ``split`` (asynchronous graphs): the
     MFCs that run ahead use GPUs below it, the other MFCs of every step the rest, so
