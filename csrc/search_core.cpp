@@ -18,6 +18,10 @@ void fail(const std::string& field, const std::string& msg) {
     throw std::invalid_argument(field + ": " + msg);
 }
 
+// Up to this many GPUs, per-GPU arrays (a loop over a mesh's GPUs is cheaper than
+// finding its runs); above, runs of GPUs (FreeTimes, memory()).
+constexpr i64 kPerGpuUpTo = 64;
+
 }  // namespace
 
 // ---- Problem::validate -----------------------------------------------------------
@@ -190,16 +194,25 @@ double memory(const Problem& prob, const std::vector<i64>& assign,
     // the plan's meshes cut the cluster into runs of GPUs that hold the same calls, so
     // the same bytes: one entry per run (run k: GPUs [cuts[k], cuts[k + 1]))
     std::vector<i64>& cuts = cuts_tl;
-    cuts.assign({0, n});
-    for (i64 i = 0; i < prob.n_mfcs(); ++i) {
-        const Place& p = prob.cands[i][assign[i]].place;
-        cuts.push_back(p.first_gpu);
-        cuts.push_back(p.first_gpu + p.n_gpus);
+    // (up to kPerGpuUpTo GPUs, one run per GPU)
+    const bool per_gpu = n <= kPerGpuUpTo;
+    cuts.resize(static_cast<size_t>(n) + 1);
+    if (per_gpu) {
+        for (i64 g = 0; g <= n; ++g) cuts[g] = g;
+    } else {
+        cuts.assign({0, n});
+        for (i64 i = 0; i < prob.n_mfcs(); ++i) {
+            const Place& p = prob.cands[i][assign[i]].place;
+            cuts.push_back(p.first_gpu);
+            cuts.push_back(p.first_gpu + p.n_gpus);
+        }
+        std::sort(cuts.begin(), cuts.end());
+        cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
     }
-    std::sort(cuts.begin(), cuts.end());
-    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
     const auto run = [&](i64 g) {
-        return static_cast<size_t>(std::lower_bound(cuts.begin(), cuts.end(), g) - cuts.begin());
+        return per_gpu ? static_cast<size_t>(g)
+                       : static_cast<size_t>(std::lower_bound(cuts.begin(), cuts.end(), g) -
+                                             cuts.begin());
     };
     const size_t n_runs = cuts.size() - 1;
     resident.assign(n_runs, 0.0);
@@ -265,17 +278,27 @@ namespace {
 // When each GPU is next free, held as runs of GPUs that are free at the same time: a
 // plan's meshes and sends cut the cluster into a few runs, so reading and setting a
 // mesh's GPUs costs the runs it spans, not its GPUs (at 1024 GPUs, most of a step's
-// time was per-GPU loops). Every GPU's time is the one a per-GPU array would hold.
+// time was per-GPU loops). Every GPU's time is the one a per-GPU array would hold; up
+// to kPerGpuUpTo GPUs it is such an array.
 class FreeTimes {
 public:
     // every GPU of [0, n) free at `t`
     void reset(i64 n, double t) {
+        n_ = n;
+        if (n <= kPerGpuUpTo) {
+            per_gpu_.assign(static_cast<size_t>(n), t);
+            return;
+        }
         start_.assign(1, 0);
         time_.assign(1, t);
-        n_ = n;
     }
     // the latest time a GPU of [lo, hi) is busy until, at least `t`
     double latest(i64 lo, i64 hi, double t) const {
+        if (n_ <= kPerGpuUpTo) {
+            for (i64 g = lo; g < hi; ++g)
+                if (per_gpu_[g] > t) t = per_gpu_[g];
+            return t;
+        }
         for (size_t k = run_of(lo); k < start_.size() && start_[k] < hi; ++k)
             if (time_[k] > t) t = time_[k];
         return t;
@@ -283,6 +306,10 @@ public:
     // every GPU of [lo, hi) busy until `t`
     void set(i64 lo, i64 hi, double t) {
         if (lo >= hi) return;
+        if (n_ <= kPerGpuUpTo) {
+            std::fill(per_gpu_.begin() + lo, per_gpu_.begin() + hi, t);
+            return;
+        }
         if (hi < n_) split_at(hi);
         const size_t k = split_at(lo);
         size_t e = k + 1;
@@ -310,6 +337,7 @@ private:
     }
     std::vector<i64> start_;   // run k: GPUs [start_[k], start_[k + 1]) (the last to n_)
     std::vector<double> time_;
+    std::vector<double> per_gpu_;   // up to kPerGpuUpTo GPUs
     i64 n_ = 0;
 };
 
