@@ -3,7 +3,8 @@
 nothing is fetched, so the page opens offline.
 
 Sections: the learning curves (reward, held-out evaluation, KL, losses, a mixture of
-experts' router loss and expert load); each MFC's
+experts' router loss and expert load); a streamed run's buffer, staleness and
+idle time (:mod:`realign.report.stream`); each MFC's
 measured time per call against the plan's estimate; a measured timeline of one step
 (from the workers' recorded start and end times) beside the planned timeline; and the
 bytes and throughput of each reallocation.
@@ -20,6 +21,7 @@ from planner.svg import head, seconds
 from planner.timeline_svg import Bar, draw_lanes, gpu_groups, render
 from realign.errors import UserError
 from realign.report.charts import bar_chart, line_chart
+from realign.report.stream import stream_section
 
 STYLE = """body{font-family:sans-serif;margin:24px;color:#222;max-width:1200px}
 figure{display:inline-block;margin:8px;vertical-align:top}figcaption{color:#555;font-size:12px}
@@ -193,7 +195,7 @@ def build_report(run_dir: Path) -> str:
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>"
              f"{escape(plan.name)}: run report</title><style>{STYLE}</style></head><body>",
              f"<h1>{escape(plan.name)}</h1><p>{'; '.join(summary)}.</p>",
-             "<h2>Learning</h2>", *learning_curves(rows),
+             "<h2>Learning</h2>", *learning_curves(rows), *stream_section(rows),
              "<h2>Time per call</h2>", times_fig, times_table,
              "<h2>One step: measured and planned</h2>"]
     if measured:
