@@ -117,7 +117,7 @@ def steady_stream(settings: StreamSettings, lengths: list[int], steps: int,
     recs = sch.run_steps(warm + steps)
     body = recs[warm:]
     span = max(1, recs[-1].take_iter - recs[warm - 1].take_iter)
-    trained = steps * settings.batch_groups
+    trained = steps * sch.settings.batch_groups        # the narrowed batch, as dropped
     dropped = sum(r.metrics["stream.dropped_stale"] for r in body)
     return StreamEstimate(
         iters_per_step=span * q / steps,

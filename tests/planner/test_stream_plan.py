@@ -137,6 +137,16 @@ def test_a_trainer_bound_stream_with_one_batch_of_buffer_drops_nothing():
     assert one.dropped_share == 0.0 and two.dropped_share == pytest.approx(1 / 3)
 
 
+
+def test_a_narrower_pool_gives_the_same_dropped_share():
+    # the dropped groups and the trained ones are counted on the same narrowed batch
+    s = StreamSettings(group_size=4, batch_groups=16, slots=64, train_iters=21,
+                       update_iters=1, max_staleness=1, capacity_groups=32)
+    exact = steady_stream(s, [8] * 20000, steps=16)
+    half = steady_stream(s, [8] * 20000, steps=16, shrink=2)
+    assert exact.dropped_share == pytest.approx(1 / 3)
+    assert half.dropped_share == pytest.approx(exact.dropped_share)
+
 def _stream(step_s, dropped, k, cap):
     return StreamingPlan(gen_gpus=1, train_gpus=1, group_size=4, batch_groups=16, slots=64,
                          train_iters=21, update_iters=1, max_staleness=k,
