@@ -104,8 +104,12 @@ class StreamSchedule:
     gen_copy: int = 0
     trainer_idle: int = 0
     pending_dropped: int = 0             #: dropped while no batch was ready
-    #: each finished sample's [version, tokens] segments (what the runtime records per token)
+    #: each finished sample's [version, tokens] segments (what the runtime records per
+    #: token), held until its group enters the buffer
     segments: dict[int, list[list[int]]] = field(default_factory=dict)
+    #: keep every finished sample's segments (tests read them); the runtime keeps only
+    #: those of groups not yet in the buffer, so a checkpoint stays bounded
+    keep_segments: bool = False
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -191,6 +195,9 @@ class StreamSchedule:
             del self.done_samples[gid]
             vs = [v for i in range(gid * g, gid * g + g) for v, _ in self.segments[i]]
             buf.put(FinishedGroup(gid, min(vs), max(vs)))
+            if not self.keep_segments:
+                for i in range(gid * g, gid * g + g):
+                    del self.segments[i]
         return tuple(sorted(finished))
 
     def take_iteration(self) -> StepRecord | None:

@@ -76,9 +76,9 @@ def test_no_trained_group_exceeds_the_bound_and_each_is_trained_once(on_update):
 
 
 def test_continue_mixes_versions_within_a_sample_finish_never_does():
-    cont = StreamSchedule(_settings(on_update="continue"), LENGTHS)
+    cont = StreamSchedule(_settings(on_update="continue"), LENGTHS, keep_segments=True)
     cont.run_steps(20)
-    fin = StreamSchedule(_settings(on_update="finish"), LENGTHS)
+    fin = StreamSchedule(_settings(on_update="finish"), LENGTHS, keep_segments=True)
     fin.run_steps(20)
     assert any(len(seg) > 1 for seg in cont.segments.values())
     assert all(len(seg) == 1 for seg in fin.segments.values())
@@ -115,6 +115,22 @@ def test_resume_from_state_repeats_the_uninterrupted_schedule(on_update):
            [(r.step, r.take_iter, r.group_ids, r.metrics) for r in b]
     assert resumed.state() == whole.state()
 
+
+
+def test_the_state_holds_only_the_segments_of_groups_not_yet_in_the_buffer():
+    # a finished group's segments go with it into the buffer: the checkpoint stays
+    # bounded however many steps have run
+    s = _settings(on_update="continue")
+    sch = StreamSchedule(s, LENGTHS)
+    sizes = []
+    for _ in range(4):
+        sch.run_steps(10)
+        st = sch.state()
+        pending = {i for gid, got in sch.done_samples.items() for i in got}
+        assert {int(k) for k in st["segments"]} == pending
+        sizes.append(len(st["segments"]))
+    # an unfinished group has a sample in a slot or the next to admit
+    assert max(sizes) <= (s.slots + 1) * s.group_size < 10 * s.batch_groups * s.group_size
 
 def test_steady_state_beats_synchronous_on_a_long_tail_and_bound_loosens_drops():
     ss = {k: steady_state(_settings(k=k, slots=8, train_iters=30), LENGTHS, 40)

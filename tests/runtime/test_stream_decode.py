@@ -33,7 +33,7 @@ def case_stream_vs_refill(ctx, path, sampling, prompts, group_size, slots, recom
     settings = StreamSettings(group_size=group_size, batch_groups=2, slots=slots,
                               train_iters=3, update_iters=1, max_staleness=2,
                               on_update="continue")
-    sch = StreamSchedule(settings, [p.max_new_tokens] * len(prompts))
+    sch = StreamSchedule(settings, [p.max_new_tokens] * len(prompts), keep_segments=True)
     dec = StreamDecoder(shard, slots, max(len(q) for q in prompts), p)
     done: dict[int, StreamedSample] = {}
     applied = 0
