@@ -240,12 +240,16 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
         check_vllm(cfg, models["actor"].spec, on_vllm, DTYPE_BYTES[cfg.run_dtype()],
                    plan.cost_config.kv_cache_block_tokens,
                    {a.mfc: a.layout.tp for a in plan.allocations if a.engine == "vllm"})
-    from realign.run.vllm_check import routing_replay_problem
-    problem = routing_replay_problem(cfg, models["actor"].spec, any(
-        m.role == "actor" and not m.greedy and not m.is_eval for m in on_vllm)
-    ) if "actor" in models else None
+    from realign.run.vllm_check import replay_with_recompute, routing_replay_problem
+    sampled = any(m.role == "actor" and not m.greedy and not m.is_eval for m in on_vllm)
+    problem = routing_replay_problem(cfg, models["actor"].spec, sampled
+                                     ) if "actor" in models else None
     if problem is not None:
         raise problem
+    if "actor" in models:
+        cfg = replay_with_recompute(cfg, models["actor"].spec, sampled, any(
+            a.role == "actor" and a.kind == "train" and a.activation_recompute
+            for a in plan.allocations))
     spec = RunSpec(config=cfg, plan=plan, paths=paths,
                    run_dir=_run_folder(cfg, run_dir),
                    tokenizer_role=cfg.tokenizer_role(), tokenizer_class=tokenizer_class(tok),

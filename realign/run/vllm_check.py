@@ -17,7 +17,8 @@ with ``rollout.engine: vllm``, where the search chose it under ``auto``). Then:
   (``moe_intermediate_size / t``) is a multiple of :data:`CPU_EXPERT_ALIGN`: vLLM's CPU
   experts pad it to one, and an in-memory weight update of padded experts stops inside
   vLLM's worker (docs/vllm.md, "A mixture of experts on vLLM");
-* ``rollout.routing_replay: on`` can replay (:func:`routing_replay_problem`).
+* ``rollout.routing_replay: on`` can replay (:func:`routing_replay_problem`), and the
+  actor's train calls can force the experts (:func:`replay_with_recompute`).
 
 Each failure is a :class:`~realign.errors.UserError` naming the setting to change.
 """
@@ -160,3 +161,31 @@ def routing_replay_problem(cfg: "ExperimentConfig", spec: ModelSpec,
     return UserError(f"rollout.routing_replay is 'on' but {why}; use 'auto' (replay where "
                      "the rollout's routing is recorded) or 'off'",
                      field="rollout.routing_replay")
+
+
+def replay_with_recompute(cfg: "ExperimentConfig", spec: ModelSpec, rollout_on_vllm: bool,
+                          recomputed_actor_train: bool) -> "ExperimentConfig":
+    """``rollout.routing_replay`` against the plan's activation recompute: megatron's
+    recomputed layers (``train.forward: megatron``) rerun their forward in the backward,
+    after the rollout's experts are no longer set, so a replayed train call planned with
+    recompute (``recomputed_actor_train``) cannot hold the routing. Then ``on`` is a
+    :class:`UserError` naming the field; ``auto`` replays nothing (the config returned
+    with ``off``, said on stderr). Otherwise ``cfg`` unchanged."""
+    import sys
+
+    replays = (spec.moe is not None and rollout_on_vllm and cfg.device == "cpu"
+               and not cfg.rollout.multi_turn)
+    mode = cfg.rollout.routing_replay
+    if (mode == "off" or not replays or not recomputed_actor_train
+            or cfg.train.forward != "megatron"):
+        return cfg
+    why = ("the plan recomputes the actor's train activations and megatron's recomputed "
+           "layers rerun their forward after the rollout's experts are no longer set")
+    if mode == "on":
+        raise UserError(f"rollout.routing_replay is 'on' but {why}; use train.forward plain "
+                        "(its recomputation replays), plan.cost.recompute never, or "
+                        "rollout.routing_replay auto or off", field="rollout.routing_replay")
+    print(f"rollout.routing_replay auto: {why}; the rollout's routing is not replayed",
+          file=sys.stderr)
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
+        update={"routing_replay": "off"})})
