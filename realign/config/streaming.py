@@ -42,7 +42,16 @@ def check_streaming(cfg: ExperimentConfig) -> None:
                         field="algorithm.max_staleness")
     if a.name == "dapo":
         raise UserError("rollout.mode: streaming with dapo: its dynamic sampling's rounds "
-                        "wait for a step's rewards; use rollout.mode: step",
+                        "wait for a step's rewards (a round's prompts are chosen only once "
+                        "the previous round's groups are scored, and a step trains only the "
+                        "groups whose rewards differ); use rollout.mode: step",
+                        field="rollout.mode")
+    if a.name == "remax":
+        raise UserError("rollout.mode: streaming with remax: its baseline is a second "
+                        "generate call (actor.greedy_generate, a greedy response per prompt "
+                        "scored as greedy_rewards), and the stream decodes one sampled call "
+                        "with one temperature for every slot, with no greedy slot in a group "
+                        "nor its reward streamed beside the group; use rollout.mode: step",
                         field="rollout.mode")
     if r.multi_turn:
         raise UserError("rollout.mode: streaming with multi-turn episodes (rollout.env / "

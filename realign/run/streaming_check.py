@@ -4,7 +4,7 @@ any worker starts (exit 2, naming the field).
 
 The experiment schema refuses the combinations the streaming schedule does not cover
 (:func:`realign.config.streaming.check_streaming`: vLLM, multi-turn episodes, DAPO's
-rounds, a bound below 1, a plan.manual whose generation shares GPUs with training).
+rounds, ReMax's greedy baseline, a bound below 1, a plan.manual whose generation shares GPUs with training).
 Here, once the plan is made: its rollout must be one generate call on one GPU of its
 own, filled by a reallocation from the trained copy, with every other call of a step
 on the training side's GPUs (:func:`realign.run.stream_parts.stream_parts`); and the
@@ -39,4 +39,16 @@ def check_streaming_plan(cfg: ExperimentConfig, plan: ExecutionPlan) -> None:
     from realign.run.program import compile_program
     from realign.run.stream_parts import stream_parts
 
-    stream_parts(compile_program(plan))
+    parts = stream_parts(compile_program(plan))
+    st = plan.streaming
+    if st is None:
+        return
+    a = cfg.algorithm
+    want = {"group_size": parts.gen.mfc.n_seqs // a.shape().prompts_generated,
+            "max_staleness": a.max_staleness, "on_update": cfg.rollout.on_update}
+    for name, value in want.items():
+        if getattr(st, name) != value:
+            where = cfg.plan.file or "the plan"
+            raise UserError(f"{where}: streaming.{name} is {getattr(st, name)!r}, but the "
+                            f"experiment's is {value!r}; plan again (realign plan)",
+                            field="plan.file" if cfg.plan.file else "plan")

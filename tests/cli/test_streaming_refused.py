@@ -48,6 +48,7 @@ TWO = {"mesh": {"first_gpu": 0, "n_gpus": 2}, "layout": {"tp": 1, "pp": 1, "dp":
     (_with("algorithm.max_staleness", 0), "algorithm.max_staleness", "allowed: 1 or more"),
     (_with("rollout.engine", "vllm"), "rollout.engine", "allowed: own"),
     (_with("algorithm.name", "dapo"), "rollout.mode", "dapo"),
+    (_with("algorithm.name", "remax"), "rollout.mode", "greedy_generate"),
     (_with("plan.manual", {"actor.generate": ONE, "actor.train": TWO}),
      "plan.manual.actor.generate.mesh", "disjoint"),
     (_with("rollout.mode", "step") | {"rollout": {"on_update": "finish"}},
