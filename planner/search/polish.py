@@ -13,7 +13,13 @@ with three kinds of move, best improvement first, until none improves it:
   meshes just above them, each call taking one of its :data:`PAIR_OPTIONS` fastest and
   leanest candidates there;
 * **two pairs trading meshes** (either way round within each pair), each call taking
-  its fastest or leanest candidate on its new mesh.
+  its fastest or leanest candidate on its new mesh;
+* **a restart on equal parts** (:func:`_best_parts`): the cluster cut into
+  :data:`PARTS` equal parts, each training call on one of them, and the other calls kept,
+  or on the whole cluster, or with their model's training; every call that moves is
+  fitted (below). Walks at 1024 GPUs end with the two trainings on 640 and 320 GPUs and
+  two or three other calls on meshes shaped to them, where the faster plan has each
+  training on its own half of the cluster: five calls change at once.
 
 A move of several calls rarely fits with the candidates it first takes: the trainings
 moved to the two halves of a node fit only at a pipeline depth between the fastest and
@@ -43,6 +49,10 @@ Sim = Callable[[list[int]], SimResult]
 FULL_SCAN_CANDIDATES = 1000
 #: per call and mesh, the fastest and the leanest this many candidates join pair moves
 PAIR_OPTIONS = 3
+#: a restart on equal parts cuts the cluster into this many parts
+PARTS = (1, 2, 4)
+#: and tries at most this many ways to put the training calls on them
+MAX_PART_MAPS = 16
 
 Mesh = tuple[int, int]          # (first GPU, GPU count)
 
@@ -219,6 +229,43 @@ def _best_exchange(prob: Problem, sim: Sim, fronts: _Fronts, a: list[int], e: fl
     return best, best_e
 
 
+def _part_moves(prob: Problem, a: list[int]) -> list[dict[int, Mesh]]:
+    """The restarts of :func:`_best_parts`: per cut of the cluster into ``k`` equal parts
+    and way to put the training calls on them, the other calls kept where they run, or
+    all on the whole cluster, or each with its model's training (the rest kept)."""
+    n = prob.cluster.n_gpus
+    train = [i for i in range(len(a)) if prob.mfc_is_train[i]]
+    rest = [i for i in range(len(a)) if not prob.mfc_is_train[i]]
+    whole: Mesh = (0, n)
+    out: list[dict[int, Mesh]] = []
+    for k in PARTS:
+        if n % k or not train:
+            continue
+        parts = [(p * n // k, n // k) for p in range(k)]
+        maps = list(itertools.product(parts, repeat=len(train)))[:MAX_PART_MAPS]
+        for where in maps:
+            on = dict(zip(train, where))
+            with_model = {j: on[prob.model_train_mfc[prob.mfc_model[j]]] for j in rest
+                          if prob.model_train_mfc[prob.mfc_model[j]] in on}
+            for others in ({}, dict.fromkeys(rest, whole), with_model):
+                move = {**on, **others}
+                if move not in out:
+                    out.append(move)
+    return out
+
+
+def _best_parts(prob: Problem, sim: Sim, fronts: _Fronts, a: list[int], e: float
+                ) -> tuple[list[int], float]:
+    """The best of :func:`_part_moves`, each fitted (:func:`_fitted`)."""
+    best, best_e = a, e
+    for move in _part_moves(prob, a):
+        move = {i: m for i, m in move.items() if _mesh(prob, i, a[i]) != m} or move
+        b, eb = _fitted(prob, sim, fronts, a, move)
+        if eb < best_e:
+            best, best_e = b, eb
+    return best, best_e
+
+
 def polish(prob: Problem, sim: Sim, assign: list[int], deadline: Deadline | None = None
            ) -> tuple[list[int], float]:
     """The plan reached from ``assign`` by best-improvement moves (see the module), and
@@ -231,6 +278,8 @@ def polish(prob: Problem, sim: Sim, assign: list[int], deadline: Deadline | None
             b, eb = _best_pair(prob, sim, fronts, a, e)
         if eb >= e and (deadline is None or not deadline.passed()):
             b, eb = _best_exchange(prob, sim, fronts, a, e)
+        if eb >= e and (deadline is None or not deadline.passed()):
+            b, eb = _best_parts(prob, sim, fronts, a, e)
         if eb >= e:
             break
         a, e = b, eb
