@@ -303,8 +303,9 @@ def budget_problems(a: MFCAllocation, m: MFC, where: str) -> list[str]:
 
 def streaming_problems(plan: ExecutionPlan) -> list[str]:
     """Why ``plan``'s stream cannot run on its allocations (empty when it can, or has
-    none): the two sides cover the cluster, the rollout's generate calls lie on the
-    generation side and every other call of a step on the training side."""
+    none): the two sides cover the cluster, the buffer holds a batch, a batch's groups
+    are the rollout's sequences, the rollout's generate calls lie on the generation
+    side and every other call of a step on the training side."""
     st = plan.streaming
     if st is None:
         return []
@@ -312,6 +313,13 @@ def streaming_problems(plan: ExecutionPlan) -> list[str]:
         return [f"streaming: gen_gpus {st.gen_gpus} + train_gpus {st.train_gpus} is not the "
                 f"cluster's {plan.cluster.n_gpus} GPUs"]
     out = []
+    if st.capacity_groups < st.batch_groups:
+        out.append(f"streaming: capacity_groups {st.capacity_groups} is less than a batch's "
+                   f"batch_groups {st.batch_groups}")
+    seqs = {m.n_seqs for m in plan.graph.mfcs if m.kind == "generate" and not m.is_eval}
+    if seqs and seqs != {st.group_size * st.batch_groups}:
+        out.append(f"streaming: group_size {st.group_size} x batch_groups {st.batch_groups} "
+                   f"is not the rollout's {sorted(seqs)[0]} sequences a step")
     for a in plan.allocations:
         m = plan.graph.mfc(a.mfc)
         if m.is_eval:

@@ -44,11 +44,16 @@ def check_streaming_plan(cfg: ExperimentConfig, plan: ExecutionPlan) -> None:
     if st is None:
         return
     a = cfg.algorithm
+    where = cfg.plan.file or "the plan"
+    field = "plan.file" if cfg.plan.file else "plan"
     want = {"group_size": parts.gen.mfc.n_seqs // a.shape().prompts_generated,
-            "max_staleness": a.max_staleness, "on_update": cfg.rollout.on_update}
+            "on_update": cfg.rollout.on_update}
     for name, value in want.items():
         if getattr(st, name) != value:
-            where = cfg.plan.file or "the plan"
             raise UserError(f"{where}: streaming.{name} is {getattr(st, name)!r}, but the "
                             f"experiment's is {value!r}; plan again (realign plan)",
-                            field="plan.file" if cfg.plan.file else "plan")
+                            field=field)
+    if st.max_staleness > a.max_staleness:       # the search may choose a tighter bound
+        raise UserError(f"{where}: streaming.max_staleness is {st.max_staleness}, above the "
+                        f"experiment's algorithm.max_staleness {a.max_staleness}; plan again "
+                        "(realign plan)", field=field)

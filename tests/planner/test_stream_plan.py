@@ -117,6 +117,20 @@ def test_a_streaming_plan_round_trips_through_json_and_is_checked(ahead):
         ExecutionPlan.from_json(json.dumps(raw))
 
 
+
+@pytest.mark.parametrize("edit, says", [
+    ({"capacity_groups": 4}, "capacity_groups 4 is less than a batch's batch_groups 8"),
+    ({"batch_groups": 16, "capacity_groups": 32},
+     "group_size 4 x batch_groups 16 is not the rollout's 32 sequences"),
+    ({"group_size": 8}, "group_size 8 x batch_groups 8 is not the rollout's 32 sequences")])
+def test_a_hand_edited_streaming_section_is_refused(ahead, edit, says):
+    _, stream = ahead
+    raw = json.loads(stream.to_json())
+    assert raw["streaming"]["batch_groups"] == 8 and raw["streaming"]["group_size"] == 4
+    raw["streaming"].update(edit)
+    with pytest.raises(PlanError, match=says):
+        ExecutionPlan.from_json(json.dumps(raw))
+
 def test_a_streaming_plans_picture_shows_both_sides_and_the_updates(ahead):
     _, stream = ahead
     svg = render(stream)
