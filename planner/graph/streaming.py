@@ -31,8 +31,9 @@ StreamSchedule.state` repeats an uninterrupted one exactly.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -85,10 +86,33 @@ class StepRecord:
     metrics: dict[str, float]
 
 
+class ConstantLengths(Sequence[int]):
+    """``n`` samples of one ``length`` without a list of them: the runtime's schedule,
+    whose samples end at their decode's end token (the length is only their cap) and
+    whose count is not known ahead (groups dropped as stale are made again)."""
+
+    def __init__(self, length: int, n: int):
+        self.length, self.n = length, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return [self.length] * len(range(*i.indices(self.n)))
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return self.length
+
+
 @dataclass
 class StreamSchedule:
     settings: StreamSettings
-    lengths: list[int]                   #: response length of each sample, data order
+    lengths: Sequence[int]               #: response length of each sample, data order
     it: int = 0                          #: the generator's next decode iteration
     next_sample: int = 0
     gen_version: int = 0
@@ -266,7 +290,7 @@ class StreamSchedule:
             "segments": {str(k): v for k, v in self.segments.items()}}
 
     @classmethod
-    def from_state(cls, settings: StreamSettings, lengths: list[int], st: dict[str, Any]
+    def from_state(cls, settings: StreamSettings, lengths: Sequence[int], st: dict[str, Any]
                    ) -> StreamSchedule:
         sch = cls(settings, lengths, it=st["it"], next_sample=st["next_sample"],
                   gen_version=st["gen_version"], pause_left=st["pause_left"],

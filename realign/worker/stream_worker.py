@@ -29,13 +29,14 @@ whichever side is early waits), so a run repeats exactly.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from planner.graph.streaming import StepRecord, StreamSchedule, StreamSettings
+from planner.graph.streaming import ConstantLengths, StepRecord, StreamSchedule, StreamSettings
 from realign.run.stream_parts import StreamParts
 from realign.runtime.engines.stream_decode import StreamDecoder, StreamedSample
 from realign.runtime.sampling import SamplingParams
@@ -76,9 +77,9 @@ class StreamGenerator:
         s = self.settings
         shard = self.runner.hosted[self.parts.gen.replica].shard
         assert shard is not None, "the generator hosts the rollout's copy"
-        # samples the run can reach: every step's batch, the buffer, what may be dropped
-        n = (self.steps + s.capacity()) * s.batch_groups * s.group_size * (s.max_staleness + 2)
-        self.schedule = StreamSchedule(s, [self.sampling.max_new_tokens] * n)
+        # as many samples as the run reaches (dropped groups are made again), none listed
+        self.schedule = StreamSchedule(s, ConstantLengths(self.sampling.max_new_tokens,
+                                                          sys.maxsize))
         self.decoder = StreamDecoder(shard, s.slots, self.max_prompt_len, self.sampling)
 
     # ---- one controller step -------------------------------------------------------
@@ -210,8 +211,7 @@ class StreamGenerator:
                 "sent": self.sent}
 
     def load(self, st: dict[str, Any]) -> None:
-        n = len(self.schedule.lengths)
-        self.schedule = StreamSchedule.from_state(self.settings, [self.sampling.max_new_tokens] * n,
+        self.schedule = StreamSchedule.from_state(self.settings, self.schedule.lengths,
                                                   st["schedule"])
         self.decoder.load(st["decoder"])
         self.ended = {int(q[0]): StreamedSample.from_state(q) for q in st["ended"]}

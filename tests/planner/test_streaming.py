@@ -1,10 +1,12 @@
 """The streaming rollout buffer and its deterministic schedule (pure)."""
 import json
+import sys
 
 import pytest
 
 from planner.graph.stream_buffer import FinishedGroup, RolloutBuffer, staleness_histogram, staleness_metrics
 from planner.graph.streaming import (
+    ConstantLengths,
     StreamSchedule,
     StreamSettings,
     draw_lengths,
@@ -131,6 +133,19 @@ def test_the_state_holds_only_the_segments_of_groups_not_yet_in_the_buffer():
         sizes.append(len(st["segments"]))
     # an unfinished group has a sample in a slot or the next to admit
     assert max(sizes) <= (s.slots + 1) * s.group_size < 10 * s.batch_groups * s.group_size
+
+
+def test_constant_lengths_run_the_schedule_of_their_list_without_one():
+    # the runtime's schedule: a cap per sample and no count known ahead, nothing listed
+    s = _settings(k=1)
+    lazy = ConstantLengths(7, sys.maxsize)
+    assert len(lazy) == sys.maxsize and lazy[10 ** 15] == 7 and lazy[3:6] == [7, 7, 7]
+    with pytest.raises(IndexError):
+        ConstantLengths(7, 4)[4]
+    want = StreamSchedule(s, [7] * 2000).run_steps(20)
+    got = StreamSchedule(s, lazy).run_steps(20)
+    assert [(r.take_iter, r.group_ids, r.metrics) for r in got] == \
+           [(r.take_iter, r.group_ids, r.metrics) for r in want]
 
 def test_steady_state_beats_synchronous_on_a_long_tail_and_bound_loosens_drops():
     ss = {k: steady_state(_settings(k=k, slots=8, train_iters=30), LENGTHS, 40)
