@@ -61,7 +61,7 @@ def test_memory_first_prices_fewer_calls_and_keeps_every_candidate():
     b = build_problem(graph, models, full, n_iters=2)
     assert a.cands == b.cands
     assert sum(len(c) for c in a.cands) > 0
-    # every priced call that does not fit is no longer priced
+    # a candidate that does not fit is not priced in time: fewer calls to the pricer
     assert lean.calls < 0.8 * full.calls, (lean.calls, full.calls)
 
 

@@ -152,7 +152,11 @@ def side_by_side(rank: int, world: int, port: int, model_dir: str, out: str, pro
     max_model_len = max(len(q) for q in prompts) + gen_len + 8
     shard = bench_replica(model_dir, world)
     engine = bench_engine(shard, model_dir, max_model_len)
-    llm, args = standalone_llm(model_dir, world, max_model_len) if rank == 0 else (None, {})
+    try:                                  # the engine closed however the standalone fails
+        llm, args = standalone_llm(model_dir, world, max_model_len) if rank == 0 else (None, {})
+    except BaseException:
+        engine.close()
+        raise
     p = SamplingParams(max_new_tokens=gen_len, greedy=True)
     requests = [{"prompt_token_ids": q} for q in prompts]
 
