@@ -1,9 +1,10 @@
 """Streaming runs end to end on CPU (``rollout.mode: streaming``, 1x2: GPU 0 streams the
 rollout into the buffer while GPU 1 trains): GRPO trains on samples at most
 ``max_staleness`` versions old, with each token's policy version recorded, under both
-update policies, and PPO with a critic; the same run twice gives the same metrics row
-for row (the schedule counts decode iterations, not seconds), a killed run resumes
-bit for bit, a dead side fails the run naming its worker."""
+update policies, PPO with a critic, RLOO, REINFORCE++, GSPO and Dr. GRPO; the same
+run twice gives the same metrics row for row (the schedule counts decode iterations,
+not seconds), a killed run resumes bit for bit, a dead side fails the run naming its
+worker."""
 from __future__ import annotations
 
 import math
@@ -135,3 +136,32 @@ def test_ppo_with_a_critic_streams(tiny_assets, tmp_path):
         assert math.isfinite(row["actor.loss"]) and math.isfinite(row["critic.loss"])
         assert row["stream.staleness_max"] <= 1
     assert any(row["actor.staleness"] > 0 for row in got[1:])
+
+
+#: each critic-free algorithm's own parameters (no reference model: no KL term)
+STREAM_ALGORITHMS = {
+    "rloo": {"kl_coef": 0.0, "clip_ratio": 0.2},
+    "reinforce_pp": {"kl_coef": 0.0, "clip_ratio": 0.2},
+    "gspo": {"kl_coef": 0.0, "clip_ratio": 3.0e-4, "clip_ratio_high": 4.0e-4},
+    "dr_grpo": {"kl_coef": 0.0, "clip_ratio": 0.2},
+}
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_ALGORITHMS))
+def test_every_critic_free_algorithm_streams(tiny_assets, tmp_path, name):
+    """RLOO, REINFORCE++, GSPO and Dr. GRPO stream like GRPO: their advantages are
+    computed on the training side from each streamed batch, every trained sample is
+    within the staleness bound; GSPO's loss is its own (a sequence ratio clipped on
+    each side: clip_frac_low and clip_frac_high), the others' the token-level clip."""
+    exp = stream_experiment(tiny_assets, tmp_path, "finish", run__steps=2,
+                            algorithm__name=name, algorithm__params=STREAM_ALGORITHMS[name])
+    r = run(exp, tmp_path / "run", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = metrics(tmp_path / "run")
+    assert [row["step"] for row in got] == [0, 1]
+    for row in got:
+        assert math.isfinite(row["loss"]) and math.isfinite(row["actor.grad_norm"])
+        assert 0 <= row["stream.staleness_max"] <= 1
+        assert 0 <= row["actor.staleness"] <= row["stream.staleness_max"]
+        assert ("actor.clip_frac_high" in row) == (name == "gspo")
+        assert ("actor.clip_frac_low" in row) == (name == "gspo")
