@@ -82,7 +82,7 @@ def stream_section(rows: list[dict]) -> list[str]:
              f"{cells}</table>"]
     if hist:
         svg = bar_chart("Staleness histogram (groups trained, all steps)",
-                        [f"staleness {k}" for k in hist], {"groups": list(hist.values())},
+                        [f"staleness {k}" for k in hist], {"trained": list(hist.values())},
                         "groups")
         parts.append(f'<figure id="stream-hist">{svg}<figcaption>groups trained at each '
                      "staleness (versions between the weights that made a group and the "

@@ -58,7 +58,7 @@ def test_a_streamed_run_gets_a_section_with_its_histogram_and_curves(rows):
         assert f'id="{fid}"' in html
     hist = html.split('id="stream-hist"')[1].split("</figure>")[0]
     # one bar per staleness, its value the groups summed over the steps
-    assert re.findall(r"<title>groups: ([\d.]+) groups</title>", hist) == ["5", "5", "2"]
+    assert re.findall(r"<title>trained: ([\d.]+) groups</title>", hist) == ["5", "5", "2"]
     table = html.split('id="stream-summary"')[1].split("</table>")[0]
     assert "<td>dropped_stale</td><td>3</td>" in table
 
