@@ -174,7 +174,7 @@ def stream_plan(plan: ExecutionPlan, sides: Sides, group_size: int, max_stalenes
 
 def with_stream(plan: ExecutionPlan, st: StreamingPlan) -> ExecutionPlan:
     """``plan`` streaming as ``st`` says: its estimate is the stream's step (checked
-    against its allocations: :func:`planner.plan.streaming_problems`)."""
+    against its allocations: :func:`planner.plan_streaming.streaming_problems`)."""
     return ExecutionPlan.model_validate({**plan.model_dump(), "streaming": st.model_dump(),
                                          "iteration_time_s": st.step_s, "slower_side_s": 0.0})
 
