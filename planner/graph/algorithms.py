@@ -34,6 +34,7 @@ from planner.graph.batch_shape import EvalShape as EvalShape
 from planner.graph.batch_shape import prompts_generated as prompts_generated
 from planner.graph.dataflow import MFC, DataflowGraph, Evaluation, RuleReward
 from planner.graph.lengths import GenLengths
+from planner.graph.proximal import with_proximal
 from planner.graph.sampling_rounds import expected_rounds
 from planner.graph.turns import Turns
 
@@ -273,7 +274,7 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
     compares with the rollout's (vLLM's may differ) and truncated importance sampling
     corrects with. ``asynchronous`` (needs a bound of at least 1): rollout generation runs one step
     ahead of training, and the actor's current policy scores the rollout before it
-    trains (:func:`_proximal`). ``turns``: every generate call (rollout and
+    trains (:func:`planner.graph.proximal.with_proximal`). ``turns``: every generate call (rollout and
     evaluations) is multi-turn episodes of this shape (:mod:`planner.graph.turns`).
     ``max_sampling_rounds`` (DAPO): the step generates and scores again until its batch
     is full, at most this many rounds, priced at the expected rounds
@@ -336,7 +337,7 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
     if max_sampling_rounds > 1:
         calls = _sampling_rounds(calls, shape, algorithm, max_sampling_rounds, asynchronous)
     if asynchronous or score_rollout:
-        calls = _proximal(calls)
+        calls = with_proximal(calls)
     return DataflowGraph(algorithm=algorithm, mfcs=tuple(calls), rule_rewards=tuple(rules),
                          evaluations=evaluations, max_staleness=max_staleness,
                          ahead_steps=1 if asynchronous else 0)
@@ -382,24 +383,3 @@ def _sampling_rounds(calls: list[MFC], shape: BatchShape, algorithm: str, max_ro
     return [m.model_copy(update={"sampling_rounds": rounds})
             if m is rollout or (m.kind == "inference" and rollout.output_keys[0] in m.input_keys)
             else m for m in calls]
-
-
-#: The call that scores an asynchronous rollout with the actor's current policy.
-PROXIMAL_MFC = "actor.prox_inference"
-
-
-def _proximal(calls: list[MFC]) -> list[MFC]:
-    """An asynchronous graph: before the actor trains, its current policy (the
-    proximal policy of the decoupled PPO loss) scores the rollout that an older policy
-    generated (``prox_logprobs``), and the actor's train call reads them. It scores
-    every sequence generated: the train call selects its rows after (DAPO's dynamic
-    sampling trains fewer than were generated)."""
-    i = next(i for i, m in enumerate(calls) if m.kind == "train" and m.role == "actor")
-    t = calls[i]
-    rollout = next(m for m in calls if m.kind == "generate" and "seqs" in m.output_keys)
-    prox = MFC(name=PROXIMAL_MFC, role="actor", kind="inference", n_seqs=rollout.n_seqs,
-               prompt_len=t.prompt_len, gen_len=t.gen_len, input_keys=("seqs",),
-               output_keys=("prox_logprobs",), lengths=t.lengths,
-               prompt_lengths=t.prompt_lengths)
-    trained = t.model_copy(update={"input_keys": t.input_keys + ("prox_logprobs",)})
-    return calls[:i] + [prox, trained] + calls[i + 1:]

@@ -8,10 +8,11 @@ from planner.cost.cost_config import CostModelConfig
 from planner.cost.profile import ProfileTable
 from planner.cost.vllm_cost import VLLM_MAX_LORA_RANK
 from planner.errors import InfeasibleError, PlanError
-from planner.graph.algorithms import PROXIMAL_MFC, EvalShape, algorithm_spec, build_graph
+from planner.graph.algorithms import EvalShape, algorithm_spec, build_graph
 from planner.graph.dataflow import DataflowGraph
 from planner.graph.lengths import GenLengths
 from planner.graph.packing import packed_graph
+from planner.graph.proximal import PROXIMAL_MFC
 from planner.graph.refill import refill_graph
 from planner.graph.turns import Turns
 from planner.plan import ExecutionPlan

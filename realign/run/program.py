@@ -31,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import assert_never
 
-from planner.graph.algorithms import PROXIMAL_MFC
 from planner.graph.dataflow import MFC, DataflowGraph
+from planner.graph.proximal import PROXIMAL_MFC
 from planner.plan import ExecutionPlan, MFCAllocation
 
 #: The shortest collective timeout (torch's default for NCCL and gloo is 10 minutes).

@@ -7,7 +7,8 @@ import pytest
 
 from planner.cost.cost_model import CostModel
 from planner.errors import PlanError
-from planner.graph.algorithms import PROXIMAL_MFC, BatchShape, build_graph
+from planner.graph.algorithms import BatchShape, build_graph
+from planner.graph.proximal import PROXIMAL_MFC
 from planner.report import async_speedup, modes_lines, table
 from planner.search.problem import RoleModel, async_splits, build_problem, head_of
 from planner.search.search import SearchSettings, search
