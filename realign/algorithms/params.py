@@ -10,20 +10,20 @@ Parameters that contradict each other are refused
 (:func:`~realign.algorithms.param_paths.contradiction`; the pairs: docs/algorithms.md):
 values alone in validators, keys the experiment wrote together in
 :meth:`AlgorithmParams.check_written`. A class's ``algorithm`` names it (the tag of
-:data:`AnyParams`). ``samples_per_prompt`` belongs to the batch shape
-(``algorithm.samples_per_prompt``), as do ``prompts_per_step``, ``gen_len`` and
-``dropped_group_frac``: :func:`make_params` sets them, and a class that reads one
-declares it without a default. The losses that read these live with each algorithm
-(:mod:`realign.algorithms.grpo`, ...).
+:data:`~realign.algorithms.params_table.AnyParams`). ``samples_per_prompt`` belongs to
+the batch shape (``algorithm.samples_per_prompt``), as do ``prompts_per_step``,
+``gen_len`` and ``dropped_group_frac``: :func:`~realign.algorithms.params_table.make_params`
+sets them, and a class that reads one declares it without a default. The losses that
+read these live with each algorithm (:mod:`realign.algorithms.grpo`, ...).
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Collection, Literal, Mapping, Union
+from typing import Any, Collection, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from planner.errors import UserError, from_validation
-from planner.graph.algorithms import MAX_DROPPED_GROUP_FRAC, BatchShape
+from planner.errors import UserError
+from planner.graph.algorithms import MAX_DROPPED_GROUP_FRAC
 from planner.graph.sampling_rounds import MAX_SAMPLING_ROUNDS
 from realign.algorithms.param_paths import SHAPE_OWNED, contradiction
 
@@ -33,7 +33,8 @@ LossAgg = Literal["token_mean", "seq_mean_token_mean"]
 
 class AlgorithmParams(BaseModel):
     """Base of the algorithms' hyper-parameter models: unknown keys are errors, values
-    are frozen; ``algorithm`` names the algorithm (set by :func:`make_params`)."""
+    are frozen; ``algorithm`` names the algorithm (set by
+    :func:`~realign.algorithms.params_table.make_params`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -364,40 +365,3 @@ def max_sampling_rounds(params: AlgorithmParams) -> int:
     if isinstance(params, DAPOConfig) and params.dynamic_sampling:
         return params.max_sampling_rounds
     return 1
-
-
-#: every algorithm's parameters, told apart by their ``algorithm``
-AnyParams = Annotated[Union[PPOConfig, GRPOConfig, ReMaxConfig, ReinforcePPConfig,
-                            RLOOConfig, DPOConfig, SFTConfig, RMConfig,
-                            RejectionSamplingConfig, OnlineDPOConfig, DAPOConfig, GSPOConfig,
-                            DrGRPOConfig],
-                      Field(discriminator="algorithm")]
-
-#: algorithm name -> its parameters' class
-PARAMS: Mapping[str, type[AlgorithmParams]] = {
-    c.model_fields["algorithm"].default: c
-    for c in (PPOConfig, GRPOConfig, ReMaxConfig, ReinforcePPConfig, RLOOConfig, DPOConfig,
-              SFTConfig, RMConfig, RejectionSamplingConfig, OnlineDPOConfig, DAPOConfig,
-              GSPOConfig, DrGRPOConfig)}
-
-def make_params(name: str, params: Mapping[str, Any], shape: BatchShape) -> AlgorithmParams:
-    """Algorithm ``name``'s parameters from the experiment's ``algorithm.params`` and the
-    fields its batch shape owns; a :class:`UserError` naming ``algorithm.params.<key>``
-    (or ``algorithm.<key>`` for a batch-shape field) when a value is not allowed."""
-    cls = PARAMS[name]
-    for key, owner in {**SHAPE_OWNED, "algorithm": "name"}.items():
-        if key in params:
-            raise UserError(f"set {owner} on the algorithm, not in params",
-                            field=f"algorithm.params.{key}")
-    from_shape = {k: getattr(shape, v) for k, v in SHAPE_OWNED.items()
-                  if k in cls.model_fields}
-    try:
-        out = cls(**params, **from_shape)
-    except ValidationError as e:
-        raise from_validation(e, cls, prefix="algorithm.params",
-                              unknown=f"unknown hyper-parameter of {name}",
-                              hidden=("algorithm", *from_shape),
-                              renames={k: f"algorithm.{SHAPE_OWNED[k]}" for k in from_shape}
-                              ) from None
-    out.check_written(set(params))
-    return out

@@ -28,7 +28,8 @@ from planner.search_settings import SearchSettings
 from planner.specs.cluster import MAX_GPUS_PER_NODE, MAX_NODES, ClusterSpec, DeviceSpec, resolve_device
 from planner.specs.layout import Allocation
 from planner.specs.lora import LoraSpec
-from realign.algorithms.params import AlgorithmParams, AnyParams, make_params
+from realign.algorithms.params import AlgorithmParams
+from realign.algorithms.params_table import AnyParams, make_params
 from realign.config.streaming import check_streaming
 from realign.data.config import DatasetConfig
 from realign.paths import CodeRef, FilePath, ModelRef
@@ -96,7 +97,7 @@ class AlgorithmSection(BatchShape):
     @classmethod
     def _typed_params(cls, raw: Any, info: ValidationInfo) -> AlgorithmParams:
         """``algorithm.params`` as the typed hyper-parameters of ``name``, with the
-        fields the batch shape sets (:func:`~realign.algorithms.params.make_params`: a
+        fields the batch shape sets (:func:`~realign.algorithms.params_table.make_params`: a
         :class:`UserError` naming ``algorithm.params.<key>``). A typed value (a config
         built in code, or copied) is typed again from the keys it was written with."""
         if isinstance(raw, AlgorithmParams):

@@ -158,7 +158,7 @@ def time_train(ctx, dims, lay, b: int, s: int, m: int, reps: int = REPS_PER_PASS
     """Seconds of ``reps`` optimizer steps with GRPO's actor loss (clipped surrogate)."""
     from planner.graph.algorithms import BatchShape
     from realign.algorithms import registry
-    from realign.algorithms.params import make_params
+    from realign.algorithms.params_table import make_params
     from realign.runtime.engines.train import TrainEngine
     from realign.runtime.settings import TrainConfig
     shard, dev = _replica(ctx, dims, lay), ctx.store["device"]

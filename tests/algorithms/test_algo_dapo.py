@@ -217,7 +217,7 @@ def test_shaping_enters_the_advantage_but_not_the_drop():
 
 def test_bad_values_name_their_key():
     from planner.graph.algorithms import BatchShape
-    from realign.algorithms.params import make_params
+    from realign.algorithms.params_table import make_params
     shape = BatchShape(samples_per_prompt=4, dropped_group_frac=0.25)
     for params, field in (({"clip_ratio_high": 0}, "algorithm.params.clip_ratio_high"),
                           ({"overlong_buffer_frac": 1.0}, "algorithm.params.overlong_buffer_frac"),

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from planner.graph.algorithms import BatchShape
-from realign.algorithms.params import PARAMS, ClippedPGParams, make_params
+from realign.algorithms.params import ClippedPGParams
+from realign.algorithms.params_table import PARAMS, make_params
 from realign.errors import UserError
 
 pytestmark = pytest.mark.pure
