@@ -178,7 +178,8 @@ def prepare(experiment: str | Path, *, run_dir: str | None = None, steps: int | 
     from realign.data.datasets import load_dataset
     from realign.data.tokenizer import load_tokenizer, tokenizer_class
     from realign.run.loading import load_experiment
-    from realign.run.planning import resolve_models, resolve_plan
+    from realign.run.plan_source import resolve_plan
+    from realign.run.planning import resolve_models
     from realign.run.streaming_check import check_streaming_plan, check_streaming_runs
 
     cfg = load_experiment(experiment)

@@ -189,7 +189,8 @@ def test_the_cost_model_prices_the_optimizer_the_run_uses(device, train, cost, p
 
 def test_a_sharded_optimizer_shrinks_the_memory_the_plan_counts():
     from realign.config.experiment import ExperimentConfig
-    from realign.run.planning import resolve_models, resolve_plan
+    from realign.run.plan_source import resolve_plan
+    from realign.run.planning import resolve_models
 
     alloc = {"mesh": {"first_gpu": 0, "n_gpus": 8}, "layout": {"tp": 4, "pp": 1, "dp": 2}}
     base = {"name": "g", "models": {"actor": "llama2-7b"}, "device": "cuda",

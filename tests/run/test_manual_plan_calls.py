@@ -26,7 +26,8 @@ SYNC_CALLS = ("actor.generate", "actor.prox_inference", "actor.train")
 
 def _resolve(manual: dict, engine: str = "own", staleness: int = 0, **params):
     from realign.config.experiment import ExperimentConfig
-    from realign.run.planning import resolve_models, resolve_plan
+    from realign.run.plan_source import resolve_plan
+    from realign.run.planning import resolve_models
 
     cfg = ExperimentConfig.model_validate({
         "name": "g", "models": {"actor": "llama2-7b"}, "device": "cuda",

@@ -99,7 +99,8 @@ def test_the_moe_grpo_stage_runs_every_call_at_dp2_ep2(moe_assets, tmp_path):
     ``plan.manual`` places every call of the graph at DP2·EP2 on the two CPU workers,
     each holding half the experts (less expert memory a worker than at EP 1)."""
     from realign.run.loading import load_experiment
-    from realign.run.planning import resolve_models, resolve_plan
+    from realign.run.plan_source import resolve_plan
+    from realign.run.planning import resolve_models
 
     exp = experiment(moe_assets, "demo-moe-grpo", tmp_path, models__actor="tiny/moe_actor")
     cfg = load_experiment(exp)
