@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import product
-from typing import Callable
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.cost_model import CostModel
@@ -19,8 +18,8 @@ from planner.cost.vllm_cost import VLLM_MAX_LORA_RANK, concurrency
 from planner.errors import PlanError
 from planner.graph.dataflow import MFC, DataflowGraph
 from planner.graph.packing import budget_options, budget_shape
-from planner.graph.records import RecordSize, record_sizes
 from planner.search.deadline import Deadline
+from planner.search.problem_records import price_records
 from planner.specs.cluster import ClusterSpec
 from planner.specs.layout import Layout, enumerate_layouts, shard_placement
 from planner.specs.lora import LoraSpec
@@ -379,7 +378,7 @@ def assemble(graph: DataflowGraph, models: dict[str, RoleModel], cost: CostModel
         cands=cands, n_iters=n_iters, step_overhead_s=step_overhead_s(graph, cost),
         profile=cost.profile,
         cost_sources=dict(cost.rates.sources))
-    _add_records(prob, graph, models, cost)
+    price_records(prob, graph, models, cost)
     for cs in cands:
         groups: dict[tuple[int, int], list[int]] = {}
         for j, c in enumerate(cs):
@@ -387,35 +386,3 @@ def assemble(graph: DataflowGraph, models: dict[str, RoleModel], cost: CostModel
         prob.same_mesh.append([groups[(c.first_gpu, c.n_gpus)] for c in cs])
         prob.on_mesh.append(groups)
     return prob
-
-
-def _add_records(prob: Problem, graph: DataflowGraph, models: dict[str, RoleModel],
-                 cost: CostModel) -> None:
-    """The record bookkeeping the simulator needs to price Sends."""
-    rates, dev = cost.rates, cost.cluster.device
-
-    def send_s(size: RecordSize) -> tuple[float, float]:
-        intra = rates.send_s(size.nbytes, size.tensors)
-        return intra, intra + size.nbytes / rates.inter_bytes_per_s + dev.inter_node_latency_s
-    add_records(prob, graph, {r: m.head for r, m in models.items()}, send_s)
-
-
-def add_records(prob: Problem, graph: DataflowGraph, heads: dict[str, str],
-                send_s: Callable[[RecordSize], tuple[float, float]]) -> None:
-    """Fill ``prob``'s record fields: ``send_s(RecordSize) -> (within a node, across
-    nodes)`` seconds of one Send."""
-    sizes = record_sizes(graph, heads)
-    keys = sorted(set(sizes) | set(graph.dataset_keys()))
-    kid = {k: i for i, k in enumerate(keys)}
-    prod = graph.producer_of()
-    idx = {m.name: i for i, m in enumerate(graph.mfcs)}
-    prob.inputs = [[(kid[k], idx[prod[k]] if k in prod else -1) for k in m.input_keys]
-                   for m in graph.mfcs]
-    prob.outputs = [[kid[k] for k in m.output_keys]
-                    + [kid[r.out_key] for r in graph.rule_reward_after(m.name)]
-                    for m in graph.mfcs]
-    prob.mfc_every = [m.every for m in graph.mfcs]
-    prob.ahead = [graph.is_ahead(m) for m in graph.mfcs]
-    prob.key_names = keys
-    # dataset keys: every rank holds them, they are never sent
-    prob.key_send_s = [send_s(sizes[k]) if k in sizes else (0.0, 0.0) for k in keys]

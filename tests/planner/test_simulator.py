@@ -16,10 +16,10 @@ from planner.search.problem import (
     Candidate,
     Problem,
     RoleModel,
-    add_records,
     build_problem,
     head_of,
 )
+from planner.search.problem_records import add_records
 from planner.search.simulator import OVERFLOW_PENALTY, energy, needs_realloc, simulate
 from planner.specs.cluster import ClusterSpec, DeviceSpec, resolve_device
 from planner.specs.model_spec import model_presets
