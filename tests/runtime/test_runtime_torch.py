@@ -303,7 +303,7 @@ def test_works_that_do_not_report_completion_are_not_polled(op):
 
 
 def test_torchs_adam_is_switched_to_its_fused_kernel_before_any_state():
-    from realign.runtime.engines.train import use_fused_adam
+    from realign.runtime.engines.optimizer_step import use_fused_adam
     params = [torch.nn.Parameter(torch.ones(3))]
     opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.0)
     assert use_fused_adam(opt)
