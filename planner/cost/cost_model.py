@@ -55,6 +55,7 @@ from planner.cost.memory import (
     trainable_params,
 )
 from planner.cost.mfc_cost import MFCBytes, MFCCost
+from planner.cost.offload_terms import offload_step_s, state_transfer_s
 from planner.cost.passes import (
     messages,
     micro_batch_tokens,
@@ -65,7 +66,6 @@ from planner.cost.profile import ProfileTable
 from planner.cost.rates import Rates
 from planner.cost.turns import multi_turn_cost
 from planner.cost.vllm_cost import vllm_generate_cost
-from planner.errors import PlanError
 from planner.graph.dataflow import MFC
 from planner.graph.packing import budget_shape
 from planner.graph.padding import padded_len
@@ -190,35 +190,12 @@ class CostModel:
         return out
 
     # ---- the MFC cost ------------------------------------------------------------
-    def offload_options(self, mfc: MFC) -> tuple[bool, ...]:
-        """The optimizer-offload settings to price for ``mfc``: only training has
-        optimizer state; the device must offer it (``host_adam_params_per_s``) and the
-        distributed optimizer must shard it (megatron offloads only that)."""
-        mode = self.config.optimizer_offload
-        if (mfc.kind != "train" or mode == "never" or not self.config.distributed_optimizer
-                or self.cluster.device.host_adam_params_per_s is None):
-            return (False,)
-        return (True,) if mode == "always" else (False, True)
-
     def recompute_options(self, mfc: MFC) -> tuple[bool, ...]:
         """The activation-recompute settings to price for ``mfc`` (train only)."""
         mode = self.config.recompute
         if mfc.kind != "train" or mode == "never":
             return (False,)
         return (True,) if mode == "always" else (False, True)
-
-    def state_offload_options(self, mfc: MFC) -> tuple[bool, ...]:
-        """The training-state-offload settings to price for ``mfc`` (train only):
-        'auto' offers it where the device has memory of its own beside the host's (it
-        offers optimizer offload: ``host_adam_params_per_s``); 'always' everywhere (the
-        runtime executes it on any device; on the cpu device the "host" is the same
-        memory, so it frees nothing there)."""
-        mode = self.config.train_state_offload
-        if mfc.kind != "train" or mode == "never":
-            return (False,)
-        if mode == "always":
-            return (True,)
-        return (False,) if self.cluster.device.host_adam_params_per_s is None else (False, True)
 
     def engine_options(self, mfc: MFC, layout: Layout, micro_batches: int) -> tuple[str, ...]:
         """The generation engines to price for ``mfc`` under ``layout``
@@ -283,7 +260,7 @@ class CostModel:
             mfc, spec, head, layout, micro_batches, offload, state_offload, recompute, lora,
             token_budget)
         if state_offload:
-            terms["state_offload"] = self.state_transfer_s(b.kept_bytes)
+            terms["state_offload"] = state_transfer_s(self.rates, b.kept_bytes)
         return MFCCost(time_s=sum(terms.values()), terms_s=terms, weights_bytes=b.weights_bytes,
                        resident_bytes=b.resident_bytes, activation_bytes=b.activation_bytes,
                        host_bytes=b.host_bytes, adapter_bytes=b.adapter_bytes)
@@ -335,33 +312,6 @@ class CostModel:
         if hit is None:
             hit = self._budget_memo[key] = budget_shape(mfc, rows, budget)
         return hit
-
-    def state_transfer_s(self, kept_bytes: float) -> float:
-        """Seconds one train call with training-state offload adds: the optimizer
-        state the GPU keeps during the call (``kept_bytes`` per GPU: the fp32 main
-        weights and Adam's moments, or only the main weights under optimizer offload)
-        comes up from host memory before the call and goes down after it over the host
-        link (``host_link_bytes_per_s``: the profile's, else the device preset's); the
-        gradients are freed, not moved.
-
-        Example: 1.2e10 bytes at 25 GB/s: 2 x 0.48 = 0.96 s."""
-        return 2 * kept_bytes / self.rates.host_link_bytes_per_s
-
-    def offload_step_s(self, shard_params: float) -> float:
-        """Seconds one optimizer step with offloaded state adds for a GPU whose
-        optimizer shard holds ``shard_params`` parameters: its fp32 gradients down and
-        its fp32 main weights back up over the host link (``host_link_bytes_per_s``),
-        and the host's Adam step (``host_adam_params_per_s``); nothing overlaps.
-
-        Example: 1e9 parameters, 25 GB/s, 5e8 params/s: 8e9 / 25e9 + 2 = 2.32 s.
-        """
-        adam = self.cluster.device.host_adam_params_per_s
-        if adam is None:
-            raise PlanError(f"{self.cluster.device.name} has no host Adam rate "
-                            "(host_adam_params_per_s), so optimizer offload cannot be "
-                            "priced on it", field="plan.cost.optimizer_offload")
-        moved = (self.config.grad_dtype_bytes + 4) * shard_params
-        return moved / self.rates.host_link_bytes_per_s + shard_params / adam
 
     def _inference_terms(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
                          layout: Layout, m: int, lora: LoraSpec | None = None,
@@ -435,7 +385,8 @@ class CostModel:
                         counts={"call_s": 1.0, "collective_s": float(n_sync + 2 * (mp > 1)),
                                 "param_s": 0.0 if offload else shard})
         if offload:     # the host steps the shard instead of the GPU
-            per_step.add(Work(seconds={"optimizer_offload": self.offload_step_s(shard)}))
+            host_s = offload_step_s(self.config, self.cluster.device, self.rates, shard)
+            per_step.add(Work(seconds={"optimizer_offload": host_s}))
         step = lagged(pipelined(stages, m, costs).add(per_step), layout.world)
         return Work().add(step, steps).terms(costs)
 

@@ -10,10 +10,10 @@ distributed optimizer) and 1F1B activations for ``min(pp, m)`` micro-batches in
 flight (with activation recompute only each layer's input, plus one layer's
 full activations); with optimizer offload the GPU keeps only the fp32 main-weight
 shard of the optimizer state, and the step adds the transfers and the host's Adam
-(:meth:`planner.cost.cost_model.CostModel.offload_step_s`); with training-state offload the gradients and the
+(:func:`planner.cost.offload_terms.offload_step_s`); with training-state offload the gradients and the
 optimizer state the GPU keeps are there only during the train call (transient, not
 resident: between calls the state waits in host memory and the gradients are freed),
-and the call adds the state's two transfers (:meth:`planner.cost.cost_model.CostModel.state_transfer_s`);
+and the call adds the state's two transfers (:func:`planner.cost.offload_terms.state_transfer_s`);
 inference adds one micro-batch's layer activations and fp32 logits (a packed scoring
 or training call with a token budget: of ``budget`` tokens, as a bin never holds more;
 otherwise ``rows / m x seq_len`` tokens, the caps);

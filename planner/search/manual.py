@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.cost_model import CostModel
+from planner.cost.offload_terms import offload_options, state_offload_options
 from planner.cost.profile import ProfileTable
 from planner.cost.step_spread import call_time_sd
 from planner.cost.vllm_cost import VLLM_MAX_LORA_RANK
@@ -43,7 +44,8 @@ def manual_plan(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
         # a hand-made layout has no search to choose offload or recompute: 'always' gives
         # it, 'auto' and 'never' do not
         off, state_off, rc = (opts[0] if len(opts) == 1 else False for opts in (
-            cost.offload_options(m), cost.state_offload_options(m), cost.recompute_options(m)))
+            offload_options(cost_config, cost.cluster.device, m),
+            state_offload_options(cost_config, cost.cluster.device, m), cost.recompute_options(m)))
         engines = cost.engine_options(m, a.layout, a.micro_batches)
         if not engines:
             raise PlanError(f"runs on vLLM (rollout.engine {cost_config.generate_engine}), "

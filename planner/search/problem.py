@@ -11,6 +11,7 @@ from itertools import product
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.cost_model import CostModel
 from planner.cost.mfc_cost import MFCBytes, MFCCost
+from planner.cost.offload_terms import offload_options, state_offload_options
 from planner.cost.profile import ProfileTable
 from planner.cost.realloc_cost import Links, ReallocModel
 from planner.cost.step_spread import call_time_sd
@@ -266,7 +267,8 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                         mfc.micro_batches)]
                 for mb, budget in options:
                     for off, state_off, rc, eng in product(
-                            cost.offload_options(mfc), cost.state_offload_options(mfc),
+                            offload_options(cost.config, cost.cluster.device, mfc),
+                            state_offload_options(cost.config, cost.cluster.device, mfc),
                             cost.recompute_options(mfc), cost.engine_options(mfc, lay, mb)):
                         if eng == "vllm" and concurrency(cost, rm.spec, mfc) < 1:
                             continue        # its KV cache holds no whole sequence

@@ -7,6 +7,12 @@ import pytest
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.cost_model import CostModel
+from planner.cost.offload_terms import (
+    offload_options,
+    offload_step_s,
+    state_offload_options,
+    state_transfer_s,
+)
 from planner.errors import InfeasibleError
 from planner.graph.algorithms import BatchShape, build_graph
 from planner.plan import ExecutionPlan
@@ -34,7 +40,7 @@ def sft(model: str, gpus: int, device=A100):
 def test_offload_step_is_the_transfers_and_the_host_adam():
     cm = CostModel(ClusterSpec(n_nodes=1, gpus_per_node=1, device=A100))
     # fp32 grads down, fp32 main weights up (8 bytes/param) at 25 GB/s, Adam at 5e8/s
-    assert cm.offload_step_s(1e9) == pytest.approx(8e9 / 25e9 + 1e9 / 5e8)
+    assert offload_step_s(cm.config, A100, cm.rates, 1e9) == pytest.approx(8e9 / 25e9 + 1e9 / 5e8)
 
 
 def test_offload_moves_optimizer_state_to_the_host_and_costs_its_step():
@@ -50,7 +56,8 @@ def test_offload_moves_optimizer_state_to_the_host_and_costs_its_step():
     assert off.resident_bytes - on.resident_bytes == pytest.approx(8 * shard)
     assert on.host_bytes == pytest.approx(16 * shard) and off.host_bytes == 0
     # the host step replaces the GPU's: it adds the transfers and the CPU Adam
-    assert on.terms_s["optimizer_offload"] == pytest.approx(cm.offload_step_s(shard))
+    host_s = offload_step_s(cm.config, cluster.device, cm.rates, shard)
+    assert on.terms_s["optimizer_offload"] == pytest.approx(host_s)
     assert on.time_s > off.time_s
     assert on.activation_bytes == off.activation_bytes
 
@@ -58,15 +65,14 @@ def test_offload_moves_optimizer_state_to_the_host_and_costs_its_step():
 def test_only_train_calls_on_devices_that_offer_it_are_offloaded():
     graph, _models, cluster = sft("llama2-7b", 1)
     train = graph.mfcs[-1]
-    assert CostModel(cluster).offload_options(train) == (False, True)
-    assert CostModel(cluster, CostModelConfig(optimizer_offload="always")).offload_options(
-        train) == (True,)
-    assert CostModel(cluster, CostModelConfig(optimizer_offload="never")).offload_options(
-        train) == (False,)
-    assert CostModel(cluster, CostModelConfig(distributed_optimizer=False)).offload_options(
-        train) == (False,)
+    dev = cluster.device
+    assert offload_options(CostModelConfig(), dev, train) == (False, True)
+    assert offload_options(CostModelConfig(optimizer_offload="always"), dev, train) == (True,)
+    assert offload_options(CostModelConfig(optimizer_offload="never"), dev, train) == (False,)
+    assert offload_options(CostModelConfig(distributed_optimizer=False), dev,
+                           train) == (False,)
     cpu = cluster.model_copy(update={"device": resolve_device("cpu")})
-    assert CostModel(cpu).offload_options(train) == (False,)
+    assert offload_options(CostModelConfig(), cpu.device, train) == (False,)
 
 
 def test_a_7b_sft_fits_one_a100_only_with_offload_and_the_plan_says_so():
@@ -123,12 +129,13 @@ def test_state_transfer_is_the_kept_state_down_and_up():
     cluster = ClusterSpec(n_nodes=1, gpus_per_node=1, device=A100)
     cm = CostModel(cluster)
     # 1.2e10 bytes of main weights and moments, up before the call and down after it
-    assert cm.state_transfer_s(1.2e10) == pytest.approx(2 * 1.2e10 / 25e9)
+    assert state_transfer_s(cm.rates, 1.2e10) == pytest.approx(2 * 1.2e10 / 25e9)
     # a profile's measured host link replaces the preset's (and the offload step's)
     measured = CostModel(cluster, profile=ProfileTable(device="a100-80g",
                                                        host_link_bytes_per_s=12.5e9))
-    assert measured.state_transfer_s(1.2e10) == pytest.approx(2 * 1.2e10 / 12.5e9)
-    assert measured.offload_step_s(1e9) == pytest.approx(8e9 / 12.5e9 + 1e9 / 5e8)
+    assert state_transfer_s(measured.rates, 1.2e10) == pytest.approx(2 * 1.2e10 / 12.5e9)
+    assert offload_step_s(measured.config, A100, measured.rates, 1e9) == pytest.approx(
+        8e9 / 12.5e9 + 1e9 / 5e8)
 
 
 @pytest.mark.parametrize("optimizer_offload", [False, True])
@@ -156,11 +163,11 @@ def test_state_offload_options_and_manual_plans():
     from planner.specs.layout import Allocation
     graph, models, cluster = sft("llama2-7b", 8)
     train = graph.mfcs[-1]
-    assert CostModel(cluster).state_offload_options(train) == (False, True)
+    assert state_offload_options(CostModelConfig(), cluster.device, train) == (False, True)
     cpu = cluster.model_copy(update={"device": resolve_device("cpu")})
-    assert CostModel(cpu).state_offload_options(train) == (False,)
-    assert CostModel(cpu, CostModelConfig(train_state_offload="always")).state_offload_options(
-        train) == (True,)
+    assert state_offload_options(CostModelConfig(), cpu.device, train) == (False,)
+    assert state_offload_options(CostModelConfig(train_state_offload="always"), cpu.device,
+                                 train) == (True,)
     # a hand-made plan gets it only from 'always'
     alloc = {m.name: Allocation(mesh=DeviceMesh(first_gpu=0, n_gpus=8),
                                 layout=Layout(tp=8, pp=1, dp=1), micro_batches=1)

@@ -10,6 +10,7 @@ import pytest
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.cost_model import CostModel
 from planner.cost.mfc_cost import MFCBytes, MFCCost
+from planner.cost.offload_terms import offload_options, state_offload_options
 from planner.graph.algorithms import BatchShape, build_graph
 from planner.search.problem import RoleModel, build_problem, head_of
 from planner.search.search import SearchSettings, search
@@ -99,8 +100,8 @@ def test_mfc_bytes_equals_the_price_memory(lora):
         for rounds in (1.0, 1.5) if mfc.kind != "train" else (1.0,):
             m = mfc.model_copy(update={"sampling_rounds": rounds})
             for lay in enumerate_layouts(mesh, spec, m, cluster)[:4]:
-                for mb, off, st, rc in product((1, 2), cost.offload_options(m),
-                                               cost.state_offload_options(m),
+                for mb, off, st, rc in product((1, 2), offload_options(cost.config, cluster.device, m),
+                                               state_offload_options(cost.config, cluster.device, m),
                                                cost.recompute_options(m)):
                     args = (m, spec, head_of(m.role), mesh, lay, mb, off, st, rc, "own", lora)
                     b, c = cost.mfc_bytes(*args), cost.mfc_cost(*args)
