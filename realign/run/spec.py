@@ -23,7 +23,8 @@ from planner.plan import ExecutionPlan
 from realign.algorithms.params import AlgorithmParams, DAPOConfig, max_sampling_rounds
 from realign.config.experiment import ExperimentConfig
 from realign.errors import UserError
-from realign.run.program import Op, Program, compile_program, estimate_s
+from realign.run.ops import Op, estimate_s
+from realign.run.program import Program, compile_program
 
 #: The shortest default call timeout (torch's default collective timeout is 10 minutes).
 MIN_CALL_TIMEOUT_S = 600.0

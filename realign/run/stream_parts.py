@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 from planner.graph.streaming import StreamSettings
 from planner.plan import ExecutionPlan
 from realign.errors import UserError
-from realign.run.program import Call, Op, Program, Realloc, Release, RuleReward, Send
+from realign.run.ops import Call, Op, Realloc, Release, RuleReward, Send
+from realign.run.program import Program
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from realign.algorithms.mismatch import rollout_mismatch
 from realign.data.packing import call_padding
 from realign.errors import NonFiniteError, UserError
 from realign.rewards.scoring import decoded_answers, scores
-from realign.run.program import Call, Evaluate, RuleReward
+from realign.run.ops import Call, Evaluate, RuleReward
 from realign.runtime.engines.captured_step import CaptureSetting
 from realign.runtime.engines.generate import GenerateEngine
 from realign.runtime.engines.inference import InferenceEngine

@@ -14,7 +14,8 @@ from planner.specs.lora import LoraSpec
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import ModelSpec
 from realign.realloc import offload
-from realign.run.program import Program, Replica
+from realign.run.ops import Replica
+from realign.run.program import Program
 from realign.runtime.device import DeviceInfo
 from realign.runtime.groups import ReplicaGroups, build_replica_groups
 from realign.runtime.hf_checkpoint import HFReader, load_hf_weights

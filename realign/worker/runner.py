@@ -34,7 +34,8 @@ import torch
 
 from planner.specs.lora import LoraSpec
 from realign.realloc import offload
-from realign.run.program import Call, Evaluate, Op, Program, Realloc, Release, RuleReward, Send
+from realign.run.ops import Call, Evaluate, Op, Realloc, Release, RuleReward, Send
+from realign.run.program import Program
 from realign.runtime.realloc_glue import reallocate_replica, release_copy
 from realign.worker.records import Record, recv_record, send_record
 from realign.worker.replicas import Hosted, head_of

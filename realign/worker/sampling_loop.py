@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from realign.algorithms.selection import constant_groups
-from realign.run.program import Op, RoundSpan
+from realign.run.ops import Op
+from realign.run.program import RoundSpan
 from realign.runtime.router_replay import ROUTED_EXPERTS
 from realign.worker.records import Record
 

@@ -26,7 +26,7 @@ from realign.data.step_batch import prompts_record, step_batch
 from realign.data.tokenizer import load_tokenizer, pad_id
 from realign.errors import UserError
 from realign.run import checkpoint
-from realign.run.program import Call
+from realign.run.ops import Call
 from realign.run.spec import RunSpec
 from realign.runtime.device import init_device
 from realign.runtime.hf_checkpoint import read_hf_config, save_hf_checkpoint, spec_from_hf

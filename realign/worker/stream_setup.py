@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 from realign.data.datasets import Dataset, PromptExample
 from realign.data.sampler import PromptSampler
 from realign.data.step_batch import prompts_record
-from realign.run.program import Call
+from realign.run.ops import Call
 from realign.run.stream_parts import stream_parts, stream_settings
 from realign.runtime.settings import SamplingParams
 from realign.worker.records import Record

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from realign.run.program import Op
+    from realign.run.ops import Op
 
 #: seconds between heartbeats
 BEAT_S = 1.0

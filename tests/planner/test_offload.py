@@ -115,7 +115,8 @@ def test_activation_recompute_adds_one_forward_of_the_layers_and_saves_memory():
 
 
 def test_the_run_program_carries_offload_and_recompute_to_the_train_call():
-    from realign.run.program import Call, compile_program
+    from realign.run.ops import Call
+    from realign.run.program import compile_program
     graph, models, cluster = sft("llama2-7b", 1)
     plan = search("offload", graph, models, cluster,
                   CostModelConfig(recompute="always"), settings=FAST)

@@ -12,7 +12,8 @@ from planner.specs.cluster import ClusterSpec, resolve_device
 from planner.specs.layout import Allocation, Layout
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import model_presets
-from realign.run.program import Call, Realloc, Release, RuleReward, Send, compile_program
+from realign.run.ops import Call, Realloc, Release, RuleReward, Send
+from realign.run.program import compile_program
 
 pytestmark = pytest.mark.pure
 

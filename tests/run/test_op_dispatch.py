@@ -11,16 +11,7 @@ from pathlib import Path
 import pytest
 
 from planner.graph.dataflow import MFC
-from realign.run.program import (
-    Call,
-    Evaluate,
-    Realloc,
-    Release,
-    RuleReward,
-    Send,
-    estimate_s,
-    runs_ahead,
-)
+from realign.run.ops import Call, Evaluate, Realloc, Release, RuleReward, Send, estimate_s, runs_ahead
 
 pytestmark = pytest.mark.pure
 
@@ -57,16 +48,16 @@ def test_an_object_that_is_no_op_is_refused():
 
 @pytest.mark.slow
 def test_mypy_refuses_a_kind_of_op_a_dispatch_does_not_handle(tmp_path):
-    """program.py with one more class in ``Op``: mypy names the functions whose match
+    """ops.py with one more class in ``Op``: mypy names the functions whose match
     does not handle it."""
-    source = (REPO / "realign/run/program.py").read_text()
+    source = (REPO / "realign/run/ops.py").read_text()
     union = "Op = Realloc | Send | Call | RuleReward | Evaluate | Release\n"
     assert union in source
     planted = source.replace(union, "@dataclass(frozen=True)\nclass Pause:\n"
                              "    every: int\n    ranks: tuple[int, ...]\n\n\n"
                              + union.replace("Release\n", "Release | Pause\n"))
-    (tmp_path / "program_planted.py").write_text(planted)
-    (tmp_path / "program_same.py").write_text(source)
+    (tmp_path / "ops_planted.py").write_text(planted)
+    (tmp_path / "ops_same.py").write_text(source)
 
     def mypy(name: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(MYPY), "--no-incremental", "--follow-imports=silent",
@@ -74,7 +65,7 @@ def test_mypy_refuses_a_kind_of_op_a_dispatch_does_not_handle(tmp_path):
                                str(tmp_path / name)], capture_output=True, text=True,
                               cwd=REPO, timeout=600)
 
-    same, planted_run = mypy("program_same.py"), mypy("program_planted.py")
+    same, planted_run = mypy("ops_same.py"), mypy("ops_planted.py")
     assert same.returncode == 0, same.stdout
     assert planted_run.returncode == 1
     assert planted_run.stdout.count('"assert_never" has incompatible type "Pause"') == 2, \

@@ -17,16 +17,8 @@ from planner.specs.cluster import ClusterSpec, resolve_device
 from planner.specs.layout import Allocation, Layout
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import model_presets
-from realign.run.program import (
-    MIN_COLLECTIVE_TIMEOUT_S,
-    TIMEOUT_SAFETY,
-    Call,
-    Realloc,
-    Release,
-    RuleReward,
-    Send,
-    compile_program,
-)
+from realign.run.ops import Call, Realloc, Release, RuleReward, Send
+from realign.run.program import MIN_COLLECTIVE_TIMEOUT_S, TIMEOUT_SAFETY, compile_program
 
 pytestmark = pytest.mark.pure
 
@@ -227,7 +219,7 @@ def test_an_evaluation_runs_after_training_on_evaluation_steps_only():
     1/every of their time per step; their ops (and their reallocations and releases)
     run only on evaluation steps, and each is scored by an Evaluate op."""
     from planner.graph.algorithms import EvalShape
-    from realign.run.program import Evaluate
+    from realign.run.ops import Evaluate
 
     spec = model_presets()["tiny-llama"]
     models = {"actor": RoleModel("actor", spec, "lm")}

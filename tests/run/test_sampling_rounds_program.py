@@ -13,7 +13,8 @@ from planner.specs.cluster import ClusterSpec, resolve_device
 from planner.specs.layout import Allocation, Layout
 from planner.specs.mesh import DeviceMesh
 from planner.specs.model_spec import model_presets
-from realign.run.program import Call, Release, RuleReward, Send, compile_program
+from realign.run.ops import Call, Release, RuleReward, Send
+from realign.run.program import compile_program
 from realign.worker.sampling_loop import (
     choose_groups,
     concat_records,
