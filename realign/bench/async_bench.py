@@ -19,6 +19,13 @@ machine for the same steps, against the planner's estimates.
    (:mod:`realign.bench.async_gap`): what keeps the measured speed-up from the predicted.
 5. ``lengths``: the response lengths the plans assumed against those the runs
    generated (:mod:`realign.bench.lengths_check`).
+6. ``--streaming K[,K...]``: the experiment also runs with ``rollout.mode: streaming``
+   and ``algorithm.max_staleness: K`` for each K, each on its own plan (planned as
+   ``realign plan`` plans a streaming experiment), in the same rounds, after the other
+   plans of each seed. Per K: the estimate, the measured step time, the predicted and
+   measured speed-up over the synchronous plan (``summary["streaming"]``), the trained
+   samples' staleness and the groups dropped as too stale (``modes[...]["stream"]``),
+   and the reward curve.
 """
 from __future__ import annotations
 
@@ -50,9 +57,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="price with the analytic device preset only, no profile")
     p.add_argument("--no-dp-scaling", action="store_true",
                    help="skip the synchronous plan on one device")
+    p.add_argument("--streaming", type=_bounds, default=(), metavar="K[,K...]",
+                   help="also run rollout.mode: streaming with algorithm.max_staleness K, "
+                   "for each K (e.g. 1,2,4), each on its own streaming plan")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here")
     p.add_argument("--svg", type=Path, default=None, help="write the learning curves here")
     p.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+
+
+def _bounds(text: str) -> tuple[int, ...]:
+    """``--streaming``'s staleness bounds: comma-separated integers >= 1."""
+    try:
+        ks = tuple(int(k) for k in text.split(","))
+    except ValueError:
+        ks = ()
+    if not ks or min(ks) < 1 or len(set(ks)) != len(ks):
+        raise UserError(f"{text!r} is not a list of distinct staleness bounds >= 1 "
+                        "(e.g. 1,2,4)", field="--streaming")
+    return ks
+
+
+#: a streaming plan's name in the record: ``streaming k=K``
+def stream_name(k: int) -> str:
+    return f"streaming k={k}"
 
 
 # ---- statistics (pure) ---------------------------------------------------------------
@@ -88,6 +115,17 @@ def summarize_mode(estimate_s: float, runs: list[dict], warmup: int, window: int
     }
 
 
+def stream_stats(runs: list[dict]) -> dict:
+    """A streaming plan's runs, per seed (:func:`realign.report.stream.summary` of each
+    run's rows): the trained groups' mean staleness and the groups dropped as too
+    stale."""
+    from realign.report.stream import summary
+    per = [summary(r["rows"]) for r in runs if "rows" in r]
+    return {"staleness_mean": [s["staleness_mean"] for s in per],
+            "dropped_stale": [s["dropped_stale"] for s in per],
+            "groups_trained": [s["groups_trained"] for s in per]}
+
+
 def compare(sync: dict, asyn: dict, one_device: dict | None) -> dict:
     """Predicted against measured speed-up of the asynchronous plan, and the measured
     data-parallel scaling of the synchronous one (one device's step time over the
@@ -110,12 +148,16 @@ def compare(sync: dict, asyn: dict, one_device: dict | None) -> dict:
 
 # ---- running -------------------------------------------------------------------------
 
-def _seeded(seed: int, one_device: bool = False):
-    """The config with ``run.seed`` set (and its cluster cut to one device)."""
+def _seeded(seed: int, one_device: bool = False, streaming: int | None = None):
+    """The config with ``run.seed`` set (and its cluster cut to one device, or its
+    rollout streaming with ``algorithm.max_staleness`` ``streaming``)."""
     def transform(cfg):
         upd = {"run": cfg.run.model_copy(update={"seed": seed})}
         if one_device:
             upd["cluster"] = cfg.cluster.model_copy(update={"nodes": 1, "gpus_per_node": 1})
+        if streaming is not None:
+            upd["rollout"] = cfg.rollout.model_copy(update={"mode": "streaming"})
+            upd["algorithm"] = cfg.algorithm.model_copy(update={"max_staleness": streaming})
         return cfg.model_copy(update=upd)
     return transform
 
@@ -132,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     from realign.run.planning import (
         allows_async,
         both_modes,
+        plan_experiment,
         plan_mode,
         priced_with,
         with_host_work,
@@ -165,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_dp_scaling and gpus > 1:
         one = plan_mode(_seeded(cfg.run.seed, one_device=True)(priced), False)
         plans["synchronous, 1 device"] = one
+    bounds = {stream_name(k): k for k in args.streaming}
+    for name, k in bounds.items():      # realign plan of the streaming experiment
+        plans[name] = plan_experiment(_seeded(cfg.run.seed, streaming=k)(priced))
     paths = {}
     for k, (name, p) in enumerate(plans.items()):
         paths[name] = keep / f"plan{k}.json"
@@ -178,17 +224,25 @@ def run(args: argparse.Namespace) -> int:
             with tempfile.TemporaryDirectory(prefix="realign-bench-async-") as tmp:
                 runs[name].append(run_plan(
                     args.experiment, paths[name], Path(tmp) / "run", steps,
-                    transform=_seeded(seed, one_device=plans[name] is one)))
+                    transform=_seeded(seed, one_device=plans[name] is one,
+                                      streaming=bounds.get(name))))
     modes = {name: summarize_mode(plans[name].iteration_time_s, runs[name], args.warmup,
                                   args.final_window) for name in plans}
+    for name in bounds:
+        modes[name]["stream"] = stream_stats(runs[name])
+    summary = compare(modes["synchronous"], modes["asynchronous"],
+                      modes.get("synchronous, 1 device"))
+    if bounds:
+        summary["streaming"] = {name: compare(modes["synchronous"], modes[name], None)
+                                for name in bounds}
     record: dict[str, Any] = {
         "study": "async", "experiment": str(args.experiment),
         "config": {"steps": steps, "warmup": args.warmup, "seeds": args.seeds,
                    "final_window": args.final_window, "profile": profile_src,
+                   "streaming": list(args.streaming),
                    "experiment": cfg.model_dump(mode="json")},
         "modes": modes,
-        "summary": compare(modes["synchronous"], modes["asynchronous"],
-                           modes.get("synchronous, 1 device")),
+        "summary": summary,
         "async_step": _async_step(asyn, runs, args.warmup),
         "lengths": compare_lengths(asyn.graph, [r["rows"] for rs in runs.values()
                                                 for r in rs if "rows" in r]),
@@ -197,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
         "curves": {name: [[r.get("reward_mean") for r in run["rows"]] if "rows" in run else None
                           for run in runs[name]] for name in plans},
         "raw": {name: [[{k: v for k, v in r.items() if k.startswith(("step", "time", "reward",
-                                                                        "response", "actor."))}
+                                                                        "response", "actor.",
+                                                                        "stream."))}
                         for r in run.get("rows", [])] for run in runs[name]] for name in plans},
         "errors": {name: [r["error"] for r in runs[name] if "error" in r] for name in plans},
         "wall_s": time.time() - t0,
@@ -246,6 +301,15 @@ def table(rec: dict) -> str:
     if s.get("final_reward_gap") is not None:
         out.append(f"final reward, asynchronous - synchronous: {s['final_reward_gap']:+.3f} "
                    f"(seed spread {_f(s.get('final_reward_noise'), '.3f')})")
+    for name, c in s.get("streaming", {}).items():
+        st = rec["modes"][name].get("stream") or {}
+        stale = [v for v in st.get("staleness_mean", []) if v == v]
+        out.append(f"{name} speed-up: predicted {_f(c['predicted_speedup'], '.2f')}x, "
+                   f"measured {_f(c['measured_speedup'], '.2f')}x (error "
+                   f"{_f(c['speedup_error'] and 100 * c['speedup_error'], '+.1f')} %); "
+                   f"staleness mean {_f(statistics.fmean(stale) if stale else None, '.2f')}, "
+                   f"dropped {_f(sum(st.get('dropped_stale', [])), '.0f')}; final reward - "
+                   f"synchronous {_f(c.get('final_reward_gap'), '+.3f')}")
     from realign.bench import async_gap, lengths_check
     out += lengths_check.lines(rec.get("lengths"))
     out += async_gap.lines(rec.get("async_step"))

@@ -4,8 +4,17 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from realign.bench.async_bench import compare, final_reward, kept_times, summarize_mode, table
+from realign.bench.async_bench import (
+    _bounds,
+    compare,
+    final_reward,
+    kept_times,
+    stream_stats,
+    summarize_mode,
+    table,
+)
 from realign.bench.async_svg import render
+from realign.errors import UserError
 
 pytestmark = pytest.mark.pure
 
@@ -54,6 +63,42 @@ def test_speedups_and_final_rewards():
     svg = render(rec)
     assert svg.startswith("<svg") and svg.count("<path") == 3 + 2   # 3 seeds + 2 means
     assert "predicted 1.60x" in svg
+
+
+def test_streaming_bounds_stats_and_speedups():
+    assert _bounds("1,2,4") == (1, 2, 4)
+    for bad in ("0", "1,x", "2,2", ""):
+        with pytest.raises(UserError, match="--streaming|staleness"):
+            _bounds(bad)
+
+    def streamed(times, hist, dropped):
+        # per step: groups trained at each staleness, groups dropped as too stale
+        return [{**r, **{f"stream.staleness_hist.{k}": v for k, v in h.items()},
+                 "stream.dropped_stale": d}
+                for r, h, d in zip(rows(times, [0, .1, .2, .3, .6]), hist, dropped)]
+    hist = [{0: 2}, {0: 1, 1: 1}, {1: 2}, {1: 1, 2: 1}, {2: 2}]
+    runs = [{"rows": streamed([5, 1.0, 1.0, 1.0, 1], hist, [0, 0, 1, 0, 2])},
+            {"error": "exit 1"}]
+    st = stream_stats(runs)
+    assert st["groups_trained"] == [10.0]
+    assert st["staleness_mean"] == [pytest.approx((0 * 3 + 1 * 4 + 2 * 3) / 10)]
+    assert st["dropped_stale"] == [3.0]
+    sync = summarize_mode(2.0, [{"rows": rows([5, 2.0, 2.0, 2.0, 1], [0, .1, .2, .3, .4])}], 1, 2)
+    stream = summarize_mode(0.8, runs, 1, 2)
+    stream["stream"] = st
+    c = compare(sync, stream, None)
+    assert c["predicted_speedup"] == pytest.approx(2.5)
+    assert c["measured_speedup"] == pytest.approx(2.0)
+    assert c["speedup_error"] == pytest.approx(2.0 / 2.5 - 1)
+    assert c["final_reward_gap"] == pytest.approx(0.45 - 0.35)
+    rec = {"experiment": "x.yaml", "config": {"seeds": 1, "steps": 5, "warmup": 1},
+           "modes": {"synchronous": sync, "streaming k=2": stream},
+           "summary": {"predicted_speedup": 1.0, "measured_speedup": None,
+                       "speedup_error": None, "streaming": {"streaming k=2": c}},
+           "errors": {}}
+    text = table(rec)
+    assert ("streaming k=2 speed-up: predicted 2.50x, measured 2.00x (error -20.0 %); "
+            "staleness mean 1.00, dropped 3; final reward - synchronous +0.100") in text
 
 
 def test_max_staleness_is_checked():
