@@ -1,5 +1,5 @@
 // The reallocation cost, a line-by-line twin of planner/cost/realloc_cost.py (its own
-// file: the rest of the core, in search_core.cpp, only calls realloc_time).
+// file: the rest of the core only calls realloc_time).
 #include "search_core.hpp"
 
 #include <algorithm>

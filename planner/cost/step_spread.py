@@ -41,7 +41,7 @@ def expected_max(m1: float, s1: float, m2: float, s2: float) -> float:
     """E[max(X, Y)] of independent X ~ N(m1, s1^2), Y ~ N(m2, s2^2) (Clark 1961):
     ``m1 Phi(a) + m2 Phi(-a) + theta phi(a)``, ``theta = sqrt(s1^2 + s2^2)``,
     ``a = (m1 - m2) / theta``; ``max(m1, m2)`` when neither varies. The C++ core
-    computes it with the same operations (``csrc/search_core.cpp``).
+    computes it with the same operations (``csrc/simulate.cpp``).
 
     Example: two equal means of spread 1: the mean + 1/sqrt(pi) (0.564)."""
     theta = math.sqrt(s1 * s1 + s2 * s2)

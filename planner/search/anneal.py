@@ -1,6 +1,6 @@
 """Simulated annealing over candidate assignments: the Python twin of the C++ core.
 
-:func:`anneal` here and ``anneal`` in ``csrc/search_core.cpp`` run the same loop with
+:func:`anneal` here and ``anneal`` in ``csrc/anneal.cpp`` run the same loop with
 the same random numbers (SplitMix64) and the same floating-point operations, so
 for the same problem, start and settings they return the same assignment and the
 same energy; a test checks it on random problems. The C++ one is what the search

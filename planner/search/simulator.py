@@ -41,8 +41,8 @@ largest transient need of any call on that GPU (activations, KV cache, and the
 temporary weight copy of a reallocated call). Calls sharing a GPU never run at the
 same time, so their transients never add up.
 
-This module is the Python twin of the C++ core (``csrc/search_core.cpp``): both
-must return identical numbers; a test compares them.
+This module is the Python twin of the C++ core's simulator (``csrc/simulate.cpp``,
+``csrc/sim_memory.cpp``): both must return identical numbers; a test compares them.
 """
 from __future__ import annotations
 
