@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 def streaming_problems(plan: ExecutionPlan) -> list[str]:
     """Why ``plan``'s stream cannot run on its allocations (empty when it can, or has
     none): the two sides cover the cluster, the buffer holds a batch, a batch's groups
-    are the rollout's sequences, the rollout's generate calls lie on the generation
+    are the sequences the actor trains (the rollout's; DAPO's rollout is over-sized for
+    the constant groups it drops), the rollout's generate calls lie on the generation
     side and every other call of a step on the training side."""
     st = plan.streaming
     if st is None:
@@ -23,10 +24,10 @@ def streaming_problems(plan: ExecutionPlan) -> list[str]:
     if st.capacity_groups < st.batch_groups:
         out.append(f"streaming: capacity_groups {st.capacity_groups} is less than a batch's "
                    f"batch_groups {st.batch_groups}")
-    seqs = {m.n_seqs for m in plan.graph.mfcs if m.kind == "generate" and not m.is_eval}
+    seqs = {m.n_seqs for m in plan.graph.mfcs if m.kind == "train" and m.role == "actor"}
     if seqs and seqs != {st.group_size * st.batch_groups}:
         out.append(f"streaming: group_size {st.group_size} x batch_groups {st.batch_groups} "
-                   f"is not the rollout's {sorted(seqs)[0]} sequences a step")
+                   f"is not the {sorted(seqs)[0]} sequences the actor trains a step")
     for a in plan.allocations:
         m = plan.graph.mfc(a.mfc)
         if m.is_eval:

@@ -77,10 +77,11 @@ def draw_stream_lengths(lengths: GenLengths | None, max_len: int, n: int, seed: 
     return [int(x) for x in rng.choice(np.arange(1, len(p) + 1), size=n, p=p / p.sum())]
 
 
-def lengths_needed(settings: StreamSettings, steps: int) -> int:
+def lengths_needed(settings: StreamSettings, steps: int, constant_share: float = 0.0) -> int:
     """Samples a simulation of ``steps`` measured steps may draw: the warm-up's and the
-    measured steps' batches, what the buffer and the slots hold ahead, and the dropped."""
-    batch = settings.group_size * settings.batch_groups
+    measured steps' batches (over ``1 - constant_share``: DAPO's constant groups are
+    made and dropped), what the buffer and the slots hold ahead, and the stale."""
+    batch = math.ceil(settings.group_size * settings.batch_groups / (1 - constant_share))
     ahead = settings.capacity() * settings.group_size + settings.slots
     return (warmup_steps(settings) + steps + 1) * batch * 2 + ahead
 
@@ -91,9 +92,11 @@ def warmup_steps(settings: StreamSettings) -> int:
 
 
 def scaled_schedule(settings: StreamSettings, lengths: list[int], quantum: int = 1,
-                    shrink: int = 1) -> StreamSchedule:
+                    shrink: int = 1, constant_share: float = 0.0) -> StreamSchedule:
     """The schedule on a clock of ``quantum`` decode iterations a unit, ``shrink`` times
-    narrower (:func:`sim_scale`); its iterations times ``quantum`` are decode iterations."""
+    narrower (:func:`sim_scale`); its iterations times ``quantum`` are decode iterations.
+    ``constant_share``: DAPO's groups dropped at the buffer as constant
+    (:func:`planner.graph.streaming.drawn_constant`)."""
     assert quantum >= 1 and shrink >= 1
     q, f = quantum, shrink
     assert settings.slots % f == 0 and settings.batch_groups % f == 0, (settings, f)
@@ -102,17 +105,20 @@ def scaled_schedule(settings: StreamSettings, lengths: list[int], quantum: int =
                      update_iters=math.ceil(settings.update_iters / q),
                      slots=settings.slots // f, batch_groups=settings.batch_groups // f,
                      capacity_groups=None if cap is None else max(1, cap // f))
-    return StreamSchedule(coarse, [math.ceil(max(1, n) / q) for n in lengths])
+    return StreamSchedule(coarse, [math.ceil(max(1, n) / q) for n in lengths],
+                          constant_share=constant_share)
 
 
 def steady_stream(settings: StreamSettings, lengths: list[int], steps: int,
-                  quantum: int = 1, shrink: int = 1) -> StreamEstimate:
+                  quantum: int = 1, shrink: int = 1, constant_share: float = 0.0
+                  ) -> StreamEstimate:
     """Run the schedule for :func:`warmup_steps` and then ``steps`` steps on a clock of
     ``quantum`` decode iterations a unit, ``shrink`` times narrower (:func:`sim_scale`),
-    and average the measured steps."""
+    a share ``constant_share`` of the finished groups dropped as constant (DAPO), and
+    average the measured steps (``dropped_share``: the stale groups only)."""
     assert steps >= 1
     q = quantum
-    sch = scaled_schedule(settings, lengths, quantum, shrink)
+    sch = scaled_schedule(settings, lengths, quantum, shrink, constant_share)
     warm = warmup_steps(settings)
     recs = sch.run_steps(warm + steps)
     body = recs[warm:]

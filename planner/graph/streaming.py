@@ -23,6 +23,15 @@ early waits for that iteration). The generator then pauses ``update_iters`` iter
 * ``on_update: finish`` — no new sample begins until those in flight have ended under
   the weights they began with; then the copy.
 
+DAPO's dynamic sampling in the stream: a finished group whose rewards are all equal
+(it teaches nothing) does not enter the buffer; it is counted
+(``stream.dropped_constant``) and never trained, and the generator keeps admitting the
+next prompts until a batch of the others is there. The runtime says which groups are
+constant (:meth:`StreamSchedule.end_iteration`'s ``constant``: their rule rewards);
+the planner's simulation drops a share ``constant_share`` of them
+(:func:`drawn_constant`: the ``dropped_group_frac`` the synchronous plan prices), so
+the extra generation is priced.
+
 Within an iteration the order is fixed: an update due at it is applied, the
 generator decodes, finished groups enter the buffer (by group id), the trainer takes.
 Lengths come from a list (a seeded draw: :func:`draw_lengths`), so the same settings
@@ -31,7 +40,8 @@ StreamSchedule.state` repeats an uninterrupted one exactly.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
@@ -128,6 +138,10 @@ class StreamSchedule:
     gen_copy: int = 0
     trainer_idle: int = 0
     pending_dropped: int = 0             #: dropped while no batch was ready
+    dropped_constant: int = 0            #: constant groups dropped since the last take
+    #: the simulation's share of constant groups (:func:`drawn_constant`); the runtime
+    #: says which groups are constant itself (:meth:`end_iteration`)
+    constant_share: float = 0.0
     #: each finished sample's [version, tokens] segments (what the runtime records per
     #: token), held until its group enters the buffer
     segments: dict[int, list[list[int]]] = field(default_factory=dict)
@@ -149,7 +163,9 @@ class StreamSchedule:
         """One iteration of the list-of-lengths simulation: :meth:`begin_iteration`,
         then the slots whose sample has generated its ``lengths`` entry end."""
         if self.begin_iteration().decodes:
-            self.end_iteration({sl.sample for sl in self.slots if sl.left == 1})
+            share = self.constant_share
+            self.end_iteration({sl.sample for sl in self.slots if sl.left == 1},
+                               (lambda gid: drawn_constant(gid, share)) if share else None)
 
     # ---- the online form: one iteration fed by the real end-of-sequence events ------
     def begin_iteration(self) -> Iteration:
@@ -190,10 +206,13 @@ class StreamSchedule:
             return Iteration(applied, tuple(admitted), False)
         return Iteration(applied, tuple(admitted), True)
 
-    def end_iteration(self, ended: set[int]) -> tuple[int, ...]:
+    def end_iteration(self, ended: set[int], constant: Callable[[int], bool] | None = None
+                      ) -> tuple[int, ...]:
         """Every slot made one token under :attr:`gen_version`; the samples in
         ``ended`` have generated their last. Groups whose samples have all ended enter
-        the buffer (by group id); their ids are returned."""
+        the buffer (by group id), but those ``constant`` says are constant (DAPO's
+        dynamic sampling: asked once per finished group, in group order), which are
+        dropped and counted; the ids of those that entered are returned."""
         buf = self.buffer
         assert buf is not None
         g = self.settings.group_size
@@ -215,14 +234,19 @@ class StreamSchedule:
             got.append(sl.sample)
             if len(got) == g:
                 finished.append(gid)
+        entered = []
         for gid in sorted(finished):
             del self.done_samples[gid]
             vs = [v for i in range(gid * g, gid * g + g) for v, _ in self.segments[i]]
-            buf.put(FinishedGroup(gid, min(vs), max(vs)))
+            if constant is not None and constant(gid):
+                self.dropped_constant += 1
+            else:
+                buf.put(FinishedGroup(gid, min(vs), max(vs)))
+                entered.append(gid)
             if not self.keep_segments:
                 for i in range(gid * g, gid * g + g):
                     del self.segments[i]
-        return tuple(sorted(finished))
+        return tuple(entered)
 
     def take_iteration(self) -> StepRecord | None:
         """The trainer's side of iteration :attr:`it` (an update it finished, a batch it
@@ -250,8 +274,9 @@ class StreamSchedule:
         self.pending_dropped = 0
         m.update({"stream.generator_idle_iters": float(self.gen_idle),
                   "stream.generator_copy_iters": float(self.gen_copy),
-                  "stream.trainer_idle_iters": float(self.trainer_idle)})
-        self.gen_idle = self.gen_copy = self.trainer_idle = 0
+                  "stream.trainer_idle_iters": float(self.trainer_idle),
+                  "stream.dropped_constant": float(self.dropped_constant)})
+        self.gen_idle = self.gen_copy = self.trainer_idle = self.dropped_constant = 0
         end = self.it + 1 + s.train_iters
         self.trainer_busy_until = end
         self.updates.append(end)
@@ -287,6 +312,7 @@ class StreamSchedule:
             "gen_idle": self.gen_idle, "gen_copy": self.gen_copy,
             "trainer_idle": self.trainer_idle,
             "pending_dropped": self.pending_dropped,
+            "dropped_constant": self.dropped_constant,
             "segments": {str(k): v for k, v in self.segments.items()}}
 
     @classmethod
@@ -302,8 +328,18 @@ class StreamSchedule:
                   trainer_busy_until=st["trainer_busy_until"], gen_idle=st["gen_idle"],
                   gen_copy=st["gen_copy"], trainer_idle=st["trainer_idle"],
                   pending_dropped=st["pending_dropped"],
+                  dropped_constant=st["dropped_constant"],
                   segments={int(k): [list(x) for x in v] for k, v in st["segments"].items()})
         return sch
+
+
+def drawn_constant(group_id: int, share: float) -> bool:
+    """Whether the simulation takes group ``group_id`` as constant when a ``share`` of
+    the groups is: evenly spaced, so any run of groups holds that share to within one
+    (no seed: the lengths' draw already varies the schedule).
+
+    Example: share 0.25 -> groups 3, 7, 11, ... are constant; 0.5 -> 1, 3, 5, ..."""
+    return math.floor((group_id + 1) * share + 1e-9) > math.floor(group_id * share + 1e-9)
 
 
 def draw_lengths(mean: float, cap: int, n: int, seed: int) -> list[int]:

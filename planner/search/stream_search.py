@@ -125,30 +125,41 @@ def price_sides(plan: ExecutionPlan, split: int) -> Sides:
                  update_iters=math.ceil(update_s / iter_s))
 
 
+def trained_seqs(graph: DataflowGraph) -> int:
+    """The sequences a step trains: the actor's train call's (the rollout's, but for
+    DAPO, whose rollout is over-sized for the groups its dynamic sampling drops)."""
+    return next(m.n_seqs for m in graph.mfcs if m.kind == "train" and m.role == "actor")
+
+
 def stream_candidate(plan: ExecutionPlan, sides: Sides, group_size: int, k: int,
-                     capacity_batches: int, on_update: OnUpdate, seed: int) -> StreamingPlan:
+                     capacity_batches: int, on_update: OnUpdate, seed: int,
+                     constant_share: float = 0.0) -> StreamingPlan:
     """One split's stream under staleness bound ``k`` with a buffer of
-    ``capacity_batches`` batches (the groups decoding included), simulated."""
+    ``capacity_batches`` batches (the groups decoding included), simulated; a batch is
+    the groups a step trains, and a share ``constant_share`` of the finished groups is
+    dropped at the buffer (DAPO's dynamic sampling: ``algorithm.dropped_group_frac``),
+    so the generator makes ``1 / (1 - share)`` groups a trained one."""
     first = rollout_calls(plan.graph)[0]
-    if first.n_seqs % group_size:
+    trained = trained_seqs(plan.graph)
+    if first.n_seqs % group_size or trained % group_size:
         raise InfeasibleError(f"{first.n_seqs} rollouts a step do not split into groups of "
                               f"{group_size}", field="algorithm.samples_per_prompt")
-    batch_groups = first.n_seqs // group_size
+    batch_groups = trained // group_size
     s = StreamSettings(group_size=group_size, batch_groups=batch_groups, slots=sides.slots,
                        train_iters=sides.train_iters, update_iters=sides.update_iters,
                        max_staleness=k, on_update=on_update,
                        capacity_groups=capacity_batches * batch_groups)
     lengths = draw_stream_lengths(first.lengths, first.gen_len,
-                                  lengths_needed(s, STEADY_STEPS), seed)
+                                  lengths_needed(s, STEADY_STEPS, constant_share), seed)
     q, f = sim_scale(s, first.gen_len)
-    est = steady_stream(s, lengths, STEADY_STEPS, q, f)
+    est = steady_stream(s, lengths, STEADY_STEPS, q, f, constant_share)
     step_s = est.iters_per_step * sides.iter_s
     return StreamingPlan(
         gen_gpus=sides.gen_gpus, train_gpus=sides.train_gpus, group_size=group_size,
         batch_groups=batch_groups, slots=sides.slots, train_iters=sides.train_iters,
         update_iters=sides.update_iters, max_staleness=k, on_update=on_update,
         capacity_groups=s.capacity(), iter_s=sides.iter_s, step_s=step_s,
-        samples_per_s=first.n_seqs / step_s, staleness_mean=est.staleness_mean,
+        samples_per_s=trained / step_s, staleness_mean=est.staleness_mean,
         gen_idle_share=est.gen_idle_share, train_idle_share=est.train_idle_share,
         dropped_share=est.dropped_share)
 
@@ -163,10 +174,12 @@ def pick_stream(cands: list[StreamingPlan]) -> StreamingPlan:
 
 
 def stream_plan(plan: ExecutionPlan, sides: Sides, group_size: int, max_staleness: int,
-                on_update: OnUpdate, seed: int, buffers: bool = False) -> StreamingPlan:
+                on_update: OnUpdate, seed: int, buffers: bool = False,
+                constant_share: float = 0.0) -> StreamingPlan:
     """One split's best stream (the module docs): each bound ``k`` with a buffer of
     ``k + 1`` batches; ``buffers``: every smaller buffer of whole batches too."""
-    cands = [stream_candidate(plan, sides, group_size, k, j, on_update, seed)
+    cands = [stream_candidate(plan, sides, group_size, k, j, on_update, seed,
+                              constant_share)
              for k in range(1, max_staleness + 1)
              for j in (range(1, k + 2) if buffers else (k + 1,))]
     return pick_stream(cands)
@@ -182,13 +195,14 @@ def with_stream(plan: ExecutionPlan, st: StreamingPlan) -> ExecutionPlan:
 def search_ahead(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
                  cluster: ClusterSpec, group_size: int, on_update: OnUpdate,
                  cost_config: CostModelConfig | None = None,
-                 profile: ProfileTable | None = None, settings: SearchSettings | None = None
-                 ) -> tuple[ExecutionPlan, ExecutionPlan]:
+                 profile: ProfileTable | None = None, settings: SearchSettings | None = None,
+                 constant_share: float = 0.0) -> tuple[ExecutionPlan, ExecutionPlan]:
     """(the fastest one-step-ahead plan, the fastest streaming plan) of an asynchronous
     ``graph`` (the module docs): each split searched once, with an equal share of the
     time limit, and both modes read from the same split plans (one step ahead: the
     split whose plan is estimated fastest, as :func:`~planner.search.search.search`
-    chooses; streaming: the split whose stream is)."""
+    chooses; streaming: the split whose stream is). ``constant_share``: DAPO's expected
+    share of constant groups, dropped at the stream's buffer (:func:`stream_candidate`)."""
     assert graph.ahead_steps > 0, "the streaming search places an asynchronous graph"
     s = settings or SearchSettings()
     splits = async_splits(cluster)
@@ -209,7 +223,8 @@ def search_ahead(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
         if ahead is None or plan.iteration_time_s < ahead.iteration_time_s:
             ahead = plan
         sides = price_sides(plan, split)
-        st = stream_plan(plan, sides, group_size, graph.max_staleness, on_update, s.seed)
+        st = stream_plan(plan, sides, group_size, graph.max_staleness, on_update, s.seed,
+                         constant_share=constant_share)
         if best is None or st.step_s < best[2].step_s:
             best = (plan, sides, st)
     if ahead is None or best is None:
@@ -218,4 +233,4 @@ def search_ahead(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
     plan, sides, _ = best            # the best split's buffer: every size of whole batches
     return ahead, with_stream(plan, stream_plan(plan, sides, group_size,
                                                 graph.max_staleness, on_update, s.seed,
-                                                buffers=True))
+                                                buffers=True, constant_share=constant_share))

@@ -291,13 +291,17 @@ def plan_ahead(cfg: ExperimentConfig, overrides: dict[str, Any] | None = None,
                ) -> tuple[ExecutionPlan, ExecutionPlan]:
     """(the one-step-ahead plan, the streaming plan), from the same search of each split
     (:func:`planner.search.stream_search.search_ahead`): the split, each side's layouts
-    and the staleness bound, by the stream's predicted steady state."""
+    and the staleness bound, by the stream's predicted steady state (DAPO's constant
+    groups dropped at the buffer at ``algorithm.dropped_group_frac``, the share the
+    synchronous plan over-generates for)."""
     models = resolve_models(cfg)
     graph = experiment_graph(cfg, models, True, lengths)
+    shape = cfg.algorithm.shape()
     return search_ahead(cfg.name, graph, models, cfg.cluster.spec(),
-                        cfg.algorithm.shape().samples_per_prompt, cfg.rollout.on_update,
+                        shape.samples_per_prompt, cfg.rollout.on_update,
                         cost_config(cfg, host_work=True), load_profile(cfg),
-                        search_settings(cfg, overrides))
+                        search_settings(cfg, overrides),
+                        constant_share=shape.dropped_group_frac or 0.0)
 
 
 def both_modes(cfg: ExperimentConfig, overrides: dict[str, Any] | None = None

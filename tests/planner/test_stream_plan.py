@@ -121,8 +121,8 @@ def test_a_streaming_plan_round_trips_through_json_and_is_checked(ahead):
 @pytest.mark.parametrize("edit, says", [
     ({"capacity_groups": 4}, "capacity_groups 4 is less than a batch's batch_groups 8"),
     ({"batch_groups": 16, "capacity_groups": 32},
-     "group_size 4 x batch_groups 16 is not the rollout's 32 sequences"),
-    ({"group_size": 8}, "group_size 8 x batch_groups 8 is not the rollout's 32 sequences")])
+     "group_size 4 x batch_groups 16 is not the 32 sequences the actor trains"),
+    ({"group_size": 8}, "group_size 8 x batch_groups 8 is not the 32 sequences the actor trains")])
 def test_a_hand_edited_streaming_section_is_refused(ahead, edit, says):
     _, stream = ahead
     raw = json.loads(stream.to_json())
