@@ -35,7 +35,7 @@ from planner.graph.batch_shape import prompts_generated as prompts_generated
 from planner.graph.dataflow import MFC, DataflowGraph, Evaluation, RuleReward
 from planner.graph.lengths import GenLengths
 from planner.graph.proximal import with_proximal
-from planner.graph.sampling_rounds import expected_rounds
+from planner.graph.sampling_rounds import DEFAULT_ROUND_CAP_FACTOR, sized_rounds
 from planner.graph.turns import Turns
 
 Algorithm = Literal["ppo", "grpo", "remax", "reinforce_pp", "rloo", "dpo", "sft", "rm",
@@ -259,7 +259,8 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
                 asynchronous: bool = False,
                 prompt_lengths: GenLengths | None = None,
                 score_rollout: bool = False, turns: Turns | None = None,
-                max_sampling_rounds: int = 1) -> DataflowGraph:
+                max_sampling_rounds: int = 1, max_round_prompts: int = 0,
+                sampling_drop_frac: float | None = None) -> DataflowGraph:
     """The dataflow graph of ``algorithm`` for the configured model ``roles``.
     ``train_micro_batches``: every train call runs with exactly this many micro-batches
     (``train.micro_batches``); None lets the planner choose. ``evaluation``: the actor
@@ -277,7 +278,9 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
     trains (:func:`planner.graph.proximal.with_proximal`). ``turns``: every generate call (rollout and
     evaluations) is multi-turn episodes of this shape (:mod:`planner.graph.turns`).
     ``max_sampling_rounds`` (DAPO): the step generates and scores again until its batch
-    is full, at most this many rounds, priced at the expected rounds
+    is full, at most this many rounds, a later one for at most ``max_round_prompts``
+    prompts (0: the default cap), priced at the prompts expected at the drop rate
+    ``sampling_drop_frac`` (a recorded run's; None: ``shape.dropped_group_frac``)
     (:func:`_sampling_rounds`)."""
     if asynchronous and max_staleness < 1:
         raise PlanError("asynchronous execution needs max_staleness >= 1",
@@ -335,7 +338,8 @@ def build_graph(algorithm: str, shape: BatchShape, roles: set[str],
         raise PlanError(f"{algorithm} takes no correction of its rollout's log-probs, so the "
                         "training forward does not score them", field="rollout.engine")
     if max_sampling_rounds > 1:
-        calls = _sampling_rounds(calls, shape, algorithm, max_sampling_rounds, asynchronous)
+        calls = _sampling_rounds(calls, shape, algorithm, max_sampling_rounds, asynchronous,
+                                 max_round_prompts, sampling_drop_frac)
     if asynchronous or score_rollout:
         calls = with_proximal(calls)
     return DataflowGraph(algorithm=algorithm, mfcs=tuple(calls), rule_rewards=tuple(rules),
@@ -365,11 +369,15 @@ def _with_lengths(calls: list[MFC], lengths: GenLengths | None,
 
 
 def _sampling_rounds(calls: list[MFC], shape: BatchShape, algorithm: str, max_rounds: int,
-                     asynchronous: bool) -> list[MFC]:
+                     asynchronous: bool, cap: int, drop_frac: float | None) -> list[MFC]:
     """DAPO's dynamic sampling in rounds: the rollout's generate call and the calls that
-    score its sequences run once per round, priced at the expected rounds
-    (:func:`planner.graph.sampling_rounds.expected_rounds` at
-    ``shape.dropped_group_frac``); the train call, at the batch it trains, once."""
+    score its sequences run once per round, the first on the call's shape, a later one
+    on as many prompts as the missing groups need at the drop rate
+    (:func:`planner.graph.sampling_rounds.sized_rounds` at ``drop_frac``, else
+    ``shape.dropped_group_frac``; at most ``cap`` prompts, 0: the default cap), so they
+    are priced at the expected prompts over the first round's (passes of the call's
+    shape; a larger round runs in more waves and micro-batches, memory at one); the train
+    call, at the batch it trains, once."""
     field = "algorithm.params.max_sampling_rounds"
     if algorithm != "dapo":
         raise PlanError(f"{algorithm} drops no groups, so it samples once a step", field=field)
@@ -377,9 +385,12 @@ def _sampling_rounds(calls: list[MFC], shape: BatchShape, algorithm: str, max_ro
         raise PlanError("a rollout generated one step ahead cannot be sampled again until "
                         "the batch is full; set max_sampling_rounds to 1 or "
                         "algorithm.max_staleness to 0", field=field)
-    rounds = expected_rounds(shape.prompts_generated, shape.prompts_per_step,
-                             shape.dropped_group_frac or 0.0, max_rounds)
+    first = shape.prompts_generated
+    f = drop_frac if drop_frac is not None else shape.dropped_group_frac or 0.0
+    _, prompts, _ = sized_rounds(first, shape.prompts_per_step, f, max_rounds,
+                                 cap or DEFAULT_ROUND_CAP_FACTOR * first)
+    passes = max(1.0, prompts / first)
     rollout = next(m for m in calls if m.kind == "generate" and "seqs" in m.output_keys)
-    return [m.model_copy(update={"sampling_rounds": rounds})
+    return [m.model_copy(update={"sampling_rounds": passes})
             if m is rollout or (m.kind == "inference" and rollout.output_keys[0] in m.input_keys)
             else m for m in calls]

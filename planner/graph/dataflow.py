@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.errors import PlanError
 from planner.graph.lengths import GenLengths
-from planner.graph.sampling_rounds import MAX_SAMPLING_ROUNDS
 from planner.graph.turns import Turns
 
 if TYPE_CHECKING:
@@ -82,10 +81,12 @@ class MFC(BaseModel):
                                 "environment (rollout.env / rollout.tools); None: one "
                                 "response per prompt.")
     sampling_rounds: float = Field(
-        1.0, ge=1, le=MAX_SAMPLING_ROUNDS, description="generate, and the calls that score "
-        "its rollout: the expected passes per step (DAPO's dynamic sampling generates and "
-        "scores again until the batch is full: planner.graph.sampling_rounds), each of "
-        "n_seqs sequences; priced at that many passes, memory at one.")
+        1.0, ge=1, description="generate, and the calls that score its rollout: the "
+        "expected passes per step, in passes of n_seqs sequences (DAPO's dynamic sampling "
+        "generates and scores again until the batch is full, a later round on as many "
+        "sequences as the missing groups need: planner.graph.sampling_rounds); priced at "
+        "that many passes, memory at one (a larger round runs in more waves and "
+        "micro-batches).")
     adapters_off: bool = Field(
         False, description="inference: a call of its role's frozen base with the role's LoRA "
         "adapters off (the reference scored by the LoRA actor that shares its base: "

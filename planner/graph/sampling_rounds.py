@@ -68,3 +68,97 @@ def full_batch_chance(prompts_per_round: int, wanted: int, dropped_frac: float,
                       max_rounds: int) -> float:
     """The chance that a step keeps ``wanted`` informative groups within ``max_rounds``."""
     return 1.0 - short_after(max_rounds, prompts_per_round, wanted, dropped_frac)
+
+
+# ---- rounds sized from the drop rate -------------------------------------------------
+# A later round generates for the groups still missing, over-sized by the drop rate
+# measured so far (the runtime's :class:`realign.worker.sampling_loop.DropRate`; the
+# planner's expectation below assumes the rate it prices): m missing groups at a share f
+# dropped need about m / (1 - f) prompts. A fixed round size (the first round's) keeps
+# only (1 - f) of its prompts, so at f = 0.95 four rounds of 30 prompts keep about 6 of
+# 16 groups where one round of 320 prompts fills the batch; the user's cap
+# (``algorithm.params.max_round_prompts``) bounds a round's prompts, and so its time.
+
+#: the default cap on a later round's prompts, in first rounds (``prompts_generated``)
+DEFAULT_ROUND_CAP_FACTOR = 8
+#: the largest cap a user may set (``algorithm.params.max_round_prompts``)
+MAX_ROUND_PROMPTS = 1_000_000
+
+
+#: the margin a later round is sized with, in standard deviations of its kept groups:
+#: it keeps the missing groups with a chance of about 95 % (one-sided normal quantile)
+ROUND_MARGIN_Z = 1.645
+
+
+def round_size(missing: int, dropped_frac: float, cap: int, quantum: int = 1) -> int:
+    """The prompts a later round generates for: the fewest n whose informative groups,
+    Binomial(n, 1 - f) at f = ``dropped_frac``, reach ``missing`` with a margin of
+    :data:`ROUND_MARGIN_Z` standard deviations, n (1 - f) - z sqrt(n f (1 - f)) >=
+    missing (solved for sqrt(n)), rounded up to a multiple of ``quantum`` (so the
+    round's rows split over every call's data-parallel ranks), at least one ``quantum``
+    and at most ``cap`` (rounded down to a multiple of ``quantum``, at least one). A
+    share of 1 (every group so far constant) asks for the cap. Without the margin
+    (n = missing / (1 - f)) a round falls short about half the time and the step takes
+    another round.
+
+    Example: 3 missing at 0.5 dropped, cap 120, quantum 4 -> n = 11.6 -> 12; 13 missing
+    at 0.9, cap 120, quantum 2 -> 120 (the cap); 0 missing -> 4 (one quantum)."""
+    if missing < 0 or cap < 1 or quantum < 1 or not 0.0 <= dropped_frac <= 1.0:
+        raise ValueError(f"round_size({missing}, {dropped_frac}, {cap}, {quantum})")
+    top = max(quantum, cap // quantum * quantum)
+    keep = 1.0 - dropped_frac
+    if keep * top <= missing:           # the cap keeps no more than what is missing
+        return top
+    spread = ROUND_MARGIN_Z * math.sqrt(dropped_frac * keep)
+    root = (spread + math.sqrt(spread * spread + 4.0 * keep * missing)) / (2.0 * keep)
+    want = math.ceil(root * root - 1e-9)
+    return min(top, max(quantum, -(-want // quantum) * quantum))
+
+
+def _binomial_pmf(n: int, p: float) -> np.ndarray:
+    """Pr[Binomial(n, p) = j] for j = 0 .. n (log space, exact for n in the thousands)."""
+    if p <= 0.0 or p >= 1.0:
+        out = np.zeros(n + 1)
+        out[0 if p <= 0.0 else n] = 1.0
+        return out
+    j = np.arange(n + 1, dtype=np.float64)
+    lg = np.array([math.lgamma(x + 1) for x in range(n + 1)])
+    log = lg[n] - lg - lg[::-1] + j * math.log(p) + (n - j) * math.log1p(-p)
+    return np.exp(log - log.max()) / np.exp(log - log.max()).sum()
+
+
+def sized_rounds(first_prompts: int, wanted: int, dropped_frac: float, max_rounds: int,
+                 cap: int) -> tuple[float, float, float]:
+    """(expected rounds, expected prompts generated, chance of a full batch) of a step
+    whose first round generates for ``first_prompts`` prompts and each later round for
+    :func:`round_size` (the missing groups at ``dropped_frac``, at most ``cap``),
+    groups dropped independently at ``dropped_frac``, at most ``max_rounds`` rounds.
+    Exact over the distribution of the groups still missing after each round.
+
+    Example: 30 prompts first, 16 wanted, 0.45 dropped, 4 rounds, cap 240 -> 1.360
+    rounds and 33.3 prompts (a first round short by a few groups is followed by a
+    round of a few prompts), full with a chance of 1 - 4e-7; rounds of 30 prompts each
+    generate for 30 x 1.355 = 40.7."""
+    if not 1 <= max_rounds <= MAX_SAMPLING_ROUNDS:
+        raise ValueError(f"max_rounds {max_rounds} outside 1 .. {MAX_SAMPLING_ROUNDS}")
+    keep = 1.0 - dropped_frac
+    missing = np.zeros(wanted + 1)          # Pr[missing = m] before the round
+    missing[wanted] = 1.0
+    rounds = prompts = 0.0
+    for r in range(max_rounds):
+        live = float(missing[1:].sum())
+        if live <= 0.0:
+            break
+        rounds += live
+        nxt = np.zeros(wanted + 1)
+        nxt[0] = missing[0]
+        for m in range(1, wanted + 1):
+            if missing[m] == 0.0:
+                continue
+            n = first_prompts if r == 0 else round_size(m, dropped_frac, cap)
+            prompts += missing[m] * n
+            pmf = _binomial_pmf(n, keep)
+            k = np.minimum(np.arange(n + 1), m)
+            np.add.at(nxt, m - k, missing[m] * pmf)
+        missing = nxt
+    return float(rounds), float(prompts), float(missing[0])

@@ -24,7 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.errors import UserError
 from planner.graph.algorithms import MAX_DROPPED_GROUP_FRAC
-from planner.graph.sampling_rounds import MAX_SAMPLING_ROUNDS
+from planner.graph.batch_shape import prompts_generated
+from planner.graph.sampling_rounds import (
+    DEFAULT_ROUND_CAP_FACTOR,
+    MAX_ROUND_PROMPTS,
+    MAX_SAMPLING_ROUNDS,
+)
 from realign.algorithms.param_paths import SHAPE_OWNED, contradiction
 
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
@@ -279,6 +284,14 @@ class DAPOConfig(ClipHigherParams):
         "trains its informative groups with constant ones at loss weight 0 (the metrics say "
         "so). The plan prices the expected rounds at algorithm.dropped_group_frac. 1: one "
         "round (over-generation only).")
+    max_round_prompts: int | None = Field(
+        None, ge=1, le=MAX_ROUND_PROMPTS, description="The most prompts a later sampling "
+        "round generates for. A later round is sized from the drop rate measured so far "
+        "(this step's rounds and earlier steps'): the missing groups over the share kept, "
+        "with a margin (planner.graph.sampling_rounds.round_size), at most this many. None: "
+        "8 x prompts_generated. Its rollout runs in more waves and micro-batches than the "
+        "first round's, each no larger, so the plan's memory holds; its time grows with "
+        "it. Needs max_sampling_rounds > 1.")
 
     @model_validator(mode="after")
     def _over_generation_needs_dynamic_sampling(self) -> "DAPOConfig":
@@ -292,6 +305,12 @@ class DAPOConfig(ClipHigherParams):
                             "for the groups dynamic sampling drops; set dynamic_sampling: "
                             "true or max_sampling_rounds to 1",
                             field="algorithm.params.max_sampling_rounds")
+        if self.max_round_prompts is not None and self.max_sampling_rounds == 1:
+            raise contradiction("max_round_prompts", self.max_round_prompts,
+                                "max_sampling_rounds", 1, "max_round_prompts with "
+                                "max_sampling_rounds above 1 (one round samples no later "
+                                "round); raise max_sampling_rounds or leave "
+                                "max_round_prompts out")
         return self
 
     @model_validator(mode="after")
@@ -365,3 +384,16 @@ def max_sampling_rounds(params: AlgorithmParams) -> int:
     if isinstance(params, DAPOConfig) and params.dynamic_sampling:
         return params.max_sampling_rounds
     return 1
+
+
+def max_round_prompts(params: AlgorithmParams) -> int:
+    """The most prompts a later sampling round of DAPO generates for: its
+    ``max_round_prompts``, else :data:`~planner.graph.sampling_rounds.DEFAULT_ROUND_CAP_FACTOR`
+    first rounds (``prompts_generated``); 0 where a step samples once."""
+    if max_sampling_rounds(params) == 1:
+        return 0
+    assert isinstance(params, DAPOConfig), "only DAPO samples in rounds"
+    if params.max_round_prompts is not None:
+        return params.max_round_prompts
+    return DEFAULT_ROUND_CAP_FACTOR * prompts_generated(params.prompts_per_step,
+                                                        params.dropped_group_frac or 0.0)

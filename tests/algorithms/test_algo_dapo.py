@@ -226,7 +226,12 @@ def test_bad_values_name_their_key():
                           ({"max_sampling_rounds": 65}, "algorithm.params.max_sampling_rounds"),
                           ({"max_sampling_rounds": 2.5}, "algorithm.params.max_sampling_rounds"),
                           ({"max_sampling_rounds": "many"},
-                           "algorithm.params.max_sampling_rounds")):
+                           "algorithm.params.max_sampling_rounds"),
+                          ({"max_sampling_rounds": 4, "max_round_prompts": 0},
+                           "algorithm.params.max_round_prompts"),
+                          ({"max_sampling_rounds": 4, "max_round_prompts": 2.5},
+                           "algorithm.params.max_round_prompts"),
+                          ({"max_round_prompts": 60}, "algorithm.params.max_round_prompts")):
         with pytest.raises(UserError) as e:
             make_params("dapo", params, shape)
         assert e.value.field == field
@@ -237,3 +242,17 @@ def test_bad_values_name_their_key():
     with pytest.raises(UserError, match="allowed|less than or equal") as e:
         make_params("dapo", {"max_sampling_rounds": 65}, shape)
     assert "65" in str(e.value)
+
+
+def test_the_round_cap_defaults_to_first_rounds_and_needs_rounds():
+    from planner.graph.algorithms import BatchShape
+    from realign.algorithms.params import max_round_prompts
+    from realign.algorithms.params_table import make_params
+    shape = BatchShape(prompts_per_step=16, samples_per_prompt=4, dropped_group_frac=0.45)
+    assert max_round_prompts(make_params("dapo", {"max_sampling_rounds": 4}, shape)) == 240
+    assert max_round_prompts(make_params(
+        "dapo", {"max_sampling_rounds": 4, "max_round_prompts": 100}, shape)) == 100
+    assert max_round_prompts(make_params("dapo", {}, shape)) == 0
+    with pytest.raises(UserError, match="max_sampling_rounds 1") as e:
+        make_params("dapo", {"max_round_prompts": 100}, shape)
+    assert e.value.field == "algorithm.params.max_round_prompts"

@@ -52,6 +52,8 @@ CONTRADICTIONS = [
      "only dynamic sampling drops"),
     ("dapo", {"dynamic_sampling": False, "max_sampling_rounds": 3}, shape(),
      "algorithm.params.max_sampling_rounds", "dynamic_sampling", "max_sampling_rounds 3"),
+    ("dapo", {"max_round_prompts": 60}, shape(), "algorithm.params.max_round_prompts",
+     "algorithm.params.max_sampling_rounds 1", "60 contradicts"),
 ]
 
 

@@ -15,6 +15,8 @@ from planner.graph.sampling_rounds import (
     binomial_cdf_below,
     expected_rounds,
     full_batch_chance,
+    round_size,
+    sized_rounds,
 )
 from planner.specs.layout import Layout
 from planner.specs.mesh import DeviceMesh
@@ -72,11 +74,18 @@ def test_expected_rounds_grow_with_the_drop_rate_within_the_cap():
 def test_the_rollout_and_its_scoring_carry_the_rounds_not_the_train_call():
     g = {m.name: m for m in build_graph("dapo", SHAPE, {"actor", "ref", "reward"},
                                         max_sampling_rounds=4).mfcs}
-    want = expected_rounds(11, 8, 0.25, 4)           # 11 prompts a round, 8 kept
+    # 11 prompts first, 8 kept; later rounds sized to the missing groups, cap 8 x 11
+    want = sized_rounds(11, 8, 0.25, 4, 88)[1] / 11
     assert 1.0 < want < 4.0
     for name in ("actor.generate", "reward.inference", "ref.inference"):
         assert g[name].sampling_rounds == pytest.approx(want)
-        assert g[name].n_seqs == 44                  # each round: the plan's shape
+        assert g[name].n_seqs == 44                  # the first round: the plan's shape
+    # priced at a recorded drop rate and a cap: more passes at a higher rate
+    hot = {m.name: m for m in build_graph("dapo", SHAPE, {"actor"}, max_sampling_rounds=4,
+                                          max_round_prompts=30, sampling_drop_frac=0.9).mfcs}
+    assert hot["actor.generate"].sampling_rounds == pytest.approx(
+        sized_rounds(11, 8, 0.9, 4, 30)[1] / 11)
+    assert hot["actor.generate"].sampling_rounds > 3 * want
     assert g["actor.train"].sampling_rounds == 1.0 and g["actor.train"].n_seqs == 32
     # a synchronous rollout scored by the training forward: once, after the rounds
     s = {m.name: m for m in build_graph("dapo", SHAPE, {"actor"}, max_sampling_rounds=4,
@@ -110,3 +119,59 @@ def test_a_call_of_several_rounds_costs_that_many_passes_and_the_memory_of_one(k
     assert more.terms_s == pytest.approx({k: 1.7 * v for k, v in one.terms_s.items()})
     assert (more.weights_bytes, more.resident_bytes, more.activation_bytes) == (
         one.weights_bytes, one.resident_bytes, one.activation_bytes)
+
+
+@pytest.mark.parametrize("missing,f,cap,quantum,want", [
+    (3, 0.5, 120, 4, 12),        # n (1 - f) - 1.645 sqrt(n f (1 - f)) >= 3: n = 11.6
+    (13, 0.9, 120, 2, 120),      # needs ~190: the cap
+    (0, 0.5, 120, 4, 4),         # one quantum at least
+    (5, 1.0, 120, 4, 120),       # every group constant so far: the cap
+    (5, 0.0, 120, 3, 6),         # nothing dropped: the missing groups, to the quantum
+    (16, 0.97, 50, 8, 48),       # the cap rounded down to the quantum
+    (1, 0.5, 3, 4, 4)])          # a cap below the quantum: one quantum
+def test_a_later_round_is_sized_from_the_drop_rate(missing, f, cap, quantum, want):
+    n = round_size(missing, f, cap, quantum)
+    assert n == want
+    if n < max(quantum, cap // quantum * quantum) and missing:
+        # its kept groups reach the missing ones with the margin's chance or more
+        assert binomial_cdf_below(n, 1 - f, missing) <= 0.1
+
+
+def test_rounds_sized_from_the_rate_grow_with_it_and_fill_more_than_fixed_rounds():
+    # more missing groups, a higher rate: more prompts
+    assert round_size(8, 0.5, 10_000) < round_size(16, 0.5, 10_000) < round_size(
+        16, 0.8, 10_000)
+    # the tiny task late in a run (f 0.95): rounds of the first round's 30 prompts fill
+    # almost never, rounds sized from the rate (cap 240) nearly always
+    assert full_batch_chance(30, 16, 0.95, 4) < 1e-3
+    rounds, prompts, full = sized_rounds(30, 16, 0.95, 4, 240)
+    assert full > 0.99 and rounds < 3.0 and 300 < prompts < 30 + 3 * 240
+
+
+def sized_by_enumeration(first: int, wanted: int, f: float, max_rounds: int, cap: int
+                         ) -> tuple[float, float, float]:
+    """The slow twin of sized_rounds: the loop state by state (missing groups)."""
+    q = 1 - f
+
+    @lru_cache(maxsize=None)
+    def go(missing: int, done: int) -> tuple[float, float, float]:
+        if missing == 0:
+            return 0.0, 0.0, 1.0
+        if done == max_rounds:
+            return 0.0, 0.0, 0.0
+        n = first if done == 0 else round_size(missing, f, cap)
+        r, p, full = 1.0, float(n), 0.0
+        for j in range(n + 1):
+            pj = math.comb(n, j) * q ** j * f ** (n - j)
+            a, b, c = go(max(0, missing - j), done + 1)
+            r, p, full = r + pj * a, p + pj * b, full + pj * c
+        return r, p, full
+    return go(wanted, 0)
+
+
+@pytest.mark.parametrize("first,wanted,f,r,cap", [(11, 8, 0.25, 4, 88), (6, 6, 0.5, 5, 20),
+                                                  (3, 2, 0.9, 5, 12), (30, 16, 0.45, 4, 240),
+                                                  (8, 8, 0.0, 3, 8), (5, 4, 0.7, 1, 40)])
+def test_sized_rounds_equal_the_loop_enumerated(first, wanted, f, r, cap):
+    assert sized_rounds(first, wanted, f, r, cap) == pytest.approx(
+        sized_by_enumeration(first, wanted, f, r, cap), rel=1e-9, abs=1e-12)
