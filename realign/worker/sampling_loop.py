@@ -13,21 +13,37 @@ After the last round every holder's records are the same ``prompts_per_step`` gr
 the kept informative groups in the order generated, then reserve groups (loss weight 0
 in ``prepare``) where the batch stayed short.
 
+The first round generates for the plan's ``prompts_generated``; a later round for
+:func:`planner.graph.sampling_rounds.round_size` prompts: the groups still missing over
+the share kept, at the drop rate measured so far (:class:`DropRate`: this step's rounds
+and, decayed, earlier steps'; every rank counts alike from the broadcast flags, and the
+checkpoint keeps the count, so a resume sizes every round alike), at most
+``max_round_prompts``, in multiples of :func:`round_quantum`. Sizing from the measured
+rate matters because the rate is no constant of a task: it climbs as the policy
+settles (0 to 0.97 on the tiny task), and a round of the first round's size then keeps
+one or two groups. A round of other size runs each call of the span with its
+micro-batches (generation: waves) scaled to keep the plan's rows per micro-batch or
+fewer (:func:`round_call`), so the plan's memory holds; its time grows with the rows.
+
 Metrics (from the deciding rank): ``<role>.sampling_rounds``, ``<role>.batch_full``
 (1 or 0), ``<role>.kept_groups`` and ``<role>.dropped_groups`` (per round, lists),
 ``<role>.dropped_group_frac`` (constant groups among all generated),
-``<role>.surplus_groups`` (informative groups generated and not trained) and
-``<role>.generated_per_trained``.
+``<role>.surplus_groups`` (informative groups generated and not trained),
+``<role>.generated_per_trained``, ``<role>.round_prompts`` (per round, a list) and
+``<role>.dropped_frac_seen`` (the rate the last round was sized at).
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, cast
 
 import torch
 import torch.distributed as dist
 
+from planner.graph.sampling_rounds import round_size
 from realign.algorithms.selection import constant_groups
-from realign.run.ops import Op
+from realign.run.ops import Call, Op
 from realign.run.program import RoundSpan
 from realign.runtime.router_replay import ROUTED_EXPERTS
 from realign.worker.records import Record
@@ -112,15 +128,83 @@ def merge_round_metrics(total: dict, new: dict) -> None:
             total[k] = v
 
 
+#: how much an earlier step's counts weigh in the drop rate, per step since (the rate
+#: climbs as the policy settles, so recent steps say more)
+HISTORY_DECAY = 0.5
+
+
+@dataclass
+class DropRate:
+    """Constant groups among the groups generated, counted over earlier steps with each
+    step's weight :data:`HISTORY_DECAY` times the next one's (saved in checkpoints)."""
+
+    dropped: float = 0.0
+    generated: float = 0.0
+
+    def share(self, dropped: int, generated: int) -> float:
+        """The drop rate with this step's ``dropped`` of ``generated`` groups so far.
+
+        Example: earlier 6 of 10, this step 9 of 10 -> 15 / 20 = 0.75."""
+        total = self.generated + generated
+        return (self.dropped + dropped) / total if total > 0 else 0.0
+
+    def after_step(self, dropped: int, generated: int) -> None:
+        """Count a finished step's groups (the earlier ones weigh less)."""
+        self.dropped = self.dropped * HISTORY_DECAY + dropped
+        self.generated = self.generated * HISTORY_DECAY + generated
+
+
+def round_quantum(dps: list[int], group_size: int) -> int:
+    """The fewest prompts whose groups' rows split evenly over every one of ``dps``
+    (the data-parallel sizes of a round's calls). Example: dp 2 and 4, groups of 2 ->
+    rows a multiple of 4 -> 2 prompts."""
+    rows = math.lcm(*dps)
+    return rows // math.gcd(rows, group_size)
+
+
+def round_call(op: Call, rows: int, dp: int) -> Call:
+    """``op`` (a call of the round span) on a round of ``rows`` rows: its micro-batches
+    (generation: waves) scaled so that none holds more rows per data-parallel rank than
+    the plan's (``op.mfc.n_seqs`` in ``op.micro_batches``), and for a scoring call
+    dividing the rank's rows; a packed call keeps its token budget (its bins bound its
+    memory). ``rows`` is a multiple of ``dp``.
+
+    Example: plan 120 rows in 1 micro-batch at dp 2, a round of 480 rows -> 4; a round
+    of 40 rows -> 1; plan 120 rows in 3, a round of 20 rows at dp 2 -> 10 rows per
+    rank, at least ceil(3 * 20 / 120) = 1 -> 1."""
+    planned = op.mfc.n_seqs
+    mfc = op.mfc.model_copy(update={"n_seqs": rows})
+    if op.token_budget is not None:
+        return replace(op, mfc=mfc)
+    per_rank = rows // dp
+    least = max(1, min(per_rank, -(-op.micro_batches * rows // planned)))
+    if op.kind == "generate":
+        return replace(op, mfc=mfc, micro_batches=least)
+    mb = next(m for m in range(least, per_rank + 1) if per_rank % m == 0)
+    return replace(op, mfc=mfc, micro_batches=mb)
+
+
 class SamplingLoop:
     """One step's rounds on one rank: walks the step's ops, running the program's span
     again while the batch is short (:meth:`walk`)."""
 
     def __init__(self, span: RoundSpan, max_rounds: int, rank: int, pad_id: int,
-                 round_prompts: Callable[[int], dict[str, Record]]):
+                 round_prompts: Callable[[int, int], dict[str, Record]],
+                 history: DropRate | None = None, cap_prompts: int = 0, quantum: int = 1,
+                 dps: dict[str, int] | None = None):
+        """``round_prompts(round, n)``: the records of a later round's ``n`` prompts;
+        ``history``: the drop rate of earlier steps (updated when the step finishes);
+        ``cap_prompts``: the most prompts of a later round (0: the first round's);
+        ``quantum``: a round's prompts are a multiple of it (:func:`round_quantum`);
+        ``dps``: each call's data-parallel size, by replica key."""
         self.span, self.max_rounds, self.rank, self.pad_id = span, max_rounds, rank, pad_id
         self.round_prompts = round_prompts
+        self.history = history if history is not None else DropRate()
+        self.cap = cap_prompts or span.groups_per_round
+        self.quantum, self.dps = quantum, dps or {}
         self.round = 0
+        self.sizes = [span.groups_per_round]        #: prompts of each round so far
+        self.seen = self.history.share(0, 0)        #: the rate the last round was sized at
         self.kept: dict[str, list[Record]] = {}
         self.reserve: dict[str, list[Record]] = {}
         self.n_kept = self.n_reserved = 0
@@ -132,26 +216,40 @@ class SamplingLoop:
              ) -> Iterator[tuple[int, Op]]:
         """(index, op) of the step in order; after the span's last op, the round closes
         (every rank: :meth:`close_round`) and the span runs again when the batch is
-        short and rounds are left. Indices of a later round's ops are shifted by the
+        short and rounds are left, on a round sized by :meth:`next_size` (its calls
+        rescaled: :func:`round_call`). Indices of a later round's ops are shifted by the
         ops' count per round, so each op's time stays its own."""
         i = 0
         while i < len(ops):
-            yield i + self.round * len(ops), ops[i]
+            op = ops[i]
+            n = self.sizes[-1]
+            if (n != self.span.groups_per_round and isinstance(op, Call)
+                    and self.span.start <= i < self.span.end):
+                op = round_call(op, n * self.span.group_size, self.dps.get(op.replica, 1))
+            yield i + self.round * len(ops), op
             i += 1
             if i == self.span.end:
                 if self.close_round(store) or self.round + 1 == self.max_rounds:
                     self.finish(store, metrics)
                 else:
                     self.round += 1
-                    store.update(self.round_prompts(self.round))
+                    self.sizes.append(self.next_size())
+                    store.update(self.round_prompts(self.round, self.sizes[-1]))
                     i = self.span.start
+
+    def next_size(self) -> int:
+        """The prompts of the next round: the missing groups at the drop rate measured
+        so far (:func:`~planner.graph.sampling_rounds.round_size`)."""
+        self.seen = self.history.share(sum(self.dropped_groups), sum(self.sizes))
+        return round_size(self.span.groups_wanted - self.n_kept, self.seen, self.cap,
+                          self.quantum)
 
     def close_round(self, store: dict[str, Record]) -> bool:
         """Which groups of the round are constant (broadcast from the rank holding its
         rewards); keep and reserve groups of the records this rank holds. True: the
         batch is full."""
         s = self.span
-        flags = torch.zeros(s.groups_per_round, dtype=torch.uint8)
+        flags = torch.zeros(self.sizes[-1], dtype=torch.uint8)
         if self.rank == s.decider:
             rewards = store[s.rewards_key][s.rewards_key]
             assert isinstance(rewards, torch.Tensor), "a rewards record holds a tensor"
@@ -186,7 +284,7 @@ class SamplingLoop:
         assert fill <= self.n_reserved, (fill, self.n_reserved)
         if self.rank == s.decider:
             rounds = self.round + 1
-            generated = rounds * s.groups_per_round
+            generated = sum(self.sizes)
             p = f"{s.role}."
             metrics.update({
                 p + "sampling_rounds": float(rounds),
@@ -195,7 +293,10 @@ class SamplingLoop:
                 p + "dropped_groups": list(self.dropped_groups),
                 p + "dropped_group_frac": sum(self.dropped_groups) / generated,
                 p + "surplus_groups": float(self.surplus),
-                p + "generated_per_trained": generated / s.groups_wanted})
+                p + "generated_per_trained": generated / s.groups_wanted,
+                p + "round_prompts": list(self.sizes),
+                p + "dropped_frac_seen": self.seen})
+        self.history.after_step(sum(self.dropped_groups), sum(self.sizes))
 
     def tag(self, label: str, metric: str | None) -> tuple[str, str | None]:
         """An op's timeline label and time metric in this round (the first round's are

@@ -10,6 +10,7 @@ import datetime
 import io
 import os
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import cast
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from planner.specs.lora import LoraSpec
 from realign.algorithms import registry
-from realign.algorithms.params import max_sampling_rounds
+from realign.algorithms.params import max_round_prompts, max_sampling_rounds
 from realign.config.experiment import LoraConfig
 from realign.data.datasets import PromptExample, load_dataset
 from realign.data.sampler import PromptSampler
@@ -36,12 +37,14 @@ from realign.runtime.optimizer_state import load_optimizer_state, optimizer_stat
 from realign.worker.calls import Calls
 from realign.worker.replicas import build_replicas
 from realign.worker.runner import StepReport, StepRunner
-from realign.worker.sampling_loop import SamplingLoop
+from realign.worker.sampling_loop import DropRate, SamplingLoop, round_quantum
 
 #: a rank file's entry of the rollout generated ahead and not yet trained on
 IN_FLIGHT = "in_flight"
 #: a rank file's entry of a streaming run's generator: its schedule and samples
 STREAM = "stream"
+#: a rank file's entry of DAPO's drop rate over earlier steps (sizes later rounds)
+DROP_RATE = "drop_rate"
 #: how far apart the data seeds of DAPO's sampling rounds are
 ROUND_DATA_SEED = 7919
 
@@ -142,6 +145,8 @@ class Session:
         #: asynchronous programs: the next step run still has to generate its own
         #: rollout (none was made ahead, or the checkpoint's cannot be used)
         self.needs_prologue = self.program.asynchronous
+        #: DAPO's sampling rounds: the drop rate of earlier steps (every rank alike)
+        self.drop_rate = DropRate()
         #: rollout.mode streaming: this worker's side of the stream
         self.stream = None
         if cfg.rollout.mode == "streaming":
@@ -188,28 +193,36 @@ class Session:
             out["eval_prompts"] = self.eval_record
         return out
 
-    def round_prompts(self, step: int, sampling_round: int) -> dict:
-        """DAPO's sampling round ``sampling_round`` (1, 2, ...) of step ``step``: as many
-        prompts as the first round, the ``step``-th batch of an order of the training
-        data of the round's own (shuffled, seeded by the data's seed and the round), so
-        they derive from (step, round) alone."""
+    def round_prompts(self, step: int, sampling_round: int, n: int) -> dict:
+        """DAPO's sampling round ``sampling_round`` (1, 2, ...) of step ``step``: ``n``
+        prompts, the first ``n`` of the ``step``-th batch of ``max_round_prompts`` of an
+        order of the training data of the round's own (shuffled, seeded by the data's
+        seed and the round), so they derive from (step, round, n) alone."""
         c = self.dataset.config
-        n = self.cfg.algorithm.shape().prompts_generated
-        sampler = PromptSampler(len(self.dataset), n,
+        cap = max(n, max_round_prompts(self.spec.params))
+        sampler = PromptSampler(len(self.dataset), cap,
                                 seed=c.seed + ROUND_DATA_SEED * sampling_round, shuffle=True)
-        sampler.consumed = step * n
+        sampler.consumed = step * cap
         # sampling rounds resample prompts: the dataset is of kind prompts
-        examples = cast(list[PromptExample], self.dataset.take(sampler.next_batch()))
+        examples = cast(list[PromptExample], self.dataset.take(sampler.next_batch()[:n]))
         batch = prompts_record(examples, self.pad)
         return {self.algo.spec.dataset_key: batch}
 
     def sampling_loop(self, step: int) -> SamplingLoop | None:
-        """The step's sampling rounds (None: the program samples once a step)."""
+        """The step's sampling rounds (None: the program samples once a step): later
+        rounds sized from the drop rate so far, in multiples of the prompts whose rows
+        split over every round call's data-parallel ranks."""
         span = self.program.rounds
         if span is None:
             return None
+        dp = {r.key: r.dp for r in self.program.replicas}
+        calls = [op for op in self.program.ops[span.start:span.end] if isinstance(op, Call)]
+        quantum = round_quantum([dp[op.replica] for op in calls], span.group_size)
         return SamplingLoop(span, max_sampling_rounds(self.spec.params), self.rank, self.pad,
-                            lambda r: self.round_prompts(step, r))
+                            lambda r, n: self.round_prompts(step, r, n),
+                            history=self.drop_rate,
+                            cap_prompts=max_round_prompts(self.spec.params),
+                            quantum=quantum, dps=dp)
 
     def evaluates_at(self, step: int) -> bool:
         """Whether step ``step`` (0-based) ends with an evaluation: after the first step,
@@ -252,6 +265,8 @@ class Session:
                               "distributed_optimizer": eng.zero1}
             if self.stream is not None:
                 state[STREAM] = self.stream.state()
+            if self.program.rounds is not None:
+                state[DROP_RATE] = asdict(self.drop_rate)
             if self.runner.carried:     # the samples in flight: generated, not yet trained
                 state[IN_FLIGHT] = {"records": self.runner.carried,
                                     "metrics": self.runner.carried_metrics}
@@ -271,6 +286,8 @@ class Session:
             self.runner.carried_metrics = flight["metrics"]
         if self.stream is not None:
             self.stream.load(state.get(STREAM))
+        if self.program.rounds is not None:
+            self.drop_rate = DropRate(**state.get(DROP_RATE, {}))
         for key, h in self._trained_here():
             eng = self.calls.train_engines[key]
             check_optimizer_layout(state[key], eng.zero1, folder.name)
