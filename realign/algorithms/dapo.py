@@ -11,7 +11,11 @@ Scale", arXiv 2503.14476): GRPO with four changes.
   the step samples again until ``prompts_per_step`` informative groups are kept
   (:mod:`realign.worker.sampling_loop`: the batch reaching ``prepare`` is then those
   groups), else it trains the first ``prompts_per_step`` informative groups of its one
-  round (:func:`~realign.algorithms.selection.keep_informative`). A step that finds
+  round (:func:`~realign.algorithms.selection.keep_informative`); with
+  ``rollout.mode: streaming`` the rollout buffer drops the constant groups as they
+  finish and the generator keeps generating until a batch is full
+  (:mod:`planner.graph.streaming`), so the batch is those groups (marked
+  :data:`~realign.algorithms.selection.KEPT_INFORMATIVE`). A step that finds
   too few fills up with constant groups at loss weight 0: the train call trains the
   rows the plan priced, and the metrics say how often (shortfall).
 - Token-level loss: one mean over every token of the mini-batch (not a mean of
@@ -50,7 +54,7 @@ from realign.algorithms.common import (
 )
 from realign.algorithms.grpo import group_advantages
 from realign.algorithms.params import DAPOConfig
-from realign.algorithms.selection import keep_informative, select_rows
+from realign.algorithms.selection import KEPT_INFORMATIVE, keep_informative, select_rows
 from realign.errors import UserError
 
 
@@ -75,11 +79,14 @@ def prepare(batch: Batch, cfg: DAPOConfig) -> Batch:
     once, ``dropped_group_frac`` (generated groups with a constant reward),
     ``surplus_groups`` (informative groups generated and not trained) and
     ``generated_per_trained`` (groups generated per group trained); a step sampled in
-    rounds has these from its rounds (:mod:`realign.worker.sampling_loop`)."""
+    rounds has these from its rounds (:mod:`realign.worker.sampling_loop`), a streamed
+    one from its buffer (``stream.dropped_constant``)."""
     require(batch, "rewards")
     g, wanted = cfg.samples_per_prompt, cfg.prompts_per_step
     generated = batch["tokens"].shape[0] // g
-    rounds = cfg.dynamic_sampling and cfg.max_sampling_rounds > 1
+    # the groups kept already: by sampling rounds, or by a stream's buffer
+    rounds = cfg.dynamic_sampling and (cfg.max_sampling_rounds > 1
+                                       or KEPT_INFORMATIVE in batch)
     expected = wanted if rounds else prompts_generated(wanted, cfg.dropped_group_frac or 0.0)
     if generated != expected:
         raise UserError(f"the step's batch holds {generated} prompts' groups, the batch "

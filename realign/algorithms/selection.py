@@ -17,6 +17,11 @@ import torch
 
 from realign.algorithms.common import Batch, group_view
 
+#: a batch key (bool per row) set by a stream whose buffer already dropped the constant
+#: groups (DAPO's dynamic sampling at the buffer, ``rollout.mode: streaming``): the
+#: batch holds exactly the groups to train
+KEPT_INFORMATIVE = "kept_informative"
+
 
 def select_rows(batch: Batch, index: torch.Tensor) -> Batch:
     """Every per-row tensor of ``batch`` (first dimension = its row count) at the rows

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from planner.graph.algorithms import algorithm_spec
+from realign.algorithms.params import DAPOConfig
 from realign.errors import UserError
 
 if TYPE_CHECKING:
@@ -41,11 +42,7 @@ def check_streaming(cfg: ExperimentConfig) -> None:
                         f"algorithm.max_staleness is {a.max_staleness}, allowed: 1 or more",
                         field="algorithm.max_staleness")
     if a.name == "dapo":
-        raise UserError("rollout.mode: streaming with dapo: its dynamic sampling's rounds "
-                        "wait for a step's rewards (a round's prompts are chosen only once "
-                        "the previous round's groups are scored, and a step trains only the "
-                        "groups whose rewards differ); use rollout.mode: step",
-                        field="rollout.mode")
+        _check_dapo(cfg)
     if a.name == "remax":
         raise UserError("rollout.mode: streaming with remax: its baseline is a second "
                         "generate call (actor.greedy_generate, a greedy response per prompt "
@@ -70,3 +67,23 @@ def check_streaming(cfg: ExperimentConfig) -> None:
                 f"and {TRAIN_MFC} on {t.first_gpu}..{t.first_gpu + t.n_gpus - 1}: a generator that "
                 "streams needs GPUs of its own, disjoint from training's",
                 field=f"plan.manual.{GENERATE_MFC}.mesh")
+
+
+def _check_dapo(cfg: ExperimentConfig) -> None:
+    """DAPO streams with its dynamic sampling at the buffer (a finished group whose
+    rule rewards are all equal is dropped there, and the generator keeps generating
+    until a batch is full): so no sampling rounds, and rewards the generator scores."""
+    p = cfg.algorithm.params
+    assert isinstance(p, DAPOConfig), type(p)
+    if p.max_sampling_rounds > 1:
+        raise UserError(f"algorithm.params.max_sampling_rounds is {p.max_sampling_rounds}, "
+                        "but rollout.mode: streaming fills DAPO's batch itself (the buffer "
+                        "drops the constant groups and the generator keeps generating "
+                        "until a batch of the others is there); allowed: 1",
+                        field="algorithm.params.max_sampling_rounds")
+    if p.dynamic_sampling and cfg.models.reward is not None:
+        raise UserError("models.reward is set, but rollout.mode: streaming drops DAPO's "
+                        "constant groups at the buffer, on the generator, which scores "
+                        "rule rewards only (a reward model scores a batch on the training "
+                        "side, after the buffer); use reward.fn, dynamic_sampling: false, "
+                        "or rollout.mode: step", field="models.reward")

@@ -4,8 +4,8 @@ any worker starts (exit 2, naming the field).
 
 The experiment schema refuses the combinations the streaming schedule does not cover
 (:func:`realign.config.streaming.check_streaming`: vLLM, multi-turn episodes, DAPO's
-rounds, ReMax's greedy baseline, a bound below 1, a plan.manual whose generation shares
-GPUs with training).
+sampling rounds or reward model, ReMax's greedy baseline, a bound below 1, a
+plan.manual whose generation shares GPUs with training).
 Here, once the plan is made: its rollout must be one generate call on one GPU of its
 own, filled by a reallocation from the trained copy, with every other call of a step
 on the training side's GPUs (:func:`realign.run.stream_parts.stream_parts`); and the

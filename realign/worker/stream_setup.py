@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
+from realign.algorithms.params import DAPOConfig
 from realign.data.datasets import Dataset, PromptExample
 from realign.data.sampler import PromptSampler
 from realign.data.step_batch import prompts_record
@@ -72,7 +73,8 @@ class StreamSide:
             self.generator = StreamGenerator(
                 parts, settings, session.runner, session.calls,
                 group_prompts(session.dataset, shape.prompts_generated, session.pad),
-                sampling, a.prompt_len, spec.steps, session.pad)
+                sampling, a.prompt_len, spec.steps, session.pad,
+                drop_constant=isinstance(a.params, DAPOConfig) and a.params.dynamic_sampling)
         else:
             runner = StepRunner(parts.train, session.hosted, session.calls, session.rank,
                                 session.dev.device, session.dev.dtype,

@@ -26,6 +26,15 @@ the last step); on the generator: decode until batch ``k`` is sent and update
 the end of a step at the same copy. What the wall clock does not decide: which samples
 each batch holds, their versions and tokens (the schedule counts iterations, and
 whichever side is early waits), so a run repeats exactly.
+
+DAPO's dynamic sampling (``drop_constant``): as each group finishes, the generator
+scores it with the rule reward it streams (``rewards``) and tells the schedule whether
+its rewards are all equal; such a group is dropped at the buffer and counted
+(``stream.dropped_constant``), never sent nor trained, and the generator keeps
+admitting the next prompts until a batch of the others is there. The batch it sends
+is marked :data:`~realign.algorithms.selection.KEPT_INFORMATIVE`, so DAPO's
+``prepare`` trains it whole. The rule reward is a function of the answer, so the
+batch's rewards, scored again when it is sent, are those the buffer judged.
 """
 from __future__ import annotations
 
@@ -37,6 +46,7 @@ from typing import Any, Callable
 import torch
 
 from planner.graph.streaming import ConstantLengths, StepRecord, StreamSchedule, StreamSettings
+from realign.algorithms.selection import KEPT_INFORMATIVE, constant_groups
 from realign.run.stream_parts import StreamParts
 from realign.runtime.engines.stream_decode import StreamDecoder, StreamedSample
 from realign.runtime.sampling import SamplingParams
@@ -64,6 +74,8 @@ class StreamGenerator:
     max_prompt_len: int
     steps: int
     pad_id: int
+    #: DAPO's dynamic sampling: drop the groups whose rewards are all equal at the buffer
+    drop_constant: bool = False
     schedule: StreamSchedule = field(init=False)
     decoder: StreamDecoder = field(init=False)
     ended: dict[int, StreamedSample] = field(default_factory=dict)   #: not yet trained
@@ -106,7 +118,8 @@ class StreamGenerator:
             if it.decodes:
                 ended = self.decoder.iterate(sch.gen_version)
                 self.ended.update({q.sample: q for q in ended})
-                sch.end_iteration({q.sample for q in ended})
+                sch.end_iteration({q.sample for q in ended},
+                                  self._constant if self.drop_constant else None)
             rec = sch.take_iteration()
             iters += 1
             if rec is not None:
@@ -148,12 +161,20 @@ class StreamGenerator:
         self.sent += 1
         return time.perf_counter() - t0
 
-    def _batch(self, rec: StepRecord, step: int) -> tuple[dict[str, Record], dict[str, float]]:
-        """The taken groups' samples as the rollout call's records, with their rule
-        rewards; the samples of groups dropped as too stale are forgotten."""
-        g, n = self.settings.group_size, self.sampling.max_new_tokens
-        rows = [self.ended.pop(i) for gid in rec.group_ids for i in range(gid * g, gid * g + g)]
-        self._forget()
+    def _constant(self, gid: int) -> bool:
+        """Group ``gid`` (all its samples ended) got one reward for every sample: its
+        rule reward ``rewards`` (DAPO's judge, before the length shaping) scored here."""
+        g = self.settings.group_size
+        rows = [self.ended[i] for i in range(gid * g, gid * g + g)]
+        seqs, _ = self._sequences(rows)
+        op = next(r for r in self.parts.rewards if r.out_key == "rewards")
+        records = {op.prompts_key: self.prompts_of([gid]), op.seqs_key: seqs}
+        out, _ = self.calls.rule_reward(op, records, self.schedule.trainer_version)
+        return bool(constant_groups(out[op.out_key][op.out_key], g, "rewards")[0])
+
+    def _sequences(self, rows: list[StreamedSample]) -> tuple[Record, Record]:
+        """(the rollout's sequences record, its log-probs record) of ``rows``."""
+        n = self.sampling.max_new_tokens
         b = len(rows)
         tokens = torch.full((b, n), self.pad_id, dtype=torch.long)
         logprobs = torch.zeros(b, n)
@@ -166,13 +187,25 @@ class StreamGenerator:
             versions[r, :k] = torch.tensor(q.versions)
         prompts = [q.prompt for q in rows]
         seqs, lps = sequences_from_generation(prompts, tokens, logprobs, lengths, self.pad_id)
+        seqs["token_versions"] = versions
+        return seqs, lps
+
+    def _batch(self, rec: StepRecord, step: int) -> tuple[dict[str, Record], dict[str, float]]:
+        """The taken groups' samples as the rollout call's records, with their rule
+        rewards; the samples of groups dropped (too stale, or constant) are forgotten."""
+        g = self.settings.group_size
+        rows = [self.ended.pop(i) for gid in rec.group_ids for i in range(gid * g, gid * g + g)]
+        self._forget()
+        seqs, lps = self._sequences(rows)
+        lengths = torch.tensor([len(q.tokens) for q in rows], dtype=torch.long)
         # a group's version is its oldest token's (the schedule's staleness)
         oldest: dict[int, int] = {}
         for q in rows:
             gid = q.sample // g
             oldest[gid] = min(oldest.get(gid, q.versions[0]), *q.versions)
         seqs["policy_version"] = torch.tensor([oldest[q.sample // g] for q in rows])
-        seqs["token_versions"] = versions
+        if self.drop_constant:
+            seqs[KEPT_INFORMATIVE] = torch.ones(len(rows), dtype=torch.bool)
         gen = self.parts.gen
         records: dict[str, Record] = {gen.inputs[0]: self.prompts_of(list(rec.group_ids)),
                                       gen.outputs[0]: seqs}
@@ -190,7 +223,7 @@ class StreamGenerator:
 
     def _forget(self) -> None:
         """Drop the ended samples of groups that left the stream untrained (dropped as
-        too stale): neither in the buffer, nor decoding, nor in a batch not yet sent."""
+        too stale or constant): neither in the buffer, nor decoding, nor in a batch not yet sent."""
         sch, g = self.schedule, self.settings.group_size
         assert sch.buffer is not None
         live = ({x.group_id for x in sch.buffer.groups} | set(sch.done_samples)

@@ -47,7 +47,12 @@ TWO = {"mesh": {"first_gpu": 0, "n_gpus": 2}, "layout": {"tp": 1, "pp": 1, "dp":
 @pytest.mark.parametrize("cfg, field, needle", [
     (_with("algorithm.max_staleness", 0), "algorithm.max_staleness", "allowed: 1 or more"),
     (_with("rollout.engine", "vllm"), "rollout.engine", "allowed: own"),
-    (_with("algorithm.name", "dapo"), "rollout.mode", "dapo"),
+    (_with("algorithm.name", "dapo") | {"algorithm": {
+        **GRPO["algorithm"], "name": "dapo", "params": {"max_sampling_rounds": 2}}},
+     "algorithm.params.max_sampling_rounds", "allowed: 1"),
+    (_with("algorithm.name", "dapo") | {"models": {"actor": "tiny-llama",
+                                                   "reward": "tiny-llama"}},
+     "models.reward", "rule rewards only"),
     (_with("algorithm.name", "remax"), "rollout.mode", "greedy_generate"),
     (_with("plan.manual", {"actor.generate": ONE, "actor.train": TWO}),
      "plan.manual.actor.generate.mesh", "disjoint"),

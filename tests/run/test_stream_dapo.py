@@ -1,0 +1,51 @@
+"""DAPO streams (``rollout.mode: streaming``, 1x2 on CPU: GPU 0 streams the rollout,
+GPU 1 trains): its dynamic sampling happens at the rollout buffer. A finished group
+whose rule rewards are all equal is dropped there and counted
+(``stream.dropped_constant``), never trained; the generator keeps generating new
+prompts until a batch of ``prompts_per_step`` informative groups is there, so every
+trained group is informative (``actor.shortfall_frac`` 0: no constant group fills a
+batch) and the train call trains the batch whole. Clip-higher and the token-level loss
+are DAPO's own. The same run twice gives the same metrics row for row."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.run.conftest import experiment
+from tests.run.run_records import metrics
+from tests.run.test_run_controller import run
+from tests.run.test_stream_run import STREAM_MANUAL, untimed
+
+pytestmark = pytest.mark.cpu_dist
+
+
+def dapo_stream(assets, tmp, **changes):
+    return experiment(assets, "tiny-dapo-cpu", tmp, plan__manual=STREAM_MANUAL,
+                      rollout__mode="streaming", rollout__on_update="continue",
+                      algorithm__max_staleness=1, algorithm__gen_len=8, run__steps=3,
+                      **changes)
+
+
+def test_dapo_streams_dropping_constant_groups_at_the_buffer_and_repeats(tiny_assets,
+                                                                         tmp_path):
+    exp = dapo_stream(tiny_assets, tmp_path)
+    rows = []
+    for name in ("a", "b"):
+        r = run(exp, tmp_path / name, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows.append(metrics(tmp_path / name))
+    got = rows[0]
+    assert [row["step"] for row in got] == [0, 1, 2]
+    for row in got:
+        assert math.isfinite(row["loss"]) and math.isfinite(row["actor.grad_norm"])
+        assert 0 <= row["stream.staleness_max"] <= 1
+        # the batch is the informative groups the buffer kept, trained whole: none a
+        # constant filler, and the sampling-round statistics of a step-by-step run absent
+        assert row["actor.shortfall_frac"] == 0.0
+        assert "actor.dropped_group_frac" not in row
+        assert row["stream.dropped_constant"] >= 0
+        assert "actor.clip_frac" in row                       # DAPO's clipped loss ran
+    # the tiny task's shaped reward makes some groups constant: dropped and counted
+    assert sum(row["stream.dropped_constant"] for row in got) > 0
+    assert untimed(rows[0]) == untimed(rows[1])
