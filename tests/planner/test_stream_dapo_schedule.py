@@ -7,6 +7,7 @@ schedule resumed from its state repeats an uninterrupted one."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -98,3 +99,38 @@ def test_the_simulation_prices_the_extra_generation():
     assert plain.iters_per_step == 100.0 and dapo.iters_per_step == 200.0
     assert plain.train_idle_share == 0.5 and dapo.train_idle_share == 0.75
     assert dapo.dropped_share == 0.0          # the stale share: none dropped as stale
+
+
+def test_a_dapo_streaming_plan_batches_the_trained_groups_and_prices_the_drops():
+    """DAPO's rollout call is over-sized for the groups its dynamic sampling drops
+    (16 prompts generated for 8 at a share of 0.5); the stream's batch is the 8 the
+    actor trains, and its step grows with the share the simulation drops."""
+    from planner.graph.algorithms import BatchShape, build_graph
+    from planner.graph.lengths import GenLengths
+    from planner.search.search import SearchSettings
+    from planner.search.stream_search import price_sides, search_ahead, stream_candidate
+    from tests.planner.test_stream_plan import CPU2, _models
+
+    shape = BatchShape(prompts_per_step=8, samples_per_prompt=4, prompt_len=8, gen_len=256,
+                       ppo_minibatches=1, dropped_group_frac=0.5)
+    graph = build_graph("dapo", shape, {"actor"}, max_staleness=2, asynchronous=True,
+                        lengths=GenLengths(max_len=256, mean=40.0))
+    assert graph.mfc("actor.generate").n_seqs == 64 and graph.mfc("actor.train").n_seqs == 32
+    _, stream = search_ahead("dapo", graph, _models(), CPU2, group_size=4,
+                             on_update="continue", constant_share=0.5,
+                             settings=SearchSettings(method="exact", seed=0, time_limit_s=60))
+    st = stream.streaming
+    assert st is not None and st.batch_groups == 8 and st.group_size == 4
+    assert st.samples_per_s == pytest.approx(32 / st.step_s)
+    sides = price_sides(stream, st.gen_gpus)
+
+    def step_s(share, train_iters=sides.train_iters):
+        return stream_candidate(stream, replace(sides, train_iters=train_iters), 4,
+                                st.max_staleness, st.capacity_groups // 8, "continue", 0,
+                                share).step_s
+    assert step_s(0.5) == pytest.approx(st.step_s)
+    # a generator-bound stream (a training step of one iteration): a batch of kept
+    # groups costs the generator 1 / (1 - share) batches of groups
+    fast = {f: step_s(f, train_iters=1) for f in (0.0, 0.25, 0.5)}
+    assert fast[0.0] < fast[0.25] < fast[0.5]
+    # (1.69x at 0.5 on this long tail, not 2x; exactly 2x with constant lengths: above)
