@@ -4,8 +4,9 @@ did not stream records none of them and gets no section.
 
 Charts: the staleness histogram (groups trained at each staleness, summed over the
 steps), the mean and greatest staleness per step, the buffer's depth and the groups
-dropped as too stale per step, each side's idle iterations (the schedule's clock) and
-each side's seconds waiting per step (the wall clock)."""
+dropped as too stale (and DAPO's dropped as constant) per step, each side's idle
+iterations (the schedule's clock) and each side's seconds waiting per step (the wall
+clock)."""
 from __future__ import annotations
 
 import math
@@ -18,8 +19,9 @@ HIST = "stream.staleness_hist."
 CURVES = (
     ("staleness", "Staleness of the trained groups (versions)",
      ("stream.staleness_mean", "stream.staleness_max")),
-    ("buffer", "Rollout buffer: depth after the take and groups dropped as stale",
-     ("stream.buffer_depth", "stream.dropped_stale")),
+    ("buffer", "Rollout buffer: depth after the take and groups dropped (stale, or "
+     "constant: DAPO)", ("stream.buffer_depth", "stream.dropped_stale",
+                         "stream.dropped_constant")),
     ("idle", "Idle iterations of each side (the schedule's clock)",
      ("stream.generator_idle_iters", "stream.trainer_idle_iters",
       "stream.generator_copy_iters")),
@@ -51,7 +53,8 @@ def _values(rows: list[dict], key: str) -> list[float]:
 
 def summary(rows: list[dict]) -> dict[str, float]:
     """The run's totals and means: ``groups_trained``, ``staleness_mean`` (over the
-    trained groups), ``staleness_max``, ``dropped_stale`` (total), ``buffer_depth_mean``,
+    trained groups), ``staleness_max``, ``dropped_stale`` and ``dropped_constant`` (DAPO's
+    constant groups; totals), ``buffer_depth_mean``,
     ``generator_wait_s`` and ``trainer_wait_s`` (totals); nan where nothing recorded."""
     hist = staleness_histogram(rows)
     n = sum(hist.values())
@@ -61,6 +64,7 @@ def summary(rows: list[dict]) -> dict[str, float]:
         "staleness_mean": sum(s * c for s, c in hist.items()) / n if n else float("nan"),
         "staleness_max": max(mx) if mx else float("nan"),
         "dropped_stale": sum(_values(rows, "stream.dropped_stale")),
+        "dropped_constant": sum(_values(rows, "stream.dropped_constant")),
         "buffer_depth_mean": sum(depth) / len(depth) if depth else float("nan"),
         "generator_wait_s": sum(_values(rows, "stream.generator_wait_s")),
         "trainer_wait_s": sum(_values(rows, "stream.trainer_wait_s")),
