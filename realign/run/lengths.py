@@ -131,3 +131,32 @@ def recorded_turns(cfg: ExperimentConfig) -> dict[str, float]:
         if xs:
             out[key] = sum(xs) / len(xs)
     return out
+
+
+def recorded_drop_frac(cfg: ExperimentConfig) -> float | None:
+    """The share of constant groups a previous DAPO run (``plan.lengths_from``) dropped
+    over all its steps (``actor.dropped_group_frac``, each step weighed by the groups
+    it generated: ``actor.round_prompts`` where it sampled in rounds), which prices
+    DAPO's sampling rounds (:func:`planner.graph.sampling_rounds.sized_rounds`). None
+    when unset or when the run recorded no drop rate (then the configured
+    ``algorithm.dropped_group_frac`` prices them)."""
+    if not cfg.plan.lengths_from:
+        return None
+    p = Path(cfg.plan.lengths_from)
+    f = p / "metrics.jsonl" if p.is_dir() else p
+    if not f.is_file():
+        return None             # recorded_lengths says what is wrong
+    dropped = generated = 0.0
+    for line in f.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        share = row.get("actor.dropped_group_frac") if isinstance(row, dict) else None
+        if not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            continue
+        sizes = row.get("actor.round_prompts")
+        weight = float(sum(sizes)) if isinstance(sizes, list) and sizes else 1.0
+        dropped += share * weight
+        generated += weight
+    return dropped / generated if generated else None

@@ -20,11 +20,16 @@ from planner.search.problem import RoleModel, head_of
 from planner.search.search import SearchSettings, search
 from planner.search.stream_search import search_ahead
 from planner.specs.model_spec import model_presets, model_spec_from_hf_config
-from realign.algorithms.params import ClippedPGParams, max_sampling_rounds
+from realign.algorithms.params import ClippedPGParams, max_round_prompts, max_sampling_rounds
 from realign.config.experiment import ExperimentConfig, LoraConfig
 from realign.errors import UserError
 from realign.run.host_work import resolve_host_work
-from realign.run.lengths import data_prompt_lengths, recorded_lengths, recorded_turns
+from realign.run.lengths import (
+    data_prompt_lengths,
+    recorded_drop_frac,
+    recorded_lengths,
+    recorded_turns,
+)
 from realign.run.shared_base import with_shared_bases
 from realign.run.spec import final_role
 
@@ -175,7 +180,9 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
     training prompts' lengths (``data.train``) and its staleness bound;
     ``asynchronous``: generation one step ahead of training; scoring and training
     packed with ``train.packing``; generation refilling its slots with
-    ``rollout.refill``; DAPO's sampling rounds priced (``max_sampling_rounds``); a frozen
+    ``rollout.refill``; DAPO's sampling rounds priced (``max_sampling_rounds``,
+    ``max_round_prompts``, at the drop rate ``plan.lengths_from`` recorded, else
+    ``algorithm.dropped_group_frac``); a frozen
     role that is a LoRA model's base scored by that model, adapters off
     (:mod:`realign.run.shared_base`); ``lengths``:
     :func:`graph_lengths`, read already (None: read here)."""
@@ -186,7 +193,9 @@ def experiment_graph(cfg: ExperimentConfig, models: dict[str, RoleModel],
                        max_staleness=cfg.algorithm.max_staleness, asynchronous=asynchronous,
                        prompt_lengths=prompts, score_rollout=scores_rollout(cfg),
                        turns=turns_shape(cfg),
-                       max_sampling_rounds=max_sampling_rounds(cfg.algorithm.params))
+                       max_sampling_rounds=max_sampling_rounds(cfg.algorithm.params),
+                       max_round_prompts=max_round_prompts(cfg.algorithm.params),
+                       sampling_drop_frac=recorded_drop_frac(cfg))
     graph = refill_graph(graph) if cfg.rollout.refill else graph
     graph = with_shared_bases(graph, cfg)     # a reference that is the actor's base
     return packed_graph(graph) if cfg.train.packing else graph
