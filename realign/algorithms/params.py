@@ -279,11 +279,12 @@ class DAPOConfig(ClipHigherParams):
     max_sampling_rounds: int = Field(
         1, ge=1, le=MAX_SAMPLING_ROUNDS, description="Dynamic sampling as the paper does it: "
         "a step generates for prompts_generated prompts, keeps the informative groups, and "
-        "generates again (new prompts, seeds from the step and the round) until "
-        "prompts_per_step are kept or this many rounds have run; a step still short then "
-        "trains its informative groups with constant ones at loss weight 0 (the metrics say "
-        "so). The plan prices the expected rounds at algorithm.dropped_group_frac. 1: one "
-        "round (over-generation only).")
+        "generates again (new prompts, seeds from the step and the round; a later round "
+        "sized from the drop rate seen, at most max_round_prompts) until prompts_per_step "
+        "are kept or this many rounds have run; a step still short then trains its "
+        "informative groups with constant ones at loss weight 0 (the metrics say so). The "
+        "plan prices the expected prompts at the drop rate plan.lengths_from recorded, else "
+        "algorithm.dropped_group_frac. 1: one round (over-generation only).")
     max_round_prompts: int | None = Field(
         None, ge=1, le=MAX_ROUND_PROMPTS, description="The most prompts a later sampling "
         "round generates for. A later round is sized from the drop rate measured so far "
