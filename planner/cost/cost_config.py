@@ -5,6 +5,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from planner.cost.peer_engines import TrainEngine
+
 #: Which engine a generate call runs on: realign's own (waves) or vLLM (continuous
 #: batching); ``auto``: the search prices both per call and picks.
 GenerateEngine = Literal["own", "vllm", "auto"]
@@ -97,6 +99,14 @@ class CostModelConfig(BaseModel):
         "graphs (docs/gpu-terms.md); 'sync' makes the device wait for it on every decode step, "
         "VLLM_SYNC_STEP_S seconds (vLLM v0 without multi-step scheduling: "
         "docs/gpu-facts.md §3e); for pricing runs of other systems on v0.")
+    train_engine: TrainEngine = Field(
+        "own", description="The engine of every scoring and training call: 'own' "
+        "(realign's Megatron passes, the device preset's layer_overhead_s); 'hf' (Hugging "
+        "Face layers run eagerly, weights whole on each rank: DeepSpeed ZeRO-1/2, DDP) or "
+        "'hf_sharded' (the same under a per-layer sharded wrapper: PyTorch FSDP, DeepSpeed "
+        "ZeRO-3), each layer of a pass paying the device's eager per-layer host cost and, "
+        "sharded, the wrapper's hooks (planner/cost/peer_engines.py). For pricing runs of "
+        "other systems (benchmarks/public_runs); realign runs 'own'.")
     vllm_max_num_seqs: int = Field(
         256, gt=0, description="vLLM: the most sequences one engine decodes at once "
         "(its max_num_seqs; rollout.vllm.max_num_seqs).")

@@ -198,13 +198,17 @@ class CostModel:
         return (True,) if mode == "always" else (False, True)
 
     def engine_options(self, mfc: MFC, layout: Layout, micro_batches: int) -> tuple[str, ...]:
-        """The generation engines to price for ``mfc`` under ``layout``
-        (``generate_engine``): realign's own for every call; vLLM for a generate call
-        at PP 1 and one micro-batch, at any TP (one engine per data-parallel rank,
-        continuous batching: no waves) that its KV cache can hold one sequence of, without
-        expert parallelism (each engine holds every expert)."""
+        """The engines to price for ``mfc`` under ``layout``: a scoring or training
+        call, realign's own, or with another system's ``train_engine`` (data parallel
+        only) none but at TP 1, PP 1; a generate call (``generate_engine``): realign's
+        own; vLLM at PP 1 and one micro-batch, at any TP (one engine per data-parallel
+        rank, continuous batching: no waves) that its KV cache can hold one sequence of,
+        without expert parallelism (each engine holds every expert)."""
+        if mfc.kind != "generate":
+            flat = layout.tp == 1 and layout.pp == 1 and layout.ep == 1
+            return ("own",) if self.config.train_engine == "own" or flat else ()
         mode = self.config.generate_engine
-        if mfc.kind != "generate" or mode == "own":
+        if mode == "own":
             return ("own",)
         fits = (layout.pp == 1 and micro_batches == 1 and layout.ep == 1)
         vllm = ("vllm",) if fits else ()

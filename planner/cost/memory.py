@@ -5,6 +5,9 @@ mixture of experts' experts further divided by the layout's ``ep`` (each EP rank
 ``n_experts / ep`` of them: weights and gradients fall by ``ep``; with the distributed
 optimizer their optimizer state is sharded over the ``dp / ep`` ranks that hold the same
 experts, so it stays ``1/dp`` of the model per GPU as without EP);
+another system's sharded data-parallel trainer (``train_engine: hf_sharded``: FSDP,
+ZeRO-3) keeps ``1/dp`` of a scoring or training call's weights and gradients per GPU, and
+one layer's whole weights while it runs;
 training adds fp32 main grads and optimizer state (divided by dp with the
 distributed optimizer) and 1F1B activations for ``min(pp, m)`` micro-batches in
 flight (with activation recompute only each layer's input, plus one layer's
@@ -123,6 +126,12 @@ def mfc_memory(cfg: CostModelConfig, mfc: MFC, spec: ModelSpec, head: str, layou
     # gradients and optimizer state: of every parameter, or with LoRA of the adapters
     p_gpu = trainable_params(spec, head, layout, lora)
     logit_cols = spec.padded_vocab / tp if head == "lm" else 1.0
+    gathered = 0.0
+    if cfg.train_engine == "hf_sharded" and mfc.kind != "generate":
+        # a sharded data-parallel trainer (FSDP, ZeRO-3) keeps 1/dp of the weights and
+        # gradients on each rank, and one layer's whole weights while it runs
+        gathered = weights / max(1, spec.n_layers // pp)
+        weights, p_gpu = weights / dp, p_gpu / dp
     if mfc.kind == "generate":
         b = mfc.n_seqs / dp / m
         act = (kv_cache_bytes(cfg, spec, mfc, layout, m) + 4.0 * b * logit_cols * 2
@@ -133,14 +142,15 @@ def mfc_memory(cfg: CostModelConfig, mfc: MFC, spec: ModelSpec, head: str, layou
     tok = seqs / m * mfc.seq_len if token_budget is None else float(token_budget)
     act_layer = tok * act_bytes_per_token_layer(cfg, spec, tp)
     if not train:
-        return weights, weights, 2 * act_layer + 2 * 4.0 * tok * logit_cols, 0.0
+        return weights, weights, 2 * act_layer + 2 * 4.0 * tok * logit_cols + gathered, 0.0
     in_flight = min(pp, m)
     if lora is not None:    # each target keeps x A^T ([tokens, A's rows]) for the backward
         act_layer += tok * lora.z_width() * dt
     per_layer = (tok * spec.hidden * dt) if recompute else act_layer
     act = in_flight * spec.n_layers / pp * per_layer + (act_layer if recompute else 0)
-    act += 2 * 4.0 * tok * logit_cols
-    shard = optimizer_shard_params(spec, layout, p_gpu, cfg.distributed_optimizer)
+    act += 2 * 4.0 * tok * logit_cols + 2 * gathered
+    shard = optimizer_shard_params(spec, layout, p_gpu, cfg.distributed_optimizer
+                                   and gathered == 0.0)
     if offload:
         # megatron's HybridDeviceOptimizer: the GPU keeps the fp32 main-weight shard
         # (4 bytes); the host its fp32 copy, Adam's m and v and pinned fp32 grads

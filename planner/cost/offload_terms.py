@@ -19,9 +19,12 @@ if TYPE_CHECKING:
 def offload_options(config: CostModelConfig, device: DeviceSpec, mfc: MFC) -> tuple[bool, ...]:
     """The optimizer-offload settings to price for ``mfc``: only training has
     optimizer state; the device must offer it (``host_adam_params_per_s``) and the
-    distributed optimizer must shard it (megatron offloads only that)."""
+    distributed optimizer must shard it (megatron offloads only that); realign's own
+    trainer only (``train_engine``: another system's is priced as its run was, on the
+    GPU)."""
     mode = config.optimizer_offload
     if (mfc.kind != "train" or mode == "never" or not config.distributed_optimizer
+            or config.train_engine != "own"
             or device.host_adam_params_per_s is None):
         return (False,)
     return (True,) if mode == "always" else (False, True)
@@ -33,9 +36,9 @@ def state_offload_options(config: CostModelConfig, device: DeviceSpec,
     'auto' offers it where the device has memory of its own beside the host's (it
     offers optimizer offload: ``host_adam_params_per_s``); 'always' everywhere (the
     runtime executes it on any device; on the cpu device the "host" is the same
-    memory, so it frees nothing there)."""
+    memory, so it frees nothing there); realign's own trainer only."""
     mode = config.train_state_offload
-    if mfc.kind != "train" or mode == "never":
+    if mfc.kind != "train" or mode == "never" or config.train_engine != "own":
         return (False,)
     if mode == "always":
         return (True,)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 
 from planner.cost.cost_config import CostModelConfig
+from planner.cost.peer_engines import peer_layer_s
 from planner.cost.profile import EngineCosts, ProfileTable, TransferCosts
 from planner.specs.cluster import ClusterSpec
 
@@ -95,6 +96,11 @@ class Rates:
                 "profile" if profile and kind in profile.engines else preset)
         if self.captured_decode:
             self.sources["engine decode"] += ", captured (no per-layer host cost)"
+        if config.train_engine != "own":
+            for kind in ("train", "inference"):
+                self.sources[f"engine {kind}"] = (
+                    f"{preset}, train_engine {config.train_engine} (an eager per-layer host "
+                    "cost: planner/cost/peer_engines.py)")
         if vllm and config.vllm_enforce_eager:
             self.sources["engine vllm_decode"] += ", eager (a per-layer host cost)"
         if vllm and config.vllm_scheduler == "sync":
@@ -208,9 +214,12 @@ class Rates:
         the device's per-layer decode cost, as realign's own eager decode step.
         realign's own decode step, captured (:attr:`captured_decode`), has no per-layer
         host cost either, the profile's included (a profile's decode engine times the
-        eager step)."""
+        eager step). Scoring and training on another system's engine (``train_engine``
+        not ``own``) pay its per-layer host cost (:mod:`planner.cost.peer_engines`),
+        whatever a profile measured of realign's."""
         dev, cfg = self.cluster.device, self.config
-        if self.profile is not None and kind in self.profile.engines:
+        peer = peer_layer_s(cfg.train_engine, kind, dev.decode_layer_overhead_s)
+        if self.profile is not None and kind in self.profile.engines and peer is None:
             costs = self.profile.engines[kind]
             if kind == "decode" and self.captured_decode:
                 return costs.model_copy(update={"layer_s": 0.0})
@@ -226,6 +235,7 @@ class Rates:
             call_s=dev.call_overhead_s,
             microbatch_s=dev.microbatch_overhead_s,
             layer_s=(decode_layer if kind in ("decode", "vllm_decode")
+                     else peer if peer is not None
                      else (3.0 if train else 1.0) * dev.layer_overhead_s),
             token_hidden_s=(3.0 if train else 1.0) * cfg.elementwise_passes * self.dtype_bytes / mem,
             token_vocab_s=(2.0 if train else 1.0) * LOGIT_PASSES * LOGIT_BYTES / mem,

@@ -4,8 +4,9 @@ The calibration set is ``benchmarks/public_runs/runs.yaml``: per run the system 
 measured it, an experiment YAML reproducing its setting (model, GPUs, batch, lengths,
 engine), the source and the exact figure quoted from it, and the measured step time and
 per-phase times where published. Each run is planned with its device preset (no
-profile, a small search time limit) and compared, estimate / measured, per step and
-per phase:
+profile, a small search time limit; a run whose source publishes its placement and
+micro-batches gives them as ``plan.manual``, which is priced as given instead of
+searched) and compared, estimate / measured, per step and per phase:
 
 - generation: the plan's generate calls;
 - scoring: its inference calls (reference, reward, critic values, old log-probs);
@@ -172,7 +173,8 @@ def plan_run(run: PublicRun, index_dir: Path, time_limit_s: float) -> dict:
     """Plan one run with its device preset (no profile); its row of the record."""
     from planner.errors import PlanError
     from realign.run.loading import load_experiment
-    from realign.run.planning import plan_experiment, priced_with
+    from realign.run.plan_source import resolve_plan
+    from realign.run.planning import plan_experiment, priced_with, resolve_models
 
     cfg = load_experiment(index_dir / run.experiment)
     cfg = priced_with(cfg, None)
@@ -181,7 +183,10 @@ def plan_run(run: PublicRun, index_dir: Path, time_limit_s: float) -> dict:
            "gpus": cfg.cluster.nodes * cfg.cluster.gpus_per_node,
            "measured": run.measured.model_dump()}
     try:
-        plan = plan_experiment(cfg, {"time_limit_s": time_limit_s})
+        if cfg.plan.manual:     # the run's own placement and micro-batches, priced
+            plan = resolve_plan(cfg, resolve_models(cfg))
+        else:
+            plan = plan_experiment(cfg, {"time_limit_s": time_limit_s})
     except PlanError as e:
         return {**row, "error": str(e)}
     pj = json.loads(plan.to_json())

@@ -134,3 +134,21 @@ def test_committed_set_is_well_formed():
         assert r.quote.strip() and r.source.strip() and r.measured.step_s > 0
     assert len({r.system for r in idx.runs}) >= 2
     assert "a100-80g" in devices and devices & {"h100-80g", "h200"}
+
+
+def test_a_run_with_its_placement_is_priced_as_given(tmp_path):
+    """A run whose source publishes its placement and micro-batches gives them as
+    ``plan.manual``: the bench prices exactly those allocations, searching nothing."""
+    whole = {"mesh": {"first_gpu": 0, "n_gpus": 2}, "layout": {"dp": 2}}
+    manual = {"actor.generate": whole, "ref.inference": {**whole, "micro_batches": 4},
+              "actor.train": {**whole, "micro_batches": 8}}
+    exp = json.loads(json.dumps(GRPO))
+    exp["plan"]["manual"] = manual
+    (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(exp))
+    runs = [{"id": "grpo", "system": "B", "experiment": "grpo.yaml", "hardware": "2 x H100",
+             "source": "a log", "quote": "5 s", "measured": {"step_s": 5.0}}]
+    (tmp_path / "runs.yaml").write_text(yaml.safe_dump({"runs": runs}))
+    row = run_public(tmp_path / "runs.yaml", time_limit_s=3.0)["runs"][0]
+    assert row["search"]["method"] == "manual"
+    got = {c["mfc"]: (c["layout"]["dp"], c["micro_batches"]) for c in row["estimate"]["calls"]}
+    assert got == {k: (2, v.get("micro_batches", 1)) for k, v in manual.items()}
