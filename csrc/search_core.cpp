@@ -147,6 +147,13 @@ ReallocCost ReallocCache::get(i64 model, i64 train_mfc, i64 src, i64 mfc, i64 ds
     const i64 down = std::min(a.first_gpu, b.first_gpu) / gpn * gpn;
     a.first_gpu -= down;
     b.first_gpu -= down;
+    // on separate nodes, no GPU of one mesh shares a node with the other's: every byte
+    // crosses nodes and realloc_time reads neither mesh's position, so the upper mesh
+    // moves down to the node after the lower one's last (one entry however far apart)
+    const i64 a_lo = a.first_gpu / gpn, a_hi = (a.first_gpu + a.n_gpus - 1) / gpn;
+    const i64 b_lo = b.first_gpu / gpn, b_hi = (b.first_gpu + b.n_gpus - 1) / gpn;
+    if (a_hi < b_lo) b.first_gpu -= (b_lo - a_hi - 1) * gpn;
+    else if (b_hi < a_lo) a.first_gpu -= (a_lo - b_hi - 1) * gpn;
     const Shape shape{a.first_gpu, a.n_gpus, a.tp, a.pp, a.ep,
                       b.first_gpu, b.n_gpus, b.tp, b.pp, b.ep};
     auto& shapes = shapes_[mfc];

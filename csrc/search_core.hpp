@@ -142,7 +142,9 @@ ReallocCost realloc_time(const ReallocModel& m, const Place& src, const Place& d
 // per MFC keyed by the two placements moved down together by whole nodes (the lower
 // first GPU to node 0): realloc_time reads GPU numbers only through their node and their
 // distance from the meshes' first GPUs, so such a pair costs exactly the same, and a
-// pair of meshes is priced once however far along the cluster it lies.
+// pair of meshes is priced once however far along the cluster it lies; a pair on separate
+// nodes is keyed with the gap between them closed (its bytes all cross nodes, and the
+// price is the same however many nodes lie between).
 class ReallocCache {
 public:
     explicit ReallocCache(const Problem& prob);

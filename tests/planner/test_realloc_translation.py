@@ -61,3 +61,38 @@ def test_pairs_moved_by_whole_nodes_cost_the_same(model, head, lora):
                 src, dst, shift)
             moved += 1
     assert moved > 100
+
+
+@pytest.mark.parametrize("model,head", [("llama2-7b", "lm"), ("qwen3-30b-a3b", "value")])
+def test_pairs_on_separate_nodes_cost_the_same_however_far_apart(model, head):
+    """The C++ cache's second rule: when no node holds GPUs of both meshes, every byte
+    crosses nodes and the price does not depend on the nodes between them, so the upper
+    mesh may move down to the node after the lower one's last."""
+    gpn, nodes = 4, 8
+    cluster = ClusterSpec(n_nodes=nodes, gpus_per_node=gpn, device=resolve_device("h100-80g"))
+    m = ReallocModel.of(model_presets()[model], head, 2, None)
+    links = Links(gpus_per_node=gpn, intra_bytes_per_s=3e11, inter_bytes_per_s=2.5e10,
+                  intra_latency_s=1e-5, inter_latency_s=5e-5, fixed_s=1e-3,
+                  copy_bytes_per_s=2e12)
+
+    def node_span(p: tuple[int, ...]) -> tuple[int, int]:
+        return p[0] // gpn, (p[0] + p[1] - 1) // gpn
+
+    places = placements(cluster, model)
+    rng = random.Random(11)
+    closed = 0
+    for _ in range(400):
+        src, dst = rng.choice(places), rng.choice(places)
+        (s_lo, s_hi), (d_lo, d_hi) = node_span(src), node_span(dst)
+        if s_hi < d_lo:
+            near = (src, (dst[0] - (d_lo - s_hi - 1) * gpn,) + dst[1:])
+        elif d_hi < s_lo:
+            near = ((src[0] - (s_lo - d_hi - 1) * gpn,) + src[1:], dst)
+        else:
+            continue
+        if near == (src, dst):
+            continue
+        assert realloc_time(m, *near, links) == realloc_time(m, src, dst, links), (src, dst)
+        assert realloc_time(m, src, dst, links)[1] > 0
+        closed += 1
+    assert closed > 50
