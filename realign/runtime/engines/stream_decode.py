@@ -18,6 +18,15 @@ or at ``max_new_tokens``. Tokens are chosen as in :mod:`~realign.runtime.engines
 sample's tokens do not depend on which slot or iteration it ran in: without updates,
 the streamed tokens are those of the ordinary refilling generation (tested).
 
+What an iteration costs besides the model's forward is kept to a few tensor operations,
+as in the refilling generation whose decode step the planner prices: the slots' newest
+tokens and positions live in tensors written once per iteration (not rebuilt from the
+samples' token lists); the decode step runs every slot's cache row in place once more
+than half of them decode (a slot that is free or was just prefilled writes a cache
+entry its own next forward overwrites before attending to it), and gathers the busy
+rows otherwise; the sampling noise is made a block of positions per slot at a time
+(:class:`_SlotNoise`) rather than hashed over the vocabulary every iteration.
+
 One pipeline stage (``pp == 1``) and the replica's ranks calling it alike (TP ranks
 compute the same logits).
 """
@@ -30,8 +39,14 @@ import torch
 
 from realign.data.collate import pad_right
 from realign.runtime.engines.decoder import StageDecoder
+from realign.runtime.engines.waves import NOISE_BLOCK
 from realign.runtime.model import ModelShard
-from realign.runtime.sampling import SamplingParams, choose_tokens, gumbel_noise_rows
+from realign.runtime.sampling import (
+    SamplingParams,
+    choose_tokens,
+    gumbel_noise_hashed,
+    position_hashes,
+)
 
 
 @dataclass
@@ -66,7 +81,14 @@ class StreamDecoder:
         self.slot: list[StreamedSample | None] = [None] * slots
         self.fresh: list[int] = []             #: slots admitted, not yet prefilled
         self.stops = set(p.stop_token_ids)
-        self.dev = shard.device.device
+        self.dev = dev = shard.device.device
+        #: each slot's newest token and the position the next step feeds it at (a free
+        #: slot: token 0 at position 0, which its next prefill overwrites)
+        self.last = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.noise = (None if p.greedy
+                      else _SlotNoise(position_hashes(p.seed, self.n, dev), slots,
+                                      shard.spec.vocab_size))
 
     @property
     def busy(self) -> int:
@@ -82,6 +104,9 @@ class StreamDecoder:
         s = self.slot.index(None)
         self.slot[s] = sample
         self.fresh.append(s)
+        # an every-row step of the iteration that prefills it writes here: the position
+        # its first token is fed at, which that token's own step overwrites
+        self.pos[s] = len(sample.prompt)
 
     def recompute(self) -> None:
         """Rebuild the cache rows of every sequence in flight from its prompt and the
@@ -95,31 +120,46 @@ class StreamDecoder:
     def iterate(self, version: int) -> list[StreamedSample]:
         """One iteration (module docs); the samples that ended, their slots freed."""
         new, self.fresh = self.fresh, []
-        going = [s for s, x in enumerate(self.slot) if x is not None and s not in new]
-        chosen: dict[int, tuple[int, float]] = {}
+        going = [s for s, x in enumerate(self.slot) if x is not None and x.tokens]
+        slots: list[int] = []
+        parts: list[torch.Tensor] = []
         if new:
-            logits = self._prefill(new, [self._at(s).prompt for s in new])
-            chosen.update(self._choose(new, logits))
+            parts.append(self._prefill(new, [self._at(s).prompt for s in new]))
+            slots += new
         if going:
-            rows = torch.tensor(going, device=self.dev)
-            seqs = [self._at(s) for s in going]
-            x = torch.tensor([[q.tokens[-1]] for q in seqs], device=self.dev)
-            pos = torch.tensor([len(q.prompt) + len(q.tokens) - 1 for q in seqs],
-                               device=self.dev)
+            kv_len = max(len(q.prompt) + len(q.tokens) for q in map(self._at, going))
             with torch.inference_mode():
-                logits = self.dec.step(x, pos, int(pos.max()) + 1, rows=rows)
-            chosen.update(self._choose(going, logits))
-        ended = []
-        for s, (tok, lp) in sorted(chosen.items()):
+                if 2 * len(going) > len(self.slot):     # every row, in place
+                    logits = self.dec.step(self.last.unsqueeze(1), self.pos, kv_len)
+                    parts.append(logits[torch.tensor(going, device=self.dev)]
+                                 if len(going) < len(self.slot) else logits)
+                else:
+                    rows = torch.tensor(going, device=self.dev)
+                    parts.append(self.dec.step(self.last[rows].unsqueeze(1), self.pos[rows],
+                                               kv_len, rows=rows))
+            slots += going
+        if not slots:
+            return []
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        choice, logp = self._choose(slots, logits)
+        at = torch.tensor(slots, device=self.dev)
+        self.last[at] = choice
+        ended: list[tuple[int, StreamedSample]] = []
+        pos = []
+        for s, tok, lp in zip(slots, choice.tolist(), logp.tolist()):
             q = self.slot[s]
             assert q is not None
             q.tokens.append(tok)
             q.logprobs.append(lp)
             q.versions.append(version)
             if tok in self.stops or len(q.tokens) >= self.n:
-                ended.append(q)
+                ended.append((s, q))
                 self.slot[s] = None
-        return ended
+                pos.append(0)
+            else:
+                pos.append(len(q.prompt) + len(q.tokens) - 1)
+        self.pos[at] = torch.tensor(pos, device=self.dev)
+        return [q for _, q in sorted(ended, key=lambda e: e[0])]
 
     def in_flight(self) -> list[StreamedSample]:
         """The samples in the slots, by slot."""
@@ -142,6 +182,10 @@ class StreamDecoder:
         self.fresh = list(st["fresh"])
         for mine, saved in zip(self.dec.k + self.dec.v, st["k"] + st["v"]):
             mine.copy_(saved)
+        for s, q in enumerate(self.slot):       # the slots' tensors, from their samples
+            self.last[s] = q.tokens[-1] if q is not None and q.tokens else 0
+            self.pos[s] = (0 if q is None else
+                           len(q.prompt) + len(q.tokens) - 1 if q.tokens else len(q.prompt))
 
     # ---- helpers ---------------------------------------------------------------------
     def _at(self, s: int) -> StreamedSample:
@@ -159,15 +203,51 @@ class StreamDecoder:
             return self.dec.prefill(tokens.to(self.dev), lengths.to(self.dev),
                                     rows=torch.tensor(slots, device=self.dev))
 
-    def _choose(self, slots: list[int], logits: torch.Tensor) -> dict[int, tuple[int, float]]:
+    def _choose(self, slots: list[int], logits: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each slot's next token and its log-prob (the model's own distribution)."""
         logits = logits.float()[:, :self.shard.spec.vocab_size]
         seqs = [self._at(s) for s in slots]
         ids = torch.tensor([q.sample for q in seqs], device=self.dev)
         noise = None
-        if not self.p.greedy:
-            noise = gumbel_noise_rows(self.p.seed, ids, [len(q.tokens) for q in seqs],
-                                      logits.shape[-1])
+        if self.noise is not None:
+            noise = self.noise.at(slots, [q.sample for q in seqs], [len(q.tokens) for q in seqs])
         choice = choose_tokens(logits, self.p, ids, 0, noise)
         logp = logits.log_softmax(-1).gather(1, choice.unsqueeze(1)).squeeze(1)
-        return {s: (int(c), float(lp)) for s, c, lp in zip(slots, choice.tolist(), logp.tolist())}
+        return choice, logp
+
+
+class _SlotNoise:
+    """The sampling noise of each slot's sample, made a block of its positions at a time
+    (at most :data:`~realign.runtime.engines.waves.NOISE_BLOCK` values for all slots)
+    when the slot takes a sample or leaves its block: the same values as
+    :func:`~realign.runtime.sampling.gumbel_noise_rows` of each sample at its position
+    (a function of (seed, sample, position) only), without hashing over the vocabulary
+    every iteration (as costly as a small model's forward)."""
+
+    def __init__(self, hashes: torch.Tensor, slots: int, vocab: int):
+        self.hashes, self.vocab = hashes, vocab
+        self.width = max(1, min(len(hashes), NOISE_BLOCK // max(1, slots * vocab)))
+        dev = hashes.device
+        self.block = torch.zeros(slots, self.width, vocab, dtype=torch.float64, device=dev)
+        self.owner = [-1] * slots               #: the sample whose block a slot holds
+        self.start = [0] * slots                #: the block's first position
+
+    def at(self, slots: list[int], samples: list[int], made: list[int]) -> torch.Tensor:
+        """[len(slots), vocab]: the noise of sample ``samples[j]``'s token ``made[j]``,
+        held by slot ``slots[j]``."""
+        stale = [j for j, s in enumerate(slots) if self.owner[s] != samples[j]
+                 or not self.start[s] <= made[j] < self.start[s] + self.width]
+        dev = self.block.device
+        if stale:
+            idx = torch.tensor([slots[j] for j in stale], device=dev)
+            start = torch.tensor([made[j] for j in stale], device=dev)
+            pos = (start.unsqueeze(1) + torch.arange(self.width, device=dev)).clamp(
+                max=len(self.hashes) - 1)
+            ids = torch.tensor([samples[j] for j in stale], device=dev)
+            self.block[idx] = gumbel_noise_hashed(self.hashes[pos], ids.unsqueeze(1),
+                                                  self.vocab)
+            for j in stale:
+                self.owner[slots[j]], self.start[slots[j]] = samples[j], made[j]
+        off = [m - self.start[s] for s, m in zip(slots, made)]
+        return self.block[torch.tensor(slots, device=dev), torch.tensor(off, device=dev)]
