@@ -47,11 +47,16 @@ import torch
 
 from planner.graph.streaming import ConstantLengths, StepRecord, StreamSchedule, StreamSettings
 from realign.algorithms.selection import KEPT_INFORMATIVE, constant_groups
+from realign.errors import UserError
 from realign.run.stream_parts import StreamParts
 from realign.runtime.engines.stream_decode import StreamDecoder, StreamedSample
 from realign.runtime.sampling import SamplingParams
 from realign.worker.records import Record, recv_record, send_record, sequences_from_generation
 from realign.worker.runner import StepReport, StepRunner
+
+#: DAPO's constant groups dropped while a batch fills, in batches, past which the run
+#: stops (the rewards teach nothing: a share of 0.99, beyond the 0.95 a plan prices)
+CONSTANT_LIMIT_BATCHES = 100
 
 #: prompts of one group: (its token ids, the record fields of its row) by group id
 GroupPrompts = Callable[[list[int]], Record]
@@ -126,6 +131,14 @@ class StreamGenerator:
                 self.taken[rec.step] = rec
             if iters > 10 ** 7:
                 raise RuntimeError("the stream made no progress")
+            if sch.dropped_constant > CONSTANT_LIMIT_BATCHES * self.settings.batch_groups:
+                raise UserError(
+                    f"step {step}: {sch.dropped_constant} groups got equal rewards for "
+                    f"every sample since the last batch was taken, {CONSTANT_LIMIT_BATCHES} "
+                    "batches' worth, so DAPO's "
+                    "dynamic sampling (dropping them at the stream's buffer) has nothing to "
+                    "train; check the reward function, or set "
+                    "algorithm.params.dynamic_sampling: false", field="reward.fn")
         rec = self.taken.pop(step)
         m = dict(rec.metrics)
         m.update(self.stats.pop(step, {}))

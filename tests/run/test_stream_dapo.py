@@ -49,3 +49,17 @@ def test_dapo_streams_dropping_constant_groups_at_the_buffer_and_repeats(tiny_as
     # the tiny task's shaped reward makes some groups constant: dropped and counted
     assert sum(row["stream.dropped_constant"] for row in got) > 0
     assert untimed(rows[0]) == untimed(rows[1])
+
+
+def test_rewards_that_never_differ_stop_the_stream_naming_the_reward(tiny_assets, tmp_path):
+    """Every group constant: the buffer never fills a batch; once 100 batches' worth
+    of groups are dropped the run stops, naming reward.fn, instead of generating on."""
+    (tiny_assets / "flat_reward.py").write_text(
+        "def flat(prompt, response, answer):\n    return 0.5\n")
+    exp = dapo_stream(tiny_assets, tmp_path, reward__fn="flat_reward.py:flat",
+                      algorithm__prompts_per_step=2, algorithm__dropped_group_frac=None)
+    r = run(exp, tmp_path / "run", timeout=600)
+    assert r.returncode != 0
+    assert "reward.fn" in r.stderr and "equal rewards" in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or \
+        not (tmp_path / "run" / "metrics.jsonl").read_text().strip()
