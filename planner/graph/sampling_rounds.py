@@ -1,19 +1,29 @@
 """DAPO's dynamic sampling as rounds (Yu et al. 2025, section 3.2): a round generates for
-a fixed number of prompts, the groups whose rewards are all equal are dropped, and the
-step generates again until ``prompts_per_step`` informative groups are kept or
-``max_sampling_rounds`` rounds have run.
+some prompts, the groups whose rewards are all equal are dropped, and the step generates
+again until ``prompts_per_step`` informative groups are kept or ``max_sampling_rounds``
+rounds have run.
 
-Every round has the plan's shape (``BatchShape.prompts_generated`` prompts' groups), so
-the plan's waves, micro-batches and memory hold in each; what the planner adds is how
-many rounds to expect. With a share ``f`` of groups dropped, independently per group,
-the informative groups of ``r`` rounds of ``n`` prompts are Binomial(r * n, 1 - f), and a
-round ``r + 1`` runs exactly when those are fewer than ``P``:
+The first round has the plan's shape (``BatchShape.prompts_generated`` prompts'
+groups). A later round generates for as many prompts as the missing groups need at the
+drop rate seen (:func:`round_size`, at most ``max_round_prompts``); it runs in more waves
+and micro-batches, none larger than the plan's, so the plan's memory holds. What the
+planner adds is how much to expect: :func:`sized_rounds` (exact over the distribution of
+the groups still missing after each round, groups dropped independently at a share
+``f``) gives the expected rounds and prompts, and the rollout's calls are priced at the
+expected prompts over the first round's.
+
+Rounds of one fixed size ``n`` (the first round's) are the special case the paper's
+loop reduces to when every round re-draws ``n`` prompts: the informative groups of ``r``
+rounds are Binomial(r * n, 1 - f), and a round ``r + 1`` runs exactly when those are
+fewer than ``P``:
 
     E[rounds] = sum_{r = 0}^{R - 1} Pr[Binomial(r * n, 1 - f) < P]    (the r = 0 term is 1)
 
 Example: P = 16 prompts per step, f = 0.45, n = ceil(16 / 0.55) = 30 prompts a round,
 R = 4: Pr[Binomial(30, 0.55) < 16] = 0.355 and Pr[Binomial(60, 0.55) < 16] = 2.3e-6, so
-E[rounds] = 1.355; the batch is full within the cap but for a chance below 1e-12.
+E[rounds] = 1.355. At f = 0.95 the same four rounds fill a batch with a chance of 3e-4
+(:func:`full_batch_chance`); rounds sized from the rate (cap 240) fill it with 0.9996,
+generating for 396 prompts on average.
 """
 from __future__ import annotations
 
