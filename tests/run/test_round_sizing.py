@@ -130,3 +130,34 @@ def test_round_quantum_splits_rows_over_every_call():
     assert round_quantum([8, 3], 4) == 6          # rows a multiple of 24
     assert DropRate(6, 10).share(9, 10) == pytest.approx(0.75)
     assert DropRate().share(0, 0) == 0.0
+
+
+def test_the_plan_prices_the_rounds_at_the_rate_a_recorded_run_dropped(tiny_assets, tmp_path):
+    import json
+
+    from planner.graph.sampling_rounds import sized_rounds
+    from realign.run.lengths import recorded_drop_frac
+    from realign.run.loading import load_experiment
+    from realign.run.planning import experiment_graph, resolve_models
+    from tests.run.conftest import experiment
+
+    run = tmp_path / "before"
+    run.mkdir()
+    rows = [{"step": 0, "response_len": 3.0, "actor.dropped_group_frac": 0.2},   # once: 1
+            {"step": 1, "response_len": 3.0, "actor.dropped_group_frac": 0.8,
+             "actor.round_prompts": [30, 50]},                                   # 80
+            {"step": 2, "loss": 1.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    priced = {}
+    for label, where in (("configured", None), ("recorded", str(run))):
+        exp = experiment(tiny_assets, "tiny-dapo-rounds-cpu", tmp_path / label,
+                         models__actor="tiny-llama", plan__lengths_from=where)
+        cfg = load_experiment(exp)
+        f = recorded_drop_frac(cfg)
+        assert f == (None if where is None else pytest.approx((0.2 + 0.8 * 80) / 81))
+        gen = next(m for m in experiment_graph(cfg, resolve_models(cfg)).mfcs
+                   if m.name == "actor.generate")
+        rate = 0.45 if f is None else f
+        assert gen.sampling_rounds == pytest.approx(sized_rounds(30, 16, rate, 4, 240)[1] / 30)
+        priced[label] = gen.sampling_rounds
+    assert priced["recorded"] > 2 * priced["configured"]
