@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from planner.search.anneal import MASK64, AnnealResult, AnnealSettings
+from planner.search.mesh_blocks import columns
 from planner.search.problem import Problem
 from planner.search.simulator import SimResult
 
@@ -34,32 +35,17 @@ def to_core(prob: Problem) -> Any:
     core = load_core()
     links = prob.links
     cands = prob.cands
-    # one pass over each MFC's candidates (there are 420,000 at 1024 GPUs), then one
-    # column per field
-    cols = [list(zip(*[(c.first_gpu, c.n_gpus, c.tp, c.pp, c.dp, float(c.time_s),
-                        float(c.resident_bytes), float(c.activation_bytes),
-                        float(c.weights_bytes), float(c.time_sd_s), c.ep) for c in cs]))
-            for cs in cands]
+    if prob.mesh_blocks:
+        # as priced: each allocation's fields once per mesh size, repeated per mesh
+        packed = [columns(blocks) for blocks in prob.mesh_blocks]
+        cols: list[Any] = [p[0] for p in packed]
+        mesh_groups = [p[1] for p in packed]
+        mesh_of = [p[2] for p in packed]
+    else:
+        cols, mesh_groups, mesh_of = _pack_candidates(prob)
 
     def column(k: int) -> list[list[float]]:
         return [list(col[k]) if col else [] for col in cols]
-
-    # each same-mesh group once, and per candidate its group's index: a group is one list
-    # shared by its candidates (assemble), so packing it per candidate copied it as often
-    mesh_groups: list[list[list[int]]] = []
-    mesh_of: list[list[int]] = []
-    for groups in prob.same_mesh:
-        index: dict[int, int] = {}
-        held: list[list[int]] = []
-        of = []
-        for g in groups:
-            k = index.get(id(g))
-            if k is None:
-                k = index[id(g)] = len(held)
-                held.append(g)
-            of.append(k)
-        mesh_groups.append(held)
-        mesh_of.append(of)
 
     return core.Problem(
         n_gpus=prob.n_gpus,
@@ -152,3 +138,34 @@ class CoreSimulator:
             list(start), settings.n_steps, settings.t0_frac, settings.t1_frac,
             settings.restart_every, settings.seed & MASK64, time_limit_s, settings.patience)
         return AnnealResult(list(assign), e, feasible, steps, accepted)
+
+
+def _pack_candidates(prob: Problem) -> tuple[list[Any], list[list[list[int]]], list[list[int]]]:
+    """Columns, same-mesh groups and per candidate its group's index, read from the
+    candidates one by one (a problem assembled without mesh blocks: hand-written plans)."""
+    cands = prob.cands
+    # one pass over each MFC's candidates (there are 420,000 at 1024 GPUs), then one
+    # column per field
+    cols = [list(zip(*[(c.first_gpu, c.n_gpus, c.tp, c.pp, c.dp, float(c.time_s),
+                        float(c.resident_bytes), float(c.activation_bytes),
+                        float(c.weights_bytes), float(c.time_sd_s), c.ep) for c in cs]))
+            for cs in cands]
+
+    # each same-mesh group once, and per candidate its group's index: a group is one list
+    # shared by its candidates (assemble), so packing it per candidate copied it as often
+    mesh_groups: list[list[list[int]]] = []
+    mesh_of: list[list[int]] = []
+    for groups in prob.same_mesh:
+        index: dict[int, int] = {}
+        held: list[list[int]] = []
+        of = []
+        for g in groups:
+            k = index.get(id(g))
+            if k is None:
+                k = index[id(g)] = len(held)
+                held.append(g)
+            of.append(k)
+        mesh_groups.append(held)
+        mesh_of.append(of)
+
+    return cols, mesh_groups, mesh_of

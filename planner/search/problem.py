@@ -20,6 +20,7 @@ from planner.errors import PlanError
 from planner.graph.dataflow import MFC, DataflowGraph
 from planner.graph.packing import budget_options, budget_shape
 from planner.search.deadline import Deadline
+from planner.search.mesh_blocks import Block, mesh_groups
 from planner.search.problem_records import price_records
 from planner.specs.cluster import ClusterSpec
 from planner.specs.layout import Layout, enumerate_layouts, shard_placement
@@ -81,12 +82,9 @@ class Candidate:
     ep: int = 1               #: expert-parallel degree (a mixture of experts; within dp)
 
     def at(self, first_gpu: int) -> "Candidate":
-        """The same allocation on the mesh of its size that starts at ``first_gpu``.
-
-        What ``dataclasses.replace`` does, written out: a frozen dataclass's ``__init__``
-        sets its 16 fields one ``object.__setattr__`` at a time, and the search makes one
-        copy per mesh and candidate (420,000 at 1024 GPUs); copying the field dict is
-        several times faster and gives an equal, equally frozen object."""
+        """The same allocation on the mesh of its size that starts at ``first_gpu``:
+        ``dataclasses.replace`` written out (copying the field dict is several times
+        faster than a frozen ``__init__``; one copy per mesh and candidate)."""
         new = object.__new__(Candidate)
         fields = new.__dict__
         fields.update(self.__dict__)
@@ -150,6 +148,9 @@ class Problem:
     #: no reallocation precedes it, and away from the training placement it keeps the
     #: base there like the model's other calls; empty: no such call
     mfc_base: list[bool] = field(default_factory=list)
+    #: per MFC: its candidates as priced (:mod:`planner.search.mesh_blocks`); empty: a
+    #: problem assembled from hand-made candidates
+    mesh_blocks: list[list[Block]] = field(default_factory=list)
 
     @property
     def n_gpus(self) -> int:
@@ -235,6 +236,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
     for mesh in meshes:
         by_size.setdefault(mesh.n_gpus, []).append(mesh)
     cands: list[list[Candidate]] = []
+    blocks: list[list[Block]] = []
     for mfc in graph.mfcs:
         allowed = (None if split is None or mfc.is_eval else
                    (lambda m: m.first_gpu + m.n_gpus <= split) if graph.is_ahead(mfc) else
@@ -245,6 +247,7 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
         per_step = mfc.n_seqs // (mfc.n_minibatches if mfc.kind == "train" else 1)
         host = host_s(graph, mfc, cost.config)
         per_mfc: list[Candidate] = []
+        mfc_blocks: list[Block] = []
         host_bound = False      # a candidate fit on the GPU but its offload not on the host
         batching: dict[int, list[tuple[int, int | None]]] = {}   # per dp (ep shares them)
         for size, group_meshes in by_size.items():
@@ -297,9 +300,10 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                                                c.host_bytes, state_off, sd / mfc.every, rc,
                                                eng, budget, lay.ep))
                 priced += _pareto(group)
-            for mesh in group_meshes:
-                if allowed is None or allowed(mesh):
-                    per_mfc += [c.at(mesh.first_gpu) for c in priced]
+            firsts = [m.first_gpu for m in group_meshes if allowed is None or allowed(m)]
+            for first in firsts:
+                per_mfc += [c.at(first) for c in priced]
+            mfc_blocks.append((priced, firsts))
         if not per_mfc and mfc.kind == "generate" and cost.config.generate_engine == "vllm":
             raise PlanError(f"{mfc.name} ({rm.spec.name}, {mfc.n_seqs} sequences of "
                             f"{mfc.seq_len} tokens per step) fits on no mesh of the cluster "
@@ -317,7 +321,8 @@ def build_problem(graph: DataflowGraph, models: dict[str, RoleModel], cost: Cost
                                f"cluster.device host_mem_bytes)" if host_bound else ""),
                             field="cluster")
         cands.append(per_mfc)
-    return assemble(graph, models, cost, cands, n_iters)
+        blocks.append(mfc_blocks)
+    return assemble(graph, models, cost, cands, n_iters, blocks)
 
 
 def host_s(graph: DataflowGraph, mfc: MFC, config: CostModelConfig) -> float:
@@ -349,9 +354,11 @@ def async_splits(cluster: ClusterSpec) -> list[int]:
 
 
 def assemble(graph: DataflowGraph, models: dict[str, RoleModel], cost: CostModel,
-             cands: list[list[Candidate]], n_iters: int = 3) -> Problem:
+             cands: list[list[Candidate]], n_iters: int = 3,
+             blocks: list[list[Block]] | None = None) -> Problem:
     """A :class:`Problem` from priced candidates: model and dependency bookkeeping,
-    links and the same-mesh groups (shared by searched and hand-written plans)."""
+    links and the same-mesh groups (shared by searched and hand-written plans);
+    ``blocks``: the candidates as priced (:mod:`planner.search.mesh_blocks`)."""
     roles = graph.roles()
     ridx = {r: i for i, r in enumerate(roles)}
     train_mfc = [-1] * len(roles)
@@ -377,10 +384,16 @@ def assemble(graph: DataflowGraph, models: dict[str, RoleModel], cost: CostModel
                         for r in roles],
         model_lora=[models[r].lora is not None for r in roles],
         mfc_base=[m.adapters_off for m in graph.mfcs],
-        cands=cands, n_iters=n_iters, step_overhead_s=step_overhead_s(graph, cost),
+        cands=cands, n_iters=n_iters, mesh_blocks=blocks or [], step_overhead_s=step_overhead_s(graph, cost),
         profile=cost.profile,
         cost_sources=dict(cost.rates.sources))
     price_records(prob, graph, models, cost)
+    if blocks:
+        for b in blocks:
+            same, on = mesh_groups(b)
+            prob.same_mesh.append(same)
+            prob.on_mesh.append(on)
+        return prob
     for cs in cands:
         groups: dict[tuple[int, int], list[int]] = {}
         for j, c in enumerate(cs):

@@ -36,6 +36,7 @@ from planner.search.anneal import AnnealSettings, SplitMix64
 from planner.search.core_bridge import CoreSimulator
 from planner.search.deadline import Deadline
 from planner.search.exact import branch_and_bound
+from planner.search.gc_pause import gc_paused
 from planner.search.heuristics import HEURISTICS, Sim, not_applicable
 from planner.search.plan_build import build_plan, describe_candidate
 from planner.search.polish import polish
@@ -200,6 +201,14 @@ def search_split(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
 def _search(name: str, graph: DataflowGraph, models: dict[str, RoleModel], cluster: ClusterSpec,
             cost_config: CostModelConfig | None = None, profile: ProfileTable | None = None,
             settings: SearchSettings | None = None, split: int | None = None) -> ExecutionPlan:
+    with gc_paused():       # hundreds of thousands of candidates, no cycles among them
+        return _search_gc_off(name, graph, models, cluster, cost_config, profile, settings, split)
+
+
+def _search_gc_off(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
+                   cluster: ClusterSpec, cost_config: CostModelConfig | None,
+                   profile: ProfileTable | None, settings: SearchSettings | None,
+                   split: int | None) -> ExecutionPlan:
     s = settings or SearchSettings()
     cost_config = cost_config or CostModelConfig()
     t0 = time.perf_counter()
