@@ -35,3 +35,37 @@ def test_every_run_is_sourced_and_its_setting_loads():
         assert sum(phases) <= r.measured.step_s * 1.01, f"{r.id}: phases exceed the step"
     assert on_device.get("h100-80g", 0) >= 2
     assert len({r.system for r in idx.runs}) >= 5
+
+
+def test_a_largest_batch_placement_is_the_fewest_micro_batches_that_fit() -> None:
+    """A DeepSpeed-Chat run's batch per rank is the largest that fits (its benchmark's
+    rule), so its ``plan.manual`` takes the fewest micro-batches with which the run's
+    placement fits realign's memory model: it plans with them, and with half as many
+    it does not fit."""
+    from planner.errors import PlanError
+    from realign.run.loading import load_experiment
+    from realign.run.plan_source import resolve_plan
+    from realign.run.planning import priced_with, resolve_models
+
+    checked = 0
+    for r in load_index(DEFAULT_INDEX).runs:
+        if r.system != "DeepSpeed-Chat":
+            continue
+        cfg = priced_with(load_experiment(DEFAULT_INDEX.parent / r.experiment), None)
+        manual = cfg.plan.manual
+        if not manual:
+            continue
+        m = {a.micro_batches for a in manual.values()}
+        assert len(m) == 1, f"{r.id}: one batch per rank for every call"
+        models = resolve_models(cfg)
+        assert resolve_plan(cfg, models).iteration_time_s > 0
+        (fewest,) = m
+        if fewest == 1:
+            continue
+        half = {k: a.model_copy(update={"micro_batches": fewest // 2})
+                for k, a in manual.items()}
+        smaller = cfg.model_copy(update={"plan": cfg.plan.model_copy(update={"manual": half})})
+        with pytest.raises(PlanError, match="does not fit in memory"):
+            resolve_plan(smaller, models)
+        checked += 1
+    assert checked >= 1
