@@ -134,7 +134,9 @@ def _binomial_pmf(n: int, p: float) -> np.ndarray:
     j = np.arange(n + 1, dtype=np.float64)
     lg = np.array([math.lgamma(x + 1) for x in range(n + 1)])
     log = lg[n] - lg - lg[::-1] + j * math.log(p) + (n - j) * math.log1p(-p)
-    return np.exp(log - log.max()) / np.exp(log - log.max()).sum()
+    pmf: np.ndarray = np.exp(log - log.max())
+    pmf /= pmf.sum()
+    return pmf
 
 
 def sized_rounds(first_prompts: int, wanted: int, dropped_frac: float, max_rounds: int,
