@@ -33,7 +33,7 @@ compute the same logits).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -71,9 +71,11 @@ class StreamDecoder:
     """``slots`` cache rows of up to ``max_prompt_len + p.max_new_tokens`` positions."""
 
     def __init__(self, shard: ModelShard, slots: int, max_prompt_len: int,
-                 p: SamplingParams):
+                 p: SamplingParams, greedy: Callable[[int], bool] | None = None):
+        """``greedy``: the samples (by index) whose tokens are chosen greedily whatever
+        ``p`` says (ReMax's baseline response, one slot of each group)."""
         assert shard.groups.layout.pp == 1, "streaming generation runs one stage"
-        self.shard, self.p = shard, p
+        self.shard, self.p, self.greedy = shard, p, greedy
         self.n = p.max_new_tokens
         self.max_prompt_len = max_prompt_len
         with torch.inference_mode(False):      # RoPE tables cached for training too
@@ -213,6 +215,11 @@ class StreamDecoder:
         if self.noise is not None:
             noise = self.noise.at(slots, [q.sample for q in seqs], [len(q.tokens) for q in seqs])
         choice = choose_tokens(logits, self.p, ids, 0, noise)
+        if self.greedy is not None:
+            rows = [j for j, q in enumerate(seqs) if self.greedy(q.sample)]
+            if rows:
+                at = torch.tensor(rows, device=self.dev)
+                choice[at] = logits[at].argmax(dim=-1)
         logp = logits.log_softmax(-1).gather(1, choice.unsqueeze(1)).squeeze(1)
         return choice, logp
 
