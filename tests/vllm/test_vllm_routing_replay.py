@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+#: slow: two runs of the mixture of experts in bf16, the tier's longest test, handed
+#: out first (tests/conftest.py) so that no pytest worker is left alone with it at the end
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def _run(tiny_assets, tmp_path, replay: str) -> list[dict]:

@@ -1,61 +1,33 @@
-"""Every workload of ``realign run`` with ``rollout.engine: vllm``, each a real short run
+"""Workloads of ``realign run`` with ``rollout.engine: vllm``, each a real short run
 (2 gloo workers, each hosting a vLLM engine in its child process; the small actor, whose
 heads have the 32 channels vLLM's CPU kernels need): PPO with its critic, reference and
-reward model; RLOO asynchronously (generation one step ahead on its own GPU);
-REINFORCE++, DAPO (its sampling rounds), GSPO, Dr. GRPO, online DPO and rejection
-sampling; the evaluation (greedy and sampled), whose greedy answers equal the own
-engine's for the same weights (fp32); multi-turn episodes with an environment.
+reward model; RLOO asynchronously (generation one step ahead on its own GPU); the
+evaluation (greedy and sampled), whose greedy answers equal the own engine's for the
+same weights (fp32); multi-turn episodes with an environment.
 Each run's generate calls are on vLLM, every step is logged and its numbers are finite;
 the train calls that score the rollout see vLLM's log-probs equal to the training
-forward's up to fp32 rounding. (GRPO, asynchronous GRPO and ReMax: test_vllm_run.py.)"""
+forward's up to fp32 rounding. (GRPO, asynchronous GRPO and ReMax: test_vllm_run.py;
+REINFORCE++, DAPO, GSPO, Dr. GRPO, online DPO and rejection sampling:
+test_vllm_algorithms.py.)"""
 from __future__ import annotations
-
-import json
-import math
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.run.conftest import experiment
-from tests.run.run_records import metrics
+from tests.vllm.cases_vllm_runs import (
+    SMALL,
+    VLLM,
+    engines,
+    run,
+    scored_against_vllm,
+    small_actor_bytes,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-SMALL = "tiny/small_actor"
-VLLM = {"engine": "vllm", "vllm": {"kv_cache_gib": 1, "max_num_seqs": 256}}
 ONE = {"layout": {"tp": 1, "pp": 1, "dp": 1}}
 EVAL = {"data": {"path": "tiny/math_eval.jsonl", "kind": "prompts", "max_prompt_len": 8},
         "interval": 1, "samples": 2, "max_prompts": 8}
-
-
-def run(assets, tmp, name, steps=2, **changes):
-    """``realign run`` of experiments/<name>.yaml with ``changes``: (plan, metric rows)."""
-    from realign.cli.main import main
-
-    exp = experiment(assets, name, tmp, run__steps=steps, **changes)
-    assert main(["run", str(exp), "--run-dir", str(tmp / "run")]) == 0
-    plan = json.loads((tmp / "run" / "plan.json").read_text())
-    rows = metrics(tmp / "run")
-    assert [row["step"] for row in rows] == list(range(steps))
-    for row in rows:
-        bad = {k: v for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
-        assert not bad, bad
-    return plan, rows
-
-
-def engines(plan) -> dict[str, str]:
-    return {a["mfc"]: a["engine"] for a in plan["allocations"] if a["kind"] == "generate"}
-
-
-def small_actor_bytes(assets) -> int:
-    actor = load_file(str(assets / "tiny" / "small_actor" / "model.safetensors"))
-    return 4 * sum(t.numel() for t in actor.values())
-
-
-def scored_against_vllm(row) -> None:
-    """The train call scored vLLM's rollout with the training forward: fp32 rounding."""
-    assert row["actor.rollout_logprob_diff_max"] < 1e-4
-    assert row["actor.rollout_logprob_diff_frac"] == 0.0
 
 
 def test_ppo_with_a_critic_reference_and_reward_model(tiny_assets, tmp_path):
@@ -83,37 +55,6 @@ def test_rloo_asynchronous(tiny_assets, tmp_path):
     for row in rows[1:]:          # each trains on the rollout made one step ahead
         assert row["actor.staleness"] == 1.0
         assert 0.0 <= row["reward_mean"] <= 1.0
-
-
-@pytest.mark.parametrize("name,changes", [
-    ("tiny-grpo-vllm-cpu", {"algorithm__name": "reinforce_pp",
-                            "algorithm__samples_per_prompt": 1,
-                            "algorithm__params": {"kl_coef": 0.0}}),
-    ("tiny-dapo-cpu", {}),
-    ("tiny-gspo-cpu", {}),
-    ("tiny-dr-grpo-cpu", {}),
-    ("tiny-online-dpo-cpu", {"models__ref": SMALL}),
-    ("tiny-rejection-sampling-cpu", {}),
-], ids=["reinforce_pp", "dapo", "gspo", "dr_grpo", "online_dpo", "rejection_sampling"])
-def test_the_algorithms(tiny_assets, tmp_path, name, changes):
-    plan, rows = run(tiny_assets, tmp_path, name, models__actor=SMALL, rollout=VLLM,
-                     **changes)
-    assert engines(plan) == {"actor.generate": "vllm"}
-    for row in rows:
-        assert 0.0 <= row["reward_mean"] <= 1.0
-        assert row["time.vllm_load.actor.generate"] > 0
-        # the clipped policy-gradient family scores vLLM's rollout before the update
-        if name not in ("tiny-online-dpo-cpu", "tiny-rejection-sampling-cpu"):
-            scored_against_vllm(row)
-    last = rows[-1]
-    if name == "tiny-dapo-cpu":       # 30 prompts generated for 16 trained
-        assert all(row["actor.generated_per_trained"] == 30 / 16 for row in rows)
-        assert "actor.dropped_group_frac" in last
-    if name == "tiny-rejection-sampling-cpu":
-        assert all(row["actor.kept_frac"] == 0.25 for row in rows)
-        assert all(row["actor.best_reward_mean"] >= row["reward_mean"] for row in rows)
-    if name == "tiny-online-dpo-cpu":
-        assert "actor.reward_margin" in last and "time.ref.inference" in last
 
 
 def test_evaluation_greedy_equals_the_own_engines(tiny_assets, tmp_path):
