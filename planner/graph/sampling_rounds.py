@@ -125,18 +125,21 @@ def round_size(missing: int, dropped_frac: float, cap: int, quantum: int = 1) ->
     return min(top, max(quantum, -(-want // quantum) * quantum))
 
 
-def _binomial_pmf(n: int, p: float) -> np.ndarray:
-    """Pr[Binomial(n, p) = j] for j = 0 .. n (log space, exact for n in the thousands)."""
+def _binomial_head(n: int, p: float, m: int, log_fact: np.ndarray) -> np.ndarray:
+    """Pr[Binomial(n, p) = j] for j = 0 .. m - 1, then Pr[Binomial(n, p) >= m] (m <= n;
+    log space, ``log_fact[x]`` = log x!)."""
+    out = np.zeros(m + 1)
     if p <= 0.0 or p >= 1.0:
-        out = np.zeros(n + 1)
-        out[0 if p <= 0.0 else n] = 1.0
+        out[0 if p <= 0.0 else min(n, m)] = 1.0
         return out
-    j = np.arange(n + 1, dtype=np.float64)
-    lg = np.array([math.lgamma(x + 1) for x in range(n + 1)])
-    log = lg[n] - lg - lg[::-1] + j * math.log(p) + (n - j) * math.log1p(-p)
-    pmf: np.ndarray = np.exp(log - log.max())
-    pmf /= pmf.sum()
-    return pmf
+    j = np.arange(min(m, n + 1), dtype=np.float64)
+    ji = j.astype(np.int64)
+    log = log_fact[n] - log_fact[ji] - log_fact[n - ji] + j * math.log(p) + (
+        n - j) * math.log1p(-p)
+    head = np.exp(log)
+    out[:head.shape[0]] = head
+    out[m] = max(0.0, 1.0 - float(head.sum()))
+    return out
 
 
 def sized_rounds(first_prompts: int, wanted: int, dropped_frac: float, max_rounds: int,
@@ -145,7 +148,9 @@ def sized_rounds(first_prompts: int, wanted: int, dropped_frac: float, max_round
     whose first round generates for ``first_prompts`` prompts and each later round for
     :func:`round_size` (the missing groups at ``dropped_frac``, at most ``cap``),
     groups dropped independently at ``dropped_frac``, at most ``max_rounds`` rounds.
-    Exact over the distribution of the groups still missing after each round.
+    Exact over the distribution of the groups still missing after each round (a round
+    that keeps j of m missing leaves m - j; any j >= m fills the batch), in
+    O(rounds x wanted^2) after one table of log-factorials.
 
     Example: 30 prompts first, 16 wanted, 0.45 dropped, 4 rounds, cap 240 -> 1.360
     rounds and 33.3 prompts (a first round short by a few groups is followed by a
@@ -154,6 +159,10 @@ def sized_rounds(first_prompts: int, wanted: int, dropped_frac: float, max_round
     if not 1 <= max_rounds <= MAX_SAMPLING_ROUNDS:
         raise ValueError(f"max_rounds {max_rounds} outside 1 .. {MAX_SAMPLING_ROUNDS}")
     keep = 1.0 - dropped_frac
+    sizes = [round_size(m, dropped_frac, cap) for m in range(wanted + 1)]
+    top = max(first_prompts, max(sizes))
+    log_fact = np.concatenate(([0.0], np.cumsum(np.log(np.arange(1, top + 1)))))
+    heads: dict[tuple[int, int], np.ndarray] = {}
     missing = np.zeros(wanted + 1)          # Pr[missing = m] before the round
     missing[wanted] = 1.0
     rounds = prompts = 0.0
@@ -165,12 +174,16 @@ def sized_rounds(first_prompts: int, wanted: int, dropped_frac: float, max_round
         nxt = np.zeros(wanted + 1)
         nxt[0] = missing[0]
         for m in range(1, wanted + 1):
-            if missing[m] == 0.0:
+            w = missing[m]
+            if w == 0.0:
                 continue
-            n = first_prompts if r == 0 else round_size(m, dropped_frac, cap)
-            prompts += missing[m] * n
-            pmf = _binomial_pmf(n, keep)
-            k = np.minimum(np.arange(n + 1), m)
-            np.add.at(nxt, m - k, missing[m] * pmf)
+            n = first_prompts if r == 0 else sizes[m]
+            prompts += w * n
+            key = (n, m)
+            if key not in heads:
+                heads[key] = _binomial_head(n, keep, m, log_fact)
+            h = heads[key]
+            nxt[1:m + 1] += w * h[:m][::-1]          # j < m kept: m - j still missing
+            nxt[0] += w * h[m]
         missing = nxt
     return float(rounds), float(prompts), float(missing[0])
