@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from realign.run.checkpoint import committed
 from tests.run.conftest import experiment, kill_after, wait_for_rows
+from tests.run.live_workers import workers_of
 from tests.run.run_records import final_weights, metrics
 
 pytestmark = pytest.mark.cpu_dist
@@ -172,26 +173,7 @@ def test_worker_exception_names_the_worker_and_stops_everything(tiny_assets, tmp
     assert "ValueError: the reward function broke on" in r.stderr
     assert time.monotonic() - t0 < 120
     time.sleep(1)
-    assert not _workers_of(tmp_path / "run")
-
-
-def _workers_of(run_dir: Path) -> list[int]:
-    """PIDs of live worker processes whose log is in ``run_dir``."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            env = (d / "environ").read_bytes()
-        except OSError:
-            continue
-        if f"REALIGN_WORKER_LOG={run_dir}".encode() in env:
-            try:
-                if (d / "stat").read_text().split()[2] != "Z":
-                    pids.append(int(d.name))
-            except OSError:
-                pass
-    return pids
+    assert not workers_of(tmp_path / "run")
 
 
 def kill_a_worker(exp: Path, rd: Path, victim: int) -> tuple[int, str, float]:
@@ -200,7 +182,7 @@ def kill_a_worker(exp: Path, rd: Path, victim: int) -> tuple[int, str, float]:
     p = subprocess.Popen([*REALIGN, "run", str(exp), "--run-dir", str(rd)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_rows(rd, 2)
-    workers = _workers_of(rd)
+    workers = workers_of(rd)
     assert len(workers) == 2
     os.kill(workers[victim], signal.SIGKILL)
     t0 = time.monotonic()
@@ -216,4 +198,4 @@ def test_killed_worker_is_reported_within_30s(tiny_assets, tmp_path):
     assert code == 1
     assert "failed" in err and "worker" in err
     time.sleep(1)
-    assert not _workers_of(rd)
+    assert not workers_of(rd)

@@ -22,6 +22,7 @@ from realign.controller.stopping import EXIT_PREEMPTED
 from realign.run.checkpoint import committed, problems
 from realign.worker.watchdog import STALL_ENV
 from tests.run.conftest import experiment
+from tests.run.live_workers import workers_of
 from tests.run.run_records import final_weights, metrics
 
 pytestmark = pytest.mark.cpu_dist
@@ -56,22 +57,6 @@ def wait_for_stall(run_dir: Path, rank: int, p: subprocess.Popen, timeout_s: flo
                         f"{p.stderr.read()[-3000:]}")
         time.sleep(0.05)
     pytest.fail("the stall did not begin")
-
-
-def workers_of(run_dir: Path) -> list[int]:
-    """PIDs of live worker processes whose log is in ``run_dir``."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            env = (d / "environ").read_bytes()
-            if f"REALIGN_WORKER_LOG={run_dir}".encode() in env and \
-                    (d / "stat").read_text().split(")")[-1].split()[0] != "Z":
-                pids.append(int(d.name))
-        except OSError:
-            continue
-    return pids
 
 
 def gone_within(run_dir: Path, bound_s: float) -> bool:
