@@ -49,6 +49,7 @@ from planner.graph.stream_steady import (
 )
 from planner.graph.streaming import OnUpdate, StreamSettings
 from planner.plan import ExecutionPlan, MFCAllocation
+from planner.plan_streaming import greedy_rows
 from planner.search.problem import RoleModel, async_splits
 from planner.search.search import search_split
 from planner.search_settings import SearchSettings
@@ -116,10 +117,10 @@ def price_sides(plan: ExecutionPlan, split: int) -> Sides:
     assert calls, "a streaming plan needs a rollout"
     first = calls[0]
     iters, slots = decode_shape(first, plan.allocation(first.name))
-    gen_s = sum(plan.allocation(m.name).time_s for m in calls)
-    iter_s = gen_s / iters
-    names = {m.name for m in calls}
-    update_s = sum(r.time_s for r in plan.reallocations if r.to_mfc in names)
+    # the sampled rollout's iterations; a greedy one (ReMax's) decodes in the same
+    # slots, one more sample a group (priced by the schedule), after the same copy
+    iter_s = plan.allocation(first.name).time_s / iters
+    update_s = sum(r.time_s for r in plan.reallocations if r.to_mfc == first.name)
     return Sides(gen_gpus=split, train_gpus=plan.cluster.n_gpus - split, slots=slots,
                  iter_s=iter_s, train_iters=math.ceil(train_side_s(plan) / iter_s),
                  update_iters=math.ceil(update_s / iter_s))
@@ -145,6 +146,8 @@ def stream_candidate(plan: ExecutionPlan, sides: Sides, group_size: int, k: int,
         raise InfeasibleError(f"{first.n_seqs} rollouts a step do not split into groups of "
                               f"{group_size}", field="algorithm.samples_per_prompt")
     batch_groups = trained // group_size
+    # ReMax: each group's greedy baseline is one more sample of the group
+    group_size += greedy_rows(plan.graph) // batch_groups
     s = StreamSettings(group_size=group_size, batch_groups=batch_groups, slots=sides.slots,
                        train_iters=sides.train_iters, update_iters=sides.update_iters,
                        max_staleness=k, on_update=on_update,

@@ -43,13 +43,6 @@ def check_streaming(cfg: ExperimentConfig) -> None:
                         field="algorithm.max_staleness")
     if a.name == "dapo":
         _check_dapo(cfg)
-    if a.name == "remax":
-        raise UserError("rollout.mode: streaming with remax: its baseline is a second "
-                        "generate call (actor.greedy_generate, a greedy response per prompt "
-                        "scored as greedy_rewards), and the stream decodes one sampled call "
-                        "with one temperature for every slot, with no greedy slot in a group "
-                        "nor its reward streamed beside the group; use rollout.mode: step",
-                        field="rollout.mode")
     if r.multi_turn:
         raise UserError("rollout.mode: streaming with multi-turn episodes (rollout.env / "
                         "rollout.tools) is not supported; use rollout.mode: step",

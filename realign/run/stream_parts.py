@@ -3,7 +3,12 @@ the rollout's generate call and the ranks that stream it, the reallocation that 
 the trained weights to them, the rule rewards scored on its samples, and the program of
 every other op of a step, which the training side runs on each batch it takes.
 
-The training side's program is the step's ops without the rollout (its generate call
+ReMax's greedy baseline (``actor.greedy_generate``) is part of the stream: its
+response to each prompt is decoded as one more sample of the group, greedily, in the
+same slots (:class:`~realign.runtime.engines.stream_decode.StreamDecoder`'s
+``greedy``), and streamed with the group (``greedy_seqs``, and its rule reward).
+
+The training side's program is the step's ops without the rollout (its generate calls
 and rule rewards, not made ahead nor in a prologue), without the reallocation into the
 rollout's copy and its release (the weights move when the stream's schedule says), and
 without the sends of what the generator streams (it sends each batch to every rank of
@@ -32,6 +37,7 @@ class StreamParts:
     rewards: tuple[RuleReward, ...]  #: rule rewards of its samples (scored by the generator)
     train: Program                   #: every other op of a step (the training side)
     train_ranks: tuple[int, ...]     #: every rank outside the generator, ascending
+    greedy: Call | None = None       #: ReMax's greedy baseline call (streamed with gen)
 
     @property
     def gen_rank(self) -> int:
@@ -41,25 +47,30 @@ class StreamParts:
     def streamed_keys(self) -> tuple[str, ...]:
         """The records each batch carries, in the order they are sent: the prompts,
         the generate call's outputs, the rule rewards."""
-        return (self.gen.inputs[0], *self.gen.outputs, *(r.out_key for r in self.rewards))
+        greedy = self.greedy.outputs if self.greedy is not None else ()
+        return (self.gen.inputs[0], *self.gen.outputs, *greedy,
+                *(r.out_key for r in self.rewards))
 
 
-def _rollout(program: Program) -> Call:
+def _rollout(program: Program) -> tuple[Call, Call | None]:
+    """(the sampled rollout call, the greedy baseline call or None)."""
     ops = [op for op in program.ops + program.prologue
            if isinstance(op, Call) and op.kind == "generate" and not op.mfc.is_eval]
-    names = sorted({op.name for op in ops})
-    if len(names) != 1:
-        raise UserError(f"rollout.mode: streaming streams one generate call; the plan's "
-                        f"graph has {names or 'none'} (an algorithm with a second rollout, "
-                        "e.g. remax's greedy baseline, is not supported); use rollout.mode: "
-                        "step", field="rollout.mode")
-    return ops[0]
+    sampled = sorted({op.name for op in ops if not op.mfc.greedy})
+    greedy = sorted({op.name for op in ops if op.mfc.greedy})
+    if len(sampled) != 1 or len(greedy) > 1:
+        raise UserError(f"rollout.mode: streaming streams one sampled generate call (and "
+                        f"ReMax's greedy baseline); the plan's graph has "
+                        f"{sampled + greedy or 'none'}; use rollout.mode: step",
+                        field="rollout.mode")
+    first = next(op for op in ops if op.name == sampled[0])
+    return first, next((op for op in ops if op.mfc.greedy), None)
 
 
 def stream_parts(program: Program) -> StreamParts:
     """The stream's parts of ``program`` (module docs); a placement the stream cannot
     run is a UserError naming ``plan.manual.<call>``."""
-    gen = _rollout(program)
+    gen, greedy = _rollout(program)
     where = f"plan.manual.{gen.name}"
     if len(gen.ranks) != 1:
         raise UserError(f"{gen.name} generates on {len(gen.ranks)} GPUs; rollout.mode: "
@@ -70,20 +81,23 @@ def stream_parts(program: Program) -> StreamParts:
         raise UserError(f"{gen.name} runs on the trained copy itself; rollout.mode: "
                         "streaming generates on GPUs of its own, disjoint from training's",
                         field=f"{where}.mesh")
+    made = {*gen.outputs, *(greedy.outputs if greedy is not None else ())}
+    names = {gen.name} | ({greedy.name} if greedy is not None else set())
     rewards = tuple({op.out_key: op for op in program.ops + program.prologue
-                     if isinstance(op, RuleReward) and op.seqs_key in gen.outputs}.values())
-    streamed = {*gen.outputs, gen.inputs[0], *(r.out_key for r in rewards)}
+                     if isinstance(op, RuleReward) and op.seqs_key in made}.values())
+    streamed = {*made, gen.inputs[0], *(r.out_key for r in rewards)}
     gen_ranks = set(gen.ranks)
+    replicas = {gen.replica} | ({greedy.replica} if greedy is not None else set())
 
     def kept(op: Op) -> bool:
         match op:
-            case Call() if op.name == gen.name:
+            case Call() if op.name in names:
                 return False
-            case RuleReward() if op.seqs_key in gen.outputs:
+            case RuleReward() if op.seqs_key in made:
                 return False
-            case Realloc() if op.to_mfc == gen.name:
+            case Realloc() if op.to_mfc in names:
                 return False
-            case Release() if op.replica == gen.replica:
+            case Release() if op.replica in replicas:
                 return False
             case Send() if op.key in streamed:
                 return False
@@ -100,7 +114,7 @@ def stream_parts(program: Program) -> StreamParts:
                             field=f"plan.manual.{name}.mesh")
     train = replace(program, ops=ops, head=0, prologue=())
     train_ranks = tuple(r for r in range(program.n_ranks) if r not in gen_ranks)
-    return StreamParts(gen, reallocs[0], rewards, train, train_ranks)
+    return StreamParts(gen, reallocs[0], rewards, train, train_ranks, greedy)
 
 
 #: a training step's length on the generator's clock when the plan prices neither side

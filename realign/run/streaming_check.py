@@ -4,8 +4,8 @@ any worker starts (exit 2, naming the field).
 
 The experiment schema refuses the combinations the streaming schedule does not cover
 (:func:`realign.config.streaming.check_streaming`: vLLM, multi-turn episodes, DAPO's
-sampling rounds or reward model, ReMax's greedy baseline, a bound below 1, a
-plan.manual whose generation shares GPUs with training).
+sampling rounds or reward model, a bound below 1, a plan.manual whose generation
+shares GPUs with training).
 Here, once the plan is made: its rollout must be one generate call on one GPU of its
 own, filled by a reallocation from the trained copy, with every other call of a step
 on the training side's GPUs (:func:`realign.run.stream_parts.stream_parts`); and the
@@ -47,7 +47,9 @@ def check_streaming_plan(cfg: ExperimentConfig, plan: ExecutionPlan) -> None:
     a = cfg.algorithm
     where = cfg.plan.file or "the plan"
     field = "plan.file" if cfg.plan.file else "plan"
-    want = {"group_size": parts.gen.mfc.n_seqs // a.shape().prompts_generated,
+    group = parts.gen.mfc.n_seqs // a.shape().prompts_generated
+    greedy = parts.greedy.mfc.n_seqs // a.prompts_per_step if parts.greedy is not None else 0
+    want = {"group_size": group + greedy,
             "on_update": cfg.rollout.on_update}
     for name, value in want.items():
         if getattr(st, name) != value:

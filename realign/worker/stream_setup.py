@@ -56,9 +56,11 @@ class StreamSide:
         group_size = parts.gen.mfc.n_seqs // shape.prompts_generated
         train = next(op for op in parts.train.ops
                      if isinstance(op, Call) and op.kind == "train" and op.role == "actor")
-        settings = stream_settings(spec.plan, parts, group_size,
-                                   train.mfc.n_seqs // group_size, a.max_staleness,
-                                   cfg.rollout.on_update)
+        batch_groups = train.mfc.n_seqs // group_size
+        # ReMax: the greedy baseline of each group is one more sample of it
+        greedy = parts.greedy.mfc.n_seqs // batch_groups if parts.greedy is not None else 0
+        settings = stream_settings(spec.plan, parts, group_size + greedy, batch_groups,
+                                   a.max_staleness, cfg.rollout.on_update)
         self.settings = settings
         self.session = session
         self.generator: StreamGenerator | None = None

@@ -97,7 +97,8 @@ class StreamGenerator:
         # as many samples as the run reaches (dropped groups are made again), none listed
         self.schedule = StreamSchedule(s, ConstantLengths(self.sampling.max_new_tokens,
                                                           sys.maxsize))
-        self.decoder = StreamDecoder(shard, s.slots, self.max_prompt_len, self.sampling)
+        self.decoder = StreamDecoder(shard, s.slots, self.max_prompt_len, self.sampling,
+                                     self._greedy if self.parts.greedy is not None else None)
 
     # ---- one controller step -------------------------------------------------------
     def step(self, step: int) -> StepReport:
@@ -146,6 +147,11 @@ class StreamGenerator:
         m["stream.decode_iters"] = float(iters)
         m["stream.generator_step_s"] = time.perf_counter() - t0
         return empty_report(m)
+
+    def _greedy(self, sample: int) -> bool:
+        """ReMax: a group's last sample is its greedy baseline response."""
+        g = self.settings.group_size
+        return sample % g == g - 1
 
     def _prompt(self, sample: int) -> list[int]:
         gid = sample // self.settings.group_size
@@ -207,13 +213,16 @@ class StreamGenerator:
         """The taken groups' samples as the rollout call's records, with their rule
         rewards; the samples of groups dropped (too stale, or constant) are forgotten."""
         g = self.settings.group_size
-        rows = [self.ended.pop(i) for gid in rec.group_ids for i in range(gid * g, gid * g + g)]
+        every = [self.ended.pop(i) for gid in rec.group_ids for i in range(gid * g, gid * g + g)]
         self._forget()
+        greedy_call = self.parts.greedy
+        # ReMax: each group's last sample is its greedy baseline, streamed on its own
+        rows = every if greedy_call is None else [q for q in every if not self._greedy(q.sample)]
         seqs, lps = self._sequences(rows)
         lengths = torch.tensor([len(q.tokens) for q in rows], dtype=torch.long)
         # a group's version is its oldest token's (the schedule's staleness)
         oldest: dict[int, int] = {}
-        for q in rows:
+        for q in every:
             gid = q.sample // g
             oldest[gid] = min(oldest.get(gid, q.versions[0]), *q.versions)
         seqs["policy_version"] = torch.tensor([oldest[q.sample // g] for q in rows])
@@ -224,10 +233,13 @@ class StreamGenerator:
                                       gen.outputs[0]: seqs}
         if len(gen.outputs) > 1:
             records[gen.outputs[1]] = lps
+        if greedy_call is not None:
+            records[greedy_call.outputs[0]] = self._sequences(
+                [q for q in every if self._greedy(q.sample)])[0]
         stats = {"gen_tokens": float(lengths.sum()),
                  "response_len": float(lengths.float().mean()),
                  "stream.staleness_max": float(step - min(oldest.values())),
-                 "stream.token_version_span": float(max(len(set(q.versions)) for q in rows))}
+                 "stream.token_version_span": float(max(len(set(q.versions)) for q in every))}
         for op in self.parts.rewards:
             out, m = self.calls.rule_reward(op, records, step)
             records.update(out)

@@ -53,7 +53,6 @@ TWO = {"mesh": {"first_gpu": 0, "n_gpus": 2}, "layout": {"tp": 1, "pp": 1, "dp":
     (_with("algorithm.name", "dapo") | {"models": {"actor": "tiny-llama",
                                                    "reward": "tiny-llama"}},
      "models.reward", "rule rewards only"),
-    (_with("algorithm.name", "remax"), "rollout.mode", "greedy_generate"),
     (_with("plan.manual", {"actor.generate": ONE, "actor.train": TWO}),
      "plan.manual.actor.generate.mesh", "disjoint"),
     (_with("rollout.mode", "step") | {"rollout": {"on_update": "finish"}},
