@@ -27,6 +27,10 @@ the end of a step at the same copy. What the wall clock does not decide: which s
 each batch holds, their versions and tokens (the schedule counts iterations, and
 whichever side is early waits), so a run repeats exactly.
 
+ReMax (``parts.greedy``): each group's last sample is its greedy baseline, decoded
+greedily in the same slots (:meth:`StreamGenerator._greedy`) and sent as the greedy
+call's records beside the group's.
+
 DAPO's dynamic sampling (``drop_constant``): as each group finishes, the generator
 scores it with the rule reward it streams (``rewards``) and tells the schedule whether
 its rewards are all equal; such a group is dropped at the buffer and counted
