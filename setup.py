@@ -11,7 +11,7 @@ core = Pybind11Extension(
     sources=["csrc/bindings.cpp", "csrc/search_core.cpp", "csrc/realloc_cost.cpp",
              "csrc/sim_memory.cpp", "csrc/simulate.cpp", "csrc/anneal.cpp"],
     include_dirs=["csrc"],
-    depends=["csrc/search_core.hpp", "csrc/sim_state.hpp"],
+    depends=["csrc/search_core.hpp", "csrc/sim_state.hpp", "csrc/flat_table.hpp"],
     cxx_std=17,
     # -ffp-contract=off: no fused multiply-add, so the C++ core rounds exactly like
     # its Python twin (planner/search/anneal.py); a test compares them bit for bit.

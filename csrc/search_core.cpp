@@ -140,8 +140,7 @@ ReallocCost ReallocCache::get(i64 model, i64 train_mfc, i64 src, i64 mfc, i64 ds
     const u64 key = static_cast<u64>(prob_.place_id[train_mfc][src]) *
                         static_cast<u64>(prob_.n_places[mfc]) +
                     static_cast<u64>(prob_.place_id[mfc][dst]);
-    auto hit = table.find(key);
-    if (hit != table.end()) return hit->second;
+    if (const ReallocCost* hit = table.find(key)) return *hit;
     Place a = prob_.cands[train_mfc][src].place, b = prob_.cands[mfc][dst].place;
     const i64 gpn = prob_.links.gpus_per_node;
     const i64 down = std::min(a.first_gpu, b.first_gpu) / gpn * gpn;
@@ -162,7 +161,7 @@ ReallocCost ReallocCache::get(i64 model, i64 train_mfc, i64 src, i64 mfc, i64 ds
         ? same->second
         : shapes.emplace(shape, realloc_time(prob_.realloc_models[model], a, b, prob_.links))
               .first->second;
-    table.emplace(key, cost);
+    table.insert(key, cost);
     return cost;
 }
 

@@ -8,6 +8,8 @@
 // reassociation changes a rounding.
 #pragma once
 
+#include "flat_table.hpp"
+
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -152,7 +154,7 @@ public:
 
 private:
     const Problem& prob_;
-    std::vector<std::unordered_map<u64, ReallocCost>> tables_;  // per MFC
+    std::vector<FlatTable<ReallocCost>> tables_;  // per MFC
     // (src first, n, tp, pp, ep, dst first, n, tp, pp, ep) moved down by whole nodes
     using Shape = std::array<i64, 10>;
     struct ShapeHash {

@@ -32,15 +32,20 @@ bool off_training_placement(const Problem& prob, const std::vector<i64>& assign,
 double memory(const Problem& prob, const std::vector<i64>& assign,
               std::vector<double>& peak_bytes) {
     const i64 n = prob.n_gpus;
-    // scratch, as in simulate() (named once: see there)
-    thread_local std::vector<double> resident_tl, transient_tl;
-    thread_local std::vector<std::array<i64, 6>> seen_tl;
-    thread_local std::vector<i64> cuts_tl;
-    std::vector<double>&resident = resident_tl, &transient = transient_tl;
-    std::vector<std::array<i64, 6>>& seen = seen_tl;  // (model, first_gpu, n_gpus, tp, pp, ep)
+    // scratch, as in simulate(): one thread_local, named once (each named thread_local
+    // is a call to __tls_get_addr)
+    struct Scratch {
+        std::vector<double> resident, transient;
+        std::vector<std::array<i64, 6>> seen;
+        std::vector<i64> cuts;
+    };
+    thread_local Scratch scratch;
+    Scratch& tl = scratch;
+    std::vector<double>&resident = tl.resident, &transient = tl.transient;
+    std::vector<std::array<i64, 6>>& seen = tl.seen;  // (model, first_gpu, n_gpus, tp, pp, ep)
     // the plan's meshes cut the cluster into runs of GPUs that hold the same calls, so
     // the same bytes: one entry per run (run k: GPUs [cuts[k], cuts[k + 1]))
-    std::vector<i64>& cuts = cuts_tl;
+    std::vector<i64>& cuts = tl.cuts;
     // (up to kPerGpuUpTo GPUs, one run per GPU)
     const bool per_gpu = n <= kPerGpuUpTo;
     cuts.resize(static_cast<size_t>(n) + 1);
