@@ -139,7 +139,10 @@ def recorded_drop_frac(cfg: ExperimentConfig) -> float | None:
     it generated: ``actor.round_prompts`` where it sampled in rounds), which prices
     DAPO's sampling rounds (:func:`planner.graph.sampling_rounds.sized_rounds`). None
     when unset or when the run recorded no drop rate (then the configured
-    ``algorithm.dropped_group_frac`` prices them)."""
+    ``algorithm.dropped_group_frac`` prices them). A streamed run (``rollout.mode:
+    streaming``) of DAPO (its rows carry ``actor.shortfall_frac``) recorded its drops at
+    the buffer: ``stream.dropped_constant`` of the groups it finished (those and the
+    ones it trained, ``stream.staleness_hist.*``)."""
     if not cfg.plan.lengths_from:
         return None
     p = Path(cfg.plan.lengths_from)
@@ -152,7 +155,16 @@ def recorded_drop_frac(cfg: ExperimentConfig) -> float | None:
             row = json.loads(line)
         except ValueError:
             continue
-        share = row.get("actor.dropped_group_frac") if isinstance(row, dict) else None
+        if not isinstance(row, dict):
+            continue
+        constant = row.get("stream.dropped_constant")
+        if isinstance(constant, (int, float)) and constant >= 0 and "actor.shortfall_frac" in row:
+            trained = sum(v for k, v in row.items() if k.startswith("stream.staleness_hist.")
+                          and isinstance(v, (int, float)))
+            dropped += constant
+            generated += constant + trained
+            continue
+        share = row.get("actor.dropped_group_frac")
         if not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
             continue
         sizes = row.get("actor.round_prompts")

@@ -8,7 +8,7 @@ from planner.cost.cost_config import CostModelConfig
 from planner.cost.profile import ProfileTable
 from planner.cost.vllm_cost import VLLM_MAX_LORA_RANK
 from planner.errors import InfeasibleError, PlanError
-from planner.graph.algorithms import EvalShape, algorithm_spec, build_graph
+from planner.graph.algorithms import MAX_DROPPED_GROUP_FRAC, EvalShape, algorithm_spec, build_graph
 from planner.graph.dataflow import DataflowGraph
 from planner.graph.lengths import GenLengths
 from planner.graph.packing import packed_graph
@@ -301,8 +301,8 @@ def plan_ahead(cfg: ExperimentConfig, overrides: dict[str, Any] | None = None,
     """(the one-step-ahead plan, the streaming plan), from the same search of each split
     (:func:`planner.search.stream_search.search_ahead`): the split, each side's layouts
     and the staleness bound, by the stream's predicted steady state (DAPO's constant
-    groups dropped at the buffer at ``algorithm.dropped_group_frac``, the share the
-    synchronous plan over-generates for)."""
+    groups dropped at the buffer at the share the synchronous plan prices: the one
+    ``plan.lengths_from`` recorded, else ``algorithm.dropped_group_frac``)."""
     models = resolve_models(cfg)
     graph = experiment_graph(cfg, models, True, lengths)
     shape = cfg.algorithm.shape()
@@ -310,7 +310,17 @@ def plan_ahead(cfg: ExperimentConfig, overrides: dict[str, Any] | None = None,
                         shape.samples_per_prompt, cfg.rollout.on_update,
                         cost_config(cfg, host_work=True), load_profile(cfg),
                         search_settings(cfg, overrides),
-                        constant_share=shape.dropped_group_frac or 0.0)
+                        constant_share=dapo_drop_frac(cfg, shape.dropped_group_frac))
+
+
+def dapo_drop_frac(cfg: ExperimentConfig, configured: float | None) -> float:
+    """DAPO's share of constant groups as the plans price it: the one
+    ``plan.lengths_from`` recorded (:func:`recorded_drop_frac`), else ``configured``
+    (``algorithm.dropped_group_frac``), else 0; at most the 0.95 a plan over-generates
+    for."""
+    recorded = recorded_drop_frac(cfg) if cfg.algorithm.name == "dapo" else None
+    return min(MAX_DROPPED_GROUP_FRAC,
+               recorded if recorded is not None else configured or 0.0)
 
 
 def both_modes(cfg: ExperimentConfig, overrides: dict[str, Any] | None = None
