@@ -377,7 +377,10 @@ def _sampling_rounds(calls: list[MFC], shape: BatchShape, algorithm: str, max_ro
     ``shape.dropped_group_frac``; at most ``cap`` prompts, 0: the default cap), so they
     are priced at the expected prompts over the first round's (passes of the call's
     shape; a larger round runs in more waves and micro-batches, memory at one); the train
-    call, at the batch it trains, once."""
+    call, at the batch it trains, once. Later rounds are priced in multiples of one
+    prompt: the runtime's multiple (:func:`realign.run.program.round_quantum`) follows
+    from the data-parallel sizes the search chooses for this graph, so where it is q > 1
+    a later round generates for up to q - 1 prompts more than priced."""
     field = "algorithm.params.max_sampling_rounds"
     if algorithm != "dapo":
         raise PlanError(f"{algorithm} drops no groups, so it samples once a step", field=field)

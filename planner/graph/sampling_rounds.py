@@ -110,16 +110,18 @@ def round_size(missing: int, dropped_frac: float, cap: int, quantum: int = 1) ->
     :data:`ROUND_MARGIN_Z` standard deviations, n (1 - f) - z sqrt(n f (1 - f)) >=
     missing (solved for sqrt(n)), rounded up to a multiple of ``quantum`` (so the
     round's rows split over every call's data-parallel ranks), at least one ``quantum``
-    and at most ``cap`` (rounded down to a multiple of ``quantum``, at least one). A
-    share of 1 (every group so far constant) asks for the cap. Without the margin
+    and at most ``cap`` (rounded down to a multiple of ``quantum``; a ``cap`` below
+    ``quantum`` is refused: no round fits it). A share of 1 (every group so far
+    constant) asks for the cap. Without the margin
     (n = missing / (1 - f)) a round falls short about half the time and the step takes
     another round.
 
     Example: 3 missing at 0.5 dropped, cap 120, quantum 4 -> n = 11.6 -> 12; 13 missing
     at 0.9, cap 120, quantum 2 -> 120 (the cap); 0 missing -> 4 (one quantum)."""
-    if missing < 0 or cap < 1 or quantum < 1 or not 0.0 <= dropped_frac <= 1.0:
+    if (missing < 0 or quantum < 1 or cap < quantum
+            or not 0.0 <= dropped_frac <= 1.0):
         raise ValueError(f"round_size({missing}, {dropped_frac}, {cap}, {quantum})")
-    top = max(quantum, cap // quantum * quantum)
+    top = cap // quantum * quantum
     keep = 1.0 - dropped_frac
     if keep * top <= missing:           # the cap keeps no more than what is missing
         return top
@@ -147,10 +149,11 @@ def _binomial_head(n: int, p: float, m: int, log_fact: np.ndarray) -> np.ndarray
 
 
 def sized_rounds(first_prompts: int, wanted: int, dropped_frac: float, max_rounds: int,
-                 cap: int) -> tuple[float, float, float]:
+                 cap: int, quantum: int = 1) -> tuple[float, float, float]:
     """(expected rounds, expected prompts generated, chance of a full batch) of a step
     whose first round generates for ``first_prompts`` prompts and each later round for
-    :func:`round_size` (the missing groups at ``dropped_frac``, at most ``cap``),
+    :func:`round_size` (the missing groups at ``dropped_frac``, at most ``cap``, in
+    multiples of ``quantum``: the runtime's :func:`realign.run.program.round_quantum`),
     groups dropped independently at ``dropped_frac``, at most ``max_rounds`` rounds.
     Exact over the distribution of the groups still missing after each round (a round
     that keeps j of m missing leaves m - j; any j >= m fills the batch), in
@@ -163,7 +166,7 @@ def sized_rounds(first_prompts: int, wanted: int, dropped_frac: float, max_round
     if not 1 <= max_rounds <= MAX_SAMPLING_ROUNDS:
         raise ValueError(f"max_rounds {max_rounds} outside 1 .. {MAX_SAMPLING_ROUNDS}")
     keep = 1.0 - dropped_frac
-    sizes = [round_size(m, dropped_frac, cap) for m in range(wanted + 1)]
+    sizes = [round_size(m, dropped_frac, cap, quantum) for m in range(wanted + 1)]
     top = max(first_prompts, max(sizes))
     log_fact = np.concatenate(([0.0], np.cumsum(np.log(np.arange(1, top + 1)))))
     heads: dict[tuple[int, int], np.ndarray] = {}

@@ -292,7 +292,13 @@ class DAPOConfig(ClipHigherParams):
         "with a margin (planner.graph.sampling_rounds.round_size), at most this many. None: "
         "8 x prompts_generated. Its rollout runs in more waves and micro-batches than the "
         "first round's, each no larger, so the plan's memory holds; its time grows with "
-        "it. Needs max_sampling_rounds > 1.")
+        "it. A later round's prompts are a multiple of the quantum: the fewest prompts whose "
+        "rows split evenly over every data-parallel rank of the rollout and of the calls "
+        "that score it (1 where samples_per_prompt is a multiple of those ranks); a cap "
+        "below the quantum is refused when the run is prepared (exit 2). The plan prices "
+        "later rounds in multiples of one prompt (the data-parallel sizes are what its "
+        "search chooses), so where the run's quantum is q > 1 a later round can generate "
+        "for up to q - 1 prompts more than priced. Needs max_sampling_rounds > 1.")
 
     @model_validator(mode="after")
     def _over_generation_needs_dynamic_sampling(self) -> "DAPOConfig":

@@ -28,6 +28,7 @@ must move (checked at run time), its ``time_s`` enters the timeout like a call's
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from planner.graph.dataflow import DataflowGraph
@@ -120,6 +121,17 @@ class Program:
         serial = sum(estimate_s(op) for op in self.ops)
         return max(MIN_COLLECTIVE_TIMEOUT_S, TIMEOUT_SAFETY * serial)
 
+    def round_quantum(self) -> int:
+        """The prompts a later sampling round's size is a multiple of
+        (:func:`round_quantum` of the span's calls' data-parallel sizes); 1 without
+        sampling rounds."""
+        span = self.rounds
+        if span is None:
+            return 1
+        dp = {r.key: r.dp for r in self.replicas}
+        calls = [op for op in self.ops[span.start:span.end] if isinstance(op, Call)]
+        return round_quantum([dp[op.replica] for op in calls], span.group_size)
+
     def memory_shortfall(self, rank: int, free_bytes: float) -> str | None:
         """Why ``rank``'s device cannot hold the plan when ``free_bytes`` are free before
         anything is built (None when it can): the planned peak of its calls."""
@@ -132,6 +144,14 @@ class Program:
         gib = 2 ** 30
         return (f"GPU {rank} has {free_bytes / gib:.1f} GiB free, but the plan needs "
                 f"{worst.estimate_mem_bytes / gib:.1f} GiB on it while {worst.name} runs")
+
+
+def round_quantum(dps: list[int], group_size: int) -> int:
+    """The fewest prompts whose groups' rows split evenly over every one of ``dps``
+    (the data-parallel sizes of a round's calls). Example: dp 2 and 4, groups of 2 ->
+    rows a multiple of 4 -> 2 prompts."""
+    rows = math.lcm(*dps)
+    return rows // math.gcd(rows, group_size)
 
 
 def replica_key(role: str, first_gpu: int, n_gpus: int, tp: int, pp: int, ep: int = 1) -> str:

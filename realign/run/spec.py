@@ -20,7 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from planner.errors import from_validation
 from planner.graph.dataflow import DataflowGraph
 from planner.plan import ExecutionPlan
-from realign.algorithms.params import AlgorithmParams, DAPOConfig, max_sampling_rounds
+from realign.algorithms.params import (
+    AlgorithmParams,
+    DAPOConfig,
+    max_round_prompts,
+    max_sampling_rounds,
+)
 from realign.config.experiment import ExperimentConfig
 from realign.errors import UserError
 from realign.run.ops import Op, estimate_s
@@ -99,11 +104,24 @@ class RunSpec(BaseModel):
 
     def program(self) -> Program:
         """The compiled program of the plan (what every worker executes each step), with
-        DAPO's sampling rounds where ``algorithm.params.max_sampling_rounds`` > 1."""
+        DAPO's sampling rounds where ``algorithm.params.max_sampling_rounds`` > 1. A
+        ``max_round_prompts`` below the rounds' quantum (the fewest prompts whose rows
+        split over every round call's data-parallel ranks) is refused: no later round
+        fits it (exit 2, when the run is prepared, before any worker starts)."""
         p = self.params
         group = (p.samples_per_prompt if isinstance(p, DAPOConfig)
                  and max_sampling_rounds(p) > 1 else None)
-        return compile_program(self.plan, round_group_size=group)
+        program = compile_program(self.plan, round_group_size=group)
+        quantum = program.round_quantum()
+        if program.rounds is not None and max_round_prompts(p) < quantum:
+            raise UserError(
+                f"{max_round_prompts(p)}, fewer than the {quantum} prompts a later sampling "
+                "round generates for at the least: a round's prompts are a multiple of "
+                f"{quantum}, so that its rows ({program.rounds.group_size} samples a prompt) "
+                "split evenly over every data-parallel rank of the rollout and the calls that "
+                f"score it; set it to {quantum} or more (a multiple of {quantum}), or leave "
+                "it out", field="algorithm.params.max_round_prompts")
+        return program
 
     def call_timeout_s(self, op: Op) -> float:
         """How long op ``op`` of the program may run once all its ranks have reached it:

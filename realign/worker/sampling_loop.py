@@ -18,12 +18,13 @@ The first round generates for the plan's ``prompts_generated``; a later round fo
 the share kept, at the drop rate measured so far (:class:`DropRate`: this step's rounds
 and, decayed, earlier steps'; every rank counts alike from the broadcast flags, and the
 checkpoint keeps the count, so a resume sizes every round alike), at most
-``max_round_prompts``, in multiples of :func:`round_quantum`. Sizing from the measured
-rate matters because the rate is no constant of a task: it climbs as the policy
-settles (0 to 0.97 on the tiny task), and a round of the first round's size then keeps
-one or two groups. A round of other size runs each call of the span with its
-micro-batches (generation: waves) scaled to keep the plan's rows per micro-batch or
-fewer (:func:`round_call`), so the plan's memory holds; its time grows with the rows.
+``max_round_prompts``, in multiples of :func:`~realign.run.program.round_quantum` (a
+cap below it is refused when the run is prepared). Sizing from the measured rate
+matters because the rate is no constant of a task: it climbs as the policy settles (0
+to 0.97 on the tiny task), and a round of the first round's size then keeps one or
+two groups. A round of other size runs each call of the span with its micro-batches
+(generation: waves) scaled to keep the plan's rows per micro-batch or fewer
+(:func:`round_call`), so the plan's memory holds; its time grows with the rows.
 
 Metrics (from the deciding rank): ``<role>.sampling_rounds``, ``<role>.batch_full``
 (1 or 0), ``<role>.kept_groups`` and ``<role>.dropped_groups`` (per round, lists),
@@ -34,7 +35,6 @@ Metrics (from the deciding rank): ``<role>.sampling_rounds``, ``<role>.batch_ful
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, cast
 
@@ -154,14 +154,6 @@ class DropRate:
         self.generated = self.generated * HISTORY_DECAY + generated
 
 
-def round_quantum(dps: list[int], group_size: int) -> int:
-    """The fewest prompts whose groups' rows split evenly over every one of ``dps``
-    (the data-parallel sizes of a round's calls). Example: dp 2 and 4, groups of 2 ->
-    rows a multiple of 4 -> 2 prompts."""
-    rows = math.lcm(*dps)
-    return rows // math.gcd(rows, group_size)
-
-
 def round_call(op: Call, rows: int, dp: int) -> Call:
     """``op`` (a call of the round span) on a round of ``rows`` rows: its micro-batches
     (generation: waves) scaled so that none holds more rows per data-parallel rank than
@@ -195,7 +187,8 @@ class SamplingLoop:
         """``round_prompts(round, n)``: the records of a later round's ``n`` prompts;
         ``history``: the drop rate of earlier steps (updated when the step finishes);
         ``cap_prompts``: the most prompts of a later round (0: the first round's);
-        ``quantum``: a round's prompts are a multiple of it (:func:`round_quantum`);
+        ``quantum``: a round's prompts are a multiple of it (at most ``cap_prompts``:
+        :func:`~realign.run.program.round_quantum`);
         ``dps``: each call's data-parallel size, by replica key."""
         self.span, self.max_rounds, self.rank, self.pad_id = span, max_rounds, rank, pad_id
         self.round_prompts = round_prompts

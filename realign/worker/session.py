@@ -37,7 +37,7 @@ from realign.runtime.optimizer_state import load_optimizer_state, optimizer_stat
 from realign.worker.calls import Calls
 from realign.worker.replicas import build_replicas
 from realign.worker.runner import StepReport, StepRunner
-from realign.worker.sampling_loop import DropRate, SamplingLoop, round_quantum
+from realign.worker.sampling_loop import DropRate, SamplingLoop
 
 #: a rank file's entry of the rollout generated ahead and not yet trained on
 IN_FLIGHT = "in_flight"
@@ -199,7 +199,8 @@ class Session:
         order of the training data of the round's own (shuffled, seeded by the data's
         seed and the round), so they derive from (step, round, n) alone."""
         c = self.dataset.config
-        cap = max(n, max_round_prompts(self.spec.params))
+        cap = max_round_prompts(self.spec.params)
+        assert n <= cap, (n, cap)            # round_size keeps a round within the cap
         sampler = PromptSampler(len(self.dataset), cap,
                                 seed=c.seed + ROUND_DATA_SEED * sampling_round, shuffle=True)
         sampler.consumed = step * cap
@@ -216,13 +217,11 @@ class Session:
         if span is None:
             return None
         dp = {r.key: r.dp for r in self.program.replicas}
-        calls = [op for op in self.program.ops[span.start:span.end] if isinstance(op, Call)]
-        quantum = round_quantum([dp[op.replica] for op in calls], span.group_size)
         return SamplingLoop(span, max_sampling_rounds(self.spec.params), self.rank, self.pad,
                             lambda r, n: self.round_prompts(step, r, n),
                             history=self.drop_rate,
                             cap_prompts=max_round_prompts(self.spec.params),
-                            quantum=quantum, dps=dp)
+                            quantum=self.program.round_quantum(), dps=dp)
 
     def evaluates_at(self, step: int) -> bool:
         """Whether step ``step`` (0-based) ends with an evaluation: after the first step,

@@ -128,13 +128,21 @@ def test_a_call_of_several_rounds_costs_that_many_passes_and_the_memory_of_one(k
     (5, 1.0, 120, 4, 120),       # every group constant so far: the cap
     (5, 0.0, 120, 3, 6),         # nothing dropped: the missing groups, to the quantum
     (16, 0.97, 50, 8, 48),       # the cap rounded down to the quantum
-    (1, 0.5, 3, 4, 4)])          # a cap below the quantum: one quantum
+    (1, 0.5, 4, 4, 4)])          # a cap of one quantum
 def test_a_later_round_is_sized_from_the_drop_rate(missing, f, cap, quantum, want):
     n = round_size(missing, f, cap, quantum)
-    assert n == want
-    if n < max(quantum, cap // quantum * quantum) and missing:
+    assert n == want and n <= cap and n % quantum == 0
+    if n < cap // quantum * quantum and missing:
         # its kept groups reach the missing ones with the margin's chance or more
         assert binomial_cdf_below(n, 1 - f, missing) <= 0.1
+
+
+@pytest.mark.parametrize("missing,f,cap,quantum", [(5, 1.0, 3, 8), (1, 0.5, 3, 4),
+                                                   (0, 0.0, 7, 8)])
+def test_a_cap_below_the_quantum_is_refused(missing, f, cap, quantum):
+    # no multiple of the quantum fits the cap: a round would exceed it
+    with pytest.raises(ValueError, match="round_size"):
+        round_size(missing, f, cap, quantum)
 
 
 def test_rounds_sized_from_the_rate_grow_with_it_and_fill_more_than_fixed_rounds():
@@ -148,8 +156,8 @@ def test_rounds_sized_from_the_rate_grow_with_it_and_fill_more_than_fixed_rounds
     assert full > 0.99 and rounds < 3.0 and 300 < prompts < 30 + 3 * 240
 
 
-def sized_by_enumeration(first: int, wanted: int, f: float, max_rounds: int, cap: int
-                         ) -> tuple[float, float, float]:
+def sized_by_enumeration(first: int, wanted: int, f: float, max_rounds: int, cap: int,
+                         quantum: int = 1) -> tuple[float, float, float]:
     """The slow twin of sized_rounds: the loop state by state (missing groups)."""
     q = 1 - f
 
@@ -159,7 +167,7 @@ def sized_by_enumeration(first: int, wanted: int, f: float, max_rounds: int, cap
             return 0.0, 0.0, 1.0
         if done == max_rounds:
             return 0.0, 0.0, 0.0
-        n = first if done == 0 else round_size(missing, f, cap)
+        n = first if done == 0 else round_size(missing, f, cap, quantum)
         r, p, full = 1.0, float(n), 0.0
         for j in range(n + 1):
             pj = math.comb(n, j) * q ** j * f ** (n - j)
@@ -175,3 +183,14 @@ def sized_by_enumeration(first: int, wanted: int, f: float, max_rounds: int, cap
 def test_sized_rounds_equal_the_loop_enumerated(first, wanted, f, r, cap):
     assert sized_rounds(first, wanted, f, r, cap) == pytest.approx(
         sized_by_enumeration(first, wanted, f, r, cap), rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("first,wanted,f,r,cap,quantum", [(12, 8, 0.25, 4, 88, 4),
+                                                          (6, 6, 0.5, 5, 20, 3),
+                                                          (30, 16, 0.45, 4, 240, 6)])
+def test_sized_rounds_price_the_runtimes_quantum(first, wanted, f, r, cap, quantum):
+    # the planner sizes later rounds in the runtime's multiples (round_quantum)
+    priced = sized_rounds(first, wanted, f, r, cap, quantum)
+    assert priced == pytest.approx(sized_by_enumeration(first, wanted, f, r, cap, quantum),
+                                   rel=1e-9, abs=1e-12)
+    assert priced[1] >= sized_rounds(first, wanted, f, r, cap)[1]

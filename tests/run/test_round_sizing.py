@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 
 from planner.graph.sampling_rounds import round_size
+from realign.errors import UserError
 from realign.run.ops import Call
-from realign.run.program import compile_program
-from realign.worker.sampling_loop import DropRate, SamplingLoop, round_call, round_quantum
+from realign.run.program import compile_program, round_quantum
+from realign.worker.sampling_loop import DropRate, SamplingLoop, round_call
 from tests.run.test_sampling_rounds_program import dapo_plan
 
 pytestmark = pytest.mark.cpu_dist
@@ -130,6 +131,37 @@ def test_round_quantum_splits_rows_over_every_call():
     assert round_quantum([8, 3], 4) == 6          # rows a multiple of 24
     assert DropRate(6, 10).share(9, 10) == pytest.approx(0.75)
     assert DropRate().share(0, 0) == 0.0
+
+
+@pytest.mark.parametrize("cap,refused", [(1, True), (2, False), (3, False)])
+def test_a_round_cap_below_the_quantum_is_refused_when_the_run_is_prepared(tmp_path, cap,
+                                                                         refused):
+    import copy
+
+    import yaml
+
+    from tests.run.specs import REPO, planned_spec
+
+    raw = yaml.safe_load((REPO / "experiments" / "tiny-dapo-rounds-cpu.yaml").read_text())
+    algo = copy.deepcopy(raw["algorithm"])
+    # 3 samples a prompt on 2 data-parallel ranks: a round's prompts are a multiple of 2
+    algo["samples_per_prompt"] = 3
+    algo["params"]["max_round_prompts"] = cap
+    spec = planned_spec(tmp_path, "tiny-dapo-rounds-cpu", algorithm=algo)
+    if refused:
+        with pytest.raises(UserError) as e:
+            spec.program()                       # prepare compiles it before any worker
+        assert e.value.field == "algorithm.params.max_round_prompts"
+        assert "multiple of 2" in e.value.message and "data-parallel" in e.value.message
+        return
+    program = spec.program()
+    quantum = program.round_quantum()
+    assert quantum == 2
+    # every later round stays within the cap, in multiples of the quantum
+    for missing in range(0, 17):
+        for f in (0.0, 0.5, 0.97, 1.0):
+            n = round_size(missing, f, cap, quantum)
+            assert n <= cap and n % quantum == 0
 
 
 def test_the_plan_prices_the_rounds_at_the_rate_a_recorded_run_dropped(tiny_assets, tmp_path):
