@@ -31,7 +31,10 @@ Metrics (from the deciding rank): ``<role>.sampling_rounds``, ``<role>.batch_ful
 ``<role>.dropped_group_frac`` (constant groups among all generated),
 ``<role>.surplus_groups`` (informative groups generated and not trained),
 ``<role>.generated_per_trained``, ``<role>.round_prompts`` (per round, a list) and
-``<role>.dropped_frac_seen`` (the rate the last round was sized at).
+``<role>.dropped_frac_seen`` (the drop rate the step's last round was sized at: this
+step's earlier rounds with the decayed history of earlier steps; a step of one round
+sizes none, and reports the history's rate alone, the one a second round would have
+started from: 0 on a run's first step).
 """
 from __future__ import annotations
 
@@ -197,7 +200,8 @@ class SamplingLoop:
         self.quantum, self.dps = quantum, dps or {}
         self.round = 0
         self.sizes = [span.groups_per_round]        #: prompts of each round so far
-        self.seen = self.history.share(0, 0)        #: the rate the last round was sized at
+        #: the rate the last round was sized at (before a second round: the history's)
+        self.seen = self.history.share(0, 0)
         self.kept: dict[str, list[Record]] = {}
         self.reserve: dict[str, list[Record]] = {}
         self.n_kept = self.n_reserved = 0

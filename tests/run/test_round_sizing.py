@@ -102,6 +102,20 @@ def test_a_nearly_settled_step_fills_where_rounds_of_the_first_size_cannot(one_r
     assert m["actor.round_prompts"] == [20, 240] and m["actor.batch_full"] == 1.0
 
 
+def test_a_step_of_one_round_reports_the_historys_rate_as_seen(one_rank):
+    p = compile_program(dapo_plan(("actor",)), round_group_size=G)
+    span = p.rounds
+    # the first step of a run: no history, no later round -> 0
+    history = DropRate()
+    _, m, _ = run_step(make_loop(span, history, cap=200), p.ops, [4, 0, 0, 0])
+    assert m["actor.round_prompts"] == [20] and m["actor.dropped_frac_seen"] == 0.0
+    # a later step of one round: the decayed history's rate (4 of 20), not this step's
+    _, m, _ = run_step(make_loop(span, history, cap=200), p.ops, [0, 0, 0, 0])
+    assert m["actor.round_prompts"] == [20]
+    assert m["actor.dropped_frac_seen"] == pytest.approx(4 / 20)
+    assert m["actor.dropped_group_frac"] == 0.0
+
+
 @pytest.mark.parametrize("planned,mb,dp,rows,kind,want", [
     (120, 1, 2, 480, "generate", 4),      # 4x the rows: 4 waves of the plan's size
     (120, 1, 2, 40, "generate", 1),       # fewer rows: one smaller wave
