@@ -37,11 +37,22 @@ def test_every_run_is_sourced_and_its_setting_loads():
     assert len({r.system for r in idx.runs}) >= 5
 
 
+def _valid_count(count: int, manual: dict, plan, models: dict) -> bool:
+    """Whether every call of ``manual`` may run in ``count`` micro-batches (its
+    sequences per replica split into them)."""
+    from planner.specs.layout import layout_problems
+
+    return all(not layout_problems(a.layout, a.mesh, models[mfc.role].spec, mfc, count,
+                                   plan.cluster)
+               for name, a in manual.items() for mfc in [plan.graph.mfc(name)])
+
+
 def test_a_largest_batch_placement_is_the_fewest_micro_batches_that_fit() -> None:
     """A DeepSpeed-Chat run's batch per rank is the largest that fits (its benchmark's
     rule), so its ``plan.manual`` takes the fewest micro-batches with which the run's
-    placement fits realign's memory model: it plans with them, and with half as many
-    it does not fit."""
+    placement fits realign's memory model: it plans with them, and with one fewer (the
+    next valid count below: every call's sequences per replica split into it) it does
+    not fit."""
     from planner.errors import PlanError
     from realign.run.loading import load_experiment
     from realign.run.plan_source import resolve_plan
@@ -58,14 +69,18 @@ def test_a_largest_batch_placement_is_the_fewest_micro_batches_that_fit() -> Non
         m = {a.micro_batches for a in manual.values()}
         assert len(m) == 1, f"{r.id}: one batch per rank for every call"
         models = resolve_models(cfg)
-        assert resolve_plan(cfg, models).iteration_time_s > 0
+        plan = resolve_plan(cfg, models)            # the fewest fit: it plans
+        assert plan.iteration_time_s > 0
+        assert {a.micro_batches for a in plan.allocations} == m
         (fewest,) = m
-        if fewest == 1:
+        fewer = next((c for c in range(fewest - 1, 0, -1)
+                      if _valid_count(c, manual, plan, models)), None)
+        if fewer is None:
             continue
-        half = {k: a.model_copy(update={"micro_batches": fewest // 2})
-                for k, a in manual.items()}
-        smaller = cfg.model_copy(update={"plan": cfg.plan.model_copy(update={"manual": half})})
+        assert _valid_count(fewest, manual, plan, models)
+        less = {k: a.model_copy(update={"micro_batches": fewer}) for k, a in manual.items()}
+        smaller = cfg.model_copy(update={"plan": cfg.plan.model_copy(update={"manual": less})})
         with pytest.raises(PlanError, match="does not fit in memory"):
             resolve_plan(smaller, models)
         checked += 1
-    assert checked >= 1
+    assert checked >= 1, checked
