@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.vllm
+#: one pytest worker runs the file's tests, one after the other: its engine starts once
+pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm_episodes")]
 
 TEXTS = ["123+456=", "250+250=", "901+99=", "314+159=", "777+111=", "100+900="]
 BUDGET = 40          # response tokens of an episode
