@@ -62,10 +62,11 @@ from planner.cost.passes import (
     pipelined,
     work_key,
 )
+from planner.cost.peer_engines import train_engine_options
 from planner.cost.profile import ProfileTable
 from planner.cost.rates import Rates
 from planner.cost.turns import multi_turn_cost
-from planner.cost.vllm_cost import vllm_generate_cost
+from planner.cost.vllm_cost import generate_engine_options, vllm_generate_cost
 from planner.graph.dataflow import MFC
 from planner.graph.packing import budget_shape
 from planner.graph.padding import padded_len
@@ -199,20 +200,12 @@ class CostModel:
 
     def engine_options(self, mfc: MFC, layout: Layout, micro_batches: int) -> tuple[str, ...]:
         """The engines to price for ``mfc`` under ``layout``: a scoring or training
-        call, realign's own, or with another system's ``train_engine`` (data parallel
-        only) none but at TP 1, PP 1; a generate call (``generate_engine``): realign's
-        own; vLLM at PP 1 and one micro-batch, at any TP (one engine per data-parallel
-        rank, continuous batching: no waves) that its KV cache can hold one sequence of,
-        without expert parallelism (each engine holds every expert)."""
+        call's, :func:`~planner.cost.peer_engines.train_engine_options` (``train_engine``);
+        a generate call's, :func:`~planner.cost.vllm_cost.generate_engine_options`
+        (``generate_engine``)."""
         if mfc.kind != "generate":
-            flat = layout.tp == 1 and layout.pp == 1 and layout.ep == 1
-            return ("own",) if self.config.train_engine == "own" or flat else ()
-        mode = self.config.generate_engine
-        if mode == "own":
-            return ("own",)
-        fits = (layout.pp == 1 and micro_batches == 1 and layout.ep == 1)
-        vllm = ("vllm",) if fits else ()
-        return vllm if mode == "vllm" else ("own",) + vllm
+            return train_engine_options(self.config.train_engine, layout)
+        return generate_engine_options(self.config.generate_engine, layout, micro_batches)
 
     def mfc_cost(self, mfc: MFC, spec: ModelSpec, head: str, mesh: DeviceMesh,
                  layout: Layout, micro_batches: int, offload: bool = False,

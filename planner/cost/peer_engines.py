@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from planner.specs.layout import Layout
+
 #: The engine of the scoring and training calls (``train_engine``).
 TrainEngine = Literal["own", "hf", "hf_sharded"]
 
@@ -51,3 +53,14 @@ def peer_layer_s(engine: TrainEngine, kind: str, eager_layer_s: float) -> float 
     forwards = 3.0 if kind == "train" else 1.0
     hooks = HOOKS_PER_PASS[kind] if engine == "hf_sharded" else 0.0
     return forwards * eager_layer_s + hooks * SHARDED_UNIT_HOOK_S
+
+
+def train_engine_options(engine: TrainEngine, layout: Layout) -> tuple[str, ...]:
+    """The engines a scoring or training call is priced on under ``layout``: realign's
+    own (``own``) at any layout; another system's trainer (data parallel only: these
+    trainers have no tensor, pipeline or expert parallelism) at TP 1, PP 1, EP 1, none
+    elsewhere (its call is priced as ``own``, the engine of the estimate).
+
+    Example: hf_sharded at tp 2 -> (); at tp 1, pp 1 -> ("own",); own at tp 2 -> ("own",)."""
+    flat = layout.tp == 1 and layout.pp == 1 and layout.ep == 1
+    return ("own",) if engine == "own" or flat else ()

@@ -96,6 +96,21 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_MAX_LORA_RANK = max(VLLM_LORA_RANKS)
 
 
+def generate_engine_options(mode: str, layout: Layout, micro_batches: int) -> tuple[str, ...]:
+    """The engines a generate call is priced on under ``layout`` (``mode``: the
+    ``generate_engine`` own | vllm | auto): realign's own; vLLM at PP 1 and one
+    micro-batch, at any TP (one engine per data-parallel rank, continuous batching: no
+    waves), without expert parallelism (each engine holds every expert); the search
+    drops a layout whose KV cache holds no sequence (:func:`concurrency` below 1).
+
+    Example: auto at tp 2, pp 1, 1 micro-batch -> ("own", "vllm"); vllm at pp 2 -> ()."""
+    if mode == "own":
+        return ("own",)
+    fits = layout.pp == 1 and micro_batches == 1 and layout.ep == 1
+    vllm = ("vllm",) if fits else ()
+    return vllm if mode == "vllm" else ("own",) + vllm
+
+
 def peft_adapter_params(spec: ModelSpec, lora: LoraSpec) -> int:
     """Parameters of the adapter vLLM receives: PEFT's layout, every adapted projection
     its own ``A`` and ``B`` (``shared_a``'s one ``A`` goes to every part).

@@ -8,7 +8,13 @@ import pytest
 
 from planner.cost.cost_config import CostModelConfig
 from planner.cost.cost_model import CostModel
-from planner.cost.peer_engines import SHARDED_UNIT_HOOK_S, TrainEngine, peer_layer_s
+from planner.cost.peer_engines import (
+    SHARDED_UNIT_HOOK_S,
+    TrainEngine,
+    peer_layer_s,
+    train_engine_options,
+)
+from planner.cost.vllm_cost import generate_engine_options
 from planner.graph.dataflow import MFC
 from planner.specs.cluster import ClusterSpec, resolve_device
 from planner.specs.layout import Layout
@@ -82,3 +88,20 @@ def test_default_engine_is_unchanged_on_every_preset() -> None:
         dev = m.cluster.device
         assert m.rates.engine("train").layer_s == pytest.approx(3 * dev.layer_overhead_s)
         assert m.rates.engine("inference").layer_s == pytest.approx(dev.layer_overhead_s)
+
+
+@pytest.mark.parametrize("engine,tp,pp,want", [("own", 2, 2, ("own",)), ("hf", 1, 1, ("own",)),
+                                               ("hf_sharded", 2, 1, ()),
+                                               ("hf_sharded", 1, 2, ())])
+def test_another_trainer_is_priced_data_parallel_only(engine, tp, pp, want):
+    lay = Layout(tp=tp, pp=pp, dp=8 // (tp * pp))
+    assert train_engine_options(engine, lay) == want
+    assert model(engine).engine_options(call("train"), lay, 1) == want
+
+
+@pytest.mark.parametrize("mode,pp,mb,want", [("own", 1, 1, ("own",)),
+                                             ("auto", 1, 1, ("own", "vllm")),
+                                             ("auto", 2, 1, ("own",)),
+                                             ("vllm", 1, 2, ()), ("vllm", 1, 1, ("vllm",))])
+def test_a_generate_call_runs_on_vllm_at_pp_1_and_one_micro_batch(mode, pp, mb, want):
+    assert generate_engine_options(mode, Layout(tp=2, pp=pp, dp=8 // (2 * pp)), mb) == want
