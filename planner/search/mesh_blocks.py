@@ -9,7 +9,7 @@ A call's candidates are its blocks in order, each block mesh by mesh: block
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from planner.search.problem import Candidate
@@ -65,3 +65,24 @@ def columns(blocks: list[Block]) -> tuple[list[list[float]], list[list[int]], li
             groups.append(list(range(at, at + n)))
             at += n
     return cols, groups, group_of
+
+
+def first_min(blocks: list[Block], key: Callable[["Candidate"], Any]) -> int:
+    """The index of a call's first candidate with the least ``key`` (what
+    ``min(range(len(cands)), key=...)`` returns), for a key that does not read the
+    candidate's first GPU: each priced allocation is read once, on its first mesh.
+
+    Example: blocks ([a, b], [0, 4]) and ([c], [0]) with keys 3, 1, 1: index 1 (b on the
+    mesh at 0; b on the mesh at 4 is index 3, c index 4)."""
+    best, best_key, at = -1, None, 0
+    for priced, firsts in blocks:
+        if not priced or not firsts:
+            continue
+        for j, c in enumerate(priced):
+            k = key(c)
+            if best_key is None or k < best_key:
+                best, best_key = at + j, k
+        at += len(priced) * len(firsts)
+    if best < 0:
+        raise ValueError("a call without candidates")
+    return best

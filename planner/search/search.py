@@ -38,19 +38,25 @@ from planner.search.deadline import Deadline
 from planner.search.exact import branch_and_bound
 from planner.search.gc_pause import gc_paused
 from planner.search.heuristics import HEURISTICS, Sim, not_applicable
+from planner.search.mesh_blocks import first_min
 from planner.search.plan_build import build_plan, describe_candidate
 from planner.search.polish import polish
-from planner.search.problem import Problem, RoleModel, async_splits, build_problem
+from planner.search.problem import Candidate, Problem, RoleModel, async_splits, build_problem
 from planner.search.simulator import energy, simulate
 from planner.search_settings import SearchSettings as SearchSettings  # callers import it here
 from planner.specs.cluster import MAX_NODES, ClusterSpec
 
 
+def _lean_key(c: Candidate) -> tuple[float, int, float]:
+    return (c.resident_bytes + c.activation_bytes, -c.n_gpus, c.time_s)
+
+
 def _min_memory_start(prob: Problem) -> list[int]:
-    """Each MFC on its leanest candidate (most GPUs, least memory)."""
-    return [min(range(len(cs)), key=lambda j: (cs[j].resident_bytes + cs[j].activation_bytes,
-                                               -cs[j].n_gpus, cs[j].time_s))
-            for cs in prob.cands]
+    """Each MFC on its leanest candidate (most GPUs, least memory; the first of equals),
+    read per mesh size where the problem keeps its candidates as priced."""
+    if prob.mesh_blocks:
+        return [first_min(blocks, _lean_key) for blocks in prob.mesh_blocks]
+    return [min(range(len(cs)), key=lambda j: _lean_key(cs[j])) for cs in prob.cands]
 
 
 def _heuristics(prob: Problem, deadline: Deadline | None = None, sim: Sim | None = None

@@ -3,10 +3,13 @@ the C++ core's columns worked out per mesh size equal those read from the candid
 one by one, and the blocks stand for exactly the candidates."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from planner.cost.cost_model import CostModel
 from planner.graph.algorithms import BatchShape, build_graph
+from planner.search import search as search_module
 from planner.search.core_bridge import _pack_candidates
 from planner.search.mesh_blocks import columns
 from planner.search.problem import Problem, RoleModel, assemble, build_problem, head_of
@@ -57,3 +60,12 @@ def test_core_columns_per_size_equal_those_per_candidate(case):
         c, g, of = columns(blocks)
         assert [list(x) for x in cols[i]] == c
         assert g == groups[i] and of == group_of[i]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_leanest_start_per_size_is_the_first_leanest_candidate(case):
+    prob = problem(*case)
+    key = search_module._lean_key
+    start = search_module._min_memory_start(prob)
+    assert start == [min(range(len(cs)), key=lambda j: key(cs[j])) for cs in prob.cands]
+    assert start == search_module._min_memory_start(dataclasses.replace(prob, mesh_blocks=[]))
