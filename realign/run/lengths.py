@@ -45,32 +45,49 @@ def data_prompt_lengths(cfg: ExperimentConfig) -> GenLengths | None:
     return GenLengths(max_len=cap, histogram=tuple(sorted(counts.items())))
 
 
-def recorded_lengths(cfg: ExperimentConfig) -> GenLengths | None:
-    """The response-length distribution ``plan.lengths_from`` names: a previous run's
-    metrics.jsonl. Its steps' ``response_len_hist`` (every sampled response's length)
-    pooled into a histogram, lengths past this experiment's ``gen_len`` counted at
-    the cap; from a run that recorded only ``response_len`` (the step's mean), the mean
-    of those means. None when unset."""
+#: the setting that names a previous run's record
+LENGTHS_FROM = "plan.lengths_from"
+
+
+def recorded_rows(cfg: ExperimentConfig) -> tuple[Path, list[tuple[int, dict[str, Any]]]] | None:
+    """The metrics rows of the run ``plan.lengths_from`` names (a run folder or its
+    metrics.jsonl): (the file, each row that is a JSON object with its line number).
+    None when unset; a :class:`PlanError` naming the setting when there is no such file
+    or a line is not JSON."""
     if not cfg.plan.lengths_from:
         return None
     p = Path(cfg.plan.lengths_from)
     f = p / "metrics.jsonl" if p.is_dir() else p
-    field = "plan.lengths_from"
     if not f.is_file():
         raise PlanError(f"no metrics.jsonl at {str(f)!r} (give a run folder or its "
-                        "metrics.jsonl)", field=field)
-    gen_len = cfg.algorithm.gen_len
-    means: list[float] = []
-    counts: dict[int, float] = {}
+                        "metrics.jsonl)", field=LENGTHS_FROM)
+    rows = []
     for n, line in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except ValueError:
-            raise PlanError(f"{f} line {n} is not JSON", field=field) from None
-        if not isinstance(row, dict):
-            continue
+            raise PlanError(f"{f} line {n} is not JSON", field=LENGTHS_FROM) from None
+        if isinstance(row, dict):
+            rows.append((n, row))
+    return f, rows
+
+
+def recorded_lengths(cfg: ExperimentConfig) -> GenLengths | None:
+    """The response-length distribution ``plan.lengths_from`` names: a previous run's
+    metrics.jsonl. Its steps' ``response_len_hist`` (every sampled response's length)
+    pooled into a histogram, lengths past this experiment's ``gen_len`` counted at
+    the cap; from a run that recorded only ``response_len`` (the step's mean), the mean
+    of those means. None when unset."""
+    recorded = recorded_rows(cfg)
+    if recorded is None:
+        return None
+    f, rows = recorded
+    gen_len = cfg.algorithm.gen_len
+    means: list[float] = []
+    counts: dict[int, float] = {}
+    for n, row in rows:
         v = row.get("response_len")
         if isinstance(v, (int, float)) and v > 0:
             means.append(float(v))
@@ -81,7 +98,7 @@ def recorded_lengths(cfg: ExperimentConfig) -> GenLengths | None:
         return GenLengths(max_len=gen_len, histogram=tuple(sorted(counts.items())))
     if not means:
         raise PlanError(f"{f} records no response_len (a run with a generate call writes "
-                        "one per step)", field=field)
+                        "one per step)", field=LENGTHS_FROM)
     return GenLengths(max_len=gen_len, mean=min(float(gen_len), sum(means) / len(means)))
 
 
@@ -94,7 +111,7 @@ def _histogram_pairs(value: Any, f: Path, line: int) -> list[tuple[int, float]]:
         and p[1] >= 0 for p in value)
     if not ok:
         raise PlanError(f"{f} line {line}: response_len_hist must be [[length, count], ...] "
-                        "of whole numbers", field="plan.lengths_from")
+                        "of whole numbers", field=LENGTHS_FROM)
     return [(int(a), float(c)) for a, c in value]
 
 
@@ -103,20 +120,14 @@ def recorded_turns(cfg: ExperimentConfig) -> dict[str, float]:
     averaged over its steps: ``turns`` (model turns per episode), ``obs_tokens`` (tokens
     per observation: the masked share of the response tokens over the observations,
     one fewer than the turns) and ``env_s`` (environment seconds per step call).
-    Empty when unset or when the run recorded no ``rollout.turns``."""
-    if not cfg.plan.lengths_from or not cfg.rollout.multi_turn:
+    Empty when unset or when the run recorded no ``rollout.turns``; a missing file or a
+    line that is not JSON: :func:`recorded_rows`' :class:`PlanError`."""
+    recorded = recorded_rows(cfg) if cfg.rollout.multi_turn else None
+    if recorded is None:
         return {}
-    p = Path(cfg.plan.lengths_from)
-    f = p / "metrics.jsonl" if p.is_dir() else p
-    if not f.is_file():
-        return {}           # recorded_lengths says what is wrong
     turns, obs, env = [], [], []
-    for line in f.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        t = row.get("rollout.turns") if isinstance(row, dict) else None
+    for _, row in recorded[1]:
+        t = row.get("rollout.turns")
         if not isinstance(t, (int, float)) or t <= 0:
             continue
         turns.append(float(t))
@@ -142,21 +153,13 @@ def recorded_drop_frac(cfg: ExperimentConfig) -> float | None:
     ``algorithm.dropped_group_frac`` prices them). A streamed run (``rollout.mode:
     streaming``) of DAPO (its rows carry ``actor.shortfall_frac``) recorded its drops at
     the buffer: ``stream.dropped_constant`` of the groups it finished (those and the
-    ones it trained, ``stream.staleness_hist.*``)."""
-    if not cfg.plan.lengths_from:
+    ones it trained, ``stream.staleness_hist.*``). A missing file or a line that is not
+    JSON: :func:`recorded_rows`' :class:`PlanError`."""
+    recorded = recorded_rows(cfg)
+    if recorded is None:
         return None
-    p = Path(cfg.plan.lengths_from)
-    f = p / "metrics.jsonl" if p.is_dir() else p
-    if not f.is_file():
-        return None             # recorded_lengths says what is wrong
     dropped = generated = 0.0
-    for line in f.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(row, dict):
-            continue
+    for _, row in recorded[1]:
         constant = row.get("stream.dropped_constant")
         if isinstance(constant, (int, float)) and constant >= 0 and "actor.shortfall_frac" in row:
             trained = sum(v for k, v in row.items() if k.startswith("stream.staleness_hist.")
