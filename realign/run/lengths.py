@@ -158,8 +158,9 @@ def recorded_drop_frac(cfg: ExperimentConfig) -> float | None:
     recorded = recorded_rows(cfg)
     if recorded is None:
         return None
+    f, rows = recorded
     dropped = generated = 0.0
-    for _, row in recorded[1]:
+    for n, row in rows:
         constant = row.get("stream.dropped_constant")
         if isinstance(constant, (int, float)) and constant >= 0 and "actor.shortfall_frac" in row:
             trained = sum(v for k, v in row.items() if k.startswith("stream.staleness_hist.")
@@ -171,7 +172,12 @@ def recorded_drop_frac(cfg: ExperimentConfig) -> float | None:
         if not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
             continue
         sizes = row.get("actor.round_prompts")
-        weight = float(sum(sizes)) if isinstance(sizes, list) and sizes else 1.0
+        if sizes is not None and not (isinstance(sizes, list) and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in sizes)):
+            raise PlanError(f"{f} line {n}: actor.round_prompts must be a list of "
+                            f"whole numbers of prompts, 0 or more (per sampling round), not "
+                            f"{json.dumps(sizes)}", field=LENGTHS_FROM)
+        weight = float(sum(sizes)) if sizes else 1.0
         dropped += share * weight
         generated += weight
     return dropped / generated if generated else None

@@ -96,3 +96,29 @@ def test_a_folder_without_lengths_names_the_setting(tmp_path, rows, says):
     with pytest.raises(PlanError, match=says) as e:
         experiment_graph(cfg, resolve_models(cfg))
     assert e.value.field == "plan.lengths_from"
+
+
+@pytest.mark.parametrize("sizes", [[30, None], [-29], [30, 2.5], [True], "30", 30])
+def test_a_bad_round_prompts_row_names_the_setting_and_the_line(tmp_path, sizes):
+    from realign.run.lengths import recorded_drop_frac
+
+    folder = run_folder(tmp_path, [
+        {"step": 0, "response_len": 3.0, "actor.dropped_group_frac": 0.5,
+         "actor.round_prompts": [30, 20]},
+        {"step": 1, "response_len": 3.0, "actor.dropped_group_frac": 0.8,
+         "actor.round_prompts": sizes}])
+    with pytest.raises(PlanError, match="line 2: actor.round_prompts must be a list") as e:
+        recorded_drop_frac(config(str(folder)))
+    assert e.value.field == "plan.lengths_from"
+
+
+def test_round_prompts_weigh_each_step_by_the_prompts_it_generated(tmp_path):
+    from realign.run.lengths import recorded_drop_frac
+
+    folder = run_folder(tmp_path, [
+        {"step": 0, "actor.dropped_group_frac": 0.5, "actor.round_prompts": [30, 20]},
+        {"step": 1, "actor.dropped_group_frac": 0.2, "actor.round_prompts": [0, 0]},
+        {"step": 2, "actor.dropped_group_frac": 0.1},                  # one round: 1
+        {"step": 3, "actor.dropped_group_frac": 0.9, "actor.round_prompts": [30]}])
+    assert recorded_drop_frac(config(str(folder))) == pytest.approx(
+        (0.5 * 50 + 0.1 * 1 + 0.9 * 30) / 81)
