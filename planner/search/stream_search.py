@@ -13,7 +13,9 @@ that plan, on the generator's clock (:func:`price_sides`):
   its groups of waves times a group's expected longest row), prefills included;
 * the training side's step, ``train_iters``: the span of one step's calls on that side
   in the plan's timeline (the sends of the batch, scoring, training), plus the host's
-  work between steps, in decode iterations (rounded up);
+  work between steps, in decode iterations (rounded up); its scoring calls priced at the
+  batch the buffer keeps (:func:`stream_train_graph`: DAPO's plan scores the rows it
+  over-generates, a stream drops the constant groups before it sends the batch);
 * the weights' copy, ``update_iters``: the priced reallocation of the trained model to
   the generation side, in decode iterations (rounded up): the generator pauses for it.
 
@@ -36,7 +38,9 @@ import math
 from dataclasses import dataclass
 
 from planner.cost.cost_config import CostModelConfig
+from planner.cost.cost_model import CostModel
 from planner.cost.profile import ProfileTable
+from planner.cost.step_spread import call_time_sd
 from planner.errors import InfeasibleError
 from planner.graph.dataflow import MFC, DataflowGraph
 from planner.graph.lengths import expected_call_tokens
@@ -50,7 +54,8 @@ from planner.graph.stream_steady import (
 from planner.graph.streaming import OnUpdate, StreamSettings
 from planner.plan import ExecutionPlan, MFCAllocation
 from planner.plan_streaming import greedy_rows
-from planner.search.problem import RoleModel, async_splits
+from planner.search.plan_build import build_plan
+from planner.search.problem import Candidate, RoleModel, assemble, async_splits, held_bytes, host_s
 from planner.search.search import search_split
 from planner.search_settings import SearchSettings
 from planner.specs.cluster import ClusterSpec
@@ -110,9 +115,69 @@ def train_side_s(plan: ExecutionPlan) -> float:
     return span + plan.step_overhead_s
 
 
-def price_sides(plan: ExecutionPlan, split: int) -> Sides:
+def stream_train_graph(graph: DataflowGraph) -> DataflowGraph:
+    """``graph`` as a stream's training side runs it: the batch it receives (the
+    rollout's records, sent) and every step call scoring the rollout (the reference,
+    the reward model, the actor's proximal forward) at the rows the actor trains
+    (:func:`trained_seqs`). DAPO's graph sizes them for its over-generation (the
+    rollout's rows); a stream drops the constant groups at the buffer, before the batch
+    is sent. ``graph`` itself where they are the rows already. (The rollout call is
+    resized for the sizes of the records it sends; the generator's side is priced on
+    ``graph``.)"""
+    rollout = rollout_calls(graph)[0]
+    trained = trained_seqs(graph)
+    if trained == rollout.n_seqs:
+        return graph
+    key = rollout.output_keys[0]
+    calls = tuple(m.model_copy(update={"n_seqs": trained})
+                  if m is rollout or (m.kind == "inference" and not m.is_eval
+                                      and key in m.input_keys) else m
+                  for m in graph.mfcs)
+    return graph.model_copy(update={"mfcs": calls})
+
+
+def priced_on(plan: ExecutionPlan, graph: DataflowGraph,
+              profile: ProfileTable | None = None) -> ExecutionPlan:
+    """``plan``'s allocations (meshes, layouts, micro-batches, offloads, engines, token
+    budgets, as the search chose them) priced for ``graph`` (the plan's calls, of other
+    rows) by the search's cost model and simulator: each call's time, memory and sends
+    at the rows it runs, its micro-batches at most one per row of a data-parallel rank.
+    ``profile``: the table the plan was searched with (none if it had none). On the
+    plan's own graph it repeats the plan's timeline."""
+    assert (profile is None) == (plan.profile is None), "price a plan with its own profile"
+    models = {pm.role: RoleModel(pm.role, pm.spec, pm.head, pm.lora) for pm in plan.models}
+    cost = CostModel(plan.cluster, plan.cost_config, profile)
+    cands = []
+    for m in graph.mfcs:
+        a, rm = plan.allocation(m.name), models[m.role]
+        lay = a.layout
+        mb = max(1, min(a.micro_batches, m.n_seqs // lay.dp))
+        how = (m, rm.spec, rm.head, a.mesh, lay, mb, a.optimizer_offload,
+               a.train_state_offload, a.activation_recompute, a.engine,
+               None if m.adapters_off else rm.lora, a.token_budget)
+        c = cost.mfc_cost(*how)
+        resident, weights = held_bytes(c, rm, m)
+        cands.append([Candidate(a.mesh.first_gpu, a.mesh.n_gpus, lay.tp, lay.pp, lay.dp, mb,
+                                (c.time_s + host_s(graph, m, plan.cost_config)) / m.every,
+                                resident, c.activation_bytes, weights, a.optimizer_offload,
+                                c.host_bytes, a.train_state_offload,
+                                call_time_sd(cost, graph, *how) / m.every,
+                                a.activation_recompute, a.engine, a.token_budget, lay.ep)])
+    prob = assemble(graph, models, cost, cands, plan.n_iters)
+    return build_plan(plan.name, prob, [0] * len(cands), plan.cost_config, plan.search,
+                      plan.heuristics)
+
+
+def price_sides(plan: ExecutionPlan, split: int, profile: ProfileTable | None = None) -> Sides:
     """``plan``'s (generation below ``split``) two sides on the generator's clock (the
-    module docs)."""
+    module docs). The training side is priced at the rows it receives: ``plan``'s
+    allocations on :func:`stream_train_graph` (:func:`priced_on`; ``profile``: the
+    table ``plan`` was searched with), not the over-generated rows DAPO's one-step
+    plan scores, which would price its scoring calls at ``1 / (1 - share)`` times
+    their rows. The calls are repriced rather than their events scaled by the rows'
+    ratio: a call's time is not proportional to its rows (micro-batches of fewer rows,
+    the expected longest of fewer responses, fixed costs), and the timeline's sends
+    shrink with them."""
     calls = rollout_calls(plan.graph)
     assert calls, "a streaming plan needs a rollout"
     first = calls[0]
@@ -121,8 +186,10 @@ def price_sides(plan: ExecutionPlan, split: int) -> Sides:
     # slots, one more sample a group (priced by the schedule), after the same copy
     iter_s = plan.allocation(first.name).time_s / iters
     update_s = sum(r.time_s for r in plan.reallocations if r.to_mfc == first.name)
+    graph = stream_train_graph(plan.graph)
+    train_side = plan if graph is plan.graph else priced_on(plan, graph, profile)
     return Sides(gen_gpus=split, train_gpus=plan.cluster.n_gpus - split, slots=slots,
-                 iter_s=iter_s, train_iters=math.ceil(train_side_s(plan) / iter_s),
+                 iter_s=iter_s, train_iters=math.ceil(train_side_s(train_side) / iter_s),
                  update_iters=math.ceil(update_s / iter_s))
 
 
@@ -225,7 +292,7 @@ def search_ahead(name: str, graph: DataflowGraph, models: dict[str, RoleModel],
             continue
         if ahead is None or plan.iteration_time_s < ahead.iteration_time_s:
             ahead = plan
-        sides = price_sides(plan, split)
+        sides = price_sides(plan, split, profile)
         st = stream_plan(plan, sides, group_size, graph.max_staleness, on_update, s.seed,
                          constant_share=constant_share)
         if best is None or st.step_s < best[2].step_s:
