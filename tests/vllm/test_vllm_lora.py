@@ -15,8 +15,6 @@ from tests.vllm.cases_vllm_lora import LORA, PROMPTS, N, adapter_bytes, lora_rep
 from tests.vllm.cases_vllm_tp import spawn
 
 pytestmark = pytest.mark.vllm
-#: the tests of the module's engine: one pytest worker runs them, one after the other
-ENGINE = pytest.mark.xdist_group("vllm_lora_engine")
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +47,6 @@ def own(shard, p):
     return GenerateEngine(shard, pad_id=0).generate(PROMPTS, p)
 
 
-@ENGINE
 def test_adapter_in_memory_gives_the_own_engines_tokens(shard, engine):
     from realign.runtime.lora import adapters_disabled
     from realign.runtime.settings import SamplingParams
@@ -64,7 +61,6 @@ def test_adapter_in_memory_gives_the_own_engines_tokens(shard, engine):
     assert base.tokens.tolist() != o.tokens.tolist()       # the adapters matter
 
 
-@ENGINE
 def test_a_training_step_reaches_the_next_generate_and_only_adapters_move(shard, engine):
     from realign.runtime.settings import SamplingParams
 

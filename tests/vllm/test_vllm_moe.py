@@ -10,9 +10,6 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.vllm
-#: the tests of the module's replica and engine: one pytest worker runs them, one after
-#: the other
-ENGINE = pytest.mark.xdist_group("vllm_moe_engine")
 
 PROMPTS = [[1, 5, 17, 40, 3, 42, 7], [1, 11, 12], [1, 50, 1, 2, 3], [1, 60, 61, 62, 63, 64]]
 N = 16
@@ -88,7 +85,6 @@ class _nothing:
         return False
 
 
-@ENGINE
 def test_greedy_tokens_equal_own_engine_transformers_and_training(shard, engine, model_dir):
     import transformers
     from safetensors.torch import load_file
@@ -116,7 +112,6 @@ def test_greedy_tokens_equal_own_engine_transformers_and_training(shard, engine,
         assert float(gap) < 1e-4
 
 
-@ENGINE
 def test_a_changed_expert_reaches_the_next_generate(shard, engine):
     from realign.runtime.moe import MoeMLP
     from realign.runtime.settings import SamplingParams
@@ -143,7 +138,6 @@ def test_a_changed_expert_reaches_the_next_generate(shard, engine):
     assert engine.generate(shard, PROMPTS, p, pad_id=0).tokens.tolist() == before.tokens.tolist()
 
 
-@ENGINE
 def test_replayed_training_forward_routes_as_vllm_did(shard, engine):
     from realign.runtime.router_replay import routing_mismatch
     from realign.runtime.settings import SamplingParams
@@ -174,7 +168,6 @@ def test_replayed_training_forward_routes_as_vllm_did(shard, engine):
     assert float(gap) < 1e-4
 
 
-@ENGINE
 def test_replay_forces_the_experts_given(shard):
     """Replay is not a no-op: experts that the router would not choose are used."""
     g = torch.Generator().manual_seed(9)

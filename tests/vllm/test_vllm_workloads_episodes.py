@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-#: one pytest worker runs the file's tests, one after the other: its engine starts once
-pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm_episodes")]
+pytestmark = pytest.mark.vllm
 
 TEXTS = ["123+456=", "250+250=", "901+99=", "314+159=", "777+111=", "100+900="]
 BUDGET = 40          # response tokens of an episode
