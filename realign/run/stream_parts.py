@@ -112,9 +112,57 @@ def stream_parts(program: Program) -> StreamParts:
                             f"generator's; rollout.mode: streaming keeps every call other "
                             f"than {gen.name} on the training side's GPUs",
                             field=f"plan.manual.{name}.mesh")
-    train = replace(program, ops=ops, head=0, prologue=())
+    train = replace(program, ops=kept_rows(program, gen, ops), head=0, prologue=())
     train_ranks = tuple(r for r in range(program.n_ranks) if r not in gen_ranks)
     return StreamParts(gen, reallocs[0], rewards, train, train_ranks, greedy)
+
+
+def kept_call(op: Call, rows: int, dp: int) -> Call:
+    """Scoring call ``op`` on the ``rows`` of the kept batch: the micro-batch count the
+    streaming search prices it with (:func:`planner.search.stream_search.priced_on`:
+    the plan's, at most one a row of a data-parallel rank) where it splits the rank's
+    rows, else the next count that does (the engines split the rows evenly:
+    :func:`realign.runtime.engines.base.check_batch`); a packed call keeps its token
+    budget (its bins bound its memory). ``rows`` splits over ``dp``.
+
+    Example: the plan's 48 rows in 8 micro-batches at dp 2, 24 kept (12 a rank): 8
+    does not split 12 -> 12; in 4 -> 4."""
+    mfc = op.mfc.model_copy(update={"n_seqs": rows})
+    if op.token_budget is not None:
+        return replace(op, mfc=mfc)
+    per_rank = rows // dp
+    priced = max(1, min(op.micro_batches, per_rank))
+    mb = next(m for m in range(priced, per_rank + 1) if per_rank % m == 0)
+    return replace(op, mfc=mfc, micro_batches=mb)
+
+
+def kept_rows(program: Program, gen: Call, ops: tuple[Op, ...]) -> tuple[Op, ...]:
+    """``ops`` with every step call scoring the rollout (the reference, the reward
+    model, the actor's proximal forward) on the rows the actor trains
+    (:func:`kept_call`): DAPO's plan sizes them for its over-generated rows, a stream
+    drops the constant groups at the buffer and sends the training side the kept
+    batch. ``ops`` themselves where the rows are the rollout's. A call whose
+    data-parallel ranks cannot split the kept rows is a UserError naming its layout."""
+    trained = next((op.mfc.n_seqs for op in ops if isinstance(op, Call)
+                    and op.kind == "train" and op.role == "actor"), gen.mfc.n_seqs)
+    if trained == gen.mfc.n_seqs:
+        return ops
+    dps = {r.key: r.dp for r in program.replicas}
+    key = gen.outputs[0]
+    out: list[Op] = []
+    for op in ops:
+        if (isinstance(op, Call) and op.kind == "inference" and not op.mfc.is_eval
+                and key in op.inputs):
+            dp = dps[op.replica]
+            if trained % dp:
+                raise UserError(f"{op.name} scores the stream's batch of {trained} rows "
+                                f"(the groups a step trains) on {dp} data-parallel ranks, "
+                                f"which do not split them; rollout.mode: streaming needs a "
+                                f"data-parallel size that divides {trained}",
+                                field=f"plan.manual.{op.name}.layout")
+            op = kept_call(op, trained, dp)
+        out.append(op)
+    return tuple(out)
 
 
 #: a training step's length on the generator's clock when the plan prices neither side
