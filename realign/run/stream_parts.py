@@ -12,7 +12,9 @@ The training side's program is the step's ops without the rollout (its generate 
 and rule rewards, not made ahead nor in a prologue), without the reallocation into the
 rollout's copy and its release (the weights move when the stream's schedule says), and
 without the sends of what the generator streams (it sends each batch to every rank of
-the training side itself). Every op left must lie on the training side's ranks.
+the training side itself). Every op left must lie on the training side's ranks. Its
+calls scoring the rollout run on the batch the buffer keeps (:func:`kept_rows`: DAPO's
+plan sizes them for its over-generated rows).
 
 The stream's numbers (:class:`planner.graph.streaming.StreamSettings`) come from the
 plan's ``streaming`` section; a plan without one (``plan.manual``) gets them from its
