@@ -28,6 +28,19 @@ from realign.launch.base import WorkerExit
 REPORT_WAIT_S = 10.0     #: how long stop waits for a SIGKILLed worker's exit report
 
 
+def parse_report(raw: bytes) -> tuple[str, int, int] | None:
+    """One line of the zygote's reports: ``("started", pid, 0)``, ``("exit", pid,
+    code)``, or None for any other line (``ready``, a blank or stray line), which the
+    reader skips rather than stopping on."""
+    words = raw.decode(errors="replace").split()
+    if len(words) == 2 and words[0] == "started" and words[1].isdigit():
+        return ("started", int(words[1]), 0)
+    if (len(words) == 3 and words[0] == "exit" and words[1].isdigit()
+            and words[2].lstrip("-").isdigit()):
+        return ("exit", int(words[1]), int(words[2]))
+    return None
+
+
 class ForkedWorkers:
     """One run's workers, forked by a zygote started with ``base_env``."""
 
@@ -54,12 +67,12 @@ class ForkedWorkers:
     def _read(self) -> None:
         assert self.zygote.stdout is not None
         for raw in self.zygote.stdout:
-            words = raw.decode().split()
+            report = parse_report(raw)
             with self._changed:
-                if words[0] == "started":
-                    self.pids.append(int(words[1]))
-                elif words[0] == "exit":
-                    self.exits[int(words[1])] = int(words[2])
+                if report is not None and report[0] == "started":
+                    self.pids.append(report[1])
+                elif report is not None:
+                    self.exits[report[1]] = report[2]
                 self._changed.notify_all()
         with self._changed:
             self._eof = True

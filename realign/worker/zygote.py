@@ -97,25 +97,27 @@ def exit_code(status: int) -> int:
 
 
 class Reporter:
-    """Lines to the parent; once the parent is gone, nothing (the reaping goes on)."""
+    """Lines to the parent on their own descriptor (``fd``: the zygote's stdout as it
+    started; file descriptor 1 itself is pointed at the zygote's log, so that what an
+    imported module prints never reaches the parent as a report); once the parent is
+    gone, nothing (the reaping goes on)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
         self.gone = False
 
     def say(self, line: str) -> None:
         if self.gone:
             return
         try:
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
-        except (BrokenPipeError, OSError):
+            os.write(self.fd, (line + "\n").encode())
+        except OSError:                 # BrokenPipeError among them
             self.gone = True
 
 
-def serve() -> None:
+def serve(out: Reporter) -> None:
     """Fork a worker per request line; report starts and exits; end when stdin is
     closed and no worker is left."""
-    out = Reporter()
     alive: set[int] = set()
     reading = True
     buffered = b""
@@ -131,6 +133,7 @@ def serve() -> None:
                     req = json.loads(line)
                     pid = os.fork()
                     if pid == 0:
+                        os.close(out.fd)    # the parent's pipe ends with the zygote
                         run_worker(req["env"], req["log"])
                     alive.add(pid)
                     out.say(f"started {pid}")
@@ -149,9 +152,11 @@ def main() -> int:
     # controller's to handle: it stops the workers, and this process then leaves
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    out = Reporter(os.dup(1))
+    os.dup2(2, 1)                       # what preloaded modules print goes to the log
     preload()
-    print("ready", flush=True)
-    serve()
+    out.say("ready")
+    serve(out)
     return 0
 
 
