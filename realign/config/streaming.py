@@ -42,7 +42,23 @@ def check_streaming(cfg: ExperimentConfig) -> None:
                         f"algorithm.max_staleness is {a.max_staleness}, allowed: 1 or more",
                         field="algorithm.max_staleness")
     if a.name == "dapo":
-        _check_dapo(cfg)
+        # DAPO streams with its dynamic sampling at the buffer (a finished group whose rule
+        # rewards are all equal is dropped there, and the generator keeps generating until
+        # a batch is full): so no sampling rounds, and rewards the generator scores
+        p = cfg.algorithm.params
+        assert isinstance(p, DAPOConfig), type(p)
+        if p.max_sampling_rounds > 1:
+            raise UserError(f"algorithm.params.max_sampling_rounds is {p.max_sampling_rounds}, "
+                            "but rollout.mode: streaming fills DAPO's batch itself (the buffer "
+                            "drops the constant groups and the generator keeps generating "
+                            "until a batch of the others is there); allowed: 1",
+                            field="algorithm.params.max_sampling_rounds")
+        if p.dynamic_sampling and cfg.models.reward is not None:
+            raise UserError("models.reward is set, but rollout.mode: streaming drops DAPO's "
+                            "constant groups at the buffer, on the generator, which scores "
+                            "rule rewards only (a reward model scores a batch on the training "
+                            "side, after the buffer); use reward.fn, dynamic_sampling: false, "
+                            "or rollout.mode: step", field="models.reward")
     if r.multi_turn:
         raise UserError("rollout.mode: streaming with multi-turn episodes (rollout.env / "
                         "rollout.tools) is not supported; use rollout.mode: step",
@@ -61,22 +77,3 @@ def check_streaming(cfg: ExperimentConfig) -> None:
                 "streams needs GPUs of its own, disjoint from training's",
                 field=f"plan.manual.{GENERATE_MFC}.mesh")
 
-
-def _check_dapo(cfg: ExperimentConfig) -> None:
-    """DAPO streams with its dynamic sampling at the buffer (a finished group whose
-    rule rewards are all equal is dropped there, and the generator keeps generating
-    until a batch is full): so no sampling rounds, and rewards the generator scores."""
-    p = cfg.algorithm.params
-    assert isinstance(p, DAPOConfig), type(p)
-    if p.max_sampling_rounds > 1:
-        raise UserError(f"algorithm.params.max_sampling_rounds is {p.max_sampling_rounds}, "
-                        "but rollout.mode: streaming fills DAPO's batch itself (the buffer "
-                        "drops the constant groups and the generator keeps generating "
-                        "until a batch of the others is there); allowed: 1",
-                        field="algorithm.params.max_sampling_rounds")
-    if p.dynamic_sampling and cfg.models.reward is not None:
-        raise UserError("models.reward is set, but rollout.mode: streaming drops DAPO's "
-                        "constant groups at the buffer, on the generator, which scores "
-                        "rule rewards only (a reward model scores a batch on the training "
-                        "side, after the buffer); use reward.fn, dynamic_sampling: false, "
-                        "or rollout.mode: step", field="models.reward")
